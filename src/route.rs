@@ -1,0 +1,603 @@
+//! Routing: an outbox row becomes a NATS message (subject, headers, body).
+//!
+//! Pure: no I/O. A row that cannot be routed is not an error of the relay; it
+//! becomes a dead-letter message on `{context}.dlq.relay` with a reason, and
+//! the stream carries on (SPEC §4).
+
+use std::fmt::Write as _;
+
+use bytes::Bytes;
+use pgwire_replication::Lsn;
+
+use crate::outbox::OutboxRow;
+
+pub const HDR_MSG_ID: &str = "Nats-Msg-Id";
+pub const HDR_EVENT_TYPE: &str = "Outbox-Event-Type";
+pub const HDR_EVENT_VERSION: &str = "Outbox-Event-Version";
+pub const HDR_AGGREGATE_TYPE: &str = "Outbox-Aggregate-Type";
+pub const HDR_AGGREGATE_ID: &str = "Outbox-Aggregate-Id";
+pub const HDR_OCCURRED_AT: &str = "Outbox-Occurred-At";
+pub const HDR_CORRELATION_ID: &str = "Outbox-Correlation-Id";
+pub const HDR_CAUSATION_ID: &str = "Outbox-Causation-Id";
+pub const HDR_COMMIT_LSN: &str = "Outbox-Commit-Lsn";
+/// Position of the event inside its transaction (0-based). With the commit
+/// LSN it orders every event of one source, which lets a restarted relay find
+/// where the stream ends without relying on the duplicate window.
+pub const HDR_TXN_INDEX: &str = "Outbox-Txn-Index";
+/// Which database and slot wrote the message: `{system id}/{database}/{slot}`.
+pub const HDR_SOURCE: &str = "Outbox-Source";
+pub const HDR_DLQ_REASON: &str = "Outbox-Dlq-Reason";
+/// Set by consumers on their dead letters; the relay skips such messages
+/// when it looks for its own last message in the stream.
+pub const HDR_DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";
+
+/// Why a row was dead-lettered by the relay (the `reason` metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DlqReason {
+    InvalidSubject,
+    SubjectOutsideStream,
+    InvalidHeader,
+    TooLarge,
+    BadRow,
+}
+
+impl DlqReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidSubject => "invalid_subject",
+            Self::SubjectOutsideStream => "subject_outside_stream",
+            Self::InvalidHeader => "invalid_header",
+            Self::TooLarge => "too_large",
+            Self::BadRow => "bad_row",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutMessage {
+    pub subject: String,
+    pub msg_id: String,
+    /// In order; `Nats-Msg-Id` is among them.
+    pub headers: Vec<(String, String)>,
+    pub body: Bytes,
+    /// Set on dead letters.
+    pub dlq_reason: Option<DlqReason>,
+}
+
+impl OutMessage {
+    /// Bytes counted against the server's `max_payload`: header block plus body.
+    pub fn wire_size(&self) -> usize {
+        // "NATS/1.0\r\n" + "name: value\r\n"* + "\r\n"
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(k, v)| k.len() + 2 + v.len() + 2)
+            .sum();
+        10 + headers + 2 + self.body.len()
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    #[error("unknown placeholder {{{0}}} in subject template (known: context, aggregate_type, aggregate_id, event_type, event_version, partition)")]
+    Unknown(String),
+    #[error("unclosed '{{' in subject template")]
+    Unclosed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    AggregateType,
+    AggregateId,
+    EventType,
+    EventVersion,
+    Partition,
+}
+
+/// A parsed `--subject-template`; `{context}` is substituted at parse time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template(Vec<Part>);
+
+impl Template {
+    pub fn parse(template: &str, context: &str) -> Result<Self, TemplateError> {
+        let mut parts = Vec::new();
+        let mut literal = String::new();
+        let mut rest = template;
+        while let Some(open) = rest.find('{') {
+            literal.push_str(&rest[..open]);
+            let close = rest[open..].find('}').ok_or(TemplateError::Unclosed)? + open;
+            let name = &rest[open + 1..close];
+            let part = match name {
+                "context" => {
+                    literal.push_str(context);
+                    None
+                }
+                "aggregate_type" => Some(Part::AggregateType),
+                "aggregate_id" => Some(Part::AggregateId),
+                "event_type" => Some(Part::EventType),
+                "event_version" => Some(Part::EventVersion),
+                "partition" => Some(Part::Partition),
+                other => return Err(TemplateError::Unknown(other.to_owned())),
+            };
+            if let Some(p) = part {
+                if !literal.is_empty() {
+                    parts.push(Part::Literal(std::mem::take(&mut literal)));
+                }
+                parts.push(p);
+            }
+            rest = &rest[close + 1..];
+        }
+        literal.push_str(rest);
+        if !literal.is_empty() {
+            parts.push(Part::Literal(literal));
+        }
+        Ok(Self(parts))
+    }
+
+    fn render(&self, row: &OutboxRow, partitions: u32) -> String {
+        let mut out = String::with_capacity(64);
+        for p in &self.0 {
+            match p {
+                Part::Literal(s) => out.push_str(s),
+                Part::AggregateType => out.push_str(&row.aggregate_type),
+                Part::AggregateId => out.push_str(&row.aggregate_id),
+                Part::EventType => out.push_str(&row.event_type),
+                Part::EventVersion => {
+                    let _ = write!(out, "{}", row.event_version);
+                }
+                Part::Partition => {
+                    let _ = write!(out, "{}", partition(&row.aggregate_id, partitions));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Stable partition of an aggregate: FNV-1a 64 of its id, modulo `partitions`.
+/// FNV because it is fixed forever (a std hasher may change between releases),
+/// and any language can compute it to subscribe to one partition.
+pub fn partition(aggregate_id: &str, partitions: u32) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in aggregate_id.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    (h % u64::from(partitions.max(1))) as u32
+}
+
+/// Why a subject is not a valid NATS publish subject.
+pub fn subject_problem(subject: &str) -> Option<&'static str> {
+    if subject.is_empty() {
+        return Some("empty subject");
+    }
+    for token in subject.split('.') {
+        if token.is_empty() {
+            return Some("empty token");
+        }
+    }
+    for c in subject.chars() {
+        if c == '*' || c == '>' {
+            return Some("wildcard in a publish subject");
+        }
+        if c.is_whitespace() {
+            return Some("whitespace in subject");
+        }
+        if c.is_control() {
+            return Some("control character in subject");
+        }
+    }
+    None
+}
+
+fn header_name_ok(name: &str) -> bool {
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
+}
+
+fn header_value_ok(value: &str) -> bool {
+    !value.bytes().any(|b| b == b'\r' || b == b'\n')
+}
+
+#[derive(Debug, Clone)]
+pub struct Router {
+    pub context: String,
+    pub template: Template,
+    pub partitions: u32,
+    pub envelope: bool,
+    /// `{context}.`: every subject must fall under `{context}.>`.
+    stream_prefix: String,
+    dlq_subject: String,
+    source: String,
+}
+
+/// Where an event sits in the WAL; see [`HDR_TXN_INDEX`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Position {
+    pub commit_lsn: Lsn,
+    pub index: u32,
+}
+
+impl Router {
+    pub fn new(
+        context: &str,
+        template: Template,
+        partitions: u32,
+        envelope: bool,
+        source: String,
+    ) -> Self {
+        Self {
+            context: context.to_owned(),
+            template,
+            partitions,
+            envelope,
+            stream_prefix: format!("{context}."),
+            dlq_subject: format!("{context}.dlq.relay"),
+            source,
+        }
+    }
+
+    pub fn dlq_subject(&self) -> &str {
+        &self.dlq_subject
+    }
+
+    /// Route a row. `max_payload` is the server's limit; an oversized message
+    /// is dead-lettered with an empty body.
+    pub fn route(&self, row: &OutboxRow, pos: Position, max_payload: usize) -> OutMessage {
+        let subject = match &row.subject {
+            Some(s) => s.clone(),
+            None => self.template.render(row, self.partitions),
+        };
+        let mut headers = self.standard_headers(row, pos);
+        let body = if self.envelope {
+            envelope(row)
+        } else {
+            row.payload.clone()
+        };
+        let mut reason = if subject_problem(&subject).is_some() {
+            Some(DlqReason::InvalidSubject)
+        } else if !subject.starts_with(&self.stream_prefix)
+            || subject.starts_with(&format!("{}dlq.", self.stream_prefix))
+        {
+            Some(DlqReason::SubjectOutsideStream)
+        } else {
+            None
+        };
+        if headers.iter().any(|(_, v)| !header_value_ok(v)) {
+            reason.get_or_insert(DlqReason::InvalidHeader);
+        }
+        if let Some(extra) = &row.headers {
+            match user_headers(extra) {
+                Ok(extra) => headers.extend(extra),
+                Err(()) => {
+                    reason.get_or_insert(DlqReason::InvalidHeader);
+                }
+            }
+        }
+        let msg = OutMessage {
+            subject,
+            msg_id: row.id.to_string(),
+            headers,
+            body,
+            dlq_reason: None,
+        };
+        match reason {
+            None if msg.wire_size() <= max_payload => msg,
+            None => self.dead_letter(msg, DlqReason::TooLarge, max_payload),
+            Some(r) => self.dead_letter(msg, r, max_payload),
+        }
+    }
+
+    /// A row whose columns could not be decoded at all. `msg_id` is its id when
+    /// that much was readable, else derived from its WAL position so a replay
+    /// dedupes it.
+    pub fn bad_row(&self, msg_id: String, pos: Position, detail: &str) -> OutMessage {
+        let mut headers = vec![(HDR_MSG_ID.to_owned(), msg_id.clone())];
+        self.position_headers(&mut headers, pos);
+        headers.push((
+            "Outbox-Dlq-Detail".to_owned(),
+            detail.replace(['\r', '\n'], " "),
+        ));
+        headers.push((
+            HDR_DLQ_REASON.to_owned(),
+            DlqReason::BadRow.as_str().to_owned(),
+        ));
+        OutMessage {
+            subject: self.dlq_subject.clone(),
+            msg_id,
+            headers,
+            body: Bytes::new(),
+            dlq_reason: Some(DlqReason::BadRow),
+        }
+    }
+
+    fn dead_letter(
+        &self,
+        mut msg: OutMessage,
+        reason: DlqReason,
+        max_payload: usize,
+    ) -> OutMessage {
+        // Keep what a person needs to find the row; drop headers the NATS
+        // protocol cannot carry.
+        msg.headers
+            .retain(|(k, v)| header_name_ok(k) && header_value_ok(v));
+        msg.headers
+            .push((HDR_DLQ_REASON.to_owned(), reason.as_str().to_owned()));
+        msg.headers.push((
+            "Outbox-Dlq-Original-Subject".to_owned(),
+            msg.subject.replace(['\r', '\n'], " "),
+        ));
+        msg.subject = self.dlq_subject.clone();
+        msg.dlq_reason = Some(reason);
+        if msg.wire_size() > max_payload {
+            msg.body = Bytes::new();
+        }
+        if msg.wire_size() > max_payload {
+            // Even the headers are too large (huge user headers): keep ours only.
+            msg.headers
+                .retain(|(k, _)| k.starts_with("Outbox-") || k.starts_with("Nats-"));
+        }
+        msg
+    }
+
+    fn standard_headers(&self, row: &OutboxRow, pos: Position) -> Vec<(String, String)> {
+        let mut h = Vec::with_capacity(12);
+        h.push((HDR_MSG_ID.to_owned(), row.id.to_string()));
+        h.push((HDR_EVENT_TYPE.to_owned(), row.event_type.clone()));
+        h.push((HDR_EVENT_VERSION.to_owned(), row.event_version.to_string()));
+        h.push((HDR_AGGREGATE_TYPE.to_owned(), row.aggregate_type.clone()));
+        h.push((HDR_AGGREGATE_ID.to_owned(), row.aggregate_id.clone()));
+        if let Some(t) = &row.occurred_at {
+            h.push((HDR_OCCURRED_AT.to_owned(), t.clone()));
+        }
+        if let Some(c) = row.correlation_id {
+            h.push((HDR_CORRELATION_ID.to_owned(), c.to_string()));
+        }
+        if let Some(c) = row.causation_id {
+            h.push((HDR_CAUSATION_ID.to_owned(), c.to_string()));
+        }
+        self.position_headers(&mut h, pos);
+        h
+    }
+
+    fn position_headers(&self, h: &mut Vec<(String, String)>, pos: Position) {
+        h.push((HDR_COMMIT_LSN.to_owned(), pos.commit_lsn.to_string()));
+        h.push((HDR_TXN_INDEX.to_owned(), pos.index.to_string()));
+        h.push((HDR_SOURCE.to_owned(), self.source.clone()));
+    }
+}
+
+/// Every string entry of the row's `headers` object. Names we set ourselves
+/// (`Nats-*`, `Outbox-*`) may not be overridden: that would break dedupe or lie
+/// about the event.
+fn user_headers(json: &[u8]) -> Result<Vec<(String, String)>, ()> {
+    let v: serde_json::Value = serde_json::from_slice(json).map_err(|_| ())?;
+    let Some(map) = v.as_object() else {
+        return if v.is_null() { Ok(Vec::new()) } else { Err(()) };
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let Some(s) = v.as_str() else { continue };
+        let lower = k.to_ascii_lowercase();
+        if !header_name_ok(k)
+            || !header_value_ok(s)
+            || lower.starts_with("nats-")
+            || lower.starts_with("outbox-")
+        {
+            return Err(());
+        }
+        out.push((k.clone(), s.to_owned()));
+    }
+    Ok(out)
+}
+
+/// `--envelope`: the payload wrapped with the event's metadata. The payload is
+/// embedded as Postgres rendered it (already valid JSON), not re-serialised.
+pub fn envelope(row: &OutboxRow) -> Bytes {
+    let mut out = Vec::with_capacity(row.payload.len() + 320);
+    let s = |out: &mut Vec<u8>, v: &str| {
+        // Writing JSON strings into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, v);
+    };
+    let opt = |out: &mut Vec<u8>, v: Option<String>| match v {
+        Some(v) => s(out, &v),
+        None => out.extend_from_slice(b"null"),
+    };
+    out.extend_from_slice(b"{\"eventId\":");
+    s(&mut out, &row.id.to_string());
+    out.extend_from_slice(b",\"eventType\":");
+    s(&mut out, &row.event_type);
+    let _ = write!(
+        VecWriter(&mut out),
+        ",\"eventVersion\":{}",
+        row.event_version
+    );
+    out.extend_from_slice(b",\"aggregateType\":");
+    s(&mut out, &row.aggregate_type);
+    out.extend_from_slice(b",\"aggregateId\":");
+    s(&mut out, &row.aggregate_id);
+    out.extend_from_slice(b",\"occurredAt\":");
+    opt(&mut out, row.occurred_at.clone());
+    out.extend_from_slice(b",\"correlationId\":");
+    opt(&mut out, row.correlation_id.map(|u| u.to_string()));
+    out.extend_from_slice(b",\"causationId\":");
+    opt(&mut out, row.causation_id.map(|u| u.to_string()));
+    out.extend_from_slice(b",\"payload\":");
+    out.extend_from_slice(&row.payload);
+    out.push(b'}');
+    Bytes::from(out)
+}
+
+struct VecWriter<'a>(&'a mut Vec<u8>);
+
+impl std::fmt::Write for VecWriter<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use uuid::Uuid;
+
+    fn row() -> OutboxRow {
+        OutboxRow {
+            id: Uuid::parse_str("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11").unwrap(),
+            aggregate_type: "order".into(),
+            aggregate_id: "42".into(),
+            event_type: "placed".into(),
+            event_version: 2,
+            payload: Bytes::from_static(br#"{"total": 10}"#),
+            occurred_at: Some("2026-11-21T21:31:42Z".into()),
+            correlation_id: None,
+            causation_id: None,
+            subject: None,
+            headers: None,
+        }
+    }
+
+    fn router(template: &str) -> Router {
+        Router::new(
+            "shop",
+            Template::parse(template, "shop").unwrap(),
+            8,
+            false,
+            "1/db/slot".into(),
+        )
+    }
+
+    const POS: Position = Position {
+        commit_lsn: Lsn(0x16B3748),
+        index: 3,
+    };
+
+    #[test]
+    fn default_template_and_headers() {
+        let m = router("{context}.event.{event_type}.v{event_version}").route(&row(), POS, 1 << 20);
+        assert_eq!(m.subject, "shop.event.placed.v2");
+        assert_eq!(m.dlq_reason, None);
+        assert_eq!(
+            m.header("Nats-Msg-Id"),
+            Some("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11")
+        );
+        assert_eq!(m.header("Outbox-Commit-Lsn"), Some("0/16B3748"));
+        assert_eq!(m.header("Outbox-Event-Version"), Some("2"));
+        assert_eq!(m.header("Outbox-Occurred-At"), Some("2026-11-21T21:31:42Z"));
+        assert_eq!(m.header("Outbox-Correlation-Id"), None);
+        assert_eq!(m.body, row().payload);
+    }
+
+    #[test]
+    fn partition_placeholder_is_stable() {
+        let r = router("{context}.{aggregate_type}.{partition}");
+        let m = r.route(&row(), POS, 1 << 20);
+        assert_eq!(m.subject, format!("shop.order.{}", partition("42", 8)));
+        // FNV-1a 64 of "a" is the published test vector 0xaf63dc4c8601ec8c;
+        // this mapping must never change between releases.
+        assert_eq!(
+            partition("a", u32::MAX),
+            (0xaf63_dc4c_8601_ec8c_u64 % u64::from(u32::MAX)) as u32
+        );
+        assert!(partition("anything", 8) < 8);
+    }
+
+    #[test]
+    fn row_subject_overrides_template() {
+        let mut r = row();
+        r.subject = Some("shop.custom.x".into());
+        assert_eq!(
+            router("{context}.e").route(&r, POS, 1 << 20).subject,
+            "shop.custom.x"
+        );
+    }
+
+    #[test]
+    fn bad_subjects_are_dead_lettered() {
+        for (subject, reason) in [
+            ("shop.a b", DlqReason::InvalidSubject),
+            ("shop.*", DlqReason::InvalidSubject),
+            ("shop.>", DlqReason::InvalidSubject),
+            ("shop..x", DlqReason::InvalidSubject),
+            ("other.x", DlqReason::SubjectOutsideStream),
+            ("shop.dlq.relay", DlqReason::SubjectOutsideStream),
+        ] {
+            let mut r = row();
+            r.subject = Some(subject.into());
+            let m = router("{context}.e").route(&r, POS, 1 << 20);
+            assert_eq!(m.dlq_reason, Some(reason), "{subject}");
+            assert_eq!(m.subject, "shop.dlq.relay");
+            assert_eq!(m.header("Outbox-Dlq-Reason"), Some(reason.as_str()));
+            assert_eq!(m.header("Nats-Msg-Id"), Some(r.id.to_string().as_str()));
+            assert_eq!(m.body, r.payload, "body kept when it fits");
+        }
+    }
+
+    #[test]
+    fn oversized_is_dead_lettered_with_empty_body() {
+        let mut r = row();
+        r.payload = Bytes::from(vec![b'1'; 2000]);
+        let m = router("{context}.e").route(&r, POS, 1000);
+        assert_eq!(m.dlq_reason, Some(DlqReason::TooLarge));
+        assert!(m.body.is_empty());
+        assert!(m.wire_size() <= 1000);
+    }
+
+    #[test]
+    fn user_headers_pass_and_reserved_ones_are_refused() {
+        let mut r = row();
+        r.headers = Some(Bytes::from_static(
+            br#"{"traceparent": "00-abc-01", "n": 5}"#,
+        ));
+        let m = router("{context}.e").route(&r, POS, 1 << 20);
+        assert_eq!(m.header("traceparent"), Some("00-abc-01"));
+        assert_eq!(m.header("n"), None, "non-string entries are skipped");
+        r.headers = Some(Bytes::from_static(br#"{"Nats-Msg-Id": "x"}"#));
+        let m = router("{context}.e").route(&r, POS, 1 << 20);
+        assert_eq!(m.dlq_reason, Some(DlqReason::InvalidHeader));
+        assert_eq!(m.header("Nats-Msg-Id"), Some(r.id.to_string().as_str()));
+    }
+
+    #[test]
+    fn envelope_is_valid_json_with_raw_payload() {
+        let mut r = row();
+        r.aggregate_id = "a\"b".into();
+        let v: serde_json::Value = serde_json::from_slice(&envelope(&r)).unwrap();
+        assert_eq!(v["aggregateId"], "a\"b");
+        assert_eq!(v["eventVersion"], 2);
+        assert_eq!(v["payload"]["total"], 10);
+        assert!(v["correlationId"].is_null());
+    }
+
+    #[test]
+    fn template_errors() {
+        assert_eq!(
+            Template::parse("{context}.{nope}", "x"),
+            Err(TemplateError::Unknown("nope".into()))
+        );
+        assert_eq!(
+            Template::parse("{context", "x"),
+            Err(TemplateError::Unclosed)
+        );
+    }
+
+    #[test]
+    fn wire_size_matches_nats_header_encoding() {
+        let m = OutMessage {
+            subject: "a".into(),
+            msg_id: "1".into(),
+            headers: vec![("A".into(), "b".into())],
+            body: Bytes::from_static(b"xyz"),
+            dlq_reason: None,
+        };
+        assert_eq!(m.wire_size(), "NATS/1.0\r\nA: b\r\n\r\n".len() + 3);
+    }
+}
