@@ -1,0 +1,485 @@
+//! Test harness: the real stack from `scripts/stack.sh` (started by
+//! `scripts/test.sh`), one fresh database, slot, publication and stream per
+//! test, the relay as a real child process.
+#![allow(dead_code)]
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer};
+use futures::StreamExt;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+pub struct Stack {
+    pub admin_url: String,
+    pub nats_url: String,
+    pub nats_bin: String,
+}
+
+pub fn stack() -> Stack {
+    let get = |k: &str| {
+        std::env::var(k).unwrap_or_else(|_| {
+            panic!("{k} is not set: run the integration tests through scripts/test.sh, which starts Postgres and NATS")
+        })
+    };
+    Stack {
+        admin_url: get("DATABASE_URL"),
+        nats_url: get("NATS_URL"),
+        nats_bin: get("NATS_SERVER_BIN"),
+    }
+}
+
+/// A URL for database `name` on the stack's server.
+pub fn db_url(admin: &str, name: &str) -> String {
+    let base = admin.rsplit_once('/').map_or(admin, |(b, _)| b);
+    format!("{base}/{name}")
+}
+
+/// A fresh database with the migrations applied (by the real binary).
+pub async fn fresh_db(stack: &Stack, name: &str) -> (String, PgPool) {
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&stack.admin_url)
+        .await
+        .unwrap();
+    // A slot left by an earlier run pins the database; drop those first.
+    sqlx::query("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active")
+        .bind(name)
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let url = db_url(&stack.admin_url, name);
+    let out = Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "migrate failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&url)
+        .await
+        .unwrap();
+    (url, pool)
+}
+
+pub fn log_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The relay binary as a child process; killed on drop.
+pub struct Relay {
+    pub child: Child,
+    pub log: PathBuf,
+    args: Vec<String>,
+    log_start: usize,
+}
+
+impl Relay {
+    pub fn start(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Relay {
+        let mut args: Vec<String> = vec![
+            "relay".into(),
+            "--database-url".into(),
+            db_url.into(),
+            "--nats-url".into(),
+            nats_url.into(),
+            "--context".into(),
+            context.into(),
+            "--max-backoff".into(),
+            "1s".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
+        let mut relay = Self::spawn(args, context);
+        relay.wait_streaming();
+        relay
+    }
+
+    /// Block until the relay holds its slot: rows committed before the slot
+    /// exists are, by design, not in it.
+    pub fn wait_streaming(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if self.log_text()[self.log_start..].contains("streaming") {
+                return;
+            }
+            if let Some(st) = self.child.try_wait().unwrap() {
+                panic!(
+                    "relay exited with {st} before streaming:\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "relay not streaming after 60s:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn spawn(args: Vec<String>, context: &str) -> Relay {
+        let log = log_dir().join(format!("{context}.log"));
+        let log_start = std::fs::metadata(&log).map_or(0, |m| m.len() as usize);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new(BIN)
+            .args(&args)
+            .env("RUST_LOG", "info,outbox_relay=debug")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Relay {
+            child,
+            log,
+            args,
+            log_start,
+        }
+    }
+
+    /// Start again with the same arguments (after a kill).
+    pub fn restart(&mut self, context: &str) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        *self = Self::spawn(self.args.clone(), context);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait (bounded) for the exit status.
+    pub fn term(&mut self, timeout: Duration) -> ExitStatus {
+        signal(self.child.id(), "TERM");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "relay did not stop within {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Peak resident memory of the relay process (VmHWM), in KiB.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn signal(pid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid} failed");
+}
+
+/// A message as read back from the stream.
+#[derive(Debug, Clone)]
+pub struct Got {
+    pub subject: String,
+    pub headers: HashMap<String, String>,
+    pub payload: Vec<u8>,
+}
+
+impl Got {
+    pub fn h(&self, k: &str) -> Option<&str> {
+        self.headers.get(k).map(String::as_str)
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.payload).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// Wait until the stream holds `expected` messages (or `timeout`), wait a
+/// little longer so duplicates would show, then read the stream in order.
+pub async fn read_stream(
+    nats_url: &str,
+    stream: &str,
+    expected: u64,
+    timeout: Duration,
+) -> Vec<Got> {
+    let client = async_nats::connect(nats_url).await.unwrap();
+    let js = jetstream::new(client);
+    let deadline = Instant::now() + timeout;
+    let mut count = 0;
+    loop {
+        if let Ok(mut s) = js.get_stream(stream).await {
+            count = s.info().await.unwrap().state.messages;
+            if count >= expected {
+                break;
+            }
+        }
+        if Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut s = js.get_stream(stream).await.unwrap();
+    let total = s.info().await.unwrap().state.messages;
+    if total == 0 {
+        return Vec::new();
+    }
+    let consumer = s
+        .create_consumer(consumer::pull::OrderedConfig::default())
+        .await
+        .unwrap();
+    let mut messages = consumer.messages().await.unwrap();
+    let mut out = Vec::with_capacity(total as usize);
+    while (out.len() as u64) < total {
+        let m = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .expect("stream read stalled")
+            .unwrap()
+            .unwrap();
+        let headers = m
+            .headers
+            .as_ref()
+            .map(|h| {
+                h.iter()
+                    .map(|(k, v)| {
+                        (
+                            k.to_string(),
+                            v.first().map(|v| v.to_string()).unwrap_or_default(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(Got {
+            subject: m.subject.to_string(),
+            headers,
+            payload: m.payload.to_vec(),
+        });
+    }
+    let _ = count;
+    out
+}
+
+/// Insert `n` events in one transaction for `producer`, numbered from `seq`.
+pub async fn insert_txn(
+    pool: &PgPool,
+    producer: u32,
+    seq: u64,
+    n: u64,
+    pad: usize,
+) -> Vec<uuid::Uuid> {
+    let ids: Vec<uuid::Uuid> = (0..n).map(|_| uuid::Uuid::new_v4()).collect();
+    let mut tx = pool.begin().await.unwrap();
+    // One multi-row statement: rows keep their order inside the transaction.
+    let mut q = sqlx::QueryBuilder::new(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) ",
+    );
+    let padding = "x".repeat(pad);
+    q.push_values(ids.iter().enumerate(), |mut b, (i, id)| {
+        let s = seq + i as u64;
+        b.push_bind(*id)
+            .push_bind("order")
+            .push_bind(format!("p{producer}-{}", s % 50))
+            .push_bind("placed")
+            .push_bind(serde_json::json!({"p": producer, "s": s, "pad": padding}));
+    });
+    q.build().execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+    ids
+}
+
+/// Every id exactly once, commit order (LSN non-decreasing, index 0.. in a
+/// transaction) and per-producer sequence increasing.
+pub fn assert_exactly_once_in_order(got: &[Got], sent: &HashSet<uuid::Uuid>) {
+    let mut seen = HashSet::new();
+    for g in got {
+        let id = g.h("Nats-Msg-Id").expect("Nats-Msg-Id");
+        let id = uuid::Uuid::parse_str(id).unwrap();
+        assert!(seen.insert(id), "duplicate event {id} in the stream");
+    }
+    let missing = sent.difference(&seen).count();
+    let extra = seen.difference(sent).count();
+    assert_eq!(
+        (missing, extra),
+        (0, 0),
+        "{missing} events missing, {extra} unexpected"
+    );
+
+    let mut last_pos: Option<(u64, u32)> = None;
+    let mut last_seq: HashMap<u64, u64> = HashMap::new();
+    for g in got {
+        let lsn = g.h("Outbox-Commit-Lsn").unwrap();
+        let (hi, lo) = lsn.split_once('/').unwrap();
+        let lsn =
+            (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap();
+        let idx: u32 = g.h("Outbox-Txn-Index").unwrap().parse().unwrap();
+        match last_pos {
+            Some((l, i)) if l == lsn => {
+                assert_eq!(idx, i + 1, "transaction split or reordered at {lsn:x}")
+            }
+            Some((l, _)) => {
+                assert!(lsn > l, "commit order broken: {lsn:x} after {l:x}");
+                assert_eq!(idx, 0, "transaction does not start at index 0");
+            }
+            None => {}
+        }
+        last_pos = Some((lsn, idx));
+        let v = g.json();
+        if let (Some(p), Some(s)) = (v["p"].as_u64(), v["s"].as_u64()) {
+            if let Some(prev) = last_seq.insert(p, s) {
+                assert!(s > prev, "producer {p}: seq {s} after {prev}");
+            }
+        }
+    }
+}
+
+pub async fn slot_confirmed(pool: &PgPool, slot: &str) -> Option<u64> {
+    let s: Option<String> = sqlx::query_scalar(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+    .flatten();
+    s.map(|s| {
+        let (hi, lo) = s.split_once('/').unwrap();
+        (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap()
+    })
+}
+
+/// Wait for a condition, polling; panics with `what` after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A nats-server of the test's own (for restart tests), on a free port.
+pub struct OwnNats {
+    pub child: Option<Child>,
+    pub url: String,
+    port: u16,
+    dir: PathBuf,
+    bin: String,
+}
+
+impl OwnNats {
+    pub fn start(stack: &Stack, name: &str) -> OwnNats {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("nats-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut n = OwnNats {
+            child: None,
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            dir,
+            bin: stack.nats_bin.clone(),
+        };
+        n.up();
+        n
+    }
+
+    pub fn up(&mut self) {
+        let child = Command::new(&self.bin)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.dir.join("store"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "own nats-server did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Stop it (SIGTERM, as an orchestrator would) and wait.
+    pub fn down(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            signal(c.id(), "TERM");
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for OwnNats {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
