@@ -27,7 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("#{i} {}", m.subject);
         if let Some(h) = &m.headers {
             let mut pairs: Vec<_> = h.iter().collect();
-            pairs.sort_by(|a, b| a.0.to_string().cmp(&b.0.to_string()));
+            pairs.sort_by_key(|p| p.0.to_string());
             for (k, v) in pairs {
                 println!("   {k}: {}", v.first().map(|v| v.as_str()).unwrap_or(""));
             }

@@ -184,6 +184,10 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_MAX_BACKOFF", default_value = "30s", value_parser = humantime::parse_duration)]
     pub max_backoff: Duration,
 
+    /// Prometheus endpoint (`/metrics`).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
+    pub metrics_addr: std::net::SocketAddr,
+
     /// Check the configuration and exit without connecting.
     #[arg(long)]
     pub check_config: bool,

@@ -63,6 +63,7 @@ async fn run(command: Command) -> Result<(), Error> {
                 println!("configuration ok");
                 return Ok(());
             }
+            outbox_relay::metrics::install(args.metrics_addr).map_err(Error::Config)?;
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             let stopped = relay::run(cfg, shutdown).await?;

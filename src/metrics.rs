@@ -33,3 +33,14 @@ pub fn describe() {
         "Replication sessions restarted after an error"
     );
 }
+
+/// Serve `/metrics` on `addr`. The commit→ack histogram is kept as a summary
+/// (quantiles over a sliding window), which is what operators alert on.
+pub fn install(addr: std::net::SocketAddr) -> Result<(), String> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    describe();
+    Ok(())
+}

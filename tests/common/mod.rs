@@ -107,6 +107,8 @@ impl Relay {
             context.into(),
             "--max-backoff".into(),
             "1s".into(),
+            "--metrics-addr".into(),
+            "127.0.0.1:0".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
