@@ -215,10 +215,12 @@ async fn main() {
     for p in producers {
         p.await.unwrap();
     }
-    let commits = commits.lock().unwrap();
-    for (id, at) in early {
-        if let Some(t) = commits.get(&id) {
-            hist.saturating_record(at.saturating_duration_since(*t).as_micros() as u64);
+    {
+        let commits = commits.lock().unwrap();
+        for (id, at) in early {
+            if let Some(t) = commits.get(&id) {
+                hist.saturating_record(at.saturating_duration_since(*t).as_micros() as u64);
+            }
         }
     }
 
