@@ -505,3 +505,69 @@ async fn bad_configuration_exits_with_one_clear_line() {
     assert_eq!(code, Some(1));
     assert!(err.contains("--yes"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_after_the_duplicate_window_adds_no_duplicates() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_window").await;
+    // A 1 s duplicate window: JetStream's own dedupe cannot help after it.
+    let mut relay = Relay::start(
+        &url,
+        &stack.nats_url,
+        "window",
+        &["--duplicate-window", "1s"],
+    );
+    let client = async_nats::connect(&stack.nats_url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut sent = HashSet::new();
+    let mut replay_forced = false;
+    for attempt in 0..5u64 {
+        // A burst of transactions; kill -9 the moment the stream has them all,
+        // before the relay's next standby status (throttled to 1 s) confirms them.
+        let base = sent.len() as u64;
+        for t in 0..20 {
+            sent.extend(insert_txn(&pool, 0, base + t * 10, 10, 0).await);
+        }
+        let deadline = Instant::now() + T;
+        loop {
+            let mut stream = js.get_stream("WINDOW_EVENTS").await.unwrap();
+            if stream.info().await.unwrap().state.messages >= sent.len() as u64 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "burst not stored");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        relay.kill9();
+        let last = read_stream(&stack.nats_url, "WINDOW_EVENTS", sent.len() as u64, T).await;
+        let last_commit = last
+            .last()
+            .unwrap()
+            .h("Outbox-Commit-Lsn")
+            .unwrap()
+            .to_owned();
+        let (hi, lo) = last_commit.split_once('/').unwrap();
+        let last_commit =
+            (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap();
+        let confirmed = slot_confirmed(&pool, "outbox_relay_window").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        relay.restart("window");
+        relay.wait_streaming();
+        if confirmed <= last_commit {
+            // The slot is behind what the stream holds: those events are replayed now.
+            replay_forced = true;
+            break;
+        }
+        println!("attempt {attempt}: slot had confirmed everything before the kill; trying again");
+    }
+    assert!(
+        replay_forced,
+        "could not force a replay past the duplicate window in 5 attempts"
+    );
+    sent.extend(insert_txn(&pool, 0, 10_000, 5, 0).await);
+    let got = read_stream(&stack.nats_url, "WINDOW_EVENTS", sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    assert!(
+        relay.log_text().contains("resume_after=Some"),
+        "relay found its tail"
+    );
+}
