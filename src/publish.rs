@@ -136,18 +136,18 @@ pub struct Publisher {
     chain: Option<String>,
     solo_pending: bool,
     max_inflight: usize,
-    timeout: Duration,
 }
 
 impl Publisher {
-    pub fn new(js: Context, max_inflight: usize, timeout: Duration) -> Self {
+    /// Each ack is awaited for at most the context's timeout (`--publish-timeout`):
+    /// async-nats bounds the ack future by it.
+    pub fn new(js: Context, max_inflight: usize) -> Self {
         Self {
             js,
             inflight: FuturesOrdered::new(),
             chain: None,
             solo_pending: false,
             max_inflight,
-            timeout,
         }
     }
 
@@ -187,15 +187,11 @@ impl Publisher {
                 Error::Publish(format!("sending event {}: {e}", msg.msg_id))
             })?;
         self.chain = Some(msg.msg_id.clone());
-        let timeout = self.timeout;
         let id = msg.msg_id;
         self.inflight.push_back(Box::pin(async move {
-            let result = match tokio::time::timeout(timeout, ack.into_future()).await {
-                Ok(Ok(ack)) => Ok(ack.duplicate),
-                Ok(Err(e)) => Err(describe(&id, &e)),
-                Err(_) => Err(Error::Publish(format!(
-                    "no ack for event {id} within {timeout:?}"
-                ))),
+            let result = match ack.into_future().await {
+                Ok(ack) => Ok(ack.duplicate),
+                Err(e) => Err(describe(&id, &e)),
             };
             (ticket, commit_micros, result)
         }));

@@ -203,7 +203,13 @@ impl<'a> Session<'a> {
             cfg.envelope,
             source,
         );
-        let mut publisher = Publisher::new(self.js.clone(), cfg.max_inflight, cfg.publish_timeout);
+        let mut publisher = Publisher::new(self.js.clone(), cfg.max_inflight);
+        // Read once per session: server_info() clones the whole INFO block.
+        let max_payload = self.nats.server_info().max_payload;
+        // Handles resolved once: the per-event path does no registry lookups.
+        let published = metrics::counter!(m::EVENTS_PUBLISHED);
+        let inflight = metrics::gauge!(m::INFLIGHT_EVENTS);
+        let commit_to_ack = metrics::histogram!(m::COMMIT_TO_ACK_SECONDS);
         let mut layouts: Layouts = HashMap::new();
         let mut txn: Option<Txn> = None;
 
@@ -215,10 +221,10 @@ impl<'a> Session<'a> {
                     if let Err(e) = result {
                         break Err(e);
                     }
-                    metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
-                    metrics::gauge!(m::INFLIGHT_EVENTS).set(publisher.in_flight() as f64);
+                    published.increment(1);
+                    inflight.set(publisher.in_flight() as f64);
                     let age = unix_micros_now() - pg_to_unix_micros(commit_micros);
-                    metrics::histogram!(m::COMMIT_TO_ACK_SECONDS).record(age.max(0) as f64 / 1e6);
+                    commit_to_ack.record(age.max(0) as f64 / 1e6);
                     if let Some(lsn) = self.watermark.ack(ticket) {
                         confirm(&client, lsn);
                     }
@@ -274,7 +280,6 @@ impl<'a> Session<'a> {
                                         continue;
                                     }
                                     resume = None;
-                                    let max_payload = self.nats.server_info().max_payload;
                                     let msg = match layout {
                                         Ok(l) => match l.row(&ins.values) {
                                             Ok(row) => router.route(&row, pos, max_payload),
@@ -289,7 +294,7 @@ impl<'a> Session<'a> {
                                     if let Err(e) = publisher.publish(ticket, t.commit_time_micros, msg).await {
                                         break Err(e);
                                     }
-                                    metrics::gauge!(m::INFLIGHT_EVENTS).set(publisher.in_flight() as f64);
+                                    inflight.set(publisher.in_flight() as f64);
                                 }
                                 Message::Other(_) => {}
                             }
@@ -315,7 +320,7 @@ impl<'a> Session<'a> {
             while let Some((ticket, _, result)) = publisher.next_ack().await {
                 match result {
                     Ok(_) => {
-                        metrics::counter!(m::EVENTS_PUBLISHED).increment(1);
+                        published.increment(1);
                         if let Some(lsn) = self.watermark.ack(ticket) {
                             confirm(&client, lsn);
                         }
