@@ -10,12 +10,7 @@ cd "$ROOT"
 cargo build --release --quiet --bin outbox-relay
 cargo bench --no-run --quiet --bench relay_e2e 2>/dev/null
 STACK_DIR="$(mktemp -d -t outbox-relay-bench.XXXXXX)"
-RELAY_PID=""
-cleanup() {
-  if [ -n "$RELAY_PID" ]; then kill "$RELAY_PID" 2>/dev/null || true; wait "$RELAY_PID" 2>/dev/null || true; fi
-  scripts/stack.sh down "$STACK_DIR" || true
-  rm -rf "$STACK_DIR"
-}
+cleanup() { scripts/stack.sh down "$STACK_DIR" || true; rm -rf "$STACK_DIR"; }
 trap cleanup EXIT INT TERM
 
 scripts/stack.sh up "$STACK_DIR" >/dev/null
@@ -23,8 +18,6 @@ scripts/stack.sh up "$STACK_DIR" >/dev/null
 . "$STACK_DIR/env"
 target/release/outbox-relay migrate 2>/dev/null
 METRICS_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-target/release/outbox-relay relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" >"$STACK_DIR/relay.log" 2>&1 &
-RELAY_PID=$!
-for _ in $(seq 1 100); do grep -q streaming "$STACK_DIR/relay.log" && break; sleep 0.1; done
+RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
 timeout 600 cargo bench --quiet --bench relay_e2e -- "$@"

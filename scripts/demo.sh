@@ -9,12 +9,7 @@ cd "$ROOT"
 cargo build --quiet --bin outbox-relay --example tail_stream
 BIN="$ROOT/target/debug/outbox-relay"
 STACK_DIR="$(mktemp -d -t outbox-relay-demo.XXXXXX)"
-RELAY_PID=""
-cleanup() {
-  if [ -n "$RELAY_PID" ]; then kill "$RELAY_PID" 2>/dev/null || true; wait "$RELAY_PID" 2>/dev/null || true; fi
-  scripts/stack.sh down "$STACK_DIR" || true
-  rm -rf "$STACK_DIR"
-}
+cleanup() { scripts/stack.sh down "$STACK_DIR" || true; rm -rf "$STACK_DIR"; }
 trap cleanup EXIT INT TERM
 
 echo "== starting Postgres (wal_level=logical) and nats-server -js on loopback"
@@ -26,13 +21,7 @@ echo "== outbox-relay migrate"
 "$BIN" migrate
 
 echo "== outbox-relay relay --context demo   (log: $STACK_DIR/relay.log)"
-"$BIN" relay --context demo >"$STACK_DIR/relay.log" 2>&1 &
-RELAY_PID=$!
-for _ in $(seq 1 100); do
-  grep -q streaming "$STACK_DIR/relay.log" && break
-  kill -0 "$RELAY_PID" 2>/dev/null || { cat "$STACK_DIR/relay.log"; exit 1; }
-  sleep 0.1
-done
+scripts/stack.sh relay "$STACK_DIR" "$BIN" --context demo >/dev/null
 
 echo "== inserting sample events: an order, its items, a payment (three transactions)"
 psql -q "$DATABASE_URL" <<'SQL'

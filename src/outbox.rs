@@ -316,11 +316,11 @@ fn bad_type(column: &'static str, type_oid: u32) -> RowError {
 }
 
 /// Postgres epoch (2000-01-01) in Unix microseconds.
-const PG_EPOCH_UNIX_MICROS: i128 = 946_684_800_000_000;
+pub const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
 
 /// Microseconds since 2000-01-01 UTC (the binary timestamp form) as RFC 3339.
 pub fn micros_to_rfc3339(micros: i64) -> Option<String> {
-    let nanos = (i128::from(micros) + PG_EPOCH_UNIX_MICROS) * 1000;
+    let nanos = (i128::from(micros) + i128::from(PG_EPOCH_UNIX_MICROS)) * 1000;
     time::OffsetDateTime::from_unix_timestamp_nanos(nanos)
         .ok()?
         .format(&Rfc3339)

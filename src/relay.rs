@@ -371,10 +371,8 @@ fn confirm(client: &ReplicationClient, lsn: Lsn) {
     metrics::gauge!(m::CONFIRMED_LSN).set(lsn.as_u64() as f64);
 }
 
-const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
-
 fn pg_to_unix_micros(pg: i64) -> i64 {
-    pg.saturating_add(PG_EPOCH_UNIX_MICROS)
+    pg.saturating_add(crate::outbox::PG_EPOCH_UNIX_MICROS)
 }
 
 fn unix_micros_now() -> i64 {

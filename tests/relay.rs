@@ -268,10 +268,6 @@ async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    let lsn = |s: &str| {
-        let (hi, lo) = s.split_once('/').unwrap();
-        (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap()
-    };
     // Let the relay read and publish it (acks held), and WAL move on elsewhere.
     tokio::time::sleep(Duration::from_secs(2)).await;
     sqlx::raw_sql("CREATE TABLE other (x int); INSERT INTO other SELECT generate_series(1, 1000)")
@@ -539,15 +535,7 @@ async fn restart_after_the_duplicate_window_adds_no_duplicates() {
         }
         relay.kill9();
         let last = read_stream(&stack.nats_url, "WINDOW_EVENTS", sent.len() as u64, T).await;
-        let last_commit = last
-            .last()
-            .unwrap()
-            .h("Outbox-Commit-Lsn")
-            .unwrap()
-            .to_owned();
-        let (hi, lo) = last_commit.split_once('/').unwrap();
-        let last_commit =
-            (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap();
+        let last_commit = lsn(last.last().unwrap().h("Outbox-Commit-Lsn").unwrap());
         let confirmed = slot_confirmed(&pool, "outbox_relay_window").await.unwrap();
         tokio::time::sleep(Duration::from_millis(2500)).await;
         relay.restart("window");

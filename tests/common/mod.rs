@@ -358,10 +358,7 @@ pub fn assert_exactly_once_in_order(got: &[Got], sent: &HashSet<uuid::Uuid>) {
     let mut last_pos: Option<(u64, u32)> = None;
     let mut last_seq: HashMap<u64, u64> = HashMap::new();
     for g in got {
-        let lsn = g.h("Outbox-Commit-Lsn").unwrap();
-        let (hi, lo) = lsn.split_once('/').unwrap();
-        let lsn =
-            (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap();
+        let lsn = lsn(g.h("Outbox-Commit-Lsn").unwrap());
         let idx: u32 = g.h("Outbox-Txn-Index").unwrap().parse().unwrap();
         match last_pos {
             Some((l, i)) if l == lsn => {
@@ -383,6 +380,11 @@ pub fn assert_exactly_once_in_order(got: &[Got], sent: &HashSet<uuid::Uuid>) {
     }
 }
 
+/// `16/B374D848` as a number, with the crate's own parser.
+pub fn lsn(s: &str) -> u64 {
+    pgwire_replication::Lsn::parse(s).unwrap().as_u64()
+}
+
 pub async fn slot_confirmed(pool: &PgPool, slot: &str) -> Option<u64> {
     let s: Option<String> = sqlx::query_scalar(
         "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
@@ -392,10 +394,7 @@ pub async fn slot_confirmed(pool: &PgPool, slot: &str) -> Option<u64> {
     .await
     .unwrap()
     .flatten();
-    s.map(|s| {
-        let (hi, lo) = s.split_once('/').unwrap();
-        (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap()
-    })
+    s.as_deref().map(lsn)
 }
 
 /// Wait for a condition, polling; panics with `what` after `timeout`.
