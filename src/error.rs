@@ -42,6 +42,10 @@ pub enum Error {
 
     #[error("{0}")]
     Decode(#[from] DecodeError),
+
+    /// The server closed the replication stream without an error.
+    #[error("replication stream ended by the server")]
+    StreamEnded,
 }
 
 impl Error {
@@ -86,7 +90,7 @@ impl Error {
                     Class::Permanent
                 }
             }
-            Error::Nats { .. } | Error::Publish(_) => Class::Transient,
+            Error::Nats { .. } | Error::Publish(_) | Error::StreamEnded => Class::Transient,
         }
     }
 

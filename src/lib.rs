@@ -2,12 +2,13 @@
 //! NATS JetStream.
 //!
 //! The modules follow the data's path:
-//! [`postgres`] (slot, publication) → replication stream → [`pgoutput`]
-//! (decode) → [`outbox`] (row) → [`route`] (subject, headers) → [`publish`]
+//! [`postgres`] (slot, publication) → replication stream → [`events`]
+//! ([`pgoutput`] decode, [`outbox`] row, [`route`] subject and headers) → [`publish`]
 //! (JetStream, in order) → [`watermark`] (slot ack), driven by [`relay`].
 
 pub mod config;
 pub mod error;
+pub mod events;
 pub mod metrics;
 pub mod outbox;
 pub mod pgoutput;

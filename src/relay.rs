@@ -18,21 +18,19 @@
 //! already holds ([`crate::publish::stored_tail`]). A kill -9 takes the same
 //! path, so the path is exercised, not hoped for.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use pgwire_replication::{Lsn, ReplicationClient};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::RelayConfig;
 use crate::error::{Class, Error, Result};
+use crate::events::{Stage, Step};
 use crate::metrics as m;
-use crate::outbox::{OutboxLayout, RowError};
-use crate::pgoutput::{self, Message, Relation};
 use crate::postgres::{self, Dsn};
 use crate::publish::{self, Publisher, StreamSettings};
-use crate::route::{Position, Router};
+use crate::route::Router;
 use crate::watermark::Watermark;
 
 /// Events buffered between the replication worker and the loop. Small: the
@@ -100,12 +98,6 @@ pub async fn run(cfg: RelayConfig, shutdown: CancellationToken) -> Result<Stoppe
     }
 }
 
-struct Txn {
-    commit_lsn: Lsn,
-    commit_time_micros: i64,
-    next_index: u32,
-}
-
 struct Session<'a> {
     cfg: &'a RelayConfig,
     dsn: &'a Dsn,
@@ -115,9 +107,6 @@ struct Session<'a> {
     watermark: Watermark,
     streaming: bool,
 }
-
-/// Per-relation state: the outbox layout, or why the table cannot be read.
-type Layouts = HashMap<u32, Option<std::result::Result<OutboxLayout, RowError>>>;
 
 impl<'a> Session<'a> {
     fn new(
@@ -185,7 +174,7 @@ impl<'a> Session<'a> {
         let mut client = ReplicationClient::connect_gated(repl).await?;
         let system = client.identify_system().await?;
         let source = format!("{}/{}/{}", system.system_id, self.dsn.database, cfg.slot);
-        let mut resume = publish::stored_tail(self.js, &cfg.stream, &source).await?;
+        let resume = publish::stored_tail(self.js, &cfg.stream, &source).await?;
         client.start().await?;
         client.wait_started().await?;
         self.streaming = true;
@@ -210,8 +199,7 @@ impl<'a> Session<'a> {
         let published = metrics::counter!(m::EVENTS_PUBLISHED);
         let inflight = metrics::gauge!(m::INFLIGHT_EVENTS);
         let commit_to_ack = metrics::histogram!(m::COMMIT_TO_ACK_SECONDS);
-        let mut layouts: Layouts = HashMap::new();
-        let mut txn: Option<Txn> = None;
+        let mut stage = Stage::new(&cfg.schema, &cfg.table, router, max_payload, resume);
 
         let outcome: Result<()> = loop {
             tokio::select! {
@@ -230,76 +218,21 @@ impl<'a> Session<'a> {
                     }
                 }
                 event = client.recv(), if publisher.has_room() => {
-                    let event = match event {
-                        Ok(Some(ev)) => ev,
-                        Ok(None) => break Err(Error::Publish("replication stream ended".into())),
-                        Err(e) => break Err(e.into()),
+                    let step = match event {
+                        Ok(Some(ev)) => stage.on_event(ev, &mut self.watermark),
+                        Ok(None) => Err(Error::StreamEnded),
+                        Err(e) => Err(e.into()),
                     };
-                    match event {
-                        ReplicationEvent::Begin { final_lsn, commit_time_micros, .. } => {
-                            self.watermark.begin();
-                            txn = Some(Txn { commit_lsn: final_lsn, commit_time_micros, next_index: 0 });
-                        }
-                        ReplicationEvent::Commit { end_lsn, .. } => {
-                            txn = None;
-                            if let Some(lsn) = self.watermark.commit(end_lsn) {
-                                confirm(&client, lsn);
+                    match step {
+                        Ok(Step::Nothing) => {}
+                        Ok(Step::Confirm(lsn)) => confirm(&client, lsn),
+                        Ok(Step::Publish { ticket, commit_micros, msg }) => {
+                            if let Err(e) = publisher.publish(ticket, commit_micros, msg).await {
+                                break Err(e);
                             }
+                            inflight.set(publisher.in_flight() as f64);
                         }
-                        ReplicationEvent::KeepAlive { wal_end, .. } => {
-                            if let Some(lsn) = self.watermark.keepalive(wal_end) {
-                                confirm(&client, lsn);
-                            }
-                        }
-                        ReplicationEvent::XLogData { data, .. } => {
-                            match pgoutput::decode(&data)? {
-                                Message::Relation(rel) => {
-                                    let layout = self.layout_for(&rel);
-                                    layouts.insert(rel.id, layout);
-                                }
-                                Message::Insert(ins) => {
-                                    let Some(layout) = layouts.get(&ins.relation_id) else {
-                                        break Err(Error::Decode(pgoutput::DecodeError::Invalid {
-                                            message: "Insert",
-                                            detail: format!("relation {} was never described", ins.relation_id),
-                                        }));
-                                    };
-                                    let Some(layout) = layout else { continue };
-                                    let Some(t) = txn.as_mut() else {
-                                        break Err(Error::Decode(pgoutput::DecodeError::Invalid {
-                                            message: "Insert",
-                                            detail: "outside a transaction".into(),
-                                        }));
-                                    };
-                                    let pos = Position { commit_lsn: t.commit_lsn, index: t.next_index };
-                                    t.next_index += 1;
-                                    let ticket = self.watermark.register();
-                                    if resume.is_some_and(|r| pos <= r) {
-                                        metrics::counter!(m::EVENTS_SKIPPED).increment(1);
-                                        self.watermark.ack(ticket);
-                                        continue;
-                                    }
-                                    resume = None;
-                                    let msg = match layout {
-                                        Ok(l) => match l.row(&ins.values) {
-                                            Ok(row) => router.route(&row, pos, max_payload),
-                                            Err(e) => router.bad_row(fallback_id(l, &ins.values, pos), pos, &e.to_string()),
-                                        },
-                                        Err(e) => router.bad_row(format!("{}-{}", pos.commit_lsn, pos.index), pos, &e.to_string()),
-                                    };
-                                    if let Some(reason) = msg.dlq_reason {
-                                        tracing::warn!(id = %msg.msg_id, reason = reason.as_str(), "dead-lettering row");
-                                        metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(1);
-                                    }
-                                    if let Err(e) = publisher.publish(ticket, t.commit_time_micros, msg).await {
-                                        break Err(e);
-                                    }
-                                    inflight.set(publisher.in_flight() as f64);
-                                }
-                                Message::Other(_) => {}
-                            }
-                        }
-                        _ => {}
+                        Err(e) => break Err(e),
                     }
                 }
             }
@@ -345,25 +278,6 @@ impl<'a> Session<'a> {
             confirmed: self.watermark.confirmed(),
         })
     }
-
-    /// `None` for tables other than the outbox (a shared publication).
-    fn layout_for(&self, rel: &Relation) -> Option<std::result::Result<OutboxLayout, RowError>> {
-        if rel.namespace != self.cfg.schema || rel.name != self.cfg.table {
-            return None;
-        }
-        let layout = OutboxLayout::new(rel);
-        if let Err(e) = &layout {
-            tracing::error!(error = %e, "outbox table cannot be read; its rows will be dead-lettered");
-        }
-        Some(layout)
-    }
-}
-
-fn fallback_id(layout: &OutboxLayout, values: &[pgoutput::Value], pos: Position) -> String {
-    layout
-        .id(values)
-        .map(|u| u.to_string())
-        .unwrap_or_else(|| format!("{}-{}", pos.commit_lsn, pos.index))
 }
 
 fn confirm(client: &ReplicationClient, lsn: Lsn) {

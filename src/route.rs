@@ -295,10 +295,11 @@ impl Router {
         }
     }
 
-    /// A row whose columns could not be decoded at all. `msg_id` is its id when
-    /// that much was readable, else derived from its WAL position so a replay
-    /// dedupes it.
-    pub fn bad_row(&self, msg_id: String, pos: Position, detail: &str) -> OutMessage {
+    /// A row whose columns could not be decoded. Its message id is the row id
+    /// when that much was readable, else derived from its WAL position, so a
+    /// replay dedupes it either way.
+    pub fn bad_row(&self, id: Option<String>, pos: Position, detail: &str) -> OutMessage {
+        let msg_id = id.unwrap_or_else(|| format!("{}-{}", pos.commit_lsn, pos.index));
         let mut headers = vec![(HDR_MSG_ID.to_owned(), msg_id.clone())];
         self.position_headers(&mut headers, pos);
         headers.push((

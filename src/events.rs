@@ -1,0 +1,343 @@
+//! From replication events to what the relay does next, without I/O.
+//!
+//! Tracks the transaction being read (its commit LSN and the index of each
+//! outbox row in it), the outbox table's column layout from Relation
+//! messages, and the resume point: events at or before the last position the
+//! stream already holds are skipped, not republished. Everything that reaches
+//! the stream goes through [`Router`], so a bad row becomes a dead letter here.
+
+use std::collections::HashMap;
+
+use pgwire_replication::{Lsn, ReplicationEvent};
+
+use crate::error::{Error, Result};
+use crate::outbox::{OutboxLayout, RowError};
+use crate::pgoutput::{self, DecodeError, Insert, Message, Relation};
+use crate::route::{DlqReason, OutMessage, Position, Router};
+use crate::watermark::{Ticket, Watermark};
+
+/// What the loop must do after one event.
+#[derive(Debug)]
+pub enum Step {
+    Nothing,
+    /// Confirm this LSN to the slot.
+    Confirm(Lsn),
+    /// Publish; ack the watermark with `ticket` once JetStream acks it.
+    Publish {
+        ticket: Ticket,
+        /// Postgres commit time (µs since 2000-01-01), for the latency metric.
+        commit_micros: i64,
+        msg: OutMessage,
+    },
+}
+
+struct Txn {
+    commit_lsn: Lsn,
+    commit_time_micros: i64,
+    next_index: u32,
+}
+
+/// Per relation id: `None` for tables other than the outbox (a shared
+/// publication), else its layout or why it cannot be read.
+type Layouts = HashMap<u32, Option<std::result::Result<OutboxLayout, RowError>>>;
+
+pub struct Stage {
+    schema: String,
+    table: String,
+    router: Router,
+    max_payload: usize,
+    layouts: Layouts,
+    txn: Option<Txn>,
+    resume: Option<Position>,
+}
+
+impl Stage {
+    /// `resume`: the last position of this source already in the stream.
+    pub fn new(
+        schema: &str,
+        table: &str,
+        router: Router,
+        max_payload: usize,
+        resume: Option<Position>,
+    ) -> Self {
+        Self {
+            schema: schema.to_owned(),
+            table: table.to_owned(),
+            router,
+            max_payload,
+            layouts: HashMap::new(),
+            txn: None,
+            resume,
+        }
+    }
+
+    pub fn on_event(&mut self, event: ReplicationEvent, wm: &mut Watermark) -> Result<Step> {
+        let confirm = |lsn: Option<Lsn>| Ok(lsn.map_or(Step::Nothing, Step::Confirm));
+        match event {
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                wm.begin();
+                self.txn = Some(Txn {
+                    commit_lsn: final_lsn,
+                    commit_time_micros,
+                    next_index: 0,
+                });
+                Ok(Step::Nothing)
+            }
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                self.txn = None;
+                confirm(wm.commit(end_lsn))
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => confirm(wm.keepalive(wal_end)),
+            ReplicationEvent::XLogData { data, .. } => match pgoutput::decode(&data)? {
+                Message::Relation(rel) => {
+                    let layout = self.layout_for(&rel);
+                    self.layouts.insert(rel.id, layout);
+                    Ok(Step::Nothing)
+                }
+                Message::Insert(ins) => self.on_insert(ins, wm),
+                Message::Other(_) => Ok(Step::Nothing),
+            },
+            _ => Ok(Step::Nothing),
+        }
+    }
+
+    fn on_insert(&mut self, ins: Insert, wm: &mut Watermark) -> Result<Step> {
+        let invalid = |detail: String| {
+            Error::Decode(DecodeError::Invalid {
+                message: "Insert",
+                detail,
+            })
+        };
+        let layout = self
+            .layouts
+            .get(&ins.relation_id)
+            .ok_or_else(|| invalid(format!("relation {} was never described", ins.relation_id)))?;
+        let Some(layout) = layout else {
+            return Ok(Step::Nothing);
+        };
+        let txn = self
+            .txn
+            .as_mut()
+            .ok_or_else(|| invalid("outside a transaction".into()))?;
+        let pos = Position {
+            commit_lsn: txn.commit_lsn,
+            index: txn.next_index,
+        };
+        txn.next_index += 1;
+        let ticket = wm.register();
+        if self.resume.is_some_and(|r| pos <= r) {
+            metrics::counter!(crate::metrics::EVENTS_SKIPPED).increment(1);
+            return Ok(wm.ack(ticket).map_or(Step::Nothing, Step::Confirm));
+        }
+        // Positions only grow: once past the resume point, stop comparing.
+        self.resume = None;
+        let msg = match layout {
+            Ok(l) => match l.row(&ins.values) {
+                Ok(row) => self.router.route(&row, pos, self.max_payload),
+                Err(e) => {
+                    let id = l.id(&ins.values).map(|u| u.to_string());
+                    self.router.bad_row(id, pos, &e.to_string())
+                }
+            },
+            Err(e) => self.router.bad_row(None, pos, &e.to_string()),
+        };
+        if let Some(reason) = msg.dlq_reason {
+            log_dead_letter(&msg, reason);
+        }
+        Ok(Step::Publish {
+            ticket,
+            commit_micros: txn.commit_time_micros,
+            msg,
+        })
+    }
+
+    fn layout_for(&self, rel: &Relation) -> Option<std::result::Result<OutboxLayout, RowError>> {
+        if rel.namespace != self.schema || rel.name != self.table {
+            return None;
+        }
+        let layout = OutboxLayout::new(rel);
+        if let Err(e) = &layout {
+            tracing::error!(error = %e, "outbox table cannot be read; its rows will be dead-lettered");
+        }
+        Some(layout)
+    }
+}
+
+fn log_dead_letter(msg: &OutMessage, reason: DlqReason) {
+    tracing::warn!(id = %msg.msg_id, reason = reason.as_str(), "dead-lettering row");
+    metrics::counter!(crate::metrics::EVENTS_DEAD_LETTERED, "reason" => reason.as_str())
+        .increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pgoutput::{encode, oid, Column, Value};
+    use crate::route::Template;
+    use bytes::Bytes;
+
+    fn col(name: &str, type_oid: u32) -> Column {
+        Column {
+            key: false,
+            name: name.into(),
+            type_oid,
+            type_modifier: -1,
+        }
+    }
+
+    fn relation(id: u32, name: &str) -> ReplicationEvent {
+        let rel = Relation {
+            id,
+            namespace: "public".into(),
+            name: name.into(),
+            replica_identity: b'd',
+            columns: vec![
+                col("id", oid::UUID),
+                col("aggregate_type", oid::TEXT),
+                col("aggregate_id", oid::TEXT),
+                col("event_type", oid::TEXT),
+                col("payload", oid::JSONB),
+            ],
+        };
+        xlog(encode::relation(&rel))
+    }
+
+    fn insert(rel: u32, id: &str) -> ReplicationEvent {
+        let t = |s: &str| Value::Text(Bytes::copy_from_slice(s.as_bytes()));
+        xlog(encode::insert(
+            rel,
+            &[t(id), t("order"), t("1"), t("placed"), t("{}")],
+        ))
+    }
+
+    fn xlog(data: Vec<u8>) -> ReplicationEvent {
+        ReplicationEvent::XLogData {
+            wal_start: Lsn(0),
+            wal_end: Lsn(0),
+            server_time_micros: 0,
+            data: data.into(),
+        }
+    }
+
+    fn begin(lsn: u64) -> ReplicationEvent {
+        ReplicationEvent::Begin {
+            final_lsn: Lsn(lsn),
+            xid: 1,
+            commit_time_micros: 0,
+        }
+    }
+
+    fn commit(lsn: u64) -> ReplicationEvent {
+        ReplicationEvent::Commit {
+            lsn: Lsn(lsn),
+            end_lsn: Lsn(lsn + 8),
+            commit_time_micros: 0,
+        }
+    }
+
+    fn stage(resume: Option<Position>) -> Stage {
+        let router = Router::new(
+            "ctx",
+            Template::parse("{context}.e", "ctx").unwrap(),
+            1,
+            false,
+            "src".into(),
+        );
+        Stage::new("public", "outbox_events", router, 1 << 20, resume)
+    }
+
+    const ID1: &str = "00000000-0000-4000-8000-000000000001";
+    const ID2: &str = "00000000-0000-4000-8000-000000000002";
+
+    fn published(step: Step) -> Option<OutMessage> {
+        match step {
+            Step::Publish { msg, .. } => Some(msg),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn rows_get_their_position_in_the_transaction() {
+        let mut s = stage(None);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        let a = published(s.on_event(insert(7, ID1), &mut wm).unwrap()).unwrap();
+        let b = published(s.on_event(insert(7, ID2), &mut wm).unwrap()).unwrap();
+        assert_eq!(a.header("Outbox-Txn-Index"), Some("0"));
+        assert_eq!(b.header("Outbox-Txn-Index"), Some("1"));
+        assert_eq!(b.header("Outbox-Commit-Lsn"), Some("0/64"));
+        assert!(matches!(
+            s.on_event(commit(100), &mut wm).unwrap(),
+            Step::Nothing
+        ));
+        assert_eq!(wm.in_flight(), 2, "commit waits for both acks");
+    }
+
+    #[test]
+    fn events_up_to_the_resume_point_are_skipped_and_confirmed() {
+        let resume = Position {
+            commit_lsn: Lsn(100),
+            index: 0,
+        };
+        let mut s = stage(Some(resume));
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        assert!(published(s.on_event(insert(7, ID1), &mut wm).unwrap()).is_none());
+        let second = published(s.on_event(insert(7, ID2), &mut wm).unwrap()).unwrap();
+        assert_eq!(
+            second.msg_id, ID2,
+            "the row after the stream's last one is published"
+        );
+        assert_eq!(wm.in_flight(), 1);
+    }
+
+    #[test]
+    fn whole_skipped_transaction_confirms_at_commit() {
+        let mut s = stage(Some(Position {
+            commit_lsn: Lsn(200),
+            index: 5,
+        }));
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        s.on_event(insert(7, ID1), &mut wm).unwrap();
+        assert!(matches!(
+            s.on_event(commit(100), &mut wm).unwrap(),
+            Step::Confirm(Lsn(108))
+        ));
+    }
+
+    #[test]
+    fn other_tables_are_ignored_and_unknown_relations_are_errors() {
+        let mut s = stage(None);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(8, "orders"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        assert!(matches!(
+            s.on_event(insert(8, ID1), &mut wm).unwrap(),
+            Step::Nothing
+        ));
+        assert!(matches!(
+            s.on_event(insert(9, ID1), &mut wm),
+            Err(Error::Decode(_))
+        ));
+    }
+
+    #[test]
+    fn undecodable_row_is_dead_lettered_under_its_position() {
+        let mut s = stage(None);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        let msg = published(s.on_event(insert(7, "not-a-uuid"), &mut wm).unwrap()).unwrap();
+        assert_eq!(msg.dlq_reason, Some(DlqReason::BadRow));
+        assert_eq!(msg.msg_id, "0/64-0");
+        assert_eq!(msg.subject, "ctx.dlq.relay");
+    }
+}
