@@ -31,6 +31,8 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Stream the slot and publish to JetStream.
     Relay(Box<RelayArgs>),
+    /// Inbox / handler / dead-letter worker.
+    Consume(Box<ConsumeArgs>),
     /// Inspect or drop the relay's replication slot.
     Slot {
         #[command(subcommand)]
@@ -191,6 +193,145 @@ pub struct RelayArgs {
     /// Check the configuration and exit without connecting.
     #[arg(long)]
     pub check_config: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ConsumeArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    /// NATS servers, comma-separated.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
+    pub nats_url: String,
+
+    /// Context; names the default stream and dead-letter prefix.
+    #[arg(long, env = "OUTBOX_CONTEXT", default_value = "outbox")]
+    pub context: String,
+
+    /// Stream to consume [default: {CONTEXT}_EVENTS].
+    #[arg(long, env = "OUTBOX_STREAM")]
+    pub stream: Option<String>,
+
+    /// Durable consumer name; also the inbox's `consumer` column.
+    #[arg(long, env = "OUTBOX_DURABLE")]
+    pub durable: String,
+
+    /// Only messages on this subject (wildcards allowed).
+    #[arg(long, env = "OUTBOX_FILTER")]
+    pub filter: Option<String>,
+
+    /// The service's handler; receives a JSON POST per message.
+    #[arg(long, env = "OUTBOX_HANDLER_URL")]
+    pub handler_url: String,
+
+    /// Handler call timeout (counts as a retryable failure).
+    #[arg(long, env = "OUTBOX_HANDLER_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub handler_timeout: Duration,
+
+    #[arg(long, env = "OUTBOX_ACK_WAIT", default_value = "120s", value_parser = humantime::parse_duration)]
+    pub ack_wait: Duration,
+
+    /// Deliveries before a failing message is dead-lettered (-1 = unlimited).
+    #[arg(
+        long,
+        env = "OUTBOX_MAX_DELIVER",
+        default_value_t = 20,
+        allow_negative_numbers = true
+    )]
+    pub max_deliver: i64,
+
+    #[arg(long, env = "OUTBOX_MAX_ACK_PENDING", default_value_t = 50)]
+    pub max_ack_pending: i64,
+
+    /// Handler calls in flight at most (one per aggregate at a time).
+    #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub concurrency: u32,
+
+    /// NAK delays by delivery, comma-separated; the last repeats.
+    #[arg(long, env = "OUTBOX_BACKOFF", default_value = "1s,5s,30s,2m,5m")]
+    pub backoff: String,
+
+    /// Dead-letter subject prefix [default: dlq.{context}].
+    #[arg(long, env = "OUTBOX_DLQ_PREFIX")]
+    pub dlq_prefix: Option<String>,
+
+    /// Replicas of the dead-letter stream when the consumer creates it.
+    #[arg(long, env = "OUTBOX_DLQ_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub dlq_replicas: u8,
+
+    /// On SIGTERM, how long running handler calls may take to finish.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub shutdown_timeout: Duration,
+
+    /// Prometheus endpoint (`/metrics`).
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
+    pub metrics_addr: std::net::SocketAddr,
+}
+
+impl ConsumeArgs {
+    pub fn validate(&self) -> Result<crate::consume::ConsumeConfig> {
+        validate_context(&self.context)?;
+        let stream = self
+            .stream
+            .clone()
+            .unwrap_or_else(|| format!("{}_EVENTS", self.context.to_uppercase().replace('-', "_")));
+        let durable_ok = !self.durable.is_empty()
+            && self
+                .durable
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !durable_ok {
+            return Err(Error::Config(format!(
+                "invalid --durable {:?}: use [A-Za-z0-9_-]",
+                self.durable
+            )));
+        }
+        let backoff = self
+            .backoff
+            .split(',')
+            .map(|d| humantime::parse_duration(d.trim()))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::Config(format!("--backoff {:?}: {e}", self.backoff)))?;
+        if backoff.is_empty() {
+            return Err(Error::Config("--backoff needs at least one delay".into()));
+        }
+        let dlq_prefix = self
+            .dlq_prefix
+            .clone()
+            .unwrap_or_else(|| format!("dlq.{}", self.context));
+        if let Some(p) = crate::route::subject_problem(&dlq_prefix) {
+            return Err(Error::Config(format!("--dlq-prefix {dlq_prefix:?}: {p}")));
+        }
+        if dlq_prefix == self.context || dlq_prefix.starts_with(&format!("{}.", self.context)) {
+            // Inside the events stream, a dead letter (same Nats-Msg-Id as
+            // its original) would be dropped by JetStream's dedupe.
+            return Err(Error::Config(format!(
+                "--dlq-prefix {dlq_prefix:?} falls inside the events stream's subjects {}.>; dead letters there would be deduplicated away: choose a prefix outside it (default dlq.{})",
+                self.context, self.context
+            )));
+        }
+        if self.ack_wait < Duration::from_secs(1) {
+            return Err(Error::Config("--ack-wait must be at least 1s".into()));
+        }
+        Ok(crate::consume::ConsumeConfig {
+            stream,
+            durable: self.durable.clone(),
+            filter: self.filter.clone(),
+            ack_wait: self.ack_wait,
+            max_deliver: self.max_deliver,
+            max_ack_pending: self.max_ack_pending,
+            concurrency: self.concurrency as usize,
+            backoff,
+            dlq_prefix,
+            dlq_replicas: self.dlq_replicas,
+            shutdown_timeout: self.shutdown_timeout,
+        })
+    }
 }
 
 /// Everything the relay needs, validated.

@@ -5,10 +5,16 @@
 //! [`postgres`] (slot, publication) → replication stream → [`events`]
 //! ([`pgoutput`] decode, [`outbox`] row, [`route`] subject and headers) → [`publish`]
 //! (JetStream, in order) → [`watermark`] (slot ack), driven by [`relay`].
+//! The consumer: [`consume`] (pull, per-aggregate order) → [`inbox`] (dedupe)
+//! → [`handler`] (HTTP or Rust, in the inbox transaction) → [`dlq`].
 
 pub mod config;
+pub mod consume;
+pub mod dlq;
 pub mod error;
 pub mod events;
+pub mod handler;
+pub mod inbox;
 pub mod metrics;
 pub mod outbox;
 pub mod pgoutput;

@@ -72,6 +72,31 @@ async fn run(command: Command) -> Result<(), Error> {
             tracing::info!(confirmed_lsn = %stopped.confirmed, "relay stopped");
             Ok(())
         }
+        Command::Consume(args) => {
+            let cfg = args.validate()?;
+            let handler =
+                outbox_relay::handler::HttpHandler::new(&args.handler_url, args.handler_timeout)
+                    .map_err(Error::Config)?;
+            let pool = postgres::Dsn::parse(&args.db.database_url)?
+                .pool(cfg.concurrency as u32 + 2)
+                .await?;
+            let nats = async_nats::ConnectOptions::new()
+                .name(format!("outbox-consume:{}", cfg.durable))
+                .connection_timeout(std::time::Duration::from_secs(5))
+                .max_reconnects(None)
+                .connect(args.nats_url.as_str())
+                .await
+                .map_err(|e| {
+                    Error::Config(format!("cannot connect to NATS at {}: {e}", args.nats_url))
+                })?;
+            let js = async_nats::jetstream::new(nats.clone());
+            outbox_relay::metrics::install(args.metrics_addr).map_err(Error::Config)?;
+            let shutdown = CancellationToken::new();
+            tokio::spawn(on_signal(shutdown.clone()));
+            outbox_relay::consume::run(cfg, pool, js, handler, shutdown).await?;
+            nats.flush().await.ok();
+            Ok(())
+        }
         Command::Slot { command } => match command {
             SlotCommand::Status(args) => {
                 let slot = args.names.slot_name()?;

@@ -1,0 +1,122 @@
+//! Consumer dead letters: `{prefix}.{original subject}`, original body and
+//! headers plus the `Outbox-Dlq-*` headers, `Nats-Msg-Id` = the original id
+//! so a message is dead-lettered once.
+
+use async_nats::jetstream::{self, context::GetStreamByNameErrorKind, stream, Context};
+use async_nats::HeaderMap;
+
+use crate::error::{Error, Result};
+
+pub const HDR_REASON: &str = "Outbox-Dlq-Reason";
+pub const HDR_ATTEMPTS: &str = "Outbox-Dlq-Attempts";
+pub const HDR_ORIGINAL_SUBJECT: &str = "Outbox-Dlq-Original-Subject";
+pub const HDR_CONSUMER: &str = "Outbox-Dlq-Consumer";
+
+#[derive(Clone)]
+pub struct DeadLetters {
+    js: Context,
+    prefix: String,
+    consumer: String,
+}
+
+impl DeadLetters {
+    /// Make sure a stream captures `{prefix}.>`, creating one when none does.
+    pub async fn new(js: Context, prefix: &str, consumer: &str, replicas: u8) -> Result<Self> {
+        let probe = format!("{prefix}.probe");
+        match js.stream_by_subject(&probe).await {
+            Ok(name) => {
+                tracing::info!(stream = %name, prefix, "dead letters go to an existing stream")
+            }
+            Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
+                let name = stream_name(prefix);
+                js.create_stream(stream::Config {
+                    name: name.clone(),
+                    subjects: vec![format!("{prefix}.>")],
+                    storage: stream::StorageType::File,
+                    num_replicas: usize::from(replicas),
+                    ..Default::default()
+                })
+                .await
+                .map_err(Error::nats(format!("creating dead-letter stream {name}")))?;
+                tracing::info!(stream = %name, prefix, "created dead-letter stream");
+            }
+            Err(e) => return Err(Error::nats("looking up the dead-letter stream")(e)),
+        }
+        Ok(Self {
+            js,
+            prefix: prefix.to_owned(),
+            consumer: consumer.to_owned(),
+        })
+    }
+
+    /// Publish and wait for JetStream's ack: only then may the original be acked.
+    pub async fn publish(
+        &self,
+        msg: &jetstream::Message,
+        msg_id: &str,
+        reason: &str,
+        attempts: i64,
+    ) -> Result<()> {
+        let mut headers = HeaderMap::new();
+        if let Some(h) = &msg.headers {
+            for (k, vs) in h.iter() {
+                let name = k.to_string();
+                // Our own Nats-Msg-Id below; publish expectations of the
+                // original (the relay's ordering chain) must not apply here.
+                if name.to_ascii_lowercase().starts_with("nats-") {
+                    continue;
+                }
+                for v in vs {
+                    headers.append(name.as_str(), v.as_str());
+                }
+            }
+        }
+        headers.insert("Nats-Msg-Id", msg_id);
+        headers.insert(HDR_REASON, one_line(reason).as_str());
+        headers.insert(HDR_ATTEMPTS, attempts.to_string().as_str());
+        headers.insert(HDR_ORIGINAL_SUBJECT, msg.subject.as_str());
+        headers.insert(HDR_CONSUMER, self.consumer.as_str());
+        let subject = format!("{}.{}", self.prefix, msg.subject);
+        let ack = self
+            .js
+            .send_publish(
+                subject,
+                jetstream::message::PublishMessage::build()
+                    .payload(msg.payload.clone())
+                    .headers(headers),
+            )
+            .await
+            .map_err(|e| Error::Publish(format!("dead-lettering {msg_id}: {e}")))?;
+        ack.await
+            .map_err(|e| Error::Publish(format!("dead-lettering {msg_id}: {e}")))?;
+        Ok(())
+    }
+}
+
+/// `dlq.orders` → `DLQ_ORDERS`.
+pub fn stream_name(prefix: &str) -> String {
+    prefix
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+fn one_line(s: &str) -> String {
+    let s = s.replace(['\r', '\n'], " ");
+    s.chars().take(500).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn stream_names() {
+        assert_eq!(super::stream_name("dlq.orders"), "DLQ_ORDERS");
+        assert_eq!(super::stream_name("dlq.my-ctx"), "DLQ_MY_CTX");
+    }
+}

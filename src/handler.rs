@@ -1,0 +1,170 @@
+//! The service's handler: a Rust trait that runs inside the inbox
+//! transaction, and the HTTP handler built on it.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+/// One message as the handler sees it.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub message_id: Uuid,
+    pub subject: String,
+    pub event_type: Option<String>,
+    pub event_version: Option<i64>,
+    pub occurred_at: Option<String>,
+    pub correlation_id: Option<String>,
+    pub causation_id: Option<String>,
+    pub traceparent: Option<String>,
+    /// The message body (JSON, checked before the handler is called).
+    pub payload: Bytes,
+    /// 1 on the first delivery.
+    pub delivered: i64,
+}
+
+/// What the handler made of a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Done (HTTP 200), or already done by the service (HTTP 409).
+    Processed,
+    /// Will never succeed (HTTP 422): dead-letter it.
+    Reject(String),
+    /// May succeed later (5xx, other codes, timeout, connection error).
+    Retry(String),
+}
+
+/// A handler runs inside the inbox transaction: what it writes through `tx`
+/// commits with the inbox row on [`Outcome::Processed`] and rolls back
+/// otherwise, so a Rust service gets exactly-once effects.
+pub trait Handler: Send + Sync + 'static {
+    fn handle(
+        &self,
+        tx: &mut PgConnection,
+        delivery: &Delivery,
+    ) -> impl Future<Output = Outcome> + Send;
+}
+
+/// `POST` the SPEC §6 JSON to a URL and map the status code.
+#[derive(Clone)]
+pub struct HttpHandler {
+    client: reqwest::Client,
+    url: String,
+}
+
+impl HttpHandler {
+    pub fn new(url: &str, timeout: Duration) -> Result<Self, String> {
+        let parsed = reqwest::Url::parse(url).map_err(|e| format!("--handler-url {url:?}: {e}"))?;
+        if parsed.scheme() != "http" {
+            return Err(format!(
+                "--handler-url {url:?}: only http:// is supported by this build"
+            ));
+        }
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .map_err(|e| format!("HTTP client: {e}"))?;
+        Ok(Self {
+            client,
+            url: url.to_owned(),
+        })
+    }
+
+    fn body(d: &Delivery) -> Vec<u8> {
+        let mut out = Vec::with_capacity(d.payload.len() + 256);
+        let s = |out: &mut Vec<u8>, v: Option<&str>| match v {
+            // Writing JSON strings into a Vec cannot fail.
+            Some(v) => {
+                let _ = serde_json::to_writer(&mut *out, v);
+            }
+            None => out.extend_from_slice(b"null"),
+        };
+        out.extend_from_slice(b"{\"message_id\":");
+        s(&mut out, Some(&d.message_id.to_string()));
+        out.extend_from_slice(b",\"subject\":");
+        s(&mut out, Some(&d.subject));
+        out.extend_from_slice(b",\"event_type\":");
+        s(&mut out, d.event_type.as_deref());
+        out.extend_from_slice(b",\"event_version\":");
+        match d.event_version {
+            Some(v) => out.extend_from_slice(v.to_string().as_bytes()),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(b",\"occurred_at\":");
+        s(&mut out, d.occurred_at.as_deref());
+        out.extend_from_slice(b",\"correlation_id\":");
+        s(&mut out, d.correlation_id.as_deref());
+        out.extend_from_slice(b",\"causation_id\":");
+        s(&mut out, d.causation_id.as_deref());
+        out.extend_from_slice(b",\"payload\":");
+        out.extend_from_slice(&d.payload);
+        out.push(b'}');
+        out
+    }
+}
+
+impl Handler for HttpHandler {
+    async fn handle(&self, _tx: &mut PgConnection, d: &Delivery) -> Outcome {
+        let mut req = self
+            .client
+            .post(&self.url)
+            .header("content-type", "application/json")
+            .header("Idempotency-Key", d.message_id.to_string())
+            .body(Self::body(d));
+        if let Some(tp) = &d.traceparent {
+            req = req.header("traceparent", tp);
+        }
+        match req.send().await {
+            Ok(resp) => match resp.status().as_u16() {
+                200 | 409 => Outcome::Processed,
+                422 => Outcome::Reject(format!("handler answered 422: {}", snippet(resp).await)),
+                code => Outcome::Retry(format!("handler answered {code}: {}", snippet(resp).await)),
+            },
+            Err(e) if e.is_timeout() => Outcome::Retry("handler timed out".into()),
+            Err(e) => Outcome::Retry(format!("handler unreachable: {e}")),
+        }
+    }
+}
+
+/// The start of a response body, for `last_error`.
+async fn snippet(resp: reqwest::Response) -> String {
+    let body = resp.bytes().await.unwrap_or_default();
+    let s = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+    s.replace(['\r', '\n'], " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_is_the_spec_json_with_raw_payload() {
+        let d = Delivery {
+            message_id: Uuid::nil(),
+            subject: "a.b".into(),
+            event_type: Some("placed".into()),
+            event_version: Some(2),
+            occurred_at: None,
+            correlation_id: Some("c\"1".into()),
+            causation_id: None,
+            traceparent: None,
+            payload: Bytes::from_static(br#"{"x": [1]}"#),
+            delivered: 1,
+        };
+        let v: serde_json::Value = serde_json::from_slice(&HttpHandler::body(&d)).unwrap();
+        assert_eq!(v["message_id"], Uuid::nil().to_string());
+        assert_eq!(v["event_version"], 2);
+        assert_eq!(v["correlation_id"], "c\"1");
+        assert!(v["occurred_at"].is_null());
+        assert_eq!(v["payload"]["x"][0], 1);
+    }
+
+    #[test]
+    fn only_http_urls() {
+        assert!(HttpHandler::new("http://127.0.0.1:1/h", Duration::from_secs(1)).is_ok());
+        assert!(HttpHandler::new("ftp://x", Duration::from_secs(1)).is_err());
+        assert!(HttpHandler::new("not a url", Duration::from_secs(1)).is_err());
+    }
+}
