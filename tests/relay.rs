@@ -18,7 +18,7 @@ const T: Duration = Duration::from_secs(120);
 async fn ten_thousand_events_mixed_transactions_arrive_once_in_commit_order() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_mixed").await;
-    let _relay = Relay::start(&url, &stack.nats_url, "mixed", &[]);
+    let _relay = Service::relay(&url, &stack.nats_url, "mixed", &[]);
 
     // Three concurrent producers, transactions of 1 to 200 rows: 10,000 events.
     let mut tasks = Vec::new();
@@ -73,7 +73,7 @@ async fn ten_thousand_events_mixed_transactions_arrive_once_in_commit_order() {
 async fn optional_headers_text_format_and_alter_table_mid_stream() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_alter").await;
-    let _relay = Relay::start(
+    let _relay = Service::relay(
         &url,
         &stack.nats_url,
         "alter",
@@ -138,7 +138,7 @@ async fn optional_headers_text_format_and_alter_table_mid_stream() {
 async fn large_transaction_streams_with_bounded_memory() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_large").await;
-    let mut relay = Relay::start(&url, &stack.nats_url, "large", &[]);
+    let mut relay = Service::relay(&url, &stack.nats_url, "large", &[]);
     const N: u64 = 200_000;
     sqlx::query(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
@@ -200,7 +200,7 @@ fn spawn_producer(
 async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_kill").await;
-    let mut relay = Relay::start(&url, &stack.nats_url, "kill", &[]);
+    let mut relay = Service::relay(&url, &stack.nats_url, "kill", &[]);
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(pool.clone(), 12_000, 1500, stop.clone());
     let mut rng = rand::thread_rng();
@@ -214,7 +214,7 @@ async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
             1200
         }))
         .await;
-        relay.restart("kill");
+        relay.restart();
     }
     let sent = producer.await.unwrap();
     let got = read_stream(&stack.nats_url, "KILL_EVENTS", sent.len() as u64, T).await;
@@ -232,7 +232,7 @@ async fn nats_restart_under_load_loses_nothing_and_keeps_order() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_natsrestart").await;
     let mut nats = OwnNats::start(&stack, "restart");
-    let _relay = Relay::start(&url, &nats.url, "natsrs", &["--publish-timeout", "2s"]);
+    let _relay = Service::relay(&url, &nats.url, "natsrs", &["--publish-timeout", "2s"]);
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(pool.clone(), 10_000, 1500, stop.clone());
     for _ in 0..2 {
@@ -251,7 +251,7 @@ async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_held").await;
     let nats = OwnNats::start(&stack, "held");
-    let _relay = Relay::start(&url, &nats.url, "held", &["--publish-timeout", "30s"]);
+    let _relay = Service::relay(&url, &nats.url, "held", &["--publish-timeout", "30s"]);
     let slot = "outbox_relay_held";
     // Warm up: one event through, so the stream and slot exist.
     let mut sent: HashSet<uuid::Uuid> = insert_txn(&pool, 0, 0, 1, 0).await.into_iter().collect();
@@ -308,7 +308,7 @@ async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
 async fn idle_outbox_in_busy_database_retains_little_wal() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_idle").await;
-    let _relay = Relay::start(&url, &stack.nats_url, "idle", &[]);
+    let _relay = Service::relay(&url, &stack.nats_url, "idle", &[]);
     let slot = "outbox_relay_idle";
     sent_one_and_wait(&stack, &pool, "IDLE_EVENTS").await;
     let start: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
@@ -378,7 +378,7 @@ async fn sent_one_and_wait(stack: &Stack, pool: &sqlx::PgPool, stream: &str) {
 async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_dlq").await;
-    let _relay = Relay::start(&url, &stack.nats_url, "dlq", &[]);
+    let _relay = Service::relay(&url, &stack.nats_url, "dlq", &[]);
     let insert = |subject: Option<&'static str>, payload: String| {
         let pool = pool.clone();
         async move {
@@ -507,7 +507,7 @@ async fn restart_after_the_duplicate_window_adds_no_duplicates() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_window").await;
     // A 1 s duplicate window: JetStream's own dedupe cannot help after it.
-    let mut relay = Relay::start(
+    let mut relay = Service::relay(
         &url,
         &stack.nats_url,
         "window",
@@ -538,8 +538,8 @@ async fn restart_after_the_duplicate_window_adds_no_duplicates() {
         let last_commit = lsn(last.last().unwrap().h("Outbox-Commit-Lsn").unwrap());
         let confirmed = slot_confirmed(&pool, "outbox_relay_window").await.unwrap();
         tokio::time::sleep(Duration::from_millis(2500)).await;
-        relay.restart("window");
-        relay.wait_streaming();
+        relay.restart();
+        relay.wait_ready();
         if confirmed <= last_commit {
             // The slot is behind what the stream holds: those events are replayed now.
             replay_forced = true;

@@ -87,16 +87,18 @@ pub fn log_dir() -> PathBuf {
     dir
 }
 
-/// The relay binary as a child process; killed on drop.
-pub struct Relay {
+/// The binary (relay or consumer) as a child process; killed on drop.
+pub struct Service {
     pub child: Child,
     pub log: PathBuf,
     args: Vec<String>,
     log_start: usize,
+    ready: &'static str,
+    name: String,
 }
 
-impl Relay {
-    pub fn start(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Relay {
+impl Service {
+    pub fn relay(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
         let mut args: Vec<String> = vec![
             "relay".into(),
             "--database-url".into(),
@@ -111,18 +113,54 @@ impl Relay {
             "127.0.0.1:0".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
-        let mut relay = Self::spawn(args, context);
-        relay.wait_streaming();
-        relay
+        Self::start(args, context, "streaming")
     }
 
-    /// Block until the relay holds its slot: rows committed before the slot
-    /// exists are, by design, not in it.
-    pub fn wait_streaming(&mut self) {
+    /// `outbox-relay consume` for durable `durable` (log named after it).
+    pub fn consumer(
+        db_url: &str,
+        nats_url: &str,
+        stream: &str,
+        durable: &str,
+        handler_url: &str,
+        extra: &[&str],
+    ) -> Service {
+        let mut args: Vec<String> = [
+            "consume",
+            "--database-url",
+            db_url,
+            "--nats-url",
+            nats_url,
+            "--stream",
+            stream,
+            "--durable",
+            durable,
+            "--handler-url",
+            handler_url,
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::start(args, durable, "consuming")
+    }
+
+    fn start(args: Vec<String>, name: &str, ready: &'static str) -> Service {
+        let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
+        let mut service = Self::spawn(args, name, ready);
+        service.wait_ready();
+        service
+    }
+
+    /// Block until the service says it is ready. For the relay that is when it
+    /// holds its slot: rows committed before the slot exists are, by design,
+    /// not in it.
+    pub fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if self.log_text()[self.log_start..].contains("streaming") {
+            if self.log_text()[self.log_start..].contains(self.ready) {
                 return;
             }
             if let Some(st) = self.child.try_wait().unwrap() {
@@ -133,15 +171,15 @@ impl Relay {
             }
             assert!(
                 Instant::now() < deadline,
-                "relay not streaming after 60s:\n{}",
+                "service not ready after 60s:\n{}",
                 self.log_text()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
 
-    fn spawn(args: Vec<String>, context: &str) -> Relay {
-        let log = log_dir().join(format!("{context}.log"));
+    fn spawn(args: Vec<String>, name: &str, ready: &'static str) -> Service {
+        let log = log_dir().join(format!("{name}.log"));
         let log_start = std::fs::metadata(&log).map_or(0, |m| m.len() as usize);
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -155,19 +193,21 @@ impl Relay {
             .stderr(file)
             .spawn()
             .unwrap();
-        Relay {
+        Service {
             child,
             log,
             args,
             log_start,
+            ready,
+            name: name.to_owned(),
         }
     }
 
-    /// Start again with the same arguments (after a kill).
-    pub fn restart(&mut self, context: &str) {
+    /// Start again with the same arguments (after a kill); does not wait.
+    pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        *self = Self::spawn(self.args.clone(), context);
+        *self = Self::spawn(self.args.clone(), &self.name.clone(), self.ready);
     }
 
     pub fn pid(&self) -> u32 {
@@ -195,7 +235,7 @@ impl Relay {
         }
     }
 
-    /// Peak resident memory of the relay process (VmHWM), in KiB.
+    /// Peak resident memory of the process (VmHWM), in KiB.
     pub fn peak_rss_kib(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
         status
@@ -212,7 +252,7 @@ impl Relay {
     }
 }
 
-impl Drop for Relay {
+impl Drop for Service {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

@@ -1,0 +1,666 @@
+//! Consumer integration tests: real Postgres, real nats-server, and a real
+//! local HTTP handler (axum) whose answers each test scripts per message.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, stream};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use common::*;
+use uuid::Uuid;
+
+const T: Duration = Duration::from_secs(90);
+
+/// One call the handler received.
+#[derive(Debug, Clone)]
+struct Call {
+    id: String,
+    idempotency_key: Option<String>,
+    traceparent: Option<String>,
+    body: serde_json::Value,
+    status: u16,
+    at: Instant,
+}
+
+/// A local HTTP handler. The message's payload may carry `"answers": [..]`:
+/// the n-th call answers the n-th status (the last one repeats); 0 means
+/// "hang past the consumer's handler timeout". `"sleep_ms"` delays each answer.
+#[derive(Clone, Default)]
+struct Handler {
+    calls: Arc<Mutex<Vec<Call>>>,
+}
+
+impl Handler {
+    async fn serve(&self) -> String {
+        let app = axum::Router::new()
+            .route("/handle", axum::routing::post(answer))
+            .with_state(self.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/handle", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        url
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    fn calls_for(&self, id: Uuid) -> Vec<Call> {
+        self.calls()
+            .into_iter()
+            .filter(|c| c.id == id.to_string())
+            .collect()
+    }
+}
+
+async fn answer(State(h): State<Handler>, headers: HeaderMap, body: Bytes) -> StatusCode {
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let id = body["message_id"].as_str().unwrap().to_owned();
+    let n = h
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.id == id)
+        .count();
+    let answers: Vec<u16> = body["payload"]["answers"]
+        .as_array()
+        .map(|a| a.iter().map(|v| v.as_u64().unwrap() as u16).collect())
+        .unwrap_or_else(|| vec![200]);
+    let status = answers[n.min(answers.len() - 1)];
+    if let Some(ms) = body["payload"]["sleep_ms"].as_u64() {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let h2 = |k: &str| headers.get(k).map(|v| v.to_str().unwrap().to_owned());
+    h.calls.lock().unwrap().push(Call {
+        id,
+        idempotency_key: h2("idempotency-key"),
+        traceparent: h2("traceparent"),
+        body,
+        status,
+        at: Instant::now(),
+    });
+    if status == 0 {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        return StatusCode::OK;
+    }
+    StatusCode::from_u16(status).unwrap()
+}
+
+async fn js(nats_url: &str) -> jetstream::Context {
+    jetstream::new(async_nats::connect(nats_url).await.unwrap())
+}
+
+/// A fresh events stream `{CTX}_EVENTS` on `{ctx}.>`, and its DLQ stream gone.
+async fn fresh_stream(js: &jetstream::Context, ctx: &str, dup_window: Duration) -> String {
+    let name = format!("{}_EVENTS", ctx.to_uppercase());
+    let _ = js.delete_stream(&name).await;
+    let _ = js
+        .delete_stream(format!("DLQ_{}", ctx.to_uppercase()))
+        .await;
+    js.create_stream(stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{ctx}.>")],
+        duplicate_window: dup_window,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    name
+}
+
+/// Publish as the relay would: id, aggregate and event headers.
+async fn publish(
+    js: &jetstream::Context,
+    subject: &str,
+    id: Option<Uuid>,
+    aggregate: &str,
+    payload: &[u8],
+) {
+    let mut h = async_nats::HeaderMap::new();
+    if let Some(id) = id {
+        h.insert("Nats-Msg-Id", id.to_string().as_str());
+    }
+    h.insert("Outbox-Aggregate-Id", aggregate);
+    h.insert("Outbox-Event-Type", "placed");
+    h.insert("Outbox-Event-Version", "2");
+    h.insert(
+        "traceparent",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    );
+    js.send_publish(
+        subject.to_owned(),
+        jetstream::message::PublishMessage::build()
+            .payload(payload.to_vec().into())
+            .headers(h),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+}
+
+#[derive(Debug)]
+struct InboxRow {
+    attempts: i32,
+    processed: bool,
+    last_error: Option<String>,
+}
+
+async fn inbox(pool: &sqlx::PgPool, consumer: &str) -> HashMap<Uuid, InboxRow> {
+    sqlx::query_as::<_, (Uuid, i32, bool, Option<String>)>(
+        "SELECT message_id, attempts, processed_at IS NOT NULL, last_error FROM inbox_messages WHERE consumer = $1",
+    )
+    .bind(consumer)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, attempts, processed, last_error)| (id, InboxRow { attempts, processed, last_error }))
+    .collect()
+}
+
+async fn wait_processed(pool: &sqlx::PgPool, consumer: &str, n: usize) {
+    eventually(T, &format!("{n} inbox rows processed"), || async {
+        inbox(pool, consumer)
+            .await
+            .values()
+            .filter(|r| r.processed)
+            .count()
+            >= n
+    })
+    .await;
+}
+
+/// Nothing left to deliver or to ack: every message was acked or terminated.
+async fn assert_all_acked(js: &jetstream::Context, stream: &str, durable: &str) {
+    eventually(
+        Duration::from_secs(20),
+        "consumer has nothing pending or unacked",
+        || async {
+            let mut c: jetstream::consumer::PullConsumer =
+                js.get_consumer_from_stream(durable, stream).await.unwrap();
+            let info = c.info().await.unwrap();
+            info.num_pending == 0 && info.num_ack_pending == 0
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_answer_of_the_spec_table() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_table").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "ctab", Duration::from_secs(120)).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "table",
+        &handler_url,
+        &[
+            "--context",
+            "ctab",
+            "--max-deliver",
+            "3",
+            "--backoff",
+            "200ms",
+            "--handler-timeout",
+            "1s",
+            "--ack-wait",
+            "5s",
+            "--concurrency",
+            "4",
+        ],
+    );
+    let ids: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
+    let scripts = [
+        r#"{"answers": [200]}"#,
+        r#"{"answers": [409]}"#,
+        r#"{"answers": [422]}"#,
+        r#"{"answers": [500, 503, 200]}"#,
+        r#"{"answers": [0, 200]}"#,
+        r#"{"answers": [500]}"#,
+    ];
+    for (i, (id, script)) in ids.iter().zip(scripts).enumerate() {
+        publish(
+            &js,
+            "ctab.event.placed.v2",
+            Some(*id),
+            &format!("agg-{i}"),
+            script.as_bytes(),
+        )
+        .await;
+    }
+    wait_processed(&pool, "table", 6).await;
+    assert_all_acked(&js, &stream, "table").await;
+    let rows = inbox(&pool, "table").await;
+    let row = |i: usize| &rows[&ids[i]];
+
+    // 200 and 409: processed on the first call, no error.
+    for i in [0, 1] {
+        assert_eq!(
+            (row(i).attempts, row(i).last_error.as_deref()),
+            (1, None),
+            "answer {}",
+            scripts[i]
+        );
+        assert_eq!(handler.calls_for(ids[i]).len(), 1);
+    }
+    // 422: dead-lettered at once, processed with the reason.
+    assert_eq!(row(2).attempts, 1);
+    assert!(row(2).last_error.as_deref().unwrap().contains("422"));
+    assert_eq!(handler.calls_for(ids[2]).len(), 1);
+    // Fails twice, then succeeds: three calls, processed once, last error kept.
+    assert_eq!(handler.calls_for(ids[3]).len(), 3);
+    assert_eq!(row(3).attempts, 3);
+    assert!(row(3).last_error.as_deref().unwrap().contains("503"));
+    // Timeout, then success.
+    assert_eq!(row(4).attempts, 2);
+    assert!(row(4).last_error.as_deref().unwrap().contains("timed out"));
+    // Fails on every delivery: dead-lettered on the last allowed (3rd) one.
+    assert_eq!(handler.calls_for(ids[5]).len(), 3);
+    assert_eq!(row(5).attempts, 3);
+    assert!(row(5)
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("last delivery"));
+    assert!(rows.values().all(|r| r.processed));
+
+    // Headers the handler got.
+    let c = &handler.calls_for(ids[0])[0];
+    assert_eq!(
+        c.idempotency_key.as_deref(),
+        Some(ids[0].to_string().as_str())
+    );
+    assert_eq!(
+        c.traceparent.as_deref(),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    assert_eq!(c.body["subject"], "ctab.event.placed.v2");
+    assert_eq!(c.body["event_type"], "placed");
+    assert_eq!(c.body["event_version"], 2);
+    assert_eq!(c.body["payload"]["answers"][0], 200);
+    for calls in [handler.calls_for(ids[3]), handler.calls_for(ids[4])] {
+        assert!(
+            calls
+                .iter()
+                .all(|c| c.idempotency_key.as_deref() == Some(c.id.as_str())),
+            "same key on retries"
+        );
+    }
+
+    // The DLQ holds exactly the two dead letters, with their headers.
+    let dlq = read_stream(&stack.nats_url, "DLQ_CTAB", 2, T).await;
+    assert_eq!(dlq.len(), 2);
+    for (g, i, attempts) in [(&dlq[0], 2, "1"), (&dlq[1], 5, "3")] {
+        assert_eq!(g.subject, "dlq.ctab.ctab.event.placed.v2");
+        assert_eq!(g.h("Nats-Msg-Id"), Some(ids[i].to_string().as_str()));
+        assert_eq!(g.h("Outbox-Dlq-Attempts"), Some(attempts));
+        assert_eq!(
+            g.h("Outbox-Dlq-Original-Subject"),
+            Some("ctab.event.placed.v2")
+        );
+        assert_eq!(g.h("Outbox-Dlq-Consumer"), Some("table"));
+        assert_eq!(
+            g.h("Outbox-Event-Type"),
+            Some("placed"),
+            "original headers kept"
+        );
+        assert!(g.h("Outbox-Dlq-Reason").is_some());
+        assert_eq!(g.payload, scripts[i].as_bytes(), "original body");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_handler_is_retried_then_dead_lettered() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_unreach").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cunr", Duration::from_secs(120)).await;
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "unreach",
+        &format!("http://127.0.0.1:{port}/h"),
+        &[
+            "--context",
+            "cunr",
+            "--max-deliver",
+            "2",
+            "--backoff",
+            "100ms",
+        ],
+    );
+    let id = Uuid::new_v4();
+    publish(&js, "cunr.x", Some(id), "a", b"{}").await;
+    wait_processed(&pool, "unreach", 1).await;
+    let rows = inbox(&pool, "unreach").await;
+    assert_eq!(rows[&id].attempts, 2);
+    assert!(rows[&id]
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("unreachable"));
+    assert_eq!(
+        read_stream(&stack.nats_url, "DLQ_CUNR", 1, T).await.len(),
+        1
+    );
+    assert_all_acked(&js, &stream, "unreach").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_dead_lettered_not_dropped_nor_retried() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_bad").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cbad", Duration::from_secs(120)).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "bad",
+        &handler_url,
+        &["--context", "cbad"],
+    );
+    publish(&js, "cbad.no.id", None, "a", b"{}").await;
+    let not_json = Uuid::new_v4();
+    publish(
+        &js,
+        "cbad.not.json",
+        Some(not_json),
+        "b",
+        b"this is not json",
+    )
+    .await;
+    let dlq = read_stream(&stack.nats_url, "DLQ_CBAD", 2, T).await;
+    assert_eq!(dlq.len(), 2);
+    let reason = |subject: &str| {
+        dlq.iter()
+            .find(|g| g.subject == subject)
+            .unwrap()
+            .h("Outbox-Dlq-Reason")
+            .unwrap()
+            .to_owned()
+    };
+    assert!(reason("dlq.cbad.cbad.no.id").contains("no Nats-Msg-Id"));
+    assert!(reason("dlq.cbad.cbad.not.json").contains("not JSON"));
+    assert_eq!(
+        dlq.iter()
+            .find(|g| g.subject == "dlq.cbad.cbad.not.json")
+            .unwrap()
+            .payload,
+        b"this is not json"
+    );
+    assert_all_acked(&js, &stream, "bad").await;
+    assert!(
+        handler.calls().is_empty(),
+        "the handler never sees bad input"
+    );
+    let rows = inbox(&pool, "bad").await;
+    assert!(rows[&not_json].processed && rows[&not_json].last_error.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_published_twice_outside_the_dedupe_window_reaches_the_handler_once() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_twice").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "ctwice", Duration::from_secs(1)).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "twice",
+        &handler_url,
+        &["--context", "ctwice"],
+    );
+    let id = Uuid::new_v4();
+    publish(&js, "ctwice.e", Some(id), "a", b"{}").await;
+    wait_processed(&pool, "twice", 1).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    publish(&js, "ctwice.e", Some(id), "a", b"{}").await;
+    let mut s = js.get_stream(&stream).await.unwrap();
+    assert_eq!(
+        s.info().await.unwrap().state.messages,
+        2,
+        "JetStream stored it twice"
+    );
+    assert_all_acked(&js, &stream, "twice").await;
+    assert_eq!(handler.calls_for(id).len(), 1);
+    assert_eq!(inbox(&pool, "twice").await[&id].attempts, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_aggregate_order_holds_across_retries_while_others_flow() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_order").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "corder", Duration::from_secs(120)).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "order",
+        &handler_url,
+        &[
+            "--context",
+            "corder",
+            "--backoff",
+            "1500ms",
+            "--concurrency",
+            "4",
+        ],
+    );
+    let a: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
+    let b: Vec<Uuid> = (0..2).map(|_| Uuid::new_v4()).collect();
+    publish(
+        &js,
+        "corder.e",
+        Some(a[0]),
+        "A",
+        br#"{"answers": [500, 200]}"#,
+    )
+    .await;
+    publish(&js, "corder.e", Some(a[1]), "A", b"{}").await;
+    publish(&js, "corder.e", Some(b[0]), "B", b"{}").await;
+    publish(&js, "corder.e", Some(a[2]), "A", b"{}").await;
+    publish(&js, "corder.e", Some(b[1]), "B", b"{}").await;
+    wait_processed(&pool, "order", 5).await;
+    let calls = handler.calls();
+    let ok_at = |id: Uuid| {
+        calls
+            .iter()
+            .find(|c| c.id == id.to_string() && c.status == 200)
+            .unwrap()
+            .at
+    };
+    let first_call = |id: Uuid| calls.iter().find(|c| c.id == id.to_string()).unwrap().at;
+    assert!(
+        first_call(a[1]) > ok_at(a[0]),
+        "A's second event waited for the first's retry"
+    );
+    assert!(ok_at(a[2]) > ok_at(a[1]), "A in stream order");
+    assert!(ok_at(b[1]) < ok_at(a[0]), "B kept flowing while A waited");
+    assert_eq!(calls.iter().filter(|c| c.id == a[1].to_string()).count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_batch_then_restart_processes_each_once() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_kill").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "ckill", Duration::from_secs(120)).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let concurrency = 8;
+    let mut consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "killme",
+        &handler_url,
+        &[
+            "--context",
+            "ckill",
+            "--concurrency",
+            "8",
+            "--ack-wait",
+            "2s",
+        ],
+    );
+    const N: usize = 300;
+    let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        publish(
+            &js,
+            "ckill.e",
+            Some(*id),
+            &format!("agg-{}", i % 40),
+            br#"{"sleep_ms": 10}"#,
+        )
+        .await;
+    }
+    eventually(T, "a third handled", || async {
+        handler.calls().len() >= N / 3
+    })
+    .await;
+    consumer.kill9();
+    let at_kill = handler.calls().len();
+    consumer.restart();
+    consumer.wait_ready();
+    wait_processed(&pool, "killme", N).await;
+    assert_all_acked(&js, &stream, "killme").await;
+    assert!(at_kill < N, "killed mid-batch");
+
+    let calls = handler.calls();
+    let mut per_id: HashMap<&str, Vec<&Call>> = HashMap::new();
+    for c in &calls {
+        per_id.entry(c.id.as_str()).or_default().push(c);
+    }
+    assert_eq!(per_id.len(), N, "every message reached the handler");
+    let repeats: Vec<_> = per_id.iter().filter(|(_, c)| c.len() > 1).collect();
+    // Only deliveries in flight at the kill can be repeated (the consumer
+    // runs at most `concurrency` at once), and with the same key.
+    assert!(
+        repeats.len() <= concurrency,
+        "{} repeats for {concurrency} in flight",
+        repeats.len()
+    );
+    for (id, cs) in &repeats {
+        assert!(cs.iter().all(|c| c.idempotency_key.as_deref() == Some(*id)));
+    }
+    let rows = inbox(&pool, "killme").await;
+    assert_eq!(rows.len(), N);
+    assert!(rows.values().all(|r| r.processed));
+}
+
+/// A Rust handler writing its own effect in the inbox transaction; the
+/// first delivery of each message fails after writing.
+struct Effects;
+
+impl outbox_relay::handler::Handler for Effects {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        d: &outbox_relay::handler::Delivery,
+    ) -> outbox_relay::handler::Outcome {
+        use outbox_relay::handler::Outcome;
+        if let Err(e) = sqlx::query("INSERT INTO effects (message_id, delivered) VALUES ($1, $2)")
+            .bind(d.message_id)
+            .bind(d.delivered)
+            .execute(&mut *tx)
+            .await
+        {
+            return Outcome::Retry(e.to_string());
+        }
+        if d.delivered == 1 {
+            Outcome::Retry("first delivery fails after writing".into())
+        } else {
+            Outcome::Processed
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_handler_writes_roll_back_with_the_inbox_row() {
+    let stack = stack();
+    let (_url, pool) = fresh_db(&stack, "c_rust").await;
+    sqlx::query("CREATE TABLE effects (message_id uuid NOT NULL, delivered int8 NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "crust", Duration::from_secs(120)).await;
+    let cfg = outbox_relay::consume::ConsumeConfig {
+        stream: stream.clone(),
+        durable: "rust".into(),
+        filter: None,
+        ack_wait: Duration::from_secs(5),
+        max_deliver: 5,
+        max_ack_pending: 50,
+        concurrency: 2,
+        backoff: vec![Duration::from_millis(200)],
+        dlq_prefix: "dlq.crust".into(),
+        dlq_replicas: 1,
+        shutdown_timeout: Duration::from_secs(5),
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(outbox_relay::consume::run(
+        cfg,
+        pool.clone(),
+        js.clone(),
+        Effects,
+        shutdown.clone(),
+    ));
+    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        publish(&js, "crust.e", Some(*id), &format!("a{i}"), b"{}").await;
+    }
+    wait_processed(&pool, "rust", 3).await;
+    for id in &ids {
+        let kept: Vec<i64> =
+            sqlx::query_scalar("SELECT delivered FROM effects WHERE message_id = $1")
+                .bind(id)
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            kept,
+            vec![2],
+            "the failed attempt's write was rolled back, the successful one kept"
+        );
+    }
+    let rows = inbox(&pool, "rust").await;
+    assert!(ids
+        .iter()
+        .all(|id| rows[id].attempts == 2 && rows[id].processed));
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
