@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Demo: local Postgres + NATS, migrate, run the relay, insert sample events in
-# a few transactions, and show them arriving in the JetStream stream. Bounded:
-# everything it started is stopped on exit.
+# Demo: local Postgres + NATS, migrate, run the relay and the consumer with a
+# sample HTTP handler, insert sample events in a few transactions, and show
+# them arriving in the stream, reaching the handler, and one poison event
+# reaching the dead-letter stream. Bounded: everything it started is stopped
+# on exit.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-cargo build --quiet --bin outbox-relay --example tail_stream
+cargo build --quiet --bin outbox-relay --example tail_stream --example sample_handler
 BIN="$ROOT/target/debug/outbox-relay"
 STACK_DIR="$(mktemp -d -t outbox-relay-demo.XXXXXX)"
-cleanup() { scripts/stack.sh down "$STACK_DIR" || true; rm -rf "$STACK_DIR"; }
+HANDLER_PID=""
+CONSUMER_PID=""
+cleanup() {
+  for pid in $CONSUMER_PID $HANDLER_PID; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  scripts/stack.sh down "$STACK_DIR" || true
+  rm -rf "$STACK_DIR"
+}
 trap cleanup EXIT INT TERM
 
 echo "== starting Postgres (wal_level=logical) and nats-server -js on loopback"
@@ -23,7 +31,22 @@ echo "== outbox-relay migrate"
 echo "== outbox-relay relay --context demo   (log: $STACK_DIR/relay.log)"
 scripts/stack.sh relay "$STACK_DIR" "$BIN" --context demo >/dev/null
 
-echo "== inserting sample events: an order, its items, a payment (three transactions)"
+HANDLER_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+echo "== sample HTTP handler on 127.0.0.1:$HANDLER_PORT (answers 200, or 422 for a poison event)"
+"$ROOT/target/debug/examples/sample_handler" "127.0.0.1:$HANDLER_PORT" &
+HANDLER_PID=$!
+
+echo "== outbox-relay consume --durable billing   (log: $STACK_DIR/consumer.log)"
+"$BIN" consume --context demo --durable billing --handler-url "http://127.0.0.1:$HANDLER_PORT/events" \
+  --metrics-addr 127.0.0.1:0 >"$STACK_DIR/consumer.log" 2>&1 &
+CONSUMER_PID=$!
+for _ in $(seq 1 100); do
+  grep -q consuming "$STACK_DIR/consumer.log" && break
+  kill -0 "$CONSUMER_PID" 2>/dev/null || { cat "$STACK_DIR/consumer.log"; exit 1; }
+  sleep 0.1
+done
+
+echo "== inserting sample events: an order, its items, a payment, and a poison event"
 psql -q "$DATABASE_URL" <<'SQL'
 BEGIN;
 INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, headers)
@@ -37,10 +60,19 @@ FROM generate_series(1, 3) g;
 COMMIT;
 INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, event_version, payload)
 VALUES (gen_random_uuid(), 'payment', 'p-77', 'payment_captured', 2, '{"orderId": "o-1001", "amount": 42.5}');
+INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload)
+VALUES (gen_random_uuid(), 'order', 'o-1002', 'order_placed', '{"orderId": "o-1002", "poison": true}');
 SQL
 
+sleep 1  # let the handler's lines print before the listings
 echo "== events in stream DEMO_EVENTS:"
-"$ROOT/target/debug/examples/tail_stream" DEMO_EVENTS 5
+"$ROOT/target/debug/examples/tail_stream" DEMO_EVENTS 6
+
+echo "== dead-letter stream DLQ_DEMO (the poison event, with its reason):"
+"$ROOT/target/debug/examples/tail_stream" DLQ_DEMO 1
+
+echo "== inbox of consumer billing:"
+psql -q "$DATABASE_URL" -c "SELECT message_id, subject, attempts, processed_at IS NOT NULL AS processed, last_error FROM inbox_messages ORDER BY received_at"
 
 echo "== slot after the relay confirmed them:"
 sleep 1.5
