@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# End-to-end load run on a throwaway local stack with a release relay.
-#   scripts/bench.sh [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES] [--producers N]
+# Load runs on a throwaway local stack with a release build.
+#   scripts/bench.sh [relay] [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES] [--producers N]
+#   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N]
 # Against your own deployment, run `cargo bench --bench relay_e2e -- …` with
 # DATABASE_URL, NATS_URL, RELAY_PID and RELAY_METRICS set instead.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
+MODE=relay
+case "${1:-}" in relay|consumer) MODE="$1"; shift ;; esac
+BENCH=relay_e2e
+[ "$MODE" = consumer ] && BENCH=consumer_throughput
+
 cargo build --release --quiet --bin outbox-relay
-cargo bench --no-run --quiet --bench relay_e2e 2>/dev/null
+cargo bench --no-run --quiet --bench "$BENCH" 2>/dev/null
 STACK_DIR="$(mktemp -d -t outbox-relay-bench.XXXXXX)"
 cleanup() { scripts/stack.sh down "$STACK_DIR" || true; rm -rf "$STACK_DIR"; }
 trap cleanup EXIT INT TERM
@@ -17,6 +23,10 @@ scripts/stack.sh up "$STACK_DIR" >/dev/null
 # shellcheck disable=SC1091
 . "$STACK_DIR/env"
 target/release/outbox-relay migrate 2>/dev/null
+if [ "$MODE" = consumer ]; then
+  RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 600 cargo bench --quiet --bench "$BENCH" -- "$@"
+  exit
+fi
 METRICS_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
