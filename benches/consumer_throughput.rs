@@ -74,12 +74,20 @@ async fn main() {
             .payload(r#"{"n": 1}"#.into())
             .headers(h);
         acks.push(js.send_publish("ctp.e", msg).await.unwrap());
+        // async-nats holds at most 5,000 unacked publishes per context.
+        if acks.len() == 1000 {
+            for a in acks.drain(..) {
+                a.await.unwrap();
+            }
+        }
     }
     for a in acks {
         a.await.unwrap();
     }
 
     let durable = format!("ctp_c{concurrency}");
+    let log_path = std::env::temp_dir().join(format!("consumer-bench-{concurrency}.log"));
+    let log = std::fs::File::create(&log_path).unwrap();
     let mut child = Command::new(&bin)
         .args([
             "consume",
@@ -105,7 +113,7 @@ async fn main() {
             "127.0.0.1:0",
         ])
         .args(["--max-ack-pending", &(concurrency * 4).max(50).to_string()])
-        .stderr(Stdio::null())
+        .stderr(Stdio::from(log))
         .spawn()
         .expect("start the consumer");
 
@@ -122,6 +130,14 @@ async fn main() {
     // Time from the first handler call, so start-up is not counted.
     let deadline = Instant::now() + Duration::from_secs(300);
     while calls.load(Ordering::Relaxed) == 0 && Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(5).collect();
+            panic!(
+                "consumer exited with {st}: {}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let start = Instant::now();

@@ -420,8 +420,15 @@ impl RelayArgs {
     }
 }
 
-/// The context is a subject token and part of SQL identifiers.
+/// The context is a subject token and part of SQL identifiers. `dlq` is
+/// taken: consumers' dead letters live under `dlq.{context}.>`.
 pub fn validate_context(context: &str) -> Result<()> {
+    if context == "dlq" {
+        return Err(Error::Config(
+            "--context dlq is reserved for dead-letter subjects (dlq.{context}.>); choose another"
+                .into(),
+        ));
+    }
     let ok = !context.is_empty()
         && context.len() <= 40
         && context
@@ -493,6 +500,7 @@ mod tests {
             vec!["--slot", "x; drop table t"],
             vec!["--publication", "a b"],
             vec!["--context", "Has.Dot"],
+            vec!["--context", "dlq"],
             vec!["--stream", "a.b"],
             vec!["--subject-template", "{context}.{bogus}"],
         ] {

@@ -37,7 +37,11 @@ impl DeadLetters {
                     ..Default::default()
                 })
                 .await
-                .map_err(Error::nats(format!("creating dead-letter stream {name}")))?;
+                .map_err(|e| {
+                    Error::Setup(format!(
+                        "cannot create dead-letter stream {name} on {prefix}.>: {e}; choose another --dlq-prefix"
+                    ))
+                })?;
                 tracing::info!(stream = %name, prefix, "created dead-letter stream");
             }
             Err(e) => return Err(Error::nats("looking up the dead-letter stream")(e)),

@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use outbox_relay::config::{Cli, Command, SlotCommand};
-use outbox_relay::error::{Class, Error};
+use outbox_relay::error::Error;
 use outbox_relay::{postgres, relay};
 use tokio_util::sync::CancellationToken;
 
@@ -23,13 +23,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line, what is wrong and how to fix it; no backtrace.
-            let hint = match e.class() {
-                Class::Permanent => "",
-                Class::Transient => {
-                    " (a connection failed; check that the server is up and reachable)"
-                }
-            };
-            eprintln!("error: {e}{hint}");
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }

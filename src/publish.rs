@@ -65,7 +65,12 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<()> {
                 ..Default::default()
             })
             .await
-            .map_err(Error::nats(format!("creating stream {}", s.name)))?;
+            .map_err(|e| {
+                Error::Setup(format!(
+                    "cannot create stream {} on {}: {e}; create it yourself or pass --stream with an existing one",
+                    s.name, s.subjects
+                ))
+            })?;
             tracing::info!(stream = s.name, subjects = %s.subjects, "created stream");
             Ok(())
         }

@@ -73,10 +73,9 @@ async fn answer(State(h): State<Handler>, headers: HeaderMap, body: Bytes) -> St
         .map(|a| a.iter().map(|v| v.as_u64().unwrap() as u16).collect())
         .unwrap_or_else(|| vec![200]);
     let status = answers[n.min(answers.len() - 1)];
-    if let Some(ms) = body["payload"]["sleep_ms"].as_u64() {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
     let h2 = |k: &str| headers.get(k).map(|v| v.to_str().unwrap().to_owned());
+    let sleep = body["payload"]["sleep_ms"].as_u64();
+    // Recorded when the call arrives, so a test can act while it runs.
     h.calls.lock().unwrap().push(Call {
         id,
         idempotency_key: h2("idempotency-key"),
@@ -85,6 +84,9 @@ async fn answer(State(h): State<Handler>, headers: HeaderMap, body: Bytes) -> St
         status,
         at: Instant::now(),
     });
+    if let Some(ms) = sleep {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     if status == 0 {
         tokio::time::sleep(Duration::from_secs(5)).await;
         return StatusCode::OK;
@@ -663,4 +665,55 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
         .unwrap()
         .unwrap()
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_handler_keeps_its_delivery_and_sigterm_lets_it_finish() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_slow").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cslow", Duration::from_secs(120)).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    // The handler takes 2.5 times ack_wait: only in-progress acks keep
+    // JetStream from redelivering it meanwhile.
+    let mut consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "slow",
+        &handler_url,
+        &["--context", "cslow", "--ack-wait", "2s"],
+    );
+    let slow = Uuid::new_v4();
+    publish(&js, "cslow.e", Some(slow), "a", br#"{"sleep_ms": 5000}"#).await;
+    wait_processed(&pool, "slow", 1).await;
+    let info = js
+        .get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>("slow", &stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(
+        info.num_redelivered, 0,
+        "a running delivery was redelivered"
+    );
+    assert_eq!(handler.calls_for(slow).len(), 1);
+
+    // SIGTERM while a slow delivery runs: it finishes, is acked, exit 0.
+    let last = Uuid::new_v4();
+    publish(&js, "cslow.e", Some(last), "b", br#"{"sleep_ms": 1500}"#).await;
+    eventually(T, "handler called", || async {
+        !handler.calls_for(last).is_empty()
+    })
+    .await;
+    let st = consumer.term(Duration::from_secs(30));
+    assert!(st.success(), "graceful stop exits 0, got {st:?}");
+    assert!(
+        inbox(&pool, "slow").await[&last].processed,
+        "in-flight delivery finished before exit"
+    );
+    assert_all_acked(&js, &stream, "slow").await;
 }

@@ -377,8 +377,8 @@ async fn sent_one_and_wait(stack: &Stack, pool: &sqlx::PgPool, stream: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
     let stack = stack();
-    let (url, pool) = fresh_db(&stack, "t_dlq").await;
-    let _relay = Service::relay(&url, &stack.nats_url, "dlq", &[]);
+    let (url, pool) = fresh_db(&stack, "t_poison").await;
+    let _relay = Service::relay(&url, &stack.nats_url, "poison", &[]);
     let insert = |subject: Option<&'static str>, payload: String| {
         let pool = pool.clone();
         async move {
@@ -393,13 +393,13 @@ async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
             id
         }
     };
-    let wildcard = insert(Some("dlq.orders.*"), "{\"k\": 1}".into()).await;
-    let space = insert(Some("dlq.orders created"), "{\"k\": 2}".into()).await;
+    let wildcard = insert(Some("poison.orders.*"), "{\"k\": 1}".into()).await;
+    let space = insert(Some("poison.orders created"), "{\"k\": 2}".into()).await;
     let huge = insert(None, format!("{{\"big\": \"{}\"}}", "y".repeat(1_500_000))).await;
     let outside = insert(Some("elsewhere.x"), "{\"k\": 3}".into()).await;
     let good = insert(None, "{\"k\": 4}".into()).await;
 
-    let got = read_stream(&stack.nats_url, "DLQ_EVENTS", 5, T).await;
+    let got = read_stream(&stack.nats_url, "POISON_EVENTS", 5, T).await;
     assert_eq!(
         got.len(),
         5,
@@ -417,7 +417,7 @@ async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
         (outside, "subject_outside_stream"),
     ] {
         let g = by_id(id);
-        assert_eq!(g.subject, "dlq.dlq.relay", "{reason}");
+        assert_eq!(g.subject, "poison.dlq.relay", "{reason}");
         assert_eq!(g.h("Outbox-Dlq-Reason"), Some(reason));
         assert_eq!(g.h("Outbox-Event-Type"), Some("e"));
     }
@@ -428,7 +428,7 @@ async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
         "body kept when it fits"
     );
     let g = by_id(good);
-    assert_eq!(g.subject, "dlq.event.e.v1");
+    assert_eq!(g.subject, "poison.event.e.v1");
     assert_eq!(g.h("Outbox-Dlq-Reason"), None);
     assert_eq!(
         got.last().unwrap().h("Nats-Msg-Id"),
