@@ -327,6 +327,19 @@ async fn deliver<H: Handler>(shared: &Shared<H>, msg: jetstream::Message) -> Opt
             ack(&msg).await;
             return None;
         }
+        Err(e) if cfg.max_deliver > 0 && delivered >= cfg.max_deliver => {
+            // JetStream will not deliver it again: a NAK would strand it.
+            let reason = format!("inbox unavailable on the last delivery ({delivered}): {e}");
+            return dead_letter_and_ack(
+                shared,
+                &msg,
+                &id.to_string(),
+                Some(id),
+                &reason,
+                delivered,
+            )
+            .await;
+        }
         Err(e) => {
             // The database failed, not the handler: try again later, without
             // spending the message's deliveries faster than the backoff.
