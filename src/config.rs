@@ -55,6 +55,23 @@ pub struct DbArgs {
     pub database_url: String,
 }
 
+#[derive(Debug, Clone, Args)]
+pub struct NatsArgs {
+    /// NATS servers, comma-separated.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
+    pub nats_url: String,
+}
+
+/// The events stream a context uses unless told otherwise: `{CONTEXT}_EVENTS`.
+pub fn default_stream(context: &str) -> String {
+    format!("{}_EVENTS", context.to_uppercase().replace('-', "_"))
+}
+
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
     #[command(flatten)]
@@ -112,14 +129,8 @@ pub struct RelayArgs {
     #[command(flatten)]
     pub names: SlotNameArgs,
 
-    /// NATS servers, comma-separated.
-    #[arg(
-        long,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        hide_env_values = true
-    )]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub nats: NatsArgs,
 
     /// Publication name [default: outbox_relay_{context}].
     #[arg(long, env = "OUTBOX_PUBLICATION")]
@@ -200,14 +211,8 @@ pub struct ConsumeArgs {
     #[command(flatten)]
     pub db: DbArgs,
 
-    /// NATS servers, comma-separated.
-    #[arg(
-        long,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        hide_env_values = true
-    )]
-    pub nats_url: String,
+    #[command(flatten)]
+    pub nats: NatsArgs,
 
     /// Context; names the default stream and dead-letter prefix.
     #[arg(long, env = "OUTBOX_CONTEXT", default_value = "outbox")]
@@ -279,7 +284,7 @@ impl ConsumeArgs {
         let stream = self
             .stream
             .clone()
-            .unwrap_or_else(|| format!("{}_EVENTS", self.context.to_uppercase().replace('-', "_")));
+            .unwrap_or_else(|| default_stream(&self.context));
         let durable_ok = !self.durable.is_empty()
             && self
                 .durable
@@ -377,7 +382,7 @@ impl RelayArgs {
         let stream = self
             .stream
             .clone()
-            .unwrap_or_else(|| format!("{}_EVENTS", context.to_uppercase().replace('-', "_")));
+            .unwrap_or_else(|| default_stream(&context));
         if stream.is_empty()
             || stream
                 .chars()
@@ -392,12 +397,12 @@ impl RelayArgs {
         if self.publish_timeout.is_zero() {
             return Err(Error::Config("--publish-timeout must be above zero".into()));
         }
-        if self.nats_url.trim().is_empty() {
+        if self.nats.nats_url.trim().is_empty() {
             return Err(Error::Config("NATS_URL is empty".into()));
         }
         Ok(RelayConfig {
             database_url: self.db.database_url.clone(),
-            nats_url: self.nats_url.clone(),
+            nats_url: self.nats.nats_url.clone(),
             context,
             slot,
             publication,

@@ -78,10 +78,13 @@ async fn run(command: Command) -> Result<(), Error> {
                 .name(format!("outbox-consume:{}", cfg.durable))
                 .connection_timeout(std::time::Duration::from_secs(5))
                 .max_reconnects(None)
-                .connect(args.nats_url.as_str())
+                .connect(args.nats.nats_url.as_str())
                 .await
                 .map_err(|e| {
-                    Error::Config(format!("cannot connect to NATS at {}: {e}", args.nats_url))
+                    Error::Config(format!(
+                        "cannot connect to NATS at {}: {e}",
+                        args.nats.nats_url
+                    ))
                 })?;
             let js = async_nats::jetstream::new(nats.clone());
             outbox_relay::metrics::install(args.metrics_addr).map_err(Error::Config)?;

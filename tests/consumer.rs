@@ -116,6 +116,43 @@ async fn fresh_stream(js: &jetstream::Context, ctx: &str, dup_window: Duration) 
     name
 }
 
+/// One test's world: a fresh database and stream `{CTX}_EVENTS`, a scripted
+/// handler, and the consumer binary running as durable `durable`.
+struct Fixture {
+    pool: sqlx::PgPool,
+    js: jetstream::Context,
+    stream: String,
+    handler: Handler,
+    consumer: Service,
+}
+
+async fn fixture(
+    db: &str,
+    ctx: &str,
+    durable: &str,
+    dup_window: Duration,
+    extra: &[&str],
+) -> Fixture {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, db).await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, ctx, dup_window).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let mut args = vec!["--context", ctx];
+    args.extend_from_slice(extra);
+    let consumer = Service::consumer(&url, &stack.nats_url, &stream, durable, &handler_url, &args);
+    Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        consumer,
+    }
+}
+
+const DUP: Duration = Duration::from_secs(120);
+
 /// Publish as the relay would: id, aggregate and event headers.
 async fn publish(
     js: &jetstream::Context,
@@ -196,21 +233,18 @@ async fn assert_all_acked(js: &jetstream::Context, stream: &str, durable: &str) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_answer_of_the_spec_table() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_table").await;
-    let js = js(&stack.nats_url).await;
-    let stream = fresh_stream(&js, "ctab", Duration::from_secs(120)).await;
-    let handler = Handler::default();
-    let handler_url = handler.serve().await;
-    let _consumer = Service::consumer(
-        &url,
-        &stack.nats_url,
-        &stream,
+    let Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        consumer: _consumer,
+    } = fixture(
+        "c_table",
+        "ctab",
         "table",
-        &handler_url,
+        DUP,
         &[
-            "--context",
-            "ctab",
             "--max-deliver",
             "3",
             "--backoff",
@@ -222,7 +256,8 @@ async fn each_answer_of_the_spec_table() {
             "--concurrency",
             "4",
         ],
-    );
+    )
+    .await;
     let ids: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
     let scripts = [
         r#"{"answers": [200]}"#,
@@ -302,7 +337,7 @@ async fn each_answer_of_the_spec_table() {
     }
 
     // The DLQ holds exactly the two dead letters, with their headers.
-    let dlq = read_stream(&stack.nats_url, "DLQ_CTAB", 2, T).await;
+    let dlq = read_stream(&stack().nats_url, "DLQ_CTAB", 2, T).await;
     assert_eq!(dlq.len(), 2);
     for (g, i, attempts) in [(&dlq[0], 2, "1"), (&dlq[1], 5, "3")] {
         assert_eq!(g.subject, "dlq.ctab.ctab.event.placed.v2");
@@ -369,20 +404,13 @@ async fn unreachable_handler_is_retried_then_dead_lettered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_dead_lettered_not_dropped_nor_retried() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_bad").await;
-    let js = js(&stack.nats_url).await;
-    let stream = fresh_stream(&js, "cbad", Duration::from_secs(120)).await;
-    let handler = Handler::default();
-    let handler_url = handler.serve().await;
-    let _consumer = Service::consumer(
-        &url,
-        &stack.nats_url,
-        &stream,
-        "bad",
-        &handler_url,
-        &["--context", "cbad"],
-    );
+    let Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        consumer: _consumer,
+    } = fixture("c_bad", "cbad", "bad", DUP, &[]).await;
     publish(&js, "cbad.no.id", None, "a", b"{}").await;
     let not_json = Uuid::new_v4();
     publish(
@@ -393,7 +421,7 @@ async fn bad_input_is_dead_lettered_not_dropped_nor_retried() {
         b"this is not json",
     )
     .await;
-    let dlq = read_stream(&stack.nats_url, "DLQ_CBAD", 2, T).await;
+    let dlq = read_stream(&stack().nats_url, "DLQ_CBAD", 2, T).await;
     assert_eq!(dlq.len(), 2);
     let reason = |subject: &str| {
         dlq.iter()
@@ -423,20 +451,13 @@ async fn bad_input_is_dead_lettered_not_dropped_nor_retried() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn message_published_twice_outside_the_dedupe_window_reaches_the_handler_once() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_twice").await;
-    let js = js(&stack.nats_url).await;
-    let stream = fresh_stream(&js, "ctwice", Duration::from_secs(1)).await;
-    let handler = Handler::default();
-    let handler_url = handler.serve().await;
-    let _consumer = Service::consumer(
-        &url,
-        &stack.nats_url,
-        &stream,
-        "twice",
-        &handler_url,
-        &["--context", "ctwice"],
-    );
+    let Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        consumer: _consumer,
+    } = fixture("c_twice", "ctwice", "twice", Duration::from_secs(1), &[]).await;
     let id = Uuid::new_v4();
     publish(&js, "ctwice.e", Some(id), "a", b"{}").await;
     wait_processed(&pool, "twice", 1).await;
@@ -455,27 +476,20 @@ async fn message_published_twice_outside_the_dedupe_window_reaches_the_handler_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_aggregate_order_holds_across_retries_while_others_flow() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_order").await;
-    let js = js(&stack.nats_url).await;
-    let stream = fresh_stream(&js, "corder", Duration::from_secs(120)).await;
-    let handler = Handler::default();
-    let handler_url = handler.serve().await;
-    let _consumer = Service::consumer(
-        &url,
-        &stack.nats_url,
-        &stream,
+    let Fixture {
+        pool,
+        js,
+        handler,
+        consumer: _consumer,
+        ..
+    } = fixture(
+        "c_order",
+        "corder",
         "order",
-        &handler_url,
-        &[
-            "--context",
-            "corder",
-            "--backoff",
-            "1500ms",
-            "--concurrency",
-            "4",
-        ],
-    );
+        DUP,
+        &["--backoff", "1500ms", "--concurrency", "4"],
+    )
+    .await;
     let a: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
     let b: Vec<Uuid> = (0..2).map(|_| Uuid::new_v4()).collect();
     publish(
@@ -511,28 +525,21 @@ async fn per_aggregate_order_holds_across_retries_while_others_flow() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_batch_then_restart_processes_each_once() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_kill").await;
-    let js = js(&stack.nats_url).await;
-    let stream = fresh_stream(&js, "ckill", Duration::from_secs(120)).await;
-    let handler = Handler::default();
-    let handler_url = handler.serve().await;
-    let concurrency = 8;
-    let mut consumer = Service::consumer(
-        &url,
-        &stack.nats_url,
-        &stream,
+    let Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        mut consumer,
+    } = fixture(
+        "c_kill",
+        "ckill",
         "killme",
-        &handler_url,
-        &[
-            "--context",
-            "ckill",
-            "--concurrency",
-            "8",
-            "--ack-wait",
-            "2s",
-        ],
-    );
+        DUP,
+        &["--concurrency", "8", "--ack-wait", "2s"],
+    )
+    .await;
+    let concurrency = 8;
     const N: usize = 300;
     let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
     for (i, id) in ids.iter().enumerate() {
@@ -669,22 +676,13 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_handler_keeps_its_delivery_and_sigterm_lets_it_finish() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_slow").await;
-    let js = js(&stack.nats_url).await;
-    let stream = fresh_stream(&js, "cslow", Duration::from_secs(120)).await;
-    let handler = Handler::default();
-    let handler_url = handler.serve().await;
-    // The handler takes 2.5 times ack_wait: only in-progress acks keep
-    // JetStream from redelivering it meanwhile.
-    let mut consumer = Service::consumer(
-        &url,
-        &stack.nats_url,
-        &stream,
-        "slow",
-        &handler_url,
-        &["--context", "cslow", "--ack-wait", "2s"],
-    );
+    let Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        mut consumer,
+    } = fixture("c_slow", "cslow", "slow", DUP, &["--ack-wait", "2s"]).await;
     let slow = Uuid::new_v4();
     publish(&js, "cslow.e", Some(slow), "a", br#"{"sleep_ms": 5000}"#).await;
     wait_processed(&pool, "slow", 1).await;
