@@ -66,6 +66,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let _ = tokio::signal::ctrl_c().await;
         stop.cancel();
     });
-    consume::run(cfg, pool, js, Totals, shutdown).await?;
+    // A Rust service would serve `ready` on its own health endpoint.
+    let ready = outbox_relay::endpoint::Readiness::default();
+    consume::run(cfg, pool, js, Totals, ready, shutdown).await?;
     Ok(())
 }

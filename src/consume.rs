@@ -32,9 +32,8 @@ use crate::route::{
     HDR_MSG_ID, HDR_OCCURRED_AT,
 };
 
-pub const MESSAGES: &str = "outbox_consumer_messages_total";
-pub const HANDLER_SECONDS: &str = "outbox_consumer_handler_seconds";
-pub const PENDING: &str = "outbox_consumer_pending_messages";
+use crate::endpoint::Readiness;
+use crate::metrics::{CONSUMER_HANDLER_SECONDS, CONSUMER_MESSAGES, CONSUMER_PENDING};
 
 /// Validated consumer settings.
 #[derive(Debug, Clone)]
@@ -104,14 +103,20 @@ struct KeyState {
 }
 
 /// Run until `shutdown`. The consumer is created, or updated to these settings.
+/// `ready` is told when pulling has started (and when it stops).
 pub async fn run<H: Handler>(
     cfg: ConsumeConfig,
     pool: PgPool,
     js: jetstream::Context,
     handler: H,
+    readiness: Readiness,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    describe();
+    crate::metrics::register_consumer();
+    readiness.not_ready(format!(
+        "not consuming yet: creating consumer {} on stream {}",
+        cfg.durable, cfg.stream
+    ));
     let stream = js
         .get_stream(&cfg.stream)
         .await
@@ -138,6 +143,7 @@ pub async fn run<H: Handler>(
         .await
         .map_err(Error::nats("starting the pull subscription"))?;
     tracing::info!(stream = %cfg.stream, durable = %cfg.durable, "consuming");
+    readiness.ready();
 
     let shared = Arc::new(Shared {
         pool,
@@ -150,7 +156,8 @@ pub async fn run<H: Handler>(
     let mut ready: VecDeque<String> = VecDeque::new();
     let mut running = 0usize;
     let mut progress = tokio::time::interval((cfg.ack_wait / 3).max(Duration::from_millis(100)));
-    let pending = metrics::gauge!(PENDING);
+    let pending = metrics::gauge!(CONSUMER_PENDING);
+    pending.set(consumer.cached_info().num_pending as f64);
 
     let start = |msg: jetstream::Message, key: String, running: &mut usize| {
         *running += 1;
@@ -207,6 +214,7 @@ pub async fn run<H: Handler>(
                     }
                     None => {
                         tracing::warn!("pull stream ended; resubscribing");
+                        readiness.not_ready("pull subscription ended; resubscribing");
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         messages = consumer
                             .stream()
@@ -214,6 +222,7 @@ pub async fn run<H: Handler>(
                             .messages()
                             .await
                             .map_err(Error::nats("restarting the pull subscription"))?;
+                        readiness.ready();
                         continue;
                     }
                 };
@@ -233,6 +242,7 @@ pub async fn run<H: Handler>(
     }
 
     // Shutdown: no more pulls; finish what runs, NAK what waits.
+    readiness.not_ready("shutting down");
     drop(messages);
     let deadline = Instant::now() + cfg.shutdown_timeout;
     while running > 0 {
@@ -275,7 +285,7 @@ fn header(msg: &jetstream::Message, name: &str) -> Option<String> {
 }
 
 fn count(result: &'static str) {
-    metrics::counter!(MESSAGES, "result" => result).increment(1);
+    metrics::counter!(CONSUMER_MESSAGES, "result" => result).increment(1);
 }
 
 /// One delivery, start to finish. Returns the message id when it was NAKed.
@@ -344,6 +354,7 @@ async fn deliver<H: Handler>(shared: &Shared<H>, msg: jetstream::Message) -> Opt
             // The database failed, not the handler: try again later, without
             // spending the message's deliveries faster than the backoff.
             tracing::warn!(%id, error = %e, "inbox unavailable; NAK");
+            count("retried");
             let delay = cfg
                 .backoff
                 .first()
@@ -416,7 +427,7 @@ async fn handle_in_transaction<H: Handler>(
             }
         }
     };
-    metrics::histogram!(HANDLER_SECONDS).record(started.elapsed().as_secs_f64());
+    metrics::histogram!(CONSUMER_HANDLER_SECONDS).record(started.elapsed().as_secs_f64());
     if outcome == Outcome::Processed {
         inbox::mark_processed(&mut tx, &cfg.durable, delivery.message_id).await?;
         tx.commit().await?;
@@ -438,6 +449,7 @@ async fn dead_letter_and_ack<H: Handler>(
     if let Err(e) = shared.dlq.publish(msg, dlq_id, reason, delivered).await {
         // Not stored in the DLQ: keep the original, try again later.
         tracing::warn!(id = dlq_id, error = %e, "dead-letter publish failed; NAK");
+        count("retried");
         let _ = msg
             .ack_with(AckKind::Nak(cfg.backoff.first().copied()))
             .await;
@@ -465,16 +477,6 @@ async fn ack(msg: &jetstream::Message) {
     if let Err(e) = msg.ack().await {
         tracing::warn!(error = %e, "ack failed; the message will be redelivered");
     }
-}
-
-pub fn describe() {
-    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-    describe_counter!(
-        MESSAGES,
-        "Consumer deliveries by result: processed, duplicate, retried, dead_lettered"
-    );
-    describe_histogram!(HANDLER_SECONDS, Unit::Seconds, "Handler call time");
-    describe_gauge!(PENDING, "Messages not yet delivered to the consumer");
 }
 
 #[cfg(test)]

@@ -7,10 +7,13 @@
 //! (JetStream, in order) → [`watermark`] (slot ack), driven by [`relay`].
 //! The consumer: [`consume`] (pull, per-aggregate order) → [`inbox`] (dedupe)
 //! → [`handler`] (HTTP or Rust, in the inbox transaction) → [`dlq`].
+//! Beside them: [`metrics`] (names, recorder), [`slots`] (`pg_replication_slots`
+//! monitor) and [`endpoint`] (`/metrics`, `/healthz`, `/readyz`).
 
 pub mod config;
 pub mod consume;
 pub mod dlq;
+pub mod endpoint;
 pub mod error;
 pub mod events;
 pub mod handler;
@@ -22,6 +25,7 @@ pub mod postgres;
 pub mod publish;
 pub mod relay;
 pub mod route;
+pub mod slots;
 pub mod watermark;
 
 pub use error::{Error, Result};

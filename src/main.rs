@@ -2,7 +2,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use outbox_relay::config::{Cli, Command, SlotCommand};
+use outbox_relay::endpoint::{Endpoint, Readiness};
 use outbox_relay::error::Error;
+use outbox_relay::slots::{self, SlotMetrics};
 use outbox_relay::{postgres, relay};
 use tokio_util::sync::CancellationToken;
 
@@ -54,15 +56,30 @@ async fn run(command: Command) -> Result<(), Error> {
         }
         Command::Relay(args) => {
             let cfg = args.validate()?;
+            let dsn = postgres::Dsn::parse(&cfg.database_url)?;
             if args.check_config {
-                postgres::Dsn::parse(&cfg.database_url)?;
                 println!("configuration ok");
                 return Ok(());
             }
-            outbox_relay::metrics::install(args.metrics_addr).map_err(Error::Config)?;
+            let handle = outbox_relay::metrics::install().map_err(Error::Config)?;
+            let ready = Readiness::new("not streaming yet: starting");
+            // Slot figures come from their own small pool, so they keep
+            // reporting while the replication stream is down.
+            let slots = SlotMetrics::default();
+            let monitor_stop = CancellationToken::new();
+            tokio::spawn(slots::monitor(
+                dsn.lazy_pool(1, args.slot_metrics_interval)?,
+                args.slot_metrics_interval,
+                slots.clone(),
+                monitor_stop.clone(),
+            ));
+            let _monitor_stop = monitor_stop.drop_guard();
+            let endpoint =
+                Endpoint::start(args.metrics_addr, handle, Some(slots), ready.clone()).await?;
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
-            let stopped = relay::run(cfg, shutdown).await?;
+            let stopped = relay::run(cfg, ready, shutdown).await?;
+            endpoint.stop();
             tracing::info!(confirmed_lsn = %stopped.confirmed, "relay stopped");
             Ok(())
         }
@@ -71,9 +88,13 @@ async fn run(command: Command) -> Result<(), Error> {
             let handler =
                 outbox_relay::handler::HttpHandler::new(&args.handler_url, args.handler_timeout)
                     .map_err(Error::Config)?;
+            let handle = outbox_relay::metrics::install().map_err(Error::Config)?;
+            let ready = Readiness::new("not consuming yet: starting");
+            let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
             let pool = postgres::Dsn::parse(&args.db.database_url)?
                 .pool(cfg.concurrency as u32 + 2)
                 .await?;
+            ready.watch_postgres(pool.clone());
             let nats = async_nats::ConnectOptions::new()
                 .name(format!("outbox-consume:{}", cfg.durable))
                 .connection_timeout(std::time::Duration::from_secs(5))
@@ -86,27 +107,41 @@ async fn run(command: Command) -> Result<(), Error> {
                         args.nats.nats_url
                     ))
                 })?;
+            ready.watch_nats(nats.clone());
             let js = async_nats::jetstream::new(nats.clone());
-            outbox_relay::metrics::install(args.metrics_addr).map_err(Error::Config)?;
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
-            outbox_relay::consume::run(cfg, pool, js, handler, shutdown).await?;
+            outbox_relay::consume::run(cfg, pool, js, handler, ready, shutdown).await?;
             nats.flush().await.ok();
+            endpoint.stop();
             Ok(())
         }
         Command::Slot { command } => match command {
             SlotCommand::Status(args) => {
                 let slot = args.names.slot_name()?;
                 let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
-                let status = postgres::slot_status(&pool, &slot)
-                    .await?
-                    .ok_or_else(|| Error::Setup(format!("slot {slot} does not exist")))?;
+                let found = slots::list(&pool, (!args.all).then_some(slot.as_str())).await?;
+                if found.is_empty() && !args.all {
+                    return Err(Error::Setup(format!(
+                        "slot {slot} does not exist (the relay creates it on its first start; --all lists every logical slot)"
+                    )));
+                }
                 if args.json {
-                    let json = serde_json::to_string_pretty(&status)
-                        .map_err(|e| Error::Config(format!("encoding JSON: {e}")))?;
+                    // One object for one slot, an array for --all.
+                    let json = if args.all {
+                        serde_json::to_string_pretty(&found)
+                    } else {
+                        serde_json::to_string_pretty(&found[0])
+                    }
+                    .map_err(|e| Error::Config(format!("encoding JSON: {e}")))?;
                     println!("{json}");
                 } else {
-                    print_status(&status);
+                    for (i, s) in found.iter().enumerate() {
+                        if i > 0 {
+                            println!();
+                        }
+                        print_status(s);
+                    }
                 }
                 Ok(())
             }
@@ -129,9 +164,9 @@ async fn run(command: Command) -> Result<(), Error> {
     }
 }
 
-fn print_status(s: &postgres::SlotStatus) {
+fn print_status(s: &slots::SlotStatus) {
     let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
-    let bytes = |v: Option<i64>| v.map_or_else(|| "-".into(), |b| format!("{b} bytes"));
+    let bytes = |v: Option<i64>| v.map_or_else(|| "-".into(), human_bytes);
     println!("slot                 {}", s.slot);
     println!(
         "plugin / database    {} / {}",
@@ -151,7 +186,32 @@ fn print_status(s: &postgres::SlotStatus) {
     println!("lag                  {}", bytes(s.lag_bytes));
     println!("retained WAL         {}", bytes(s.retained_wal_bytes));
     println!("wal_status           {}", opt(&s.wal_status));
-    println!("safe WAL size        {}", bytes(s.safe_wal_size_bytes));
+    println!(
+        "safe WAL size        {}",
+        s.safe_wal_size_bytes.map_or_else(
+            || "- (max_slot_wal_keep_size is not set: the slot may retain WAL without limit)"
+                .into(),
+            human_bytes
+        )
+    );
+}
+
+fn human_bytes(b: i64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut unit = "";
+    for u in UNITS {
+        if v.abs() < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    if unit.is_empty() {
+        format!("{b} bytes")
+    } else {
+        format!("{b} bytes ({v:.1} {unit})")
+    }
 }
 
 async fn on_signal(shutdown: CancellationToken) {

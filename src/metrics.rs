@@ -1,18 +1,122 @@
-//! Metric names, defined once (SPEC §7). Prometheus naming: `_total` for
-//! counters, base units in the name, low-cardinality labels only.
+//! Metric names, defined once (SPEC §7), and the Prometheus recorder.
+//!
+//! Prometheus naming: `_total` for counters, base units in the name,
+//! low-cardinality labels only. The two latency metrics are real histograms
+//! (buckets), not summaries, so `histogram_quantile` can aggregate them
+//! across instances and over any window an alert wants.
+//!
+//! Slot metrics (`pg_replication_slot_*`) are not recorded here: they are a
+//! snapshot of `pg_replication_slots`, rendered at scrape time by
+//! [`crate::slots`], so a dropped slot disappears at once instead of leaving a
+//! stale series behind.
 
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+// Relay (SPEC §7).
 pub const EVENTS_PUBLISHED: &str = "outbox_relay_events_published_total";
 pub const EVENTS_DEAD_LETTERED: &str = "outbox_relay_events_dead_lettered_total";
 pub const PUBLISH_ERRORS: &str = "outbox_relay_publish_errors_total";
 pub const INFLIGHT_EVENTS: &str = "outbox_relay_inflight_events";
 pub const COMMIT_TO_ACK_SECONDS: &str = "outbox_relay_commit_to_ack_seconds";
 pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
+// Relay, beyond SPEC §7.
 /// Replayed events found already in the stream after a restart (not republished).
 pub const EVENTS_SKIPPED: &str = "outbox_relay_events_skipped_total";
 /// Replication sessions that ended in an error and were restarted.
 pub const SESSION_RESTARTS: &str = "outbox_relay_session_restarts_total";
+/// 1 while the relay streams from its slot (what `/readyz` reports).
+pub const STREAMING: &str = "outbox_relay_streaming";
 
-pub fn describe() {
+// Slots (SPEC §7), rendered by `crate::slots`.
+pub const SLOT_LAG_BYTES: &str = "pg_replication_slot_lag_bytes";
+pub const SLOT_RETAINED_WAL_BYTES: &str = "pg_replication_slot_retained_wal_bytes";
+pub const SLOT_ACTIVE: &str = "pg_replication_slot_active";
+pub const SLOT_SAFE_WAL_SIZE_BYTES: &str = "pg_replication_slot_safe_wal_size_bytes";
+/// One series per `status` (reserved, extended, unreserved, lost); the current one is 1.
+pub const SLOT_WAL_STATUS: &str = "pg_replication_slot_wal_status";
+/// 1 when the last `pg_replication_slots` query succeeded. When it is 0 the
+/// slot series are absent rather than stale.
+pub const SLOT_MONITOR_UP: &str = "outbox_relay_slot_monitor_up";
+
+// Consumer (SPEC §7).
+pub const CONSUMER_MESSAGES: &str = "outbox_consumer_messages_total";
+pub const CONSUMER_HANDLER_SECONDS: &str = "outbox_consumer_handler_seconds";
+pub const CONSUMER_PENDING: &str = "outbox_consumer_pending_messages";
+
+/// `result` label values of [`CONSUMER_MESSAGES`].
+pub const CONSUMER_RESULTS: [&str; 4] = ["processed", "duplicate", "retried", "dead_lettered"];
+
+/// Every metric name this crate exports, for tests and for the deploy/ files'
+/// checks. Histograms are listed by base name.
+pub const ALL: &[&str] = &[
+    EVENTS_PUBLISHED,
+    EVENTS_DEAD_LETTERED,
+    PUBLISH_ERRORS,
+    INFLIGHT_EVENTS,
+    COMMIT_TO_ACK_SECONDS,
+    CONFIRMED_LSN,
+    EVENTS_SKIPPED,
+    SESSION_RESTARTS,
+    STREAMING,
+    SLOT_LAG_BYTES,
+    SLOT_RETAINED_WAL_BYTES,
+    SLOT_ACTIVE,
+    SLOT_SAFE_WAL_SIZE_BYTES,
+    SLOT_WAL_STATUS,
+    SLOT_MONITOR_UP,
+    CONSUMER_MESSAGES,
+    CONSUMER_HANDLER_SECONDS,
+    CONSUMER_PENDING,
+];
+
+/// Buckets for commit→ack: a healthy relay lives in the low milliseconds, a
+/// backlog in seconds; both need resolution.
+const COMMIT_TO_ACK_BUCKETS: &[f64] = &[
+    0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+];
+/// Buckets for handler calls: milliseconds to the HTTP timeout.
+const HANDLER_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Install the process-wide recorder and return the handle that renders it.
+/// Histogram samples are kept in lock-free buffers until rendered; `upkeep`
+/// must run periodically so an unscraped process does not grow them.
+pub fn install() -> Result<PrometheusHandle, String> {
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(COMMIT_TO_ACK_SECONDS.into()),
+            COMMIT_TO_ACK_BUCKETS,
+        )
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full(CONSUMER_HANDLER_SECONDS.into()),
+                HANDLER_BUCKETS,
+            )
+        })
+        .map_err(|e| format!("metrics buckets: {e}"))?;
+    builder
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))
+}
+
+/// Drain histogram buffers every few seconds until `shutdown`.
+pub async fn upkeep(handle: PrometheusHandle, shutdown: tokio_util::sync::CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => handle.run_upkeep(),
+        }
+    }
+}
+
+/// Describe the relay's metrics and create every series at zero, so a fresh
+/// relay exports them all and `rate()` has a starting point.
+pub fn register_relay() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(EVENTS_PUBLISHED, "Events acked by JetStream");
     describe_counter!(
@@ -32,15 +136,133 @@ pub fn describe() {
         SESSION_RESTARTS,
         "Replication sessions restarted after an error"
     );
+    describe_gauge!(STREAMING, "1 while the relay streams from its slot");
+
+    metrics::counter!(EVENTS_PUBLISHED).increment(0);
+    for reason in crate::route::DlqReason::ALL {
+        metrics::counter!(EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(0);
+    }
+    metrics::counter!(PUBLISH_ERRORS).increment(0);
+    metrics::counter!(EVENTS_SKIPPED).increment(0);
+    metrics::counter!(SESSION_RESTARTS).increment(0);
+    metrics::gauge!(INFLIGHT_EVENTS).set(0.0);
+    metrics::gauge!(STREAMING).set(0.0);
 }
 
-/// Serve `/metrics` on `addr`. The commit→ack histogram is kept as a summary
-/// (quantiles over a sliding window), which is what operators alert on.
-pub fn install(addr: std::net::SocketAddr) -> Result<(), String> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
-    describe();
-    Ok(())
+/// The consumer's counterpart of [`register_relay`].
+pub fn register_consumer() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        CONSUMER_MESSAGES,
+        "Deliveries by result: processed, duplicate, retried, dead_lettered"
+    );
+    describe_histogram!(CONSUMER_HANDLER_SECONDS, Unit::Seconds, "Handler call time");
+    describe_gauge!(
+        CONSUMER_PENDING,
+        "Messages in the stream not yet delivered to the consumer"
+    );
+    for result in CONSUMER_RESULTS {
+        metrics::counter!(CONSUMER_MESSAGES, "result" => result).increment(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALERTS: &str = include_str!("../deploy/prometheus/alerts.yml");
+    const DASHBOARD: &str = include_str!("../deploy/grafana/outbox-relay.json");
+
+    /// Our metric names in a PromQL expression (histogram series by base name).
+    fn names_in(expr: &str) -> Vec<String> {
+        expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            .filter(|w| w.starts_with("outbox_") || w.starts_with("pg_replication_slot"))
+            .map(|w| {
+                ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| w.strip_suffix(s).filter(|b| ALL.contains(b)))
+                    .unwrap_or(w)
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    fn alert_exprs() -> Vec<String> {
+        ALERTS
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("expr:"))
+            .map(|e| e.trim().to_owned())
+            .collect()
+    }
+
+    fn dashboard_exprs() -> Vec<String> {
+        let dash: serde_json::Value = serde_json::from_str(DASHBOARD).expect("dashboard is JSON");
+        let panels = dash["panels"].as_array().expect("panels");
+        panels
+            .iter()
+            .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+            .map(|t| t["expr"].as_str().expect("target expr").to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn deploy_files_name_only_metrics_we_export() {
+        let alerts = alert_exprs();
+        let rules = ALERTS.matches("- alert:").count();
+        assert_eq!(alerts.len(), rules, "every alert has a one-line expr");
+        let dash = dashboard_exprs();
+        assert!(dash.len() > 10);
+        for expr in alerts.iter().chain(&dash) {
+            let names = names_in(expr);
+            assert!(!names.is_empty(), "{expr} names none of our metrics");
+            for n in names {
+                assert!(ALL.contains(&n.as_str()), "{expr}: {n} is not exported");
+            }
+        }
+    }
+
+    #[test]
+    fn alerts_cover_what_operators_need() {
+        let covered = |needle: &str| alert_exprs().iter().any(|e| e.contains(needle));
+        for needle in [
+            "pg_replication_slot_active == 0",
+            "pg_replication_slot_lag_bytes",
+            "pg_replication_slot_retained_wal_bytes",
+            "status=\"unreserved\"",
+            "status=\"lost\"",
+            "histogram_quantile(0.99, sum by (le, instance) (rate(outbox_relay_commit_to_ack_seconds_bucket",
+            "outbox_relay_events_dead_lettered_total",
+            "result=\"dead_lettered\"",
+            "outbox_consumer_pending_messages",
+        ] {
+            assert!(covered(needle), "no alert on {needle}");
+        }
+    }
+
+    /// `scripts/test.sh` sets PROMTOOL_BIN; the rules must then pass both
+    /// `promtool check rules` and their unit tests.
+    #[test]
+    fn promtool_accepts_the_rules() {
+        let Ok(promtool) = std::env::var("PROMTOOL_BIN") else {
+            eprintln!("PROMTOOL_BIN not set: promtool checks skipped (scripts/test.sh sets it)");
+            return;
+        };
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus");
+        for args in [
+            ["check", "rules", "alerts.yml"],
+            ["test", "rules", "alerts_test.yml"],
+        ] {
+            let out = std::process::Command::new(&promtool)
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .expect("run promtool");
+            assert!(
+                out.status.success(),
+                "promtool {args:?} failed:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
 }

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use percent_encoding::percent_decode_str;
 use pgwire_replication::{Lsn, ReplicationConfig};
-use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
 
@@ -99,6 +98,18 @@ impl Dsn {
             .connect_with(opts)
             .await
             .map_err(Error::pg(format!("connecting to {self:?}")))
+    }
+
+    /// A pool that connects on first use and reconnects after failures, for
+    /// background work that must outlive an unreachable server.
+    pub fn lazy_pool(&self, max_connections: u32, acquire_timeout: Duration) -> Result<PgPool> {
+        let opts = PgConnectOptions::from_str(&self.url)
+            .map_err(|e| Error::Config(format!("DATABASE_URL: {e}")))?
+            .application_name("outbox-relay");
+        Ok(PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(acquire_timeout)
+            .connect_lazy_with(opts))
     }
 
     /// The replication stream's config. The session is pinned to ISO dates in
@@ -261,54 +272,8 @@ pub fn parse_pg_duration(s: &str) -> Option<Duration> {
     (!d.is_zero()).then_some(d)
 }
 
-/// One row of `slot status`.
-#[derive(Debug, Clone, Serialize)]
-pub struct SlotStatus {
-    pub slot: String,
-    pub plugin: Option<String>,
-    pub database: Option<String>,
-    pub active: bool,
-    pub active_pid: Option<i32>,
-    pub restart_lsn: Option<String>,
-    pub confirmed_flush_lsn: Option<String>,
-    pub current_wal_lsn: String,
-    pub lag_bytes: Option<i64>,
-    pub retained_wal_bytes: Option<i64>,
-    pub wal_status: Option<String>,
-    pub safe_wal_size_bytes: Option<i64>,
-}
-
-pub async fn slot_status(pool: &PgPool, slot: &str) -> Result<Option<SlotStatus>> {
-    let row = sqlx::query(
-        "SELECT slot_name::text, plugin::text, database::text, active, active_pid, \
-                restart_lsn::text, confirmed_flush_lsn::text, pg_current_wal_lsn()::text AS current, \
-                pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 AS lag, \
-                pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 AS retained, \
-                wal_status, safe_wal_size \
-         FROM pg_replication_slots WHERE slot_name = $1",
-    )
-    .bind(slot)
-    .fetch_optional(pool)
-    .await
-    .map_err(Error::pg("reading pg_replication_slots"))?;
-    Ok(row.map(|r| SlotStatus {
-        slot: r.get(0),
-        plugin: r.get(1),
-        database: r.get(2),
-        active: r.get(3),
-        active_pid: r.get(4),
-        restart_lsn: r.get(5),
-        confirmed_flush_lsn: r.get(6),
-        current_wal_lsn: r.get(7),
-        lag_bytes: r.get(8),
-        retained_wal_bytes: r.get(9),
-        wal_status: r.get(10),
-        safe_wal_size_bytes: r.get(11),
-    }))
-}
-
 pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
-    match slot_status(pool, slot).await? {
+    match crate::slots::slot_status(pool, slot).await? {
         None => Ok(false),
         Some(s) if s.active => Err(Error::Setup(format!(
             "slot {slot} is in use by backend PID {}; stop the relay first",

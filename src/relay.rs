@@ -25,6 +25,7 @@ use pgwire_replication::{Lsn, ReplicationClient};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::RelayConfig;
+use crate::endpoint::Readiness;
 use crate::error::{Class, Error, Result};
 use crate::events::{Stage, Step};
 use crate::metrics as m;
@@ -50,8 +51,14 @@ pub struct Stopped {
 /// Run until `shutdown`, reconnecting after transient failures. Errors that
 /// retrying cannot fix (configuration, privileges) end the run; so does any
 /// error before the first session streamed, so a wrong URL fails at once.
-pub async fn run(cfg: RelayConfig, shutdown: CancellationToken) -> Result<Stopped> {
-    m::describe();
+///
+/// `ready` is told the phase: ready only while streaming from the slot.
+pub async fn run(
+    cfg: RelayConfig,
+    ready: Readiness,
+    shutdown: CancellationToken,
+) -> Result<Stopped> {
+    m::register_relay();
     let dsn = Dsn::parse(&cfg.database_url)?;
     let pool = dsn.pool(2).await?;
     let nats = async_nats::ConnectOptions::new()
@@ -61,6 +68,7 @@ pub async fn run(cfg: RelayConfig, shutdown: CancellationToken) -> Result<Stoppe
         .connect(cfg.nats_url.as_str())
         .await
         .map_err(|e| Error::Config(format!("cannot connect to NATS at {}: {e}", cfg.nats_url)))?;
+    ready.watch_nats(nats.clone());
     let js = jetstream::ContextBuilder::new()
         .timeout(cfg.publish_timeout)
         .max_ack_inflight(cfg.max_inflight + 16)
@@ -71,9 +79,14 @@ pub async fn run(cfg: RelayConfig, shutdown: CancellationToken) -> Result<Stoppe
     let mut streamed_once = false;
     loop {
         let started = Instant::now();
-        let mut session = Session::new(&cfg, &dsn, &pool, &js, &nats);
+        let mut session = Session::new(&cfg, &dsn, &pool, &js, &nats, &ready);
         let result = session.run(&shutdown).await;
         streamed_once |= session.streaming;
+        metrics::gauge!(m::STREAMING).set(0.0);
+        match &result {
+            Ok(_) => ready.not_ready("shutting down"),
+            Err(e) => ready.not_ready(format!("not streaming: {e}")),
+        }
         match result {
             Ok(stopped) => {
                 nats.flush().await.ok();
@@ -104,6 +117,7 @@ struct Session<'a> {
     pool: &'a sqlx::PgPool,
     js: &'a jetstream::Context,
     nats: &'a async_nats::Client,
+    ready: &'a Readiness,
     watermark: Watermark,
     streaming: bool,
 }
@@ -115,6 +129,7 @@ impl<'a> Session<'a> {
         pool: &'a sqlx::PgPool,
         js: &'a jetstream::Context,
         nats: &'a async_nats::Client,
+        ready: &'a Readiness,
     ) -> Self {
         Self {
             cfg,
@@ -122,6 +137,7 @@ impl<'a> Session<'a> {
             pool,
             js,
             nats,
+            ready,
             watermark: Watermark::new(Lsn::ZERO),
             streaming: false,
         }
@@ -129,6 +145,10 @@ impl<'a> Session<'a> {
 
     async fn run(&mut self, shutdown: &CancellationToken) -> Result<Stopped> {
         let cfg = self.cfg;
+        self.ready.not_ready(format!(
+            "not streaming yet: preparing slot {} and publication {}",
+            cfg.slot, cfg.publication
+        ));
         let confirmed = postgres::prepare(
             self.pool,
             &cfg.schema,
@@ -162,6 +182,10 @@ impl<'a> Session<'a> {
                 (t / 4).min(Duration::from_secs(1))
             });
 
+        self.ready.not_ready(format!(
+            "not streaming yet: starting replication from slot {}",
+            cfg.slot
+        ));
         let repl = self
             .dsn
             .replication_config(&cfg.slot, &cfg.publication)
@@ -178,6 +202,8 @@ impl<'a> Session<'a> {
         client.start().await?;
         client.wait_started().await?;
         self.streaming = true;
+        self.ready.ready();
+        metrics::gauge!(m::STREAMING).set(1.0);
         tracing::info!(
             slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
             resume_after = ?resume.map(|p| format!("{}#{}", p.commit_lsn, p.index)),
@@ -243,6 +269,8 @@ impl<'a> Session<'a> {
             return Err(e);
         }
 
+        self.ready
+            .not_ready("shutting down: waiting for in-flight acks");
         // Graceful stop: read nothing more, wait (bounded) for the acks of
         // what is in flight, confirm, and let the worker send that position.
         tracing::info!(

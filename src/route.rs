@@ -42,6 +42,14 @@ pub enum DlqReason {
 }
 
 impl DlqReason {
+    pub const ALL: [DlqReason; 5] = [
+        Self::InvalidSubject,
+        Self::SubjectOutsideStream,
+        Self::InvalidHeader,
+        Self::TooLarge,
+        Self::BadRow,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::InvalidSubject => "invalid_subject",

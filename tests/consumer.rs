@@ -238,7 +238,7 @@ async fn each_answer_of_the_spec_table() {
         js,
         stream,
         handler,
-        consumer: _consumer,
+        consumer,
     } = fixture(
         "c_table",
         "ctab",
@@ -356,6 +356,38 @@ async fn each_answer_of_the_spec_table() {
         assert!(g.h("Outbox-Dlq-Reason").is_some());
         assert_eq!(g.payload, scripts[i].as_bytes(), "original body");
     }
+
+    // The endpoint: ready, and counters that match the answers above.
+    assert_eq!(
+        consumer.http_get("/readyz").await,
+        (200, "ready\n".to_owned())
+    );
+    assert_eq!(consumer.http_get("/healthz").await.0, 200);
+    let m = consumer.scrape().await;
+    for name in [
+        "outbox_consumer_messages_total",
+        "outbox_consumer_handler_seconds",
+        "outbox_consumer_pending_messages",
+    ] {
+        assert!(m.has(name), "{name} missing:\n{}", m.0);
+    }
+    let result = |r: &str| m.value(&format!("outbox_consumer_messages_total{{result=\"{r}\"}}"));
+    // processed: 200, 409, 500-503-200, timeout-200; dead letters: 422 and
+    // 500 ×3; retries: 2 + 1 + 2 NAKs; handler calls: 1+1+1+3+2+3.
+    assert_eq!(result("processed"), Some(4.0));
+    assert_eq!(result("dead_lettered"), Some(2.0));
+    assert_eq!(result("retried"), Some(5.0));
+    assert_eq!(result("duplicate"), Some(0.0));
+    assert_eq!(handler.calls().len(), 11);
+    assert_eq!(m.value("outbox_consumer_handler_seconds_count"), Some(11.0));
+    eventually(T, "pending gauge back to 0", || async {
+        consumer
+            .scrape()
+            .await
+            .value("outbox_consumer_pending_messages")
+            == Some(0.0)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -456,7 +488,7 @@ async fn message_published_twice_outside_the_dedupe_window_reaches_the_handler_o
         js,
         stream,
         handler,
-        consumer: _consumer,
+        consumer,
     } = fixture("c_twice", "ctwice", "twice", Duration::from_secs(1), &[]).await;
     let id = Uuid::new_v4();
     publish(&js, "ctwice.e", Some(id), "a", b"{}").await;
@@ -472,6 +504,12 @@ async fn message_published_twice_outside_the_dedupe_window_reaches_the_handler_o
     assert_all_acked(&js, &stream, "twice").await;
     assert_eq!(handler.calls_for(id).len(), 1);
     assert_eq!(inbox(&pool, "twice").await[&id].attempts, 1);
+    let m = consumer.scrape().await;
+    let result = |r: &str| m.value(&format!("outbox_consumer_messages_total{{result=\"{r}\"}}"));
+    assert_eq!(
+        (result("processed"), result("duplicate")),
+        (Some(1.0), Some(1.0))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -642,6 +680,7 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
         pool.clone(),
         js.clone(),
         Effects,
+        outbox_relay::endpoint::Readiness::default(),
         shutdown.clone(),
     ));
     let ids: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();

@@ -99,21 +99,15 @@ pub struct Service {
 
 impl Service {
     pub fn relay(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
-        let mut args: Vec<String> = vec![
-            "relay".into(),
-            "--database-url".into(),
-            db_url.into(),
-            "--nats-url".into(),
-            nats_url.into(),
-            "--context".into(),
-            context.into(),
-            "--max-backoff".into(),
-            "1s".into(),
-            "--metrics-addr".into(),
-            "127.0.0.1:0".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
+        let args = relay_args(db_url, nats_url, context, extra);
         Self::start(args, context, "streaming")
+    }
+
+    /// The relay started, but not waited for (to watch it become ready).
+    pub fn relay_starting(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
+        let args = relay_args(db_url, nats_url, context, extra);
+        let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
+        Self::spawn(args, context, "streaming")
     }
 
     /// `outbox-relay consume` for durable `durable` (log named after it).
@@ -247,6 +241,50 @@ impl Service {
             .ok()
     }
 
+    /// Where this run of the service serves `/metrics` (it logs the address,
+    /// since the tests ask for port 0).
+    pub fn metrics_addr(&self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let log = self.log_text();
+            let this_run = log.get(self.log_start..).unwrap_or_default();
+            if let Some(line) = this_run
+                .lines()
+                .rev()
+                .find(|l| l.contains("serving /metrics"))
+            {
+                if let Some(addr) = line.split("addr=").nth(1) {
+                    return addr
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or_default()
+                        .to_owned();
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no metrics address in the log:\n{log}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// GET `path` on the metrics endpoint: (status, body).
+    pub async fn http_get(&self, path: &str) -> (u16, String) {
+        let url = format!("http://{}{path}", self.metrics_addr());
+        let resp = reqwest::get(&url)
+            .await
+            .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+        let status = resp.status().as_u16();
+        (status, resp.text().await.unwrap_or_default())
+    }
+
+    pub async fn scrape(&self) -> Scrape {
+        let (status, body) = self.http_get("/metrics").await;
+        assert_eq!(status, 200, "/metrics answered {status}: {body}");
+        Scrape(body)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -265,6 +303,52 @@ pub fn signal(pid: u32, sig: &str) {
         .status()
         .unwrap();
     assert!(st.success(), "kill -{sig} {pid} failed");
+}
+
+fn relay_args(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = vec![
+        "relay".into(),
+        "--database-url".into(),
+        db_url.into(),
+        "--nats-url".into(),
+        nats_url.into(),
+        "--context".into(),
+        context.into(),
+        "--max-backoff".into(),
+        "1s".into(),
+        "--metrics-addr".into(),
+        "127.0.0.1:0".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// One `/metrics` response.
+#[derive(Debug, Clone)]
+pub struct Scrape(pub String);
+
+impl Scrape {
+    /// The value of one series, written as rendered: `name` or `name{l="v"}`.
+    pub fn value(&self, series: &str) -> Option<f64> {
+        self.0
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|l| {
+                let (s, v) = l.rsplit_once(' ')?;
+                (s == series).then(|| v.parse().ok()).flatten()
+            })
+    }
+
+    /// Whether any sample of metric `name` is present (histograms by base name).
+    pub fn has(&self, name: &str) -> bool {
+        self.0.lines().filter(|l| !l.starts_with('#')).any(|l| {
+            let sample = l.split(['{', ' ']).next().unwrap_or_default();
+            sample == name
+                || ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|s| sample.strip_suffix(s) == Some(name))
+        })
+    }
 }
 
 /// A message as read back from the stream.

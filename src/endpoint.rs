@@ -1,0 +1,190 @@
+//! The operator endpoint on `--metrics-addr`: `/metrics`, `/healthz`
+//! (the process answers) and `/readyz` (connected and working).
+//!
+//! Readiness is checked when asked, not cached: NATS from the client's own
+//! connection state, Postgres with a bounded `SELECT 1`, and the service's
+//! phase (for the relay: streaming from its slot) from what it last reported.
+//! A 503 body says what is missing, so a failing probe explains itself.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+use crate::slots::SlotMetrics;
+
+/// How long `/readyz` waits for Postgres before calling it unreachable.
+const PG_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What `/readyz` reports. Cheap to clone; the service updates its phase.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<ReadyInner>);
+
+#[derive(Default)]
+struct ReadyInner {
+    /// `None` when the service is doing its job; otherwise why not.
+    phase: Mutex<Option<String>>,
+    nats: OnceLock<async_nats::Client>,
+    postgres: OnceLock<PgPool>,
+}
+
+impl Readiness {
+    pub fn new(phase: impl Into<String>) -> Self {
+        let r = Self::default();
+        r.not_ready(phase);
+        r
+    }
+
+    pub fn ready(&self) {
+        if let Ok(mut p) = self.0.phase.lock() {
+            *p = None;
+        }
+    }
+
+    pub fn not_ready(&self, why: impl Into<String>) {
+        if let Ok(mut p) = self.0.phase.lock() {
+            *p = Some(why.into());
+        }
+    }
+
+    /// Also require this NATS connection to be up.
+    pub fn watch_nats(&self, client: async_nats::Client) {
+        let _ = self.0.nats.set(client);
+    }
+
+    /// Also require this pool to answer `SELECT 1`.
+    pub fn watch_postgres(&self, pool: PgPool) {
+        let _ = self.0.postgres.set(pool);
+    }
+
+    /// Empty when ready; otherwise one line per problem.
+    pub async fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        match self.0.phase.lock() {
+            Ok(p) => out.extend(p.clone()),
+            Err(_) => out.push("internal state poisoned".to_owned()),
+        }
+        if let Some(nats) = self.0.nats.get() {
+            let state = nats.connection_state();
+            if state != async_nats::connection::State::Connected {
+                out.push(format!("NATS: {state}"));
+            }
+        }
+        if let Some(pool) = self.0.postgres.get() {
+            let ping = sqlx::query("SELECT 1").execute(pool);
+            match tokio::time::timeout(PG_CHECK_TIMEOUT, ping).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => out.push(format!("Postgres: {e}")),
+                Err(_) => out.push(format!(
+                    "Postgres: no answer within {}s",
+                    PG_CHECK_TIMEOUT.as_secs()
+                )),
+            }
+        }
+        out
+    }
+}
+
+#[derive(Clone)]
+struct Served {
+    metrics: PrometheusHandle,
+    slots: Option<SlotMetrics>,
+    ready: Readiness,
+}
+
+/// The running endpoint; stop it after the service has drained, so the last
+/// figures of a graceful shutdown can still be scraped.
+pub struct Endpoint {
+    pub addr: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl Endpoint {
+    /// Bind `addr` (port 0 picks a free one) and serve until [`Endpoint::stop`].
+    pub async fn start(
+        addr: SocketAddr,
+        metrics: PrometheusHandle,
+        slots: Option<SlotMetrics>,
+        ready: Readiness,
+    ) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+            Error::Config(format!(
+                "cannot serve metrics on {addr}: {e} (choose another --metrics-addr)"
+            ))
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Config(format!("metrics listener: {e}")))?;
+        let stop = CancellationToken::new();
+        tokio::spawn(crate::metrics::upkeep(metrics.clone(), stop.clone()));
+        let app = axum::Router::new()
+            .route("/metrics", get(scrape))
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(readyz))
+            .fallback(|| async {
+                (
+                    StatusCode::NOT_FOUND,
+                    "not found; try /metrics, /healthz or /readyz\n",
+                )
+            })
+            .with_state(Served {
+                metrics,
+                slots,
+                ready,
+            });
+        let stopped = stop.clone();
+        tokio::spawn(async move {
+            let serve = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stopped.cancelled().await });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "metrics endpoint failed");
+            }
+        });
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+        Ok(Self { addr, stop })
+    }
+
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn scrape(State(s): State<Served>) -> impl IntoResponse {
+    let mut body = s.metrics.render();
+    if let Some(slots) = &s.slots {
+        slots.render(&mut body);
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+async fn readyz(State(s): State<Served>) -> impl IntoResponse {
+    let problems = s.ready.problems().await;
+    if problems.is_empty() {
+        (StatusCode::OK, "ready\n".to_owned())
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", problems.join("; ")),
+        )
+    }
+}

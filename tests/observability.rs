@@ -1,0 +1,229 @@
+//! The relay's operator endpoint against the real stack: `/readyz` phases,
+//! every SPEC §7 metric, event counts, and slot metrics that keep reporting
+//! (from another relay) while a relay is down.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+
+/// SPEC §7, the relay's and the slots' rows.
+const SPEC_RELAY_METRICS: &[&str] = &[
+    "outbox_relay_events_published_total",
+    "outbox_relay_events_dead_lettered_total",
+    "outbox_relay_publish_errors_total",
+    "outbox_relay_inflight_events",
+    "outbox_relay_commit_to_ack_seconds",
+    "outbox_relay_confirmed_lsn",
+    "pg_replication_slot_lag_bytes",
+    "pg_replication_slot_retained_wal_bytes",
+    "pg_replication_slot_active",
+    "pg_replication_slot_safe_wal_size_bytes",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_waits_for_the_slot_then_metrics_count_every_event() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "obs_ready").await;
+    let stream = "OBSREADY_EVENTS";
+
+    // Creating a logical slot waits for every transaction that holds an
+    // xid, server-wide. Hold one open: the relay cannot stream until it ends.
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT txid_current()")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let relay = Service::relay_starting(
+        &url,
+        &stack.nats_url,
+        "obsready",
+        &["--slot-metrics-interval", "200ms"],
+    );
+    assert_eq!(relay.http_get("/healthz").await, (200, "ok\n".to_owned()));
+    let until = Instant::now() + Duration::from_millis(1500);
+    let mut polls = 0;
+    while Instant::now() < until {
+        let (status, body) = relay.http_get("/readyz").await;
+        assert_eq!(status, 503, "ready before the slot streams: {body}");
+        assert!(body.contains("not streaming"), "{body}");
+        polls += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(polls > 5);
+    assert_eq!(
+        relay.scrape().await.value("outbox_relay_streaming"),
+        Some(0.0)
+    );
+    assert!(
+        !relay.log_text().contains("streaming slot="),
+        "the relay streamed while its slot could not be created"
+    );
+
+    blocker.rollback().await.unwrap();
+    eventually(T, "/readyz ready once streaming", || async {
+        relay.http_get("/readyz").await == (200, "ready\n".to_owned())
+    })
+    .await;
+    assert_eq!(
+        relay.scrape().await.value("outbox_relay_streaming"),
+        Some(1.0)
+    );
+
+    let mut sent = HashSet::new();
+    for i in 0..20 {
+        sent.extend(insert_txn(&pool, 1, i * 10, 10, 64).await);
+    }
+    let got = read_stream(&stack.nats_url, stream, 200, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    eventually(T, "published_total = 200", || async {
+        relay
+            .scrape()
+            .await
+            .value("outbox_relay_events_published_total")
+            == Some(200.0)
+    })
+    .await;
+
+    let m = relay.scrape().await;
+    for name in SPEC_RELAY_METRICS {
+        assert!(m.has(name), "{name} missing from /metrics:\n{}", m.0);
+    }
+    assert_eq!(m.value("outbox_relay_publish_errors_total"), Some(0.0));
+    assert_eq!(m.value("outbox_relay_inflight_events"), Some(0.0));
+    assert_eq!(
+        m.value("outbox_relay_events_dead_lettered_total{reason=\"bad_row\"}"),
+        Some(0.0)
+    );
+    // Every event went through the histogram, as a histogram.
+    assert_eq!(
+        m.value("outbox_relay_commit_to_ack_seconds_count"),
+        Some(200.0)
+    );
+    assert_eq!(
+        m.value("outbox_relay_commit_to_ack_seconds_bucket{le=\"+Inf\"}"),
+        Some(200.0)
+    );
+    let slot = "outbox_relay_obsready";
+    assert_eq!(
+        m.value(&format!("pg_replication_slot_active{{slot=\"{slot}\"}}")),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.value(&format!(
+            "pg_replication_slot_wal_status{{slot=\"{slot}\",status=\"reserved\"}}"
+        )),
+        Some(1.0)
+    );
+    assert_eq!(m.value("outbox_relay_slot_monitor_up"), Some(1.0));
+    // The confirmed LSN it exports is the slot's.
+    eventually(T, "exported confirmed LSN matches the slot", || async {
+        let exported = relay.scrape().await.value("outbox_relay_confirmed_lsn");
+        let slot = slot_confirmed(&pool, slot).await;
+        exported.is_some() && exported.map(|v| v as u64) == slot
+    })
+    .await;
+
+    // `slot status --json` reads the same figures.
+    let out = std::process::Command::new(BIN)
+        .args([
+            "slot",
+            "status",
+            "--json",
+            "--database-url",
+            &url,
+            "--context",
+            "obsready",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["slot"], slot);
+    assert_eq!(status["active"], true);
+    assert_eq!(status["wal_status"], "reserved");
+    assert!(status["safe_wal_size_bytes"].as_i64().unwrap() > 0);
+    assert!(status["lag_bytes"].as_i64().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_lag_rises_while_a_relay_is_down_and_falls_after_it_catches_up() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "obs_lag").await;
+    let fast = ["--slot-metrics-interval", "200ms"];
+    // The watcher reports every logical slot on the server, the other
+    // relay's too: that one is what we stop.
+    let watcher = Service::relay(&url, &stack.nats_url, "obswatch", &fast);
+    let mut relay = Service::relay(&url, &stack.nats_url, "obslag", &fast);
+    let slot = "outbox_relay_obslag";
+    let lag = |m: &Scrape| m.value(&format!("pg_replication_slot_lag_bytes{{slot=\"{slot}\"}}"));
+    let active = |m: &Scrape| m.value(&format!("pg_replication_slot_active{{slot=\"{slot}\"}}"));
+
+    let mut sent = HashSet::new();
+    sent.extend(insert_txn(&pool, 1, 0, 10, 64).await);
+    eventually(T, "first events published", || async {
+        relay
+            .scrape()
+            .await
+            .value("outbox_relay_events_published_total")
+            == Some(10.0)
+    })
+    .await;
+
+    relay.kill9();
+    eventually(T, "the watcher sees the slot inactive", || async {
+        active(&watcher.scrape().await) == Some(0.0)
+    })
+    .await;
+    let before = lag(&watcher.scrape().await).expect("lag of the stopped relay's slot");
+
+    // ~2.5 MB of WAL in outbox rows nobody reads while the relay is down.
+    let mut seq = 10;
+    for _ in 0..20 {
+        sent.extend(insert_txn(&pool, 1, seq, 100, 1000).await);
+        seq += 100;
+    }
+    eventually(T, "lag rises past 2 MB", || async {
+        lag(&watcher.scrape().await).unwrap_or(0.0) > 2_000_000.0
+    })
+    .await;
+    let peak = lag(&watcher.scrape().await).unwrap();
+    assert!(peak > before, "lag {peak} did not rise from {before}");
+    let m = watcher.scrape().await;
+    let retained = m
+        .value(&format!(
+            "pg_replication_slot_retained_wal_bytes{{slot=\"{slot}\"}}"
+        ))
+        .unwrap();
+    assert!(
+        retained >= lag(&m).unwrap(),
+        "retained WAL {retained} < lag"
+    );
+    // The watcher's own slot stays caught up meanwhile.
+    eventually(T, "the watcher's own slot keeps up", || async {
+        watcher
+            .scrape()
+            .await
+            .value("pg_replication_slot_lag_bytes{slot=\"outbox_relay_obswatch\"}")
+            .is_some_and(|v| v < 1_000_000.0)
+    })
+    .await;
+
+    relay.restart();
+    relay.wait_ready();
+    eventually(T, "lag back near zero after catching up", || async {
+        let m = watcher.scrape().await;
+        active(&m) == Some(1.0) && lag(&m).is_some_and(|v| v < 256.0 * 1024.0 && v < peak / 4.0)
+    })
+    .await;
+    let got = read_stream(&stack.nats_url, "OBSLAG_EVENTS", sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+}
