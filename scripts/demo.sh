@@ -28,10 +28,17 @@ scripts/stack.sh up "$STACK_DIR"
 echo "== outbox-relay migrate"
 "$BIN" migrate
 
-echo "== outbox-relay relay --context demo   (log: $STACK_DIR/relay.log)"
-scripts/stack.sh relay "$STACK_DIR" "$BIN" --context demo >/dev/null
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+get() { python3 -c 'import sys, urllib.request, urllib.error
+try: r = urllib.request.urlopen(sys.argv[1], timeout=5); print(r.status, r.read().decode().strip())
+except urllib.error.HTTPError as e: print(e.code, e.read().decode().strip())' "$1"; }
 
-HANDLER_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+RELAY_METRICS="127.0.0.1:$(free_port)"
+echo "== outbox-relay relay --context demo --metrics-addr $RELAY_METRICS   (log: $STACK_DIR/relay.log)"
+scripts/stack.sh relay "$STACK_DIR" "$BIN" --context demo --metrics-addr "$RELAY_METRICS" \
+  --slot-metrics-interval 1s >/dev/null
+
+HANDLER_PORT="$(free_port)"
 echo "== sample HTTP handler on 127.0.0.1:$HANDLER_PORT (answers 200, or 422 for a poison event)"
 "$ROOT/target/debug/examples/sample_handler" "127.0.0.1:$HANDLER_PORT" &
 HANDLER_PID=$!
@@ -77,3 +84,8 @@ psql -q "$DATABASE_URL" -c "SELECT message_id, subject, attempts, processed_at I
 echo "== slot after the relay confirmed them:"
 sleep 1.5
 "$BIN" slot status --context demo
+
+echo "== relay endpoint: /healthz, /readyz, and a few lines of /metrics"
+echo "GET /healthz -> $(get "http://$RELAY_METRICS/healthz")"
+echo "GET /readyz  -> $(get "http://$RELAY_METRICS/readyz")"
+get "http://$RELAY_METRICS/metrics" | grep -E '^(outbox_relay_events_published_total|outbox_relay_events_dead_lettered_total\{reason="bad_row"\}|outbox_relay_commit_to_ack_seconds_count|pg_replication_slot_(lag_bytes|active|safe_wal_size_bytes)|pg_replication_slot_wal_status\{.*\} 1)' || true
