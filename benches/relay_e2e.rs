@@ -1,59 +1,109 @@
-//! End-to-end load run against a deployment: producers insert outbox rows,
-//! a subscriber receives them from NATS, and the relay's own figures are read
-//! from its `/metrics` and `/proc`.
+//! The load harness (SPEC §8): one invocation measures, side by side,
+//!
+//! - `raw`:  producers inserting rows into a table nobody relays (Postgres alone);
+//! - `cdc`:  the same load into `outbox_events`, relayed by the running
+//!   `outbox-relay relay --context bench`, received from NATS;
+//! - `poll`: the same load into a polling outbox, relayed by a polling worker
+//!   that lives here in the bench (`SELECT … FOR UPDATE SKIP LOCKED LIMIT n`,
+//!   publish, `UPDATE … SET published_at`), the design we replace;
+//! - `big`:  optionally, one transaction of `--big-txn` rows through the relay,
+//!   for its peak memory.
+//!
+//! Latency is the producer's commit returning → the event received from NATS
+//! (HDR histogram). Throughput runs from the first commit to the last receipt.
+//! Every event must arrive exactly once. Once a second it prints progress and
+//! samples the relay's CPU time, RSS and slot lag. At the end: a summary
+//! table, a JSON file and an SVG chart in `--out` (default `target/bench`).
 //!
 //! ```sh
-//! # against the local stack (scripts/bench.sh starts it and a release relay):
-//! scripts/bench.sh --events 100000 --rate 0 --txn-size 50 --payload 256
+//! scripts/bench.sh --events 200000 --rate 0 --txn-size 50 --payload 256
 //! scripts/bench.sh --events 30000 --rate 2000 --txn-size 10 --payload 256
 //! ```
 //!
-//! Needs DATABASE_URL (a database with the outbox, relay running with
-//! `--context bench`), NATS_URL, RELAY_PID and RELAY_METRICS (host:port).
-//! Latency is commit returned to the producer → message received.
+//! Against any deployment: `cargo bench --bench relay_e2e -- <flags>` with
+//! DATABASE_URL, NATS_URL, RELAY_PID (for CPU and memory) and the relay
+//! running with `--context bench`.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use hdrhistogram::Histogram;
+use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use sqlx::PgPool;
+use uuid::Uuid;
 
+#[derive(Debug, Clone)]
 struct Args {
     events: u64,
     rate: u64,
     txn_size: u64,
     payload: usize,
     producers: u64,
+    phases: Vec<String>,
+    big_txn: u64,
+    poll_batch: i64,
+    poll_interval: Duration,
+    slot: String,
+    out: String,
 }
 
 fn parse_args() -> Args {
     let mut a = Args {
-        events: 50_000,
+        events: 100_000,
         rate: 0,
         txn_size: 50,
         payload: 256,
         producers: 2,
+        phases: vec!["raw".into(), "cdc".into(), "poll".into()],
+        big_txn: 0,
+        poll_batch: 500,
+        poll_interval: Duration::from_millis(10),
+        slot: "outbox_relay_bench".into(),
+        out: "target/bench".into(),
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
+    let usage = "flags: --events N --rate EV_PER_S|0 --txn-size N --payload BYTES --producers N \
+                 --phases raw,cdc,poll --big-txn ROWS --poll-batch N --poll-interval-ms MS \
+                 --slot NAME --out DIR";
     while i < argv.len() {
         let v = argv.get(i + 1).cloned().unwrap_or_default();
+        let num = |what: &str| -> u64 {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{what} needs a number, got {v:?}; {usage}"))
+        };
         match argv[i].as_str() {
-            "--events" => a.events = v.parse().expect("--events N"),
-            "--rate" => a.rate = v.parse().expect("--rate N (0 = flat out)"),
-            "--txn-size" => a.txn_size = v.parse().expect("--txn-size N"),
-            "--payload" => a.payload = v.parse().expect("--payload BYTES"),
-            "--producers" => a.producers = v.parse().expect("--producers N"),
+            "--events" => a.events = num("--events"),
+            "--rate" => a.rate = num("--rate"),
+            "--txn-size" => a.txn_size = num("--txn-size").max(1),
+            "--payload" => a.payload = num("--payload") as usize,
+            "--producers" => a.producers = num("--producers").max(1),
+            "--phases" => a.phases = v.split(',').map(str::to_owned).collect(),
+            "--big-txn" => a.big_txn = num("--big-txn"),
+            "--poll-batch" => a.poll_batch = num("--poll-batch") as i64,
+            "--poll-interval-ms" => {
+                a.poll_interval = Duration::from_millis(num("--poll-interval-ms"))
+            }
+            "--slot" => a.slot = v,
+            "--out" => a.out = v,
             "--bench" => {
                 i += 1;
                 continue;
             }
-            other => panic!("unknown argument {other}"),
+            other => panic!("unknown argument {other}; {usage}"),
         }
         i += 2;
+    }
+    for p in &a.phases {
+        assert!(
+            ["raw", "cdc", "poll"].contains(&p.as_str()),
+            "unknown phase {p}; {usage}"
+        );
     }
     a
 }
@@ -71,230 +121,750 @@ fn cpu_seconds(pid: &str) -> f64 {
         .unwrap_or("")
         .split_whitespace()
         .collect();
-    let ticks: f64 = fields
-        .get(11)
-        .and_then(|u| u.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        + fields
-            .get(12)
-            .and_then(|s| s.parse::<f64>().ok())
-            .unwrap_or(0.0);
-    ticks / 100.0
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|u| u.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (field(11) + field(12)) / 100.0
 }
 
-fn peak_rss_mib(pid: &str) -> f64 {
+/// (current RSS, peak RSS) in MiB.
+fn rss_mib(pid: &str) -> (f64, f64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        / 1024.0
-}
-
-async fn scrape(addr: &str) -> String {
-    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
-        return String::new();
+    let get = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
     };
-    let req = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-    if s.write_all(req.as_bytes()).await.is_err() {
-        return String::new();
-    }
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out).await;
-    out
+    (get("VmRSS:"), get("VmHWM:"))
 }
 
-fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(name_and_labels))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
-/// Cumulative buckets `(le, count)` of histogram `name` in a scrape.
-fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{le=\"");
-    text.lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(&prefix)?;
-            let (le, count) = rest.split_once("\"} ")?;
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().ok()?
-            };
-            Some((le, count.parse().ok()?))
-        })
-        .collect()
-}
-
-/// Quantile `q` of the samples recorded between two scrapes, interpolated
-/// within its bucket the way Prometheus' `histogram_quantile` does.
-fn bucket_quantile(before: &str, after: &str, name: &str, q: f64) -> f64 {
-    let b0 = buckets(before, name);
-    let delta: Vec<(f64, f64)> = buckets(after, name)
-        .into_iter()
-        .map(|(le, c)| {
-            let c0 = b0.iter().find(|(l, _)| *l == le).map_or(0.0, |x| x.1);
-            (le, c - c0)
-        })
-        .collect();
-    let Some(&(_, total)) = delta.last() else {
-        return f64::NAN;
-    };
-    let rank = q * total;
-    let mut lower = (0.0, 0.0);
-    for &(le, c) in &delta {
-        if c >= rank && total > 0.0 {
-            if le.is_infinite() {
-                return lower.0;
-            }
-            let width = c - lower.1;
-            let frac = if width > 0.0 {
-                (rank - lower.1) / width
-            } else {
-                1.0
-            };
-            return lower.0 + (le - lower.0) * frac;
-        }
-        lower = (le, c);
-    }
-    f64::NAN
-}
-
-#[tokio::main]
-async fn main() {
-    let a = parse_args();
-    let db = env("DATABASE_URL");
-    let nats = env("NATS_URL");
-    let relay_pid = env("RELAY_PID");
-    let metrics_addr = env("RELAY_METRICS");
-
-    let pool = PgPoolOptions::new()
-        .max_connections(a.producers as u32 + 1)
-        .connect(&db)
+async fn wal_lsn(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8")
+        .fetch_one(pool)
         .await
-        .expect("connect");
-    let client = async_nats::connect(&nats).await.expect("nats");
-    let mut sub = client.subscribe("bench.>").await.expect("subscribe");
-    client.flush().await.expect("flush");
+        .expect("pg_current_wal_lsn")
+}
 
-    let commits: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
-    let cpu0 = cpu_seconds(&relay_pid);
-    let before = scrape(&metrics_addr).await;
-    let published0 = metric(&before, "outbox_relay_events_published_total").unwrap_or(0.0);
-    let start = Instant::now();
+async fn slot_lag(pool: &PgPool, slot: &str) -> Option<i64> {
+    sqlx::query_scalar(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 \
+         FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .ok()
+    .flatten()
+}
 
-    let padding = "x".repeat(a.payload.saturating_sub(40));
+/// Which table a phase's producers write.
+fn table(phase: &str) -> &'static str {
+    match phase {
+        "raw" => "bench_raw",
+        "poll" => "bench_poll",
+        _ => "outbox_events",
+    }
+}
+
+async fn setup(pool: &PgPool, js: &async_nats::jetstream::Context) {
+    for sql in [
+        "CREATE TABLE IF NOT EXISTS bench_raw (LIKE outbox_events INCLUDING ALL)",
+        "CREATE TABLE IF NOT EXISTS bench_poll (LIKE outbox_events INCLUDING ALL, seq bigserial)",
+        "CREATE INDEX IF NOT EXISTS bench_poll_unpublished ON bench_poll (seq) WHERE published_at IS NULL",
+        "TRUNCATE bench_raw, bench_poll",
+    ] {
+        sqlx::query(sql).execute(pool).await.expect(sql);
+    }
+    let _ = js.delete_stream("BENCHPOLL").await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "BENCHPOLL".into(),
+        subjects: vec!["benchpoll.>".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("create stream BENCHPOLL");
+}
+
+/// Producers: `events` rows in transactions of `txn_size`, flat out or at
+/// `rate` in total. Returns each id's commit-returned instant.
+async fn produce(
+    pool: PgPool,
+    a: Args,
+    phase: String,
+    committed: Arc<AtomicU64>,
+) -> HashMap<Uuid, Instant> {
     let per_producer = a.events / a.producers;
-    let mut producers = Vec::new();
+    let sql = format!(
+        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[])",
+        table(&phase)
+    );
+    let padding = "x".repeat(a.payload.saturating_sub(40));
+    let mut tasks = Vec::new();
     for p in 0..a.producers {
-        let pool = pool.clone();
-        let commits = commits.clone();
-        let padding = padding.clone();
+        let (pool, sql, padding, committed) = (
+            pool.clone(),
+            sql.clone(),
+            padding.clone(),
+            committed.clone(),
+        );
         let txn_size = a.txn_size;
         let txns = per_producer / txn_size;
-        // Each producer takes its share of the rate.
         let interval = (a.rate > 0)
             .then(|| Duration::from_secs_f64(txn_size as f64 * a.producers as f64 / a.rate as f64));
-        producers.push(tokio::spawn(async move {
-            let mut tick = interval.map(tokio::time::interval);
+        tasks.push(tokio::spawn(async move {
+            let mut tick = interval.map(|i| {
+                let mut t = tokio::time::interval(i);
+                t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                t
+            });
+            let mut out = HashMap::with_capacity((txns * txn_size) as usize);
             for t in 0..txns {
                 if let Some(tick) = tick.as_mut() {
                     tick.tick().await;
                 }
-                let ids: Vec<uuid::Uuid> = (0..txn_size).map(|_| uuid::Uuid::new_v4()).collect();
-                let mut q = sqlx::QueryBuilder::new(
-                    "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) ",
-                );
-                q.push_values(&ids, |mut b, id| {
-                    b.push_bind(*id)
-                        .push_bind("load")
-                        .push_bind(format!("{p}-{}", t % 100))
-                        .push_bind("tick")
-                        .push_bind(serde_json::json!({ "p": p, "pad": padding }));
-                });
-                q.build().execute(&pool).await.expect("insert");
+                let ids: Vec<Uuid> = (0..txn_size).map(|_| Uuid::new_v4()).collect();
+                let aggs: Vec<String> = (0..txn_size)
+                    .map(|i| format!("{p}-{}", (t + i) % 100))
+                    .collect();
+                let types = vec!["tick"; txn_size as usize];
+                let payloads: Vec<serde_json::Value> = (0..txn_size)
+                    .map(|i| json!({ "p": p, "s": t * txn_size + i, "pad": padding }))
+                    .collect();
+                sqlx::query(sqlx::AssertSqlSafe(sql.as_str()))
+                    .bind(&ids)
+                    .bind(vec!["load"; txn_size as usize])
+                    .bind(&aggs)
+                    .bind(&types)
+                    .bind(&payloads)
+                    .execute(&pool)
+                    .await
+                    .expect("insert");
                 let now = Instant::now();
-                let mut c = commits.lock().unwrap();
-                for id in ids {
-                    c.insert(id, now);
-                }
+                committed.fetch_add(txn_size, Ordering::Relaxed);
+                out.extend(ids.into_iter().map(|id| (id, now)));
             }
+            out
         }));
     }
+    let mut all = HashMap::new();
+    for t in tasks {
+        all.extend(t.await.expect("producer"));
+    }
+    all
+}
 
-    let expected = per_producer / a.txn_size * a.txn_size * a.producers;
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 120_000_000, 3).unwrap();
-    let mut early: Vec<(uuid::Uuid, Instant)> = Vec::new();
-    let mut received = 0u64;
-    let mut last_receipt = start;
-    let mut next_report = Instant::now() + Duration::from_secs(2);
-    while received < expected {
-        let msg = match tokio::time::timeout(Duration::from_secs(30), sub.next()).await {
-            Ok(Some(m)) => m,
-            _ => {
-                eprintln!("stalled: {received}/{expected} received");
-                break;
+/// The baseline we replace: poll, lock, publish, mark, commit; sleep when empty.
+async fn polling_relay(
+    pool: PgPool,
+    js: async_nats::jetstream::Context,
+    batch: i64,
+    interval: Duration,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        let mut tx = pool.begin().await.expect("poll begin");
+        let rows: Vec<(Uuid, String, serde_json::Value)> = sqlx::query_as(
+            "SELECT id, event_type, payload FROM bench_poll WHERE published_at IS NULL \
+             ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await
+        .expect("poll select");
+        if rows.is_empty() {
+            tx.rollback().await.ok();
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(interval) => continue,
             }
-        };
-        let now = Instant::now();
-        let Some(id) = msg
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("Nats-Msg-Id"))
-            .and_then(|v| uuid::Uuid::parse_str(v.as_str()).ok())
-        else {
-            continue;
-        };
-        received += 1;
-        last_receipt = now;
-        match commits.lock().unwrap().remove(&id) {
-            Some(t) => hist.saturating_record(now.duration_since(t).as_micros() as u64),
-            // Arrived before the producer recorded its commit time: the
-            // latency is below the lock hand-off; count it as such later.
-            None => early.push((id, now)),
         }
-        if now > next_report {
-            eprintln!(
-                "… {received}/{expected} received, {:.0} ev/s",
-                received as f64 / start.elapsed().as_secs_f64()
+        // Pipelined publishes, then every ack, then mark them.
+        let mut acks = Vec::with_capacity(rows.len());
+        for (id, event_type, payload) in &rows {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert("Nats-Msg-Id", id.to_string().as_str());
+            let body = serde_json::to_vec(payload).expect("payload");
+            acks.push(
+                js.publish_with_headers(format!("benchpoll.{event_type}"), h, body.into())
+                    .await
+                    .expect("poll publish"),
             );
-            next_report = now + Duration::from_secs(2);
         }
+        for ack in acks {
+            ack.await.expect("poll ack");
+        }
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+        sqlx::query("UPDATE bench_poll SET published_at = now() WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await
+            .expect("poll mark");
+        tx.commit().await.expect("poll commit");
     }
-    for p in producers {
-        p.await.unwrap();
-    }
-    {
-        let commits = commits.lock().unwrap();
-        for (id, at) in early {
-            if let Some(t) = commits.get(&id) {
-                hist.saturating_record(at.saturating_duration_since(*t).as_micros() as u64);
+}
+
+/// One second of a phase, for progress and the chart.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Sample {
+    t: f64,
+    received_per_s: f64,
+    slot_lag_bytes: Option<i64>,
+    relay_cpu: Option<f64>,
+    relay_rss_mib: Option<f64>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct PhaseResult {
+    phase: String,
+    events: u64,
+    received: u64,
+    duplicates: u64,
+    missing: u64,
+    seconds: f64,
+    events_per_s: f64,
+    latency_ms: Option<serde_json::Value>,
+    wal_bytes_per_event: f64,
+    relay_cpu_us_per_event: Option<f64>,
+    relay_peak_rss_mib: Option<f64>,
+    samples: Vec<Sample>,
+    /// (receive second, p50 ms, p99 ms)
+    latency_by_second: Vec<(f64, f64, f64)>,
+}
+
+async fn run_phase(
+    a: &Args,
+    phase: &str,
+    pool: &PgPool,
+    client: &async_nats::Client,
+    relay_pid: Option<&str>,
+) -> PhaseResult {
+    let subject = match phase {
+        "cdc" => Some("bench.>"),
+        "poll" => Some("benchpoll.>"),
+        _ => None,
+    };
+    let mut sub = match subject {
+        Some(s) => Some(client.subscribe(s).await.expect("subscribe")),
+        None => None,
+    };
+    client.flush().await.expect("flush");
+    let stop_poll = tokio_util::sync::CancellationToken::new();
+    let poller = (phase == "poll").then(|| {
+        tokio::spawn(polling_relay(
+            pool.clone(),
+            async_nats::jetstream::new(client.clone()),
+            a.poll_batch,
+            a.poll_interval,
+            stop_poll.clone(),
+        ))
+    });
+
+    let expected = a.events / a.producers / a.txn_size * a.txn_size * a.producers;
+    let wal0 = wal_lsn(pool).await;
+    let cpu0 = relay_pid.map(cpu_seconds);
+    let committed = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let producers = tokio::spawn(produce(
+        pool.clone(),
+        a.clone(),
+        phase.to_owned(),
+        committed.clone(),
+    ));
+
+    let received_at: Arc<Mutex<Vec<(Uuid, Instant)>>> =
+        Arc::new(Mutex::new(Vec::with_capacity(expected as usize)));
+    let mut samples = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.tick().await;
+    let mut last_count = 0u64;
+    let mut last_cpu = cpu0;
+    let mut last_receipt = start;
+    let deadline = start + Duration::from_secs(600);
+    let mut producers = Some(producers);
+    let mut commits = HashMap::new();
+    loop {
+        let received = received_at.lock().unwrap().len() as u64;
+        let done_receiving = subject.is_none() || received >= expected;
+        if done_receiving && producers.is_none() {
+            break;
+        }
+        if Instant::now() > deadline {
+            eprintln!("[{phase}] stopped at the 600 s limit");
+            break;
+        }
+        tokio::select! {
+            msg = async { sub.as_mut()?.next().await }, if sub.is_some() && !done_receiving => {
+                let Some(msg) = msg else { break };
+                let now = Instant::now();
+                last_receipt = now;
+                if let Some(id) = msg.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).and_then(|v| Uuid::parse_str(v.as_str()).ok()) {
+                    received_at.lock().unwrap().push((id, now));
+                }
+            }
+            done = async { producers.as_mut()?.await.ok() }, if producers.is_some() => {
+                commits = done.expect("producers");
+                producers = None;
+                if subject.is_none() {
+                    last_receipt = Instant::now();
+                }
+            }
+            _ = tick.tick() => {
+                let count = if subject.is_some() { received } else { committed.load(Ordering::Relaxed) };
+                let cpu = relay_pid.map(cpu_seconds);
+                let relay_cpu = match (cpu, last_cpu) { (Some(c), Some(l)) => Some(c - l), _ => None };
+                last_cpu = cpu;
+                let lag = if phase == "cdc" { slot_lag(pool, &a.slot).await } else { None };
+                let s = Sample {
+                    t: start.elapsed().as_secs_f64(),
+                    received_per_s: (count - last_count) as f64,
+                    slot_lag_bytes: lag,
+                    relay_cpu,
+                    relay_rss_mib: relay_pid.map(|p| rss_mib(p).0),
+                };
+                last_count = count;
+                eprintln!(
+                    "[{phase}] {:>5.1}s  {}/{expected} {}  {:>7.0} ev/s{}{}",
+                    s.t,
+                    count,
+                    if subject.is_some() { "received" } else { "inserted" },
+                    s.received_per_s,
+                    lag.map(|l| format!("  slot lag {:.1} MiB", l as f64 / 1048576.0)).unwrap_or_default(),
+                    relay_cpu.filter(|_| phase == "cdc").map(|c| format!("  relay CPU {:.0}%", c * 100.0)).unwrap_or_default(),
+                );
+                samples.push(s);
             }
         }
     }
-
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let after = scrape(&metrics_addr).await;
-    let published =
-        metric(&after, "outbox_relay_events_published_total").unwrap_or(0.0) - published0;
-    let cpu = cpu_seconds(&relay_pid) - cpu0;
+    // Late duplicates would show up here.
+    if let Some(sub) = sub.as_mut() {
+        while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(500), sub.next()).await
+        {
+            if let Some(id) = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Nats-Msg-Id"))
+                .and_then(|v| Uuid::parse_str(v.as_str()).ok())
+            {
+                received_at.lock().unwrap().push((id, Instant::now()));
+            }
+        }
+    }
+    stop_poll.cancel();
+    if let Some(p) = poller {
+        let _ = p.await;
+    }
+    let wal1 = wal_lsn(pool).await;
     let elapsed = last_receipt.duration_since(start).as_secs_f64();
+    let relay_cpu = match (relay_pid.map(cpu_seconds), cpu0) {
+        (Some(c), Some(c0)) if phase == "cdc" => Some((c - c0) * 1e6 / expected.max(1) as f64),
+        _ => None,
+    };
+
+    let received = received_at.lock().unwrap().clone();
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("histogram");
+    let mut by_second: HashMap<u64, Histogram<u64>> = HashMap::new();
+    let mut seen = std::collections::HashSet::with_capacity(received.len());
+    let mut duplicates = 0;
+    for (id, at) in &received {
+        if !seen.insert(*id) {
+            duplicates += 1;
+            continue;
+        }
+        if let Some(c) = commits.get(id) {
+            // A relay can deliver before the producer's commit call returns.
+            let us = at.saturating_duration_since(*c).as_micros().max(1) as u64;
+            hist.record(us.min(600_000_000)).ok();
+            let sec = at.duration_since(start).as_secs();
+            by_second
+                .entry(sec)
+                .or_insert_with(|| {
+                    Histogram::new_with_bounds(1, 600_000_000, 2).expect("histogram")
+                })
+                .record(us.min(600_000_000))
+                .ok();
+        }
+    }
+    let missing = if subject.is_some() {
+        commits.keys().filter(|id| !seen.contains(*id)).count() as u64
+    } else {
+        0
+    };
+    let mut latency_by_second: Vec<(f64, f64, f64)> = by_second
+        .into_iter()
+        .map(|(s, h)| {
+            (
+                s as f64 + 0.5,
+                h.value_at_quantile(0.5) as f64 / 1000.0,
+                h.value_at_quantile(0.99) as f64 / 1000.0,
+            )
+        })
+        .collect();
+    latency_by_second.sort_by(|a, b| a.0.total_cmp(&b.0));
     let q = |p: f64| hist.value_at_quantile(p) as f64 / 1000.0;
-    println!(
-        "events {received}/{expected} | {:.0} events/s | commit→received p50 {:.2} ms p99 {:.2} ms max {:.2} ms",
-        received as f64 / elapsed,
-        q(0.5),
-        q(0.99),
-        hist.max() as f64 / 1000.0
+    let got = if subject.is_some() {
+        seen.len() as u64
+    } else {
+        commits.len() as u64
+    };
+    PhaseResult {
+        phase: phase.to_owned(),
+        events: expected,
+        received: got,
+        duplicates,
+        missing,
+        seconds: elapsed,
+        events_per_s: got as f64 / elapsed.max(1e-9),
+        latency_ms: (subject.is_some() && !hist.is_empty()).then(|| {
+            json!({"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "p999": q(0.999), "max": hist.max() as f64 / 1000.0})
+        }),
+        wal_bytes_per_event: (wal1 - wal0) as f64 / expected.max(1) as f64,
+        relay_cpu_us_per_event: relay_cpu,
+        relay_peak_rss_mib: relay_pid.filter(|_| phase == "cdc").map(|p| rss_mib(p).1),
+        samples,
+        latency_by_second,
+    }
+}
+
+/// One transaction of `rows` rows through the relay: its peak RSS.
+async fn big_txn(
+    pool: &PgPool,
+    client: &async_nats::Client,
+    rows: u64,
+    relay_pid: &str,
+) -> serde_json::Value {
+    let mut sub = client.subscribe("bench.>").await.expect("subscribe");
+    client.flush().await.expect("flush");
+    let start = Instant::now();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'load', 'big-' || (g % 100), 'tick', jsonb_build_object('g', g) \
+         FROM generate_series(1, $1) g",
+    )
+    .bind(rows as i64)
+    .execute(pool)
+    .await
+    .expect("big insert");
+    let committed = start.elapsed().as_secs_f64();
+    let mut got = 0u64;
+    let mut last_report = Instant::now();
+    while got < rows {
+        match tokio::time::timeout(Duration::from_secs(60), sub.next()).await {
+            Ok(Some(_)) => got += 1,
+            _ => break,
+        }
+        if last_report.elapsed() > Duration::from_secs(1) {
+            last_report = Instant::now();
+            eprintln!(
+                "[big] {:>5.1}s  {got}/{rows} received  relay RSS {:.1} MiB",
+                start.elapsed().as_secs_f64(),
+                rss_mib(relay_pid).0
+            );
+        }
+    }
+    let total = start.elapsed().as_secs_f64();
+    json!({
+        "rows": rows,
+        "received": got,
+        "insert_seconds": committed,
+        "seconds": total,
+        "relay_peak_rss_mib": rss_mib(relay_pid).1,
+    })
+}
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
+}
+
+fn summary(a: &Args, results: &[PhaseResult]) -> String {
+    let mut s = String::new();
+    let raw = results
+        .iter()
+        .find(|r| r.phase == "raw")
+        .map(|r| r.events_per_s);
+    let raw_wal = results
+        .iter()
+        .find(|r| r.phase == "raw")
+        .map(|r| r.wal_bytes_per_event);
+    let _ = writeln!(
+        s,
+        "\n{} events, txn {}, payload {} B, {} producers, rate {}",
+        a.events,
+        a.txn_size,
+        a.payload,
+        a.producers,
+        if a.rate == 0 {
+            "flat out".to_owned()
+        } else {
+            format!("{}/s", a.rate)
+        }
     );
-    println!(
-        "relay: commit→ack p50 {:.2} ms p99 {:.2} ms (its /metrics histogram, this run) | CPU {:.2} µs/event | peak RSS {:.1} MiB",
-        bucket_quantile(&before, &after, "outbox_relay_commit_to_ack_seconds", 0.5) * 1000.0,
-        bucket_quantile(&before, &after, "outbox_relay_commit_to_ack_seconds", 0.99) * 1000.0,
-        cpu * 1e6 / published.max(1.0),
-        peak_rss_mib(&relay_pid)
+    let _ = writeln!(
+        s,
+        "| phase | events/s | vs raw | p50 ms | p99 ms | p99.9 ms | max ms | WAL B/event | extra WAL B/event | relay CPU µs/event | relay peak RSS MiB | once |"
     );
-    std::process::exit(if received == expected { 0 } else { 1 });
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in results {
+        let l = |k: &str| r.latency_ms.as_ref().and_then(|v| v[k].as_f64());
+        let _ = writeln!(
+            s,
+            "| {} | {:.0} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} |",
+            r.phase,
+            r.events_per_s,
+            raw.map_or("-".into(), |raw| format!("{:.2}", r.events_per_s / raw)),
+            fmt_opt(l("p50"), 2),
+            fmt_opt(l("p99"), 2),
+            fmt_opt(l("p999"), 2),
+            fmt_opt(l("max"), 1),
+            r.wal_bytes_per_event,
+            raw_wal.map_or("-".into(), |w| format!("{:.0}", r.wal_bytes_per_event - w)),
+            fmt_opt(r.relay_cpu_us_per_event, 1),
+            fmt_opt(r.relay_peak_rss_mib, 1),
+            if r.phase == "raw" {
+                "-".to_owned()
+            } else if r.duplicates == 0 && r.missing == 0 && r.received == r.events {
+                "yes".to_owned()
+            } else {
+                format!("NO: {} missing, {} duplicates", r.missing, r.duplicates)
+            }
+        );
+    }
+    s
+}
+
+/// A chart line: name, colour, dashed, points.
+type Line<'a> = (String, &'a str, bool, Vec<(f64, f64)>);
+
+/// Throughput and latency over time, CDC against polling, as one SVG.
+fn chart(results: &[PhaseResult], title: &str) -> String {
+    let (w, h, pad) = (900.0, 260.0, 60.0);
+    let colors = [("cdc", "#1f77b4"), ("poll", "#d62728"), ("raw", "#7f7f7f")];
+    let color = |p: &str| colors.iter().find(|c| c.0 == p).map_or("#000", |c| c.1);
+    let t_max = results
+        .iter()
+        .flat_map(|r| r.samples.iter().map(|s| s.t))
+        .fold(1.0, f64::max);
+    let mut svg = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{pad}" y="20" font-size="14">{title}</text>
+"#,
+        2.0 * h + 60.0
+    );
+    // Panel 1: events/s; panel 2: latency p50 (dashed) and p99, log scale.
+    for (panel, y0) in [(0, 40.0), (1, 60.0 + h)] {
+        let plot_h = h - 40.0;
+        let (label, series): (&str, Vec<Line>) = if panel == 0 {
+            (
+                "events/s",
+                results
+                    .iter()
+                    .map(|r| {
+                        (
+                            r.phase.clone(),
+                            color(&r.phase),
+                            false,
+                            r.samples.iter().map(|s| (s.t, s.received_per_s)).collect(),
+                        )
+                    })
+                    .collect(),
+            )
+        } else {
+            let mut v = Vec::new();
+            for r in results.iter().filter(|r| !r.latency_by_second.is_empty()) {
+                v.push((
+                    format!("{} p50", r.phase),
+                    color(&r.phase),
+                    true,
+                    r.latency_by_second.iter().map(|x| (x.0, x.1)).collect(),
+                ));
+                v.push((
+                    format!("{} p99", r.phase),
+                    color(&r.phase),
+                    false,
+                    r.latency_by_second.iter().map(|x| (x.0, x.2)).collect(),
+                ));
+            }
+            ("latency ms (log)", v)
+        };
+        let log = panel == 1;
+        let ys = series.iter().flat_map(|s| s.3.iter().map(|p| p.1));
+        let y_max = ys.clone().fold(1.0, f64::max);
+        let y_min = if log {
+            ys.fold(f64::MAX, f64::min).max(0.01)
+        } else {
+            0.0
+        };
+        let (lo, hi) = if log {
+            (
+                y_min.log10().floor(),
+                y_max.log10().ceil().max(y_min.log10().floor() + 1.0),
+            )
+        } else {
+            (0.0, y_max * 1.1)
+        };
+        let x = |t: f64| pad + (w - 2.0 * pad) * t / t_max;
+        let y = |v: f64| {
+            let f = if log {
+                (v.max(0.01).log10() - lo) / (hi - lo)
+            } else {
+                v / hi
+            };
+            y0 + plot_h - plot_h * f.clamp(0.0, 1.0)
+        };
+        let _ = writeln!(
+            svg,
+            r##"<rect x="{pad}" y="{y0}" width="{}" height="{plot_h}" fill="none" stroke="#999"/><text x="5" y="{}" >{label}</text>"##,
+            w - 2.0 * pad,
+            y0 - 5.0
+        );
+        let ticks: Vec<f64> = if log {
+            (lo as i32..=hi as i32).map(|e| 10f64.powi(e)).collect()
+        } else {
+            (0..=4).map(|i| hi * i as f64 / 4.0).collect()
+        };
+        for t in ticks {
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{pad}" x2="{}" y1="{yy:.1}" y2="{yy:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
+                w - pad,
+                pad - 4.0,
+                y(t) + 4.0,
+                if t >= 1000.0 {
+                    format!("{:.0}k", t / 1000.0)
+                } else if t >= 1.0 {
+                    format!("{t:.0}")
+                } else {
+                    format!("{t}")
+                },
+                yy = y(t)
+            );
+        }
+        for (i, (name, c, dashed, pts)) in series.iter().enumerate() {
+            if pts.is_empty() {
+                continue;
+            }
+            let path: Vec<String> = pts
+                .iter()
+                .map(|(t, v)| format!("{:.1},{:.1}", x(*t), y(*v)))
+                .collect();
+            let _ = writeln!(
+                svg,
+                r#"<polyline fill="none" stroke="{c}" stroke-width="1.5" {} points="{}"/><text x="{}" y="{}" fill="{c}">{name}</text>"#,
+                if *dashed {
+                    r#"stroke-dasharray="4 3""#
+                } else {
+                    ""
+                },
+                path.join(" "),
+                w - pad + 5.0,
+                y0 + 14.0 * (i as f64 + 1.0)
+            );
+        }
+        let _ = writeln!(
+            svg,
+            r#"<text x="{}" y="{}" text-anchor="middle">seconds since the phase started</text>"#,
+            w / 2.0,
+            y0 + plot_h + 16.0
+        );
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let a = parse_args();
+    let db = env("DATABASE_URL");
+    let nats = env("NATS_URL");
+    let relay_pid = std::env::var("RELAY_PID").ok();
+    let pool = PgPoolOptions::new()
+        .max_connections(a.producers as u32 + 2)
+        .connect(&db)
+        .await
+        .expect("connect to DATABASE_URL");
+    let client = async_nats::connect(&nats)
+        .await
+        .expect("connect to NATS_URL");
+    setup(&pool, &async_nats::jetstream::new(client.clone())).await;
+
+    let mut results = Vec::new();
+    for phase in a.phases.clone() {
+        eprintln!("== phase {phase}");
+        let r = run_phase(&a, &phase, &pool, &client, relay_pid.as_deref()).await;
+        results.push(r);
+    }
+    let big = match (&relay_pid, a.big_txn) {
+        (Some(pid), n) if n > 0 => {
+            eprintln!("== phase big: one transaction of {n} rows");
+            Some(big_txn(&pool, &client, n, pid).await)
+        }
+        _ => None,
+    };
+
+    let table = summary(&a, &results);
+    println!("{table}");
+    if let Some(b) = &big {
+        println!(
+            "big transaction: {} rows, {}/{} received in {:.1} s, relay peak RSS {:.1} MiB",
+            b["rows"],
+            b["received"],
+            b["rows"],
+            b["seconds"].as_f64().unwrap_or(0.0),
+            b["relay_peak_rss_mib"].as_f64().unwrap_or(0.0)
+        );
+    }
+
+    std::fs::create_dir_all(&a.out).expect("create --out");
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let base = format!(
+        "{}/relay-{}-{stamp}",
+        a.out,
+        if a.rate == 0 {
+            "flat".to_owned()
+        } else {
+            format!("rate{}", a.rate)
+        }
+    );
+    let report = json!({
+        "unix_time": stamp,
+        "args": {
+            "events": a.events, "rate": a.rate, "txn_size": a.txn_size, "payload": a.payload,
+            "producers": a.producers, "poll_batch": a.poll_batch,
+            "poll_interval_ms": a.poll_interval.as_millis() as u64,
+        },
+        "phases": results,
+        "big_txn": big,
+    });
+    std::fs::write(
+        format!("{base}.json"),
+        serde_json::to_string_pretty(&report).expect("json"),
+    )
+    .expect("write JSON");
+    let title = format!(
+        "outbox-relay: {} events, txn {}, {} B, {}",
+        a.events,
+        a.txn_size,
+        a.payload,
+        if a.rate == 0 {
+            "flat out".to_owned()
+        } else {
+            format!("{} ev/s", a.rate)
+        }
+    );
+    std::fs::write(format!("{base}.svg"), chart(&results, &title)).expect("write SVG");
+    println!("wrote {base}.json and {base}.svg");
+
+    let ok = results.iter().all(|r| {
+        r.phase == "raw" || (r.missing == 0 && r.duplicates == 0 && r.received == r.events)
+    });
+    std::process::exit(if ok { 0 } else { 1 });
 }

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Load runs on a throwaway local stack with a release build.
-#   scripts/bench.sh [relay] [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES] [--producers N]
+#   scripts/bench.sh [relay] [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES]
+#                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N]
+# The relay run measures Postgres alone (raw), the relay (cdc) and a polling
+# relay (poll) under the same load, then writes JSON and an SVG chart.
 # Against your own deployment, run `cargo bench --bench relay_e2e -- …` with
-# DATABASE_URL, NATS_URL, RELAY_PID and RELAY_METRICS set instead.
+# DATABASE_URL, NATS_URL and RELAY_PID set instead.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -30,4 +33,4 @@ fi
 METRICS_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
-timeout 600 cargo bench --quiet --bench relay_e2e -- "$@"
+timeout 1800 cargo bench --quiet --bench relay_e2e -- "$@"

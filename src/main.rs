@@ -11,10 +11,15 @@ use tokio_util::sync::CancellationToken;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // The relay is one ordered pipeline: on one thread its tasks (replication
+    // worker, session loop, NATS connection) hand events over without
+    // cross-thread wakeups, which cost more than the work itself. The
+    // consumer runs handlers concurrently and gets the thread pool.
+    let builder = match &cli.command {
+        Command::Relay(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let runtime = match { builder }.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

@@ -17,8 +17,11 @@ use std::future::IntoFuture;
 use std::pin::Pin;
 use std::time::Duration;
 
+use async_nats::header::{HeaderName, HeaderValue};
 use async_nats::jetstream::{self, context::PublishErrorKind, stream, Context};
 use async_nats::HeaderMap;
+
+const EXPECTED_LAST_MSG_ID: HeaderName = HeaderName::from_static("Nats-Expected-Last-Msg-Id");
 use futures::stream::{FuturesOrdered, StreamExt};
 use futures::Future;
 use pgwire_replication::Lsn;
@@ -172,12 +175,14 @@ impl Publisher {
         commit_micros: i64,
         msg: OutMessage,
     ) -> Result<()> {
+        // Owned names and values move into the map: no copies per header.
+        // Values were checked for CR/LF when routed (async-nats panics on them).
         let mut headers = HeaderMap::new();
-        for (k, v) in &msg.headers {
-            headers.insert(k.as_str(), v.as_str());
+        for (k, v) in msg.headers {
+            headers.insert(k, HeaderValue::from(v));
         }
-        match &self.chain {
-            Some(prev) => headers.insert("Nats-Expected-Last-Msg-Id", prev.as_str()),
+        match self.chain.take() {
+            Some(prev) => headers.insert(EXPECTED_LAST_MSG_ID, HeaderValue::from(prev)),
             None => self.solo_pending = true,
         }
         let publish = jetstream::message::PublishMessage::build()

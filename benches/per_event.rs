@@ -1,0 +1,127 @@
+//! Per-event CPU of the relay's pure stages: pgoutput decode, row extraction,
+//! routing (subject, headers, body), and the NATS header map the publisher
+//! builds from it. `cargo bench --bench per_event`.
+
+use std::hint::black_box;
+
+use async_nats::header::HeaderValue;
+use bytes::Bytes;
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use outbox_relay::outbox::OutboxLayout;
+use outbox_relay::pgoutput::{self, encode, oid, Column, Message, Relation, Value};
+use outbox_relay::route::{Position, Router, Template};
+use pgwire_replication::Lsn;
+
+/// `outbox_events` as pgoutput describes it (migrations/0001_outbox.sql).
+fn relation() -> Relation {
+    let col = |name: &str, type_oid: u32| Column {
+        key: name == "id",
+        name: name.into(),
+        type_oid,
+        type_modifier: -1,
+    };
+    Relation {
+        id: 16384,
+        namespace: "public".into(),
+        name: "outbox_events".into(),
+        replica_identity: b'd',
+        columns: vec![
+            col("id", oid::UUID),
+            col("aggregate_type", oid::TEXT),
+            col("aggregate_id", oid::TEXT),
+            col("event_type", oid::TEXT),
+            col("event_version", oid::INT4),
+            col("payload", oid::JSONB),
+            col("occurred_at", oid::TIMESTAMPTZ),
+            col("correlation_id", oid::UUID),
+            col("causation_id", oid::UUID),
+            col("subject", oid::TEXT),
+            col("headers", oid::JSONB),
+            col("published_at", oid::TIMESTAMPTZ),
+            col("publish_attempts", oid::INT4),
+            col("publish_error", oid::TEXT),
+        ],
+    }
+}
+
+/// A binary-format Insert with a 256-byte JSON payload, as the bench load writes.
+fn insert_bytes() -> Bytes {
+    let bin = |b: Vec<u8>| Value::Binary(Bytes::from(b));
+    let mut jsonb = vec![1u8];
+    jsonb.extend_from_slice(
+        format!(r#"{{"p": 1, "s": 42, "pad": "{}"}}"#, "x".repeat(216)).as_bytes(),
+    );
+    let values = vec![
+        bin(uuid::Uuid::new_v4().as_bytes().to_vec()),
+        bin(b"order".to_vec()),
+        bin(b"order-12345".to_vec()),
+        bin(b"order_placed".to_vec()),
+        bin(2i32.to_be_bytes().to_vec()),
+        bin(jsonb),
+        bin(848_000_000_000_000i64.to_be_bytes().to_vec()),
+        bin(uuid::Uuid::new_v4().as_bytes().to_vec()),
+        Value::Null,
+        Value::Null,
+        Value::Null,
+        Value::Null,
+        bin(0i32.to_be_bytes().to_vec()),
+        Value::Null,
+    ];
+    Bytes::from(encode::insert(16384, &values))
+}
+
+fn per_event(c: &mut Criterion) {
+    let rel = relation();
+    let layout = OutboxLayout::new(&rel).expect("layout");
+    let data = insert_bytes();
+    let router = Router::new(
+        "bench",
+        Template::parse("{context}.event.{event_type}.v{event_version}", "bench")
+            .expect("template"),
+        16,
+        false,
+        "7310000000000000000/app/outbox_relay_bench".into(),
+    );
+    let pos = Position {
+        commit_lsn: Lsn(0x16B_3748),
+        index: 7,
+    };
+    let Ok(Message::Insert(insert)) = pgoutput::decode(&data) else {
+        panic!("not an insert")
+    };
+    let row = layout.row(&insert.values).expect("row");
+
+    let mut g = c.benchmark_group("per_event");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("decode", |b| b.iter(|| pgoutput::decode(black_box(&data))));
+    g.bench_function("row", |b| b.iter(|| layout.row(black_box(&insert.values))));
+    g.bench_function("route", |b| {
+        b.iter(|| router.route(black_box(&row), pos, 1 << 20))
+    });
+    g.bench_function("headers", |b| {
+        b.iter_batched(
+            || router.route(&row, pos, 1 << 20),
+            |msg| {
+                let mut h = async_nats::HeaderMap::new();
+                for (k, v) in msg.headers {
+                    h.insert(k, HeaderValue::from(v));
+                }
+                h
+            },
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    g.bench_function("decode_row_route", |b| {
+        b.iter(|| {
+            let Ok(Message::Insert(i)) = pgoutput::decode(black_box(&data)) else {
+                unreachable!()
+            };
+            let row = layout.row(&i.values).expect("row");
+            router.route(&row, pos, 1 << 20)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, per_event);
+criterion_main!(benches);
