@@ -4,7 +4,6 @@
 
 use std::hint::black_box;
 
-use async_nats::header::HeaderValue;
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use outbox_relay::outbox::OutboxLayout;
@@ -101,13 +100,7 @@ fn per_event(c: &mut Criterion) {
     g.bench_function("headers", |b| {
         b.iter_batched(
             || router.route(&row, pos, 1 << 20),
-            |msg| {
-                let mut h = async_nats::HeaderMap::new();
-                for (k, v) in msg.headers {
-                    h.insert(k, HeaderValue::from(v));
-                }
-                h
-            },
+            |msg| outbox_relay::publish::header_map(msg.headers, Some(msg.msg_id)),
             criterion::BatchSize::SmallInput,
         )
     });

@@ -655,10 +655,10 @@ fn chart(results: &[PhaseResult], title: &str) -> String {
 <rect width="100%" height="100%" fill="white"/>
 <text x="{pad}" y="20" font-size="14">{title}</text>
 "#,
-        2.0 * h + 60.0
+        2.0 * h + 90.0
     );
     // Panel 1: events/s; panel 2: latency p50 (dashed) and p99, log scale.
-    for (panel, y0) in [(0, 40.0), (1, 60.0 + h)] {
+    for (panel, y0) in [(0, 45.0), (1, 75.0 + h)] {
         let plot_h = h - 40.0;
         let (label, series): (&str, Vec<Line>) = if panel == 0 {
             (
@@ -720,7 +720,7 @@ fn chart(results: &[PhaseResult], title: &str) -> String {
         };
         let _ = writeln!(
             svg,
-            r##"<rect x="{pad}" y="{y0}" width="{}" height="{plot_h}" fill="none" stroke="#999"/><text x="5" y="{}" >{label}</text>"##,
+            r##"<rect x="{pad}" y="{y0}" width="{}" height="{plot_h}" fill="none" stroke="#999"/><text x="{pad}" y="{}" >{label}</text>"##,
             w - 2.0 * pad,
             y0 - 5.0
         );
@@ -767,18 +767,27 @@ fn chart(results: &[PhaseResult], title: &str) -> String {
                 y0 + 14.0 * (i as f64 + 1.0)
             );
         }
+        for i in 0..=5 {
+            let t = t_max * i as f64 / 5.0;
+            let _ = writeln!(
+                svg,
+                r#"<text x="{:.1}" y="{}" text-anchor="middle">{t:.0}</text>"#,
+                x(t),
+                y0 + plot_h + 14.0
+            );
+        }
         let _ = writeln!(
             svg,
             r#"<text x="{}" y="{}" text-anchor="middle">seconds since the phase started</text>"#,
             w / 2.0,
-            y0 + plot_h + 16.0
+            y0 + plot_h + 28.0
         );
     }
     svg.push_str("</svg>\n");
     svg
 }
 
-#[tokio::main(flavor = "current_thread")]
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let a = parse_args();
     let db = env("DATABASE_URL");

@@ -17,7 +17,9 @@ use std::future::IntoFuture;
 use std::pin::Pin;
 use std::time::Duration;
 
-use async_nats::header::{HeaderName, HeaderValue};
+use std::borrow::Cow;
+
+use async_nats::header::{HeaderName, HeaderValue, IntoHeaderName};
 use async_nats::jetstream::{self, context::PublishErrorKind, stream, Context};
 use async_nats::HeaderMap;
 
@@ -133,6 +135,27 @@ pub async fn stored_tail(
     Ok(None)
 }
 
+/// The NATS header block of one event. Owned names and values move into
+/// the map and our static names are not copied: this runs once per event.
+/// Values were checked for CR/LF when routed (async-nats panics on them).
+pub fn header_map(
+    headers: Vec<(Cow<'static, str>, String)>,
+    expected_last_msg_id: Option<String>,
+) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (k, v) in headers {
+        let name = match k {
+            Cow::Borrowed(name) => HeaderName::from_static(name),
+            Cow::Owned(name) => name.into_header_name(),
+        };
+        map.insert(name, HeaderValue::from(v));
+    }
+    if let Some(prev) = expected_last_msg_id {
+        map.insert(EXPECTED_LAST_MSG_ID, HeaderValue::from(prev));
+    }
+    map
+}
+
 /// Resolves to (ticket, the event's commit time in Postgres micros, result).
 type AckFuture = Pin<Box<dyn Future<Output = (Ticket, i64, Result<bool>)> + Send>>;
 
@@ -175,16 +198,11 @@ impl Publisher {
         commit_micros: i64,
         msg: OutMessage,
     ) -> Result<()> {
-        // Owned names and values move into the map: no copies per header.
-        // Values were checked for CR/LF when routed (async-nats panics on them).
-        let mut headers = HeaderMap::new();
-        for (k, v) in msg.headers {
-            headers.insert(k, HeaderValue::from(v));
+        let prev = self.chain.take();
+        if prev.is_none() {
+            self.solo_pending = true;
         }
-        match self.chain.take() {
-            Some(prev) => headers.insert(EXPECTED_LAST_MSG_ID, HeaderValue::from(prev)),
-            None => self.solo_pending = true,
-        }
+        let headers = header_map(msg.headers, prev);
         let publish = jetstream::message::PublishMessage::build()
             .payload(msg.body)
             .headers(headers);

@@ -4,6 +4,7 @@
 //! becomes a dead-letter message on `{context}.dlq.relay` with a reason, and
 //! the stream carries on (SPEC §4).
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use bytes::Bytes;
@@ -65,8 +66,9 @@ impl DlqReason {
 pub struct OutMessage {
     pub subject: String,
     pub msg_id: String,
-    /// In order; `Nats-Msg-Id` is among them.
-    pub headers: Vec<(String, String)>,
+    /// In order; `Nats-Msg-Id` is among them. Our own names are static, so
+    /// the per-event path allocates only values.
+    pub headers: Vec<(Cow<'static, str>, String)>,
     pub body: Bytes,
     /// Set on dead letters.
     pub dlq_reason: Option<DlqReason>,
@@ -222,6 +224,8 @@ pub struct Router {
     pub envelope: bool,
     /// `{context}.`: every subject must fall under `{context}.>`.
     stream_prefix: String,
+    /// `{context}.dlq.`: inside the stream's subjects but reserved for dead letters.
+    dlq_prefix: String,
     dlq_subject: String,
     source: String,
 }
@@ -247,6 +251,7 @@ impl Router {
             partitions,
             envelope,
             stream_prefix: format!("{context}."),
+            dlq_prefix: format!("{context}.dlq."),
             dlq_subject: format!("{context}.dlq.relay"),
             source,
         }
@@ -263,7 +268,8 @@ impl Router {
             Some(s) => s.clone(),
             None => self.template.render(row, self.partitions),
         };
-        let mut headers = self.standard_headers(row, pos);
+        let msg_id = row.id.to_string();
+        let mut headers = self.standard_headers(row, &msg_id, pos);
         let body = if self.envelope {
             envelope(row)
         } else {
@@ -271,8 +277,7 @@ impl Router {
         };
         let mut reason = if subject_problem(&subject).is_some() {
             Some(DlqReason::InvalidSubject)
-        } else if !subject.starts_with(&self.stream_prefix)
-            || subject.starts_with(&format!("{}dlq.", self.stream_prefix))
+        } else if !subject.starts_with(&self.stream_prefix) || subject.starts_with(&self.dlq_prefix)
         {
             Some(DlqReason::SubjectOutsideStream)
         } else {
@@ -291,7 +296,7 @@ impl Router {
         }
         let msg = OutMessage {
             subject,
-            msg_id: row.id.to_string(),
+            msg_id,
             headers,
             body,
             dlq_reason: None,
@@ -308,14 +313,14 @@ impl Router {
     /// replay dedupes it either way.
     pub fn bad_row(&self, id: Option<String>, pos: Position, detail: &str) -> OutMessage {
         let msg_id = id.unwrap_or_else(|| format!("{}-{}", pos.commit_lsn, pos.index));
-        let mut headers = vec![(HDR_MSG_ID.to_owned(), msg_id.clone())];
+        let mut headers = vec![(Cow::Borrowed(HDR_MSG_ID), msg_id.clone())];
         self.position_headers(&mut headers, pos);
         headers.push((
-            "Outbox-Dlq-Detail".to_owned(),
+            Cow::Borrowed("Outbox-Dlq-Detail"),
             detail.replace(['\r', '\n'], " "),
         ));
         headers.push((
-            HDR_DLQ_REASON.to_owned(),
+            Cow::Borrowed(HDR_DLQ_REASON),
             DlqReason::BadRow.as_str().to_owned(),
         ));
         OutMessage {
@@ -338,9 +343,9 @@ impl Router {
         msg.headers
             .retain(|(k, v)| header_name_ok(k) && header_value_ok(v));
         msg.headers
-            .push((HDR_DLQ_REASON.to_owned(), reason.as_str().to_owned()));
+            .push((Cow::Borrowed(HDR_DLQ_REASON), reason.as_str().to_owned()));
         msg.headers.push((
-            "Outbox-Dlq-Original-Subject".to_owned(),
+            Cow::Borrowed("Outbox-Dlq-Original-Subject"),
             msg.subject.replace(['\r', '\n'], " "),
         ));
         msg.subject = self.dlq_subject.clone();
@@ -356,37 +361,43 @@ impl Router {
         msg
     }
 
-    fn standard_headers(&self, row: &OutboxRow, pos: Position) -> Vec<(String, String)> {
+    fn standard_headers(
+        &self,
+        row: &OutboxRow,
+        msg_id: &str,
+        pos: Position,
+    ) -> Vec<(Cow<'static, str>, String)> {
         let mut h = Vec::with_capacity(12);
-        h.push((HDR_MSG_ID.to_owned(), row.id.to_string()));
-        h.push((HDR_EVENT_TYPE.to_owned(), row.event_type.clone()));
-        h.push((HDR_EVENT_VERSION.to_owned(), row.event_version.to_string()));
-        h.push((HDR_AGGREGATE_TYPE.to_owned(), row.aggregate_type.clone()));
-        h.push((HDR_AGGREGATE_ID.to_owned(), row.aggregate_id.clone()));
+        let mut push = |name: &'static str, value: String| h.push((Cow::Borrowed(name), value));
+        push(HDR_MSG_ID, msg_id.to_owned());
+        push(HDR_EVENT_TYPE, row.event_type.clone());
+        push(HDR_EVENT_VERSION, row.event_version.to_string());
+        push(HDR_AGGREGATE_TYPE, row.aggregate_type.clone());
+        push(HDR_AGGREGATE_ID, row.aggregate_id.clone());
         if let Some(t) = &row.occurred_at {
-            h.push((HDR_OCCURRED_AT.to_owned(), t.clone()));
+            push(HDR_OCCURRED_AT, t.clone());
         }
         if let Some(c) = row.correlation_id {
-            h.push((HDR_CORRELATION_ID.to_owned(), c.to_string()));
+            push(HDR_CORRELATION_ID, c.to_string());
         }
         if let Some(c) = row.causation_id {
-            h.push((HDR_CAUSATION_ID.to_owned(), c.to_string()));
+            push(HDR_CAUSATION_ID, c.to_string());
         }
         self.position_headers(&mut h, pos);
         h
     }
 
-    fn position_headers(&self, h: &mut Vec<(String, String)>, pos: Position) {
-        h.push((HDR_COMMIT_LSN.to_owned(), pos.commit_lsn.to_string()));
-        h.push((HDR_TXN_INDEX.to_owned(), pos.index.to_string()));
-        h.push((HDR_SOURCE.to_owned(), self.source.clone()));
+    fn position_headers(&self, h: &mut Vec<(Cow<'static, str>, String)>, pos: Position) {
+        h.push((Cow::Borrowed(HDR_COMMIT_LSN), pos.commit_lsn.to_string()));
+        h.push((Cow::Borrowed(HDR_TXN_INDEX), pos.index.to_string()));
+        h.push((Cow::Borrowed(HDR_SOURCE), self.source.clone()));
     }
 }
 
 /// Every string entry of the row's `headers` object. Names we set ourselves
 /// (`Nats-*`, `Outbox-*`) may not be overridden: that would break dedupe or lie
 /// about the event.
-fn user_headers(json: &[u8]) -> Result<Vec<(String, String)>, ()> {
+fn user_headers(json: &[u8]) -> Result<Vec<(Cow<'static, str>, String)>, ()> {
     let v: serde_json::Value = serde_json::from_slice(json).map_err(|_| ())?;
     let Some(map) = v.as_object() else {
         return if v.is_null() { Ok(Vec::new()) } else { Err(()) };
@@ -402,7 +413,7 @@ fn user_headers(json: &[u8]) -> Result<Vec<(String, String)>, ()> {
         {
             return Err(());
         }
-        out.push((k.clone(), s.to_owned()));
+        out.push((Cow::Owned(k.clone()), s.to_owned()));
     }
     Ok(out)
 }
