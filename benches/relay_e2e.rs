@@ -737,7 +737,7 @@ fn chart(results: &[PhaseResult], title: &str) -> String {
                 pad - 4.0,
                 y(t) + 4.0,
                 if t >= 1000.0 {
-                    format!("{:.0}k", t / 1000.0)
+                    format!("{:.1}k", t / 1000.0)
                 } else if t >= 1.0 {
                     format!("{t:.0}")
                 } else {
