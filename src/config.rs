@@ -246,6 +246,8 @@ pub struct ConsumeArgs {
     #[arg(long, env = "OUTBOX_HANDLER_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub handler_timeout: Duration,
 
+    /// How long JetStream waits for an ack before redelivering (kept alive
+    /// with in-progress acks while a handler runs).
     #[arg(long, env = "OUTBOX_ACK_WAIT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub ack_wait: Duration,
 
@@ -258,6 +260,7 @@ pub struct ConsumeArgs {
     )]
     pub max_deliver: i64,
 
+    /// Deliveries JetStream hands this consumer before it must ack some.
     #[arg(long, env = "OUTBOX_MAX_ACK_PENDING", default_value_t = 50)]
     pub max_ack_pending: i64,
 
@@ -284,6 +287,10 @@ pub struct ConsumeArgs {
     /// Address of `/metrics`, `/healthz` and `/readyz`.
     #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
     pub metrics_addr: std::net::SocketAddr,
+
+    /// Check the configuration and exit without connecting.
+    #[arg(long)]
+    pub check_config: bool,
 }
 
 impl ConsumeArgs {

@@ -93,12 +93,15 @@ async fn run(command: Command) -> Result<(), Error> {
             let handler =
                 outbox_relay::handler::HttpHandler::new(&args.handler_url, args.handler_timeout)
                     .map_err(Error::Config)?;
+            let dsn = postgres::Dsn::parse(&args.db.database_url)?;
+            if args.check_config {
+                println!("configuration ok");
+                return Ok(());
+            }
             let handle = outbox_relay::metrics::install().map_err(Error::Config)?;
             let ready = Readiness::new("not consuming yet: starting");
             let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
-            let pool = postgres::Dsn::parse(&args.db.database_url)?
-                .pool(cfg.concurrency as u32 + 2)
-                .await?;
+            let pool = dsn.pool(cfg.concurrency as u32 + 2).await?;
             ready.watch_postgres(pool.clone());
             let nats = async_nats::ConnectOptions::new()
                 .name(format!("outbox-consume:{}", cfg.durable))
