@@ -580,3 +580,103 @@ async fn restart_after_the_duplicate_window_adds_no_duplicates() {
         "relay found its tail"
     );
 }
+
+/// A DSN password must not reach the logs at any level, nor `--help`, nor an
+/// error line, including on the reconnect path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dsn_password_never_appears_in_logs_help_or_errors() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_secret").await;
+    const RAW: &str = "Tr0ub4dor&3-horse";
+    const ENCODED: &str = "Tr0ub4dor%263-horse";
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'secret_user') THEN \
+         CREATE ROLE secret_user LOGIN SUPERUSER REPLICATION PASSWORD '{RAW}'; END IF; END $$"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let secret_url = url.replacen(
+        "postgres://postgres@",
+        &format!("postgres://secret_user:{ENCODED}@"),
+        1,
+    );
+    assert_ne!(secret_url, url, "the test URL has the expected shape");
+    let leaks = |text: &str| text.contains(RAW) || text.contains(ENCODED);
+
+    let mut relay = Service::relay_traced(&secret_url, &stack.nats_url, "secret", &[]);
+    let mut sent = HashSet::new();
+    sent.extend(insert_txn(&pool, 1, 0, 5, 16).await);
+    // The reconnect path logs errors and reconnects with the same settings.
+    sqlx::query("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outbox_relay_secret' AND active_pid IS NOT NULL")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sent.extend(insert_txn(&pool, 1, 5, 5, 16).await);
+    let got = read_stream(&stack.nats_url, "SECRET_EVENTS", 10, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    assert!(relay.term(Duration::from_secs(30)).success());
+    let log = relay.log_text();
+    assert!(
+        log.lines().count() > 50 && log.contains("TRACE"),
+        "the relay logged at trace level"
+    );
+    assert!(
+        log.contains("reconnecting"),
+        "the reconnect path ran:\n{log}"
+    );
+    assert!(!leaks(&log), "password in the relay's trace log");
+
+    // Connection errors, configuration errors and --help.
+    let bad_port = secret_url.replacen(
+        &stack
+            .admin_url
+            .rsplit_once(':')
+            .unwrap()
+            .1
+            .split('/')
+            .next()
+            .unwrap()
+            .to_string(),
+        "1",
+        1,
+    );
+    for (args, env_url) in [
+        (
+            vec![
+                "relay",
+                "--database-url",
+                bad_port.as_str(),
+                "--nats-url",
+                stack.nats_url.as_str(),
+            ],
+            None,
+        ),
+        (
+            vec![
+                "relay",
+                "--database-url",
+                &format!("{secret_url}?sslmode=bogus"),
+                "--check-config",
+            ],
+            None,
+        ),
+        (vec!["migrate", "--database-url", bad_port.as_str()], None),
+        (vec!["relay", "--help"], Some(secret_url.as_str())),
+        (vec!["consume", "--help"], Some(secret_url.as_str())),
+    ] {
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.args(&args).env("RUST_LOG", "trace");
+        if let Some(u) = env_url {
+            cmd.env("DATABASE_URL", u);
+        }
+        let out = cmd.output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!text.is_empty(), "{args:?} printed nothing");
+        assert!(!leaks(&text), "password printed by {args:?}:\n{text}");
+    }
+}

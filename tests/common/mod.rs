@@ -95,6 +95,7 @@ pub struct Service {
     log_start: usize,
     ready: &'static str,
     name: String,
+    rust_log: String,
 }
 
 impl Service {
@@ -173,6 +174,24 @@ impl Service {
     }
 
     fn spawn(args: Vec<String>, name: &str, ready: &'static str) -> Service {
+        Self::spawn_logged(args, name, ready, "info,outbox_relay=debug".to_owned())
+    }
+
+    /// The relay logging at every level of every crate (`RUST_LOG=trace`).
+    pub fn relay_traced(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
+        let args = relay_args(db_url, nats_url, context, extra);
+        let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
+        let mut s = Self::spawn_logged(args, context, "streaming", "trace".to_owned());
+        s.wait_ready();
+        s
+    }
+
+    fn spawn_logged(
+        args: Vec<String>,
+        name: &str,
+        ready: &'static str,
+        rust_log: String,
+    ) -> Service {
         let log = log_dir().join(format!("{name}.log"));
         let log_start = std::fs::metadata(&log).map_or(0, |m| m.len() as usize);
         let file = std::fs::OpenOptions::new()
@@ -182,7 +201,7 @@ impl Service {
             .unwrap();
         let child = Command::new(BIN)
             .args(&args)
-            .env("RUST_LOG", "info,outbox_relay=debug")
+            .env("RUST_LOG", &rust_log)
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
@@ -194,6 +213,7 @@ impl Service {
             log_start,
             ready,
             name: name.to_owned(),
+            rust_log,
         }
     }
 
@@ -201,7 +221,12 @@ impl Service {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        *self = Self::spawn(self.args.clone(), &self.name.clone(), self.ready);
+        *self = Self::spawn_logged(
+            self.args.clone(),
+            &self.name.clone(),
+            self.ready,
+            self.rust_log.clone(),
+        );
     }
 
     pub fn pid(&self) -> u32 {
