@@ -77,6 +77,9 @@ pub fn default_stream(context: &str) -> String {
 pub struct MigrateArgs {
     #[command(flatten)]
     pub db: DbArgs,
+    /// Check the configuration and exit without connecting.
+    #[arg(long)]
+    pub check_config: bool,
 }
 
 #[derive(Debug, Clone, Args)]

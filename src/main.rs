@@ -54,7 +54,12 @@ fn init_logging(format: &str) {
 async fn run(command: Command) -> Result<(), Error> {
     match command {
         Command::Migrate(args) => {
-            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+            let dsn = postgres::Dsn::parse(&args.db.database_url)?;
+            if args.check_config {
+                println!("configuration ok");
+                return Ok(());
+            }
+            let pool = dsn.pool(1).await?;
             postgres::migrate(&pool).await?;
             tracing::info!("migrations applied");
             Ok(())

@@ -1,0 +1,194 @@
+//! The deployment files, checked without a Docker engine: every outbox-relay
+//! service in docker-compose.yml must pass the binary's own argument parser
+//! and configuration checks (`--check-config`) with the environment compose
+//! gives it, the image's entrypoints must be what the Dockerfile builds, and
+//! nothing may publish a port beyond loopback.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use yaml_serde::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(format!("{ROOT}/{path}")).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn compose() -> Value {
+    let mut v: Value =
+        yaml_serde::from_str(&read("docker-compose.yml")).expect("docker-compose.yml is YAML");
+    v.apply_merge().expect("merge keys resolve");
+    // Merged anchors may themselves hold merge keys (environment: &outbox-env).
+    v.apply_merge().expect("merge keys resolve");
+    v
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    match v {
+        Value::Sequence(s) => s
+            .iter()
+            .map(|x| x.as_str().expect("string").to_owned())
+            .collect(),
+        Value::String(s) => s.split_whitespace().map(str::to_owned).collect(),
+        Value::Null => Vec::new(),
+        other => panic!("expected a list of strings, got {other:?}"),
+    }
+}
+
+/// The Dockerfile's ENTRYPOINT, and what its runtime stage copies in.
+fn dockerfile() -> (Vec<String>, BTreeMap<String, String>) {
+    let text = read("Dockerfile");
+    let entry = text
+        .lines()
+        .find_map(|l| l.strip_prefix("ENTRYPOINT "))
+        .expect("ENTRYPOINT");
+    let entry: Vec<String> = serde_json::from_str(entry).expect("ENTRYPOINT in exec (JSON) form");
+    let copies = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("COPY --from=build "))
+        .map(|l| {
+            let mut parts = l.split_whitespace();
+            let from = parts.next().expect("source").to_owned();
+            let to = parts.next().expect("destination").to_owned();
+            (to, from)
+        })
+        .collect();
+    (entry, copies)
+}
+
+#[test]
+fn every_outbox_service_passes_the_binarys_configuration_check() {
+    let compose = compose();
+    let services = compose["services"].as_mapping().expect("services");
+    let (default_entry, _) = dockerfile();
+    let mut checked = Vec::new();
+    for (name, svc) in services {
+        let name = name.as_str().expect("service name");
+        if svc["image"].as_str() != Some("outbox-relay:local") {
+            continue;
+        }
+        let entry = match &svc["entrypoint"] {
+            Value::Null => default_entry.clone(),
+            e => strings(e),
+        };
+        if entry != default_entry {
+            continue; // the sample handler, checked below
+        }
+        let command = strings(&svc["command"]);
+        let env: BTreeMap<String, String> = svc["environment"]
+            .as_mapping()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| {
+                        let v = match v {
+                            Value::String(s) => s.clone(),
+                            other => yaml_serde::to_string(other).unwrap().trim().to_owned(),
+                        };
+                        (k.as_str().unwrap().to_owned(), v)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let out = Command::new(BIN)
+            .args(&command)
+            .arg("--check-config")
+            .env_clear()
+            .envs(&env)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "service {name}: `outbox-relay {}` is refused:\n{}",
+            command.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "configuration ok",
+            "service {name}"
+        );
+        checked.push(command[0].clone());
+    }
+    checked.sort();
+    assert_eq!(
+        checked,
+        ["consume", "migrate", "relay"],
+        "the services compose must run"
+    );
+
+    // The relay and the consumer's DLQ use the 3-node cluster's replicas.
+    let relay = strings(&services[&Value::from("relay")]["command"]).join(" ");
+    assert!(relay.contains("--stream-replicas 3"), "{relay}");
+    let nats_nodes = services
+        .keys()
+        .filter(|k| k.as_str().is_some_and(|k| k.starts_with("nats-")))
+        .count();
+    assert_eq!(nats_nodes, 3);
+}
+
+#[test]
+fn image_entrypoints_are_built_by_the_dockerfile() {
+    let (entry, copies) = dockerfile();
+    assert_eq!(entry, ["/usr/local/bin/outbox-relay"]);
+    assert_eq!(
+        copies
+            .get("/usr/local/bin/outbox-relay")
+            .map(String::as_str),
+        Some("/src/target/release/outbox-relay")
+    );
+    let text = read("Dockerfile");
+    assert!(
+        text.contains("--bin outbox-relay"),
+        "the build stage builds the binary"
+    );
+    assert!(text.contains("USER 10001"), "runs as non-root");
+    // The binary the Dockerfile builds is this crate's `outbox-relay` bin.
+    assert!(BIN.ends_with("/outbox-relay"));
+
+    // Other entrypoints used by compose are copied in too.
+    let compose = compose();
+    for (name, svc) in compose["services"].as_mapping().unwrap() {
+        let name = name.as_str().unwrap_or_default();
+        if let Value::Sequence(_) = &svc["entrypoint"] {
+            let e = strings(&svc["entrypoint"]);
+            let from = copies.get(&e[0]).unwrap_or_else(|| {
+                panic!("service {name}: entrypoint {} is not in the image", e[0])
+            });
+            if let Some(example) = from.strip_prefix("/src/target/release/examples/") {
+                assert!(
+                    std::path::Path::new(&format!("{ROOT}/examples/{example}.rs")).exists(),
+                    "{example} is not an example of this crate"
+                );
+                assert!(
+                    text.contains(&format!("--example {example}")),
+                    "{example} is not built"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ports_are_published_on_loopback_only_and_mounted_files_exist() {
+    let compose = compose();
+    for (name, svc) in compose["services"].as_mapping().unwrap() {
+        let name = name.as_str().unwrap_or_default();
+        for port in strings(&svc["ports"]) {
+            assert!(
+                port.starts_with("127.0.0.1:"),
+                "service {name} publishes {port} beyond loopback"
+            );
+        }
+        for volume in strings(&svc["volumes"]) {
+            if let Some(path) = volume.strip_prefix("./") {
+                let file = path.split(':').next().unwrap();
+                assert!(
+                    std::path::Path::new(&format!("{ROOT}/{file}")).exists(),
+                    "service {name} mounts missing {file}"
+                );
+            }
+        }
+    }
+}
