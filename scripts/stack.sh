@@ -4,6 +4,10 @@
 # under one directory, stopped by PID.
 #
 #   scripts/stack.sh up DIR     start both; writes DIR/env (DATABASE_URL, NATS_URL, PIDs)
+#                               With STACK_TLS=1 both require TLS (certificates made
+#                               under DIR/tls), Postgres requires SCRAM passwords and
+#                               NATS a user/password; DIR/env then also has NATS_CA,
+#                               NATS_USER, NATS_PASSWORD and PG_CA.
 #   scripts/stack.sh down DIR   stop what `up DIR` started
 #   scripts/stack.sh relay DIR BIN [ARGS…]
 #                               run `BIN relay ARGS…` against the stack in the
@@ -63,6 +67,22 @@ promtool_bin() {
   echo "$bin"
 }
 
+# A throwaway CA and a server certificate for 127.0.0.1 / localhost.
+make_certs() {
+  local d="$1"
+  command -v openssl >/dev/null 2>&1 || die "openssl not found (needed for STACK_TLS=1)"
+  mkdir -p "$d"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=outbox-relay test CA" \
+    -keyout "$d/ca.key" -out "$d/ca.crt" >/dev/null 2>&1 || die "openssl: CA"
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" \
+    -keyout "$d/server.key" -out "$d/server.csr" >/dev/null 2>&1 || die "openssl: CSR"
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' >"$d/ext.cnf"
+  openssl x509 -req -in "$d/server.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
+    -days 2 -extfile "$d/ext.cnf" -out "$d/server.crt" >/dev/null 2>&1 || die "openssl: server certificate"
+  chmod 644 "$d/ca.crt" "$d/server.crt"
+  chmod 755 "$d"
+}
+
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
 }
@@ -87,7 +107,18 @@ up() {
     chmod 755 "$dir"
     chown nobody "$dir/pg" "$dir/pgsock"
   fi
-  as_pg_user "$bindir/initdb" -D "$dir/pg/data" -U postgres --auth=trust \
+  local tls="${STACK_TLS:-0}" pgpass="" natspass="" auth=(--auth=trust)
+  if [ "$tls" = 1 ]; then
+    make_certs "$dir/tls"
+    pgpass="$(openssl rand -hex 12)"
+    natspass="$(openssl rand -hex 12)"
+    printf '%s\n' "$pgpass" >"$dir/pg/pwfile"
+    cp "$dir/tls/server.key" "$dir/pg/server.key"
+    chmod 600 "$dir/pg/server.key" "$dir/pg/pwfile"
+    [ "$(id -u)" = 0 ] && chown nobody "$dir/pg/server.key" "$dir/pg/pwfile"
+    auth=(--auth-local=trust --auth-host=scram-sha-256 "--pwfile=$dir/pg/pwfile")
+  fi
+  as_pg_user "$bindir/initdb" -D "$dir/pg/data" -U postgres "${auth[@]}" \
     --encoding=UTF8 --no-sync >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
   cat >>"$dir/pg/data/postgresql.conf" <<CONF
 listen_addresses = '127.0.0.1'
@@ -110,14 +141,35 @@ max_slot_wal_keep_size = 4GB
 checkpoint_timeout = 30s
 log_min_messages = warning
 CONF
-  echo "host replication all 127.0.0.1/32 trust" >>"$dir/pg/data/pg_hba.conf"
+  if [ "$tls" = 1 ]; then
+    cat >>"$dir/pg/data/postgresql.conf" <<CONF
+ssl = on
+ssl_cert_file = '$dir/tls/server.crt'
+ssl_key_file = '$dir/pg/server.key'
+password_encryption = 'scram-sha-256'
+CONF
+    # TLS and SCRAM for every TCP connection, replication included.
+    cat >"$dir/pg/data/pg_hba.conf" <<HBA
+local all all trust
+hostssl all all 127.0.0.1/32 scram-sha-256
+hostssl replication all 127.0.0.1/32 scram-sha-256
+hostnossl all all 127.0.0.1/32 reject
+hostnossl replication all 127.0.0.1/32 reject
+HBA
+  else
+    echo "host replication all 127.0.0.1/32 trust" >>"$dir/pg/data/pg_hba.conf"
+  fi
   as_pg_user "$bindir/pg_ctl" -D "$dir/pg/data" -l "$dir/pg/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$dir/pg/postgres.log" >&2; die "postgres did not start"; }
   local pgpid
   pgpid="$(head -1 "$dir/pg/data/postmaster.pid")"
 
+  local natstls=()
+  if [ "$tls" = 1 ]; then
+    natstls=(--tls --tlscert "$dir/tls/server.crt" --tlskey "$dir/tls/server.key" --user outbox --pass "$natspass")
+  fi
   "$natsbin" -a 127.0.0.1 -p "$natsport" -js -sd "$dir/nats/store" \
-    --http_port 0 >"$dir/nats/nats.log" 2>&1 &
+    --http_port 0 "${natstls[@]}" >"$dir/nats/nats.log" 2>&1 &
   local natspid=$!
   echo "$natspid" >"$dir/nats/pid"
   for _ in $(seq 1 100); do
@@ -127,9 +179,20 @@ CONF
   done
   grep -q "Server is ready" "$dir/nats/nats.log" || die "nats-server not ready after 10s"
 
+  local dburl="postgres://postgres@127.0.0.1:$pgport/postgres" natsurl="nats://127.0.0.1:$natsport"
+  if [ "$tls" = 1 ]; then
+    dburl="postgres://postgres:$pgpass@localhost:$pgport/postgres?sslmode=verify-full&sslrootcert=$dir/tls/ca.crt"
+    natsurl="tls://127.0.0.1:$natsport"
+    cat >>"$dir/env.tls" <<ENV
+export PG_CA=$dir/tls/ca.crt
+export NATS_CA=$dir/tls/ca.crt
+export NATS_USER=outbox
+export NATS_PASSWORD=$natspass
+ENV
+  fi
   cat >"$dir/env" <<ENV
-export DATABASE_URL=postgres://postgres@127.0.0.1:$pgport/postgres
-export NATS_URL=nats://127.0.0.1:$natsport
+export DATABASE_URL='$dburl'
+export NATS_URL=$natsurl
 export STACK_DIR=$dir
 export PG_BINDIR=$bindir
 export PG_PORT=$pgport
@@ -138,8 +201,9 @@ export NATS_PORT=$natsport
 export NATS_PID=$natspid
 export NATS_SERVER_BIN=$natsbin
 ENV
-  echo "DATABASE_URL=postgres://postgres@127.0.0.1:$pgport/postgres"
-  echo "NATS_URL=nats://127.0.0.1:$natsport"
+  [ -f "$dir/env.tls" ] && cat "$dir/env.tls" >>"$dir/env"
+  echo "DATABASE_URL=$dburl" | sed 's#://postgres:[^@]*@#://postgres:***@#'
+  echo "NATS_URL=$natsurl"
 }
 
 relay() {

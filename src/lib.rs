@@ -19,6 +19,7 @@ pub mod events;
 pub mod handler;
 pub mod inbox;
 pub mod metrics;
+pub mod nats;
 pub mod outbox;
 pub mod pgoutput;
 pub mod postgres;
@@ -29,3 +30,11 @@ pub mod slots;
 pub mod watermark;
 
 pub use error::{Error, Result};
+
+/// Select ring as the process-wide TLS provider before any TLS connection
+/// (Postgres or NATS). Two providers are linked in, and rustls refuses to
+/// guess; call this first in any binary that uses the crate's connections.
+pub fn install_tls_provider() {
+    // Err means one is installed already, which is what we want.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

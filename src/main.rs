@@ -9,6 +9,7 @@ use outbox_relay::{postgres, relay};
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
+    outbox_relay::install_tls_provider();
     let cli = Cli::parse();
     init_logging(&cli.log_format);
     // The relay is one ordered pipeline: on one thread its tasks (replication
@@ -108,18 +109,9 @@ async fn run(command: Command) -> Result<(), Error> {
             let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
             let pool = dsn.pool(cfg.concurrency as u32 + 2).await?;
             ready.watch_postgres(pool.clone());
-            let nats = async_nats::ConnectOptions::new()
-                .name(format!("outbox-consume:{}", cfg.durable))
-                .connection_timeout(std::time::Duration::from_secs(5))
-                .max_reconnects(None)
-                .connect(args.nats.nats_url.as_str())
-                .await
-                .map_err(|e| {
-                    Error::Config(format!(
-                        "cannot connect to NATS at {}: {e}",
-                        args.nats.nats_url
-                    ))
-                })?;
+            let nats =
+                outbox_relay::nats::connect(&args.nats, format!("outbox-consume:{}", cfg.durable))
+                    .await?;
             ready.watch_nats(nats.clone());
             let js = async_nats::jetstream::new(nats.clone());
             let shutdown = CancellationToken::new();

@@ -5,11 +5,12 @@
 //! `DATABASE_URL` into its config and makes sure the slot and publication
 //! exist (or says which statement to run when the relay may not create them).
 
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
 use percent_encoding::percent_decode_str;
-use pgwire_replication::{Lsn, ReplicationConfig};
+use pgwire_replication::{Lsn, ReplicationConfig, SslMode, TlsConfig};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
 
@@ -26,6 +27,10 @@ pub struct Dsn {
     pub user: String,
     password: String,
     pub database: String,
+    /// TLS for the replication connection, from the URL's libpq parameters
+    /// (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`); sqlx reads the same
+    /// parameters for the SQL connections.
+    tls: TlsConfig,
 }
 
 impl std::fmt::Debug for Dsn {
@@ -53,19 +58,45 @@ impl Dsn {
             )));
         }
         let decode = |s: &str| percent_decode_str(s).decode_utf8_lossy().into_owned();
-        let mut sslmode = None;
-        for (k, v) in parsed.query_pairs() {
-            if k == "sslmode" {
-                sslmode = Some(v.into_owned());
+        let param = |name: &str| {
+            parsed
+                .query_pairs()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.into_owned())
+        };
+        let root = param("sslrootcert").map(PathBuf::from);
+        // libpq's default is `prefer`; `require` with a root certificate
+        // verifies the chain, as libpq does.
+        let mode = match param("sslmode").as_deref().unwrap_or("prefer") {
+            "disable" => SslMode::Disable,
+            "allow" | "prefer" => SslMode::Prefer,
+            "require" if root.is_some() => SslMode::VerifyCa,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            other => {
+                return Err(bad(&format!(
+                    "sslmode={other} is not one of disable, allow, prefer, require, verify-ca, verify-full"
+                )))
+            }
+        };
+        for (name, path) in [("sslrootcert", &root)] {
+            if let Some(p) = path {
+                if !p.is_file() {
+                    return Err(bad(&format!(
+                        "{name}={} is not a readable file",
+                        p.display()
+                    )));
+                }
             }
         }
-        if let Some(mode) = sslmode.as_deref() {
-            if !matches!(mode, "disable" | "allow" | "prefer") {
-                return Err(Error::Config(format!(
-                    "DATABASE_URL: sslmode={mode} is not supported by this build yet; use sslmode=disable on a trusted network"
-                )));
-            }
-        }
+        let tls = TlsConfig {
+            mode,
+            ca_pem_path: root,
+            sni_hostname: None,
+            client_cert_pem_path: param("sslcert").map(PathBuf::from),
+            client_key_pem_path: param("sslkey").map(PathBuf::from),
+        };
         let user = match parsed.username() {
             "" => std::env::var("PGUSER").unwrap_or_else(|_| "postgres".into()),
             u => decode(u),
@@ -85,6 +116,7 @@ impl Dsn {
             user,
             password,
             database,
+            tls,
         })
     }
 
@@ -124,6 +156,7 @@ impl Dsn {
             publication.to_owned(),
         )
         .with_port(self.port)
+        .with_tls(self.tls.clone())
         .with_options("-c DateStyle=ISO -c TimeZone=UTC")
         .with_application_name(format!("outbox-relay:{slot}"))
     }

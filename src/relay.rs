@@ -61,13 +61,7 @@ pub async fn run(
     m::register_relay();
     let dsn = Dsn::parse(&cfg.database_url)?;
     let pool = dsn.pool(2).await?;
-    let nats = async_nats::ConnectOptions::new()
-        .name(format!("outbox-relay:{}", cfg.slot))
-        .connection_timeout(Duration::from_secs(5))
-        .max_reconnects(None)
-        .connect(cfg.nats_url.as_str())
-        .await
-        .map_err(|e| Error::Config(format!("cannot connect to NATS at {}: {e}", cfg.nats_url)))?;
+    let nats = crate::nats::connect(&cfg.nats, format!("outbox-relay:{}", cfg.slot)).await?;
     ready.watch_nats(nats.clone());
     let js = jetstream::ContextBuilder::new()
         .timeout(cfg.publish_timeout)

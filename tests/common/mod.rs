@@ -402,6 +402,16 @@ pub async fn read_stream(
     timeout: Duration,
 ) -> Vec<Got> {
     let client = async_nats::connect(nats_url).await.unwrap();
+    read_stream_with(client, stream, expected, timeout).await
+}
+
+/// [`read_stream`] over a client the test connected itself (TLS, auth).
+pub async fn read_stream_with(
+    client: async_nats::Client,
+    stream: &str,
+    expected: u64,
+    timeout: Duration,
+) -> Vec<Got> {
     let js = jetstream::new(client);
     let deadline = Instant::now() + timeout;
     let mut count = 0;

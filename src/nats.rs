@@ -1,0 +1,88 @@
+//! The NATS connection from the flags: servers, TLS (server verification and
+//! mutual TLS) and one authentication method. Shared by the relay and the
+//! consumer, so both connect, reconnect and report errors the same way.
+
+use std::time::Duration;
+
+use crate::config::NatsArgs;
+use crate::error::{Error, Result};
+
+/// Connect (reconnecting forever afterwards). `name` shows in the server's
+/// connection list. Errors name the servers without credentials.
+pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client> {
+    args.validate()?;
+    let servers = redact_url(&args.nats_url);
+    let mut opts = async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(Duration::from_secs(5))
+        .max_reconnects(None);
+    if let Some(ca) = &args.nats_ca {
+        opts = opts.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let (Some(cert), Some(key)) = (&args.nats_tls_cert, &args.nats_tls_key) {
+        opts = opts.add_client_certificate(cert.clone(), key.clone());
+    }
+    if args.nats_tls {
+        opts = opts.require_tls(true);
+    }
+    if let (Some(user), Some(pass)) = (&args.nats_user, &args.nats_password) {
+        opts = opts.user_and_password(user.clone(), pass.clone());
+    }
+    if let Some(token) = &args.nats_token {
+        opts = opts.token(token.clone());
+    }
+    if let Some(creds) = &args.nats_creds {
+        opts = opts
+            .credentials_file(creds)
+            .await
+            .map_err(|e| Error::Config(format!("--nats-creds {}: {e}", creds.display())))?;
+    }
+    opts.connect(args.nats_url.as_str()).await.map_err(|e| {
+        Error::Config(format!(
+            "cannot connect to NATS at {servers}: {}",
+            redact_text(&e.to_string(), args)
+        ))
+    })
+}
+
+/// `nats://user:secret@host:4222,…` without the user info.
+pub fn redact_url(urls: &str) -> String {
+    urls.split(',')
+        .map(|u| match (u.find("://"), u.rfind('@')) {
+            (Some(scheme), Some(at)) if at > scheme => {
+                format!("{}://***@{}", &u[..scheme], &u[at + 1..])
+            }
+            _ => u.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// An error text with any configured secret blanked out, in case a library
+/// echoes what it was given.
+fn redact_text(text: &str, args: &NatsArgs) -> String {
+    let mut out = text.to_owned();
+    for secret in [&args.nats_password, &args.nats_token]
+        .into_iter()
+        .flatten()
+    {
+        if !secret.is_empty() {
+            out = out.replace(secret.as_str(), "***");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_lose_their_credentials() {
+        assert_eq!(
+            redact_url("nats://u:p@a:4222,tls://tok@b:4222,nats://c:4222"),
+            "nats://***@a:4222,tls://***@b:4222,nats://c:4222"
+        );
+        assert_eq!(redact_url("c:4222"), "c:4222");
+    }
+}

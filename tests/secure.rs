@@ -1,0 +1,202 @@
+//! The relay against a Postgres that requires TLS and SCRAM on every TCP
+//! connection (replication included) and a NATS server that requires TLS and
+//! a user/password, running as a role with only the privileges the README
+//! documents: LOGIN REPLICATION and SELECT on the outbox table, with the
+//! publication created by the table's owner.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use sqlx::postgres::PgPoolOptions;
+
+const T: Duration = Duration::from_secs(60);
+
+/// A stack of its own from `STACK_TLS=1 scripts/stack.sh up`, stopped on drop.
+struct SecureStack {
+    dir: PathBuf,
+    env: HashMap<String, String>,
+}
+
+impl SecureStack {
+    fn up() -> Self {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("secure-stack");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
+        let _ = Command::new(script).arg("down").arg(&dir).status();
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(script)
+            .arg("up")
+            .arg(&dir)
+            .env("STACK_TLS", "1")
+            // The main stack's nats-server, already installed.
+            .env("NATS_SERVER_BIN", stack().nats_bin)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "secure stack did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let env = std::fs::read_to_string(dir.join("env"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("export "))
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.trim_matches('\'').to_owned()))
+            .collect();
+        SecureStack { dir, env }
+    }
+
+    fn get(&self, k: &str) -> &str {
+        &self.env[k]
+    }
+}
+
+impl Drop for SecureStack {
+    fn drop(&mut self) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
+        let _ = Command::new(script).arg("down").arg(&self.dir).status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
+    outbox_relay::install_tls_provider();
+    let s = SecureStack::up();
+    let admin_url = s.get("DATABASE_URL").to_owned();
+
+    // The owner migrates (over TLS + SCRAM) and creates the publication.
+    let out = Command::new(BIN)
+        .args(["migrate", "--database-url", &admin_url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&admin_url)
+        .await
+        .unwrap();
+    for sql in [
+        "CREATE ROLE outbox_relay LOGIN REPLICATION PASSWORD 'relay-Secret-1'",
+        "GRANT SELECT ON outbox_events TO outbox_relay",
+        "CREATE PUBLICATION outbox_relay_secure FOR TABLE outbox_events",
+    ] {
+        sqlx::query(sql).execute(&admin).await.unwrap();
+    }
+    let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert!(ssl, "the test's own connection is TLS");
+    let relay_url = admin_url.replacen(
+        &admin_url[..admin_url.find('@').unwrap()],
+        "postgres://outbox_relay:relay-Secret-1",
+        1,
+    );
+
+    let nats_args = [
+        "--nats-ca",
+        s.get("NATS_CA"),
+        "--nats-user",
+        s.get("NATS_USER"),
+        "--nats-password",
+        s.get("NATS_PASSWORD"),
+    ];
+    let mut relay = Service::relay(&relay_url, s.get("NATS_URL"), "secure", &nats_args);
+
+    // Both of the relay's Postgres connections are TLS, as the least-privilege role.
+    let rows: Vec<(String, bool, Option<String>)> = sqlx::query_as(
+        "SELECT a.backend_type, s.ssl, a.usename::text FROM pg_stat_activity a \
+         JOIN pg_stat_ssl s USING (pid) WHERE a.usename = 'outbox_relay'",
+    )
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert!(
+        rows.iter().any(|r| r.0 == "walsender"),
+        "a walsender runs as outbox_relay: {rows:?}"
+    );
+    assert!(
+        rows.iter().all(|r| r.1),
+        "every relay connection is TLS: {rows:?}"
+    );
+
+    let mut sent = HashSet::new();
+    for i in 0..5 {
+        let mut tx = admin.begin().await.unwrap();
+        for j in 0..4 {
+            let id = uuid::Uuid::new_v4();
+            sqlx::query(
+                "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1, 'order', $2, 'placed', jsonb_build_object('p', 1, 's', $3::int))",
+            )
+            .bind(id)
+            .bind(format!("o-{i}"))
+            .bind(i * 4 + j)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            sent.insert(id);
+        }
+        tx.commit().await.unwrap();
+    }
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(PathBuf::from(s.get("NATS_CA")))
+        .user_and_password(s.get("NATS_USER").into(), s.get("NATS_PASSWORD").into())
+        .connect(s.get("NATS_URL"))
+        .await
+        .unwrap();
+    let got = read_stream_with(client, "SECURE_EVENTS", 20, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    assert!(relay.term(Duration::from_secs(30)).success());
+
+    // Without TLS, or with a wrong NATS password, it stops with a clear line.
+    let plain = format!("{}?sslmode=disable", relay_url.split('?').next().unwrap());
+    for (db, nats, expect) in [
+        (plain.as_str(), nats_args.to_vec(), "no encryption"),
+        (
+            relay_url.as_str(),
+            vec![
+                "--nats-ca",
+                s.get("NATS_CA"),
+                "--nats-user",
+                "outbox",
+                "--nats-password",
+                "wrong",
+            ],
+            "authorization",
+        ),
+    ] {
+        let out = Command::new(BIN)
+            .args([
+                "relay",
+                "--context",
+                "secure",
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ])
+            .args(["--database-url", db, "--nats-url", s.get("NATS_URL")])
+            .args(&nats)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        let last = err.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("error: ") && last.to_lowercase().contains(expect),
+            "expected one line about {expect:?}, got:\n{err}"
+        );
+        assert!(
+            !err.contains("relay-Secret-1") && !err.contains("wrong@"),
+            "{err}"
+        );
+    }
+}
