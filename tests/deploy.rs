@@ -192,3 +192,54 @@ fn ports_are_published_on_loopback_only_and_mounted_files_exist() {
         }
     }
 }
+
+/// docs/configuration.md lists every flag of every command with its
+/// environment variable, as the binary's own `--help` prints them.
+#[test]
+fn configuration_reference_covers_every_flag() {
+    let doc = read("docs/configuration.md");
+    for cmd in [
+        &["relay"][..],
+        &["consume"],
+        &["migrate"],
+        &["slot", "status"],
+        &["slot", "drop"],
+    ] {
+        let title = format!("### `outbox-relay {}`", cmd.join(" "));
+        let section = doc
+            .split(&title)
+            .nth(1)
+            .unwrap_or_else(|| panic!("docs/configuration.md has no section {title}"));
+        let section = section.split("\n### ").next().unwrap_or_default();
+        let help = Command::new(BIN).args(cmd).arg("--help").output().unwrap();
+        let help = String::from_utf8_lossy(&help.stdout);
+        let mut flags = 0;
+        for line in help.lines().map(str::trim) {
+            let Some(flag) = line
+                .strip_prefix("--")
+                .map(|f| f.split([' ', '<']).next().unwrap_or_default())
+            else {
+                continue;
+            };
+            if flag == "help" {
+                continue;
+            }
+            flags += 1;
+            assert!(
+                section.contains(&format!("| `--{flag}` |")),
+                "{title}: --{flag} is not documented"
+            );
+        }
+        for env in help
+            .split("[env: ")
+            .skip(1)
+            .filter_map(|s| s.split([']', '=']).next())
+        {
+            assert!(
+                section.contains(&format!("`{env}`")),
+                "{title}: {env} is not documented"
+            );
+        }
+        assert!(flags > 2, "{title}: parsed no flags from --help");
+    }
+}

@@ -84,13 +84,17 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         .connect(&admin_url)
         .await
         .unwrap();
-    for sql in [
-        "CREATE ROLE outbox_relay LOGIN REPLICATION PASSWORD 'relay-Secret-1'",
-        "GRANT SELECT ON outbox_events TO outbox_relay",
-        "CREATE PUBLICATION outbox_relay_secure FOR TABLE outbox_events",
-    ] {
-        sqlx::query(sql).execute(&admin).await.unwrap();
-    }
+    // Exactly the SQL docker-compose.yml runs and docs/configuration.md shows.
+    let role_sql = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/postgres/relay-role.sql"
+    ))
+    .unwrap()
+    .replace("PASSWORD 'relay'", "PASSWORD 'relay-Secret-1'");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(role_sql))
+        .execute(&admin)
+        .await
+        .unwrap();
     let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
         .fetch_one(&admin)
         .await
@@ -110,7 +114,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         "--nats-password",
         s.get("NATS_PASSWORD"),
     ];
-    let mut relay = Service::relay(&relay_url, s.get("NATS_URL"), "secure", &nats_args);
+    let mut relay = Service::relay(&relay_url, s.get("NATS_URL"), "demo", &nats_args);
 
     // Both of the relay's Postgres connections are TLS, as the least-privilege role.
     let rows: Vec<(String, bool, Option<String>)> = sqlx::query_as(
@@ -154,7 +158,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         .connect(s.get("NATS_URL"))
         .await
         .unwrap();
-    let got = read_stream_with(client, "SECURE_EVENTS", 20, T).await;
+    let got = read_stream_with(client, "DEMO_EVENTS", 20, T).await;
     assert_exactly_once_in_order(&got, &sent);
     assert!(relay.term(Duration::from_secs(30)).success());
 
@@ -179,7 +183,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
             .args([
                 "relay",
                 "--context",
-                "secure",
+                "demo",
                 "--metrics-addr",
                 "127.0.0.1:0",
             ])
