@@ -114,7 +114,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         "--nats-password",
         s.get("NATS_PASSWORD"),
     ];
-    let mut relay = Service::relay(&relay_url, s.get("NATS_URL"), "demo", &nats_args);
+    let mut relay = Service::relay_traced(&relay_url, s.get("NATS_URL"), "demo", &nats_args);
 
     // Both of the relay's Postgres connections are TLS, as the least-privilege role.
     let rows: Vec<(String, bool, Option<String>)> = sqlx::query_as(
@@ -161,6 +161,14 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     let got = read_stream_with(client, "DEMO_EVENTS", 20, T).await;
     assert_exactly_once_in_order(&got, &sent);
     assert!(relay.term(Duration::from_secs(30)).success());
+    let log = relay.log_text();
+    assert!(log.contains("TRACE"), "traced");
+    for secret in ["relay-Secret-1", s.get("NATS_PASSWORD")] {
+        assert!(
+            !log.contains(secret),
+            "a password is in the relay's trace log"
+        );
+    }
 
     // Without TLS, or with a wrong NATS password, it stops with a clear line.
     let plain = format!("{}?sslmode=disable", relay_url.split('?').next().unwrap());
@@ -193,9 +201,9 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success());
-        let last = err.lines().last().unwrap_or_default();
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
         assert!(
-            last.starts_with("error: ") && last.to_lowercase().contains(expect),
+            errors.len() == 1 && errors[0].to_lowercase().contains(expect),
             "expected one line about {expect:?}, got:\n{err}"
         );
         assert!(
@@ -203,4 +211,94 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
             "{err}"
         );
     }
+}
+
+/// Token authentication to NATS; the token stays out of trace logs and errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_token_auth_and_the_token_stays_out_of_logs() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_token").await;
+    const TOKEN: &str = "tok-9f2c71d4e0ab";
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let store = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nats-token");
+    let _ = std::fs::remove_dir_all(&store);
+    let mut server = Command::new(&stack.nats_bin)
+        .args([
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-js",
+            "--auth",
+            TOKEN,
+            "-sd",
+        ])
+        .arg(&store)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _server = Kill(&mut server);
+    let nats_url = format!("nats://127.0.0.1:{port}");
+    eventually(T, "nats-server up", || async {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+
+    let mut relay = Service::relay_traced(&url, &nats_url, "token", &["--nats-token", TOKEN]);
+    let sent: HashSet<uuid::Uuid> = insert_txn(&pool, 1, 0, 10, 16).await.into_iter().collect();
+    let client = async_nats::ConnectOptions::with_token(TOKEN.into())
+        .connect(&nats_url)
+        .await
+        .unwrap();
+    let got = read_stream_with(client, "TOKEN_EVENTS", 10, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    assert!(relay.term(Duration::from_secs(30)).success());
+    let log = relay.log_text();
+    assert!(log.contains("TRACE"), "traced");
+    assert!(
+        !log.contains(TOKEN),
+        "the token is in the relay's trace log"
+    );
+
+    let out = Command::new(BIN)
+        .args([
+            "relay",
+            "--context",
+            "token",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--database-url",
+            &url,
+            "--nats-url",
+            &nats_url,
+            "--nats-token",
+            "not-the-token",
+        ])
+        .env("RUST_LOG", "trace")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    // Trace lines from background tasks may follow the error line.
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("error: cannot connect to NATS")
+                && l.to_lowercase().contains("authorization")),
+        "{err}"
+    );
+    assert!(!err.contains("not-the-token"), "{err}");
 }
