@@ -668,7 +668,11 @@ async fn dsn_password_never_appears_in_logs_help_or_errors() {
         let mut cmd = std::process::Command::new(BIN);
         cmd.args(&args).env("RUST_LOG", "trace");
         if let Some(u) = env_url {
-            cmd.env("DATABASE_URL", u);
+            // Every secret `--help` could show from the environment.
+            cmd.env("DATABASE_URL", u)
+                .env("NATS_PASSWORD", RAW)
+                .env("NATS_TOKEN", RAW)
+                .env("NATS_USER", "someone");
         }
         let out = cmd.output().unwrap();
         let text = format!(
