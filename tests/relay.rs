@@ -255,7 +255,9 @@ async fn nats_restart_under_load_loses_nothing_and_keeps_order() {
     })
     .await;
     let m = relay.scrape().await;
-    assert!(m.value("outbox_relay_session_restarts_total").unwrap() >= 1.0);
+    // A short outage may be ridden out without a new session (async-nats
+    // holds the publishes and the acks come within the timeout), so the
+    // restart counter is not asserted.
     // Events stored while their ack was lost are found on restart and
     // skipped, not republished: together the two counters cover every event.
     let published = m.value("outbox_relay_events_published_total").unwrap();
@@ -683,4 +685,95 @@ async fn dsn_password_never_appears_in_logs_help_or_errors() {
         assert!(!text.is_empty(), "{args:?} printed nothing");
         assert!(!leaks(&text), "password printed by {args:?}:\n{text}");
     }
+}
+
+/// Postgres itself crashes (immediate shutdown, recovery on start) and then
+/// restarts cleanly, under load: every committed event reaches the stream
+/// exactly once, in commit order, and the relay is streaming afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_crash_and_restart_under_load_lose_nothing_and_keep_order() {
+    let own = OwnStack::up("pg-crash", false);
+    let (url, nats_url) = (
+        own.get("DATABASE_URL").to_owned(),
+        own.get("NATS_URL").to_owned(),
+    );
+    let out = std::process::Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let relay = Service::relay(&url, &nats_url, "pgcrash", &[]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&url)
+        .await
+        .unwrap();
+
+    // A producer that rides out the outage: a failed commit may or may not
+    // have happened, so the database, not the producer, says what was sent.
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut seq = 0u64;
+            let mut failures = 0;
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                let ids: Vec<uuid::Uuid> = (0..10).map(|_| uuid::Uuid::new_v4()).collect();
+                let payloads: Vec<serde_json::Value> = (0..10)
+                    .map(|i| serde_json::json!({"p": 0, "s": seq + i}))
+                    .collect();
+                let r = sqlx::query(
+                    "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+                     SELECT id, 'order', 'o', 'placed', p FROM UNNEST($1::uuid[], $2::jsonb[]) AS t(id, p)",
+                )
+                .bind(&ids)
+                .bind(&payloads)
+                .execute(&pool)
+                .await;
+                seq += 10;
+                if r.is_err() {
+                    failures += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            failures
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    own.pg_restart("immediate");
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    own.pg_restart("fast");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let failures = producer.await.unwrap();
+    assert!(failures > 0, "the producer saw the outage");
+
+    let committed: HashSet<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert!(
+        committed.len() > 1000,
+        "{} events committed",
+        committed.len()
+    );
+    let got = read_stream(&nats_url, "PGCRASH_EVENTS", committed.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &committed);
+    assert!(
+        relay.log_text().contains("reconnecting"),
+        "the relay went through its reconnect path"
+    );
+    eventually(T, "/readyz ready after the restarts", || async {
+        relay.http_get("/readyz").await.0 == 200
+    })
+    .await;
 }

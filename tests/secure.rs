@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -16,57 +16,10 @@ use sqlx::postgres::PgPoolOptions;
 
 const T: Duration = Duration::from_secs(60);
 
-/// A stack of its own from `STACK_TLS=1 scripts/stack.sh up`, stopped on drop.
-struct SecureStack {
-    dir: PathBuf,
-    env: HashMap<String, String>,
-}
-
-impl SecureStack {
-    fn up() -> Self {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("secure-stack");
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
-        let _ = Command::new(script).arg("down").arg(&dir).status();
-        let _ = std::fs::remove_dir_all(&dir);
-        let out = Command::new(script)
-            .arg("up")
-            .arg(&dir)
-            .env("STACK_TLS", "1")
-            // The main stack's nats-server, already installed.
-            .env("NATS_SERVER_BIN", stack().nats_bin)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "secure stack did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let env = std::fs::read_to_string(dir.join("env"))
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.strip_prefix("export "))
-            .filter_map(|l| l.split_once('='))
-            .map(|(k, v)| (k.to_owned(), v.trim_matches('\'').to_owned()))
-            .collect();
-        SecureStack { dir, env }
-    }
-
-    fn get(&self, k: &str) -> &str {
-        &self.env[k]
-    }
-}
-
-impl Drop for SecureStack {
-    fn drop(&mut self) {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
-        let _ = Command::new(script).arg("down").arg(&self.dir).status();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     outbox_relay::install_tls_provider();
-    let s = SecureStack::up();
+    let s = OwnStack::up("secure-stack", true);
     let admin_url = s.get("DATABASE_URL").to_owned();
 
     // The owner migrates (over TLS + SCRAM) and creates the publication.

@@ -643,3 +643,63 @@ impl Drop for OwnNats {
         }
     }
 }
+
+/// A Postgres + NATS stack of the test's own from `scripts/stack.sh up`
+/// (with `tls`, `STACK_TLS=1`), for tests that restart or reconfigure it.
+/// Stopped on drop.
+pub struct OwnStack {
+    dir: PathBuf,
+    env: HashMap<String, String>,
+}
+
+impl OwnStack {
+    pub fn up(name: &str, tls: bool) -> Self {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+        let _ = Command::new(STACK_SH).arg("down").arg(&dir).status();
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(STACK_SH)
+            .arg("up")
+            .arg(&dir)
+            .env("STACK_TLS", if tls { "1" } else { "0" })
+            // The main stack's nats-server, already installed.
+            .env("NATS_SERVER_BIN", stack().nats_bin)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "stack {name} did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let env = std::fs::read_to_string(dir.join("env"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix("export "))
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.trim_matches('\'').to_owned()))
+            .collect();
+        OwnStack { dir, env }
+    }
+
+    pub fn get(&self, k: &str) -> &str {
+        &self.env[k]
+    }
+
+    /// Restart its Postgres; `immediate` is a crash with recovery on start.
+    pub fn pg_restart(&self, mode: &str) {
+        let st = Command::new(STACK_SH)
+            .arg("pg-restart")
+            .arg(&self.dir)
+            .arg(mode)
+            .status()
+            .unwrap();
+        assert!(st.success(), "pg-restart {mode} failed");
+    }
+}
+
+impl Drop for OwnStack {
+    fn drop(&mut self) {
+        let _ = Command::new(STACK_SH).arg("down").arg(&self.dir).status();
+    }
+}
+
+const STACK_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
