@@ -191,7 +191,12 @@ impl<'a> Session<'a> {
             .with_wakeup_interval(status_interval);
         let mut client = ReplicationClient::connect_gated(repl).await?;
         let system = client.identify_system().await?;
-        let source = format!("{}/{}/{}", system.system_id, self.dsn.database, cfg.slot);
+        let source = crate::route::source_id(
+            &system.system_id,
+            system.timeline,
+            &self.dsn.database,
+            &cfg.slot,
+        );
         let resume = publish::stored_tail(self.js, &cfg.stream, &source).await?;
         client.start().await?;
         client.wait_started().await?;

@@ -25,8 +25,19 @@ pub const HDR_COMMIT_LSN: &str = "Outbox-Commit-Lsn";
 /// LSN it orders every event of one source, which lets a restarted relay find
 /// where the stream ends without relying on the duplicate window.
 pub const HDR_TXN_INDEX: &str = "Outbox-Txn-Index";
-/// Which database and slot wrote the message: `{system id}/{database}/{slot}`.
+/// Which server history, database and slot wrote the message:
+/// `{system id}/{timeline}/{database}/{slot}` ([`source_id`]).
 pub const HDR_SOURCE: &str = "Outbox-Source";
+
+/// The `Outbox-Source` of a relay. LSNs order events only within one WAL
+/// history: after a point-in-time restore or a promotion the timeline
+/// changes and LSNs can repeat, so a restarted relay must not skip events by
+/// comparing against positions from another timeline. With the timeline in
+/// the source it does not; at worst it republishes, and `Nats-Msg-Id` and
+/// the consumers' inbox dedupe that.
+pub fn source_id(system_id: &str, timeline: u32, database: &str, slot: &str) -> String {
+    format!("{system_id}/{timeline}/{database}/{slot}")
+}
 pub const HDR_DLQ_REASON: &str = "Outbox-Dlq-Reason";
 /// Set by consumers on their dead letters; the relay skips such messages
 /// when it looks for its own last message in the stream.
@@ -499,6 +510,19 @@ mod tests {
         commit_lsn: Lsn(0x16B3748),
         index: 3,
     };
+
+    #[test]
+    fn source_names_the_timeline() {
+        assert_eq!(
+            source_id("7310000000000000000", 3, "app", "outbox_relay_orders"),
+            "7310000000000000000/3/app/outbox_relay_orders"
+        );
+        assert_ne!(
+            source_id("1", 1, "app", "s"),
+            source_id("1", 2, "app", "s"),
+            "a new timeline is a new source"
+        );
+    }
 
     #[test]
     fn default_template_and_headers() {

@@ -297,28 +297,34 @@ async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
         .execute(&pool)
         .await
         .unwrap();
+    // Other tests write WAL meanwhile, and keepalives between transactions
+    // may confirm it: what must never be confirmed is the held commit itself.
+    let mut confirmed_while_held = Vec::new();
     for _ in 0..3 {
-        let n: i64 = sqlx::query_scalar(
+        sqlx::query(
             "SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active_pid IS NOT NULL",
         )
         .bind(slot)
-        .fetch_one(&pool)
+        .execute(&pool)
         .await
         .unwrap();
-        let confirmed = slot_confirmed(&pool, slot).await.unwrap();
-        assert!(
-            confirmed <= lsn(&before),
-            "slot confirmed {confirmed:x} past the unacked commit (WAL before it {}, after {})",
-            before,
-            after_commit
-        );
-        let _ = n;
+        confirmed_while_held.push(slot_confirmed(&pool, slot).await.unwrap());
         tokio::time::sleep(Duration::from_millis(1500)).await;
     }
     // Release: the event is (re)published once and the slot moves past it.
     signal(nats.pid(), "CONT");
     let got = read_stream(&nats.url, "HELD_EVENTS", 4, T).await;
     assert_exactly_once_in_order(&got, &sent);
+    // Decoding resends a transaction whose commit record starts at or after
+    // the slot's confirmed LSN; Outbox-Commit-Lsn is that start.
+    let held_commit = lsn(got[1].h("Outbox-Commit-Lsn").unwrap());
+    assert!(held_commit > lsn(&before) && held_commit < lsn(&after_commit));
+    for confirmed in confirmed_while_held {
+        assert!(
+            confirmed <= held_commit,
+            "slot confirmed {confirmed:x} past the unacked commit at {held_commit:x}"
+        );
+    }
     eventually(T, "slot confirms past the released commit", || {
         let pool = pool.clone();
         let target = lsn(&after_commit);
@@ -752,8 +758,9 @@ async fn postgres_crash_and_restart_under_load_lose_nothing_and_keep_order() {
     own.pg_restart("fast");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     stop.store(true, Ordering::Relaxed);
-    let failures = producer.await.unwrap();
-    assert!(failures > 0, "the producer saw the outage");
+    // The pool may ride out a short restart by reconnecting within its
+    // acquire timeout, so the producer's failures are not asserted.
+    let _failures = producer.await.unwrap();
 
     let committed: HashSet<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
         .fetch_all(&pool)
@@ -769,8 +776,12 @@ async fn postgres_crash_and_restart_under_load_lose_nothing_and_keep_order() {
     let got = read_stream(&nats_url, "PGCRASH_EVENTS", committed.len() as u64, T).await;
     assert_exactly_once_in_order(&got, &committed);
     assert!(
-        relay.log_text().contains("reconnecting"),
-        "the relay went through its reconnect path"
+        relay
+            .log_text()
+            .matches("relay session ended; reconnecting")
+            .count()
+            >= 2,
+        "both restarts ended a relay session"
     );
     eventually(T, "/readyz ready after the restarts", || async {
         relay.http_get("/readyz").await.0 == 200
