@@ -771,9 +771,10 @@ fn chart(results: &[PhaseResult], title: &str) -> String {
             let t = t_max * i as f64 / 5.0;
             let _ = writeln!(
                 svg,
-                r#"<text x="{:.1}" y="{}" text-anchor="middle">{t:.0}</text>"#,
+                r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
                 x(t),
-                y0 + plot_h + 14.0
+                y0 + plot_h + 14.0,
+                if t_max < 20.0 { format!("{t:.1}") } else { format!("{t:.0}") }
             );
         }
         let _ = writeln!(
