@@ -774,7 +774,11 @@ fn chart(results: &[PhaseResult], title: &str) -> String {
                 r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
                 x(t),
                 y0 + plot_h + 14.0,
-                if t_max < 20.0 { format!("{t:.1}") } else { format!("{t:.0}") }
+                if t_max < 20.0 {
+                    format!("{t:.1}")
+                } else {
+                    format!("{t:.0}")
+                }
             );
         }
         let _ = writeln!(

@@ -114,6 +114,57 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     let got = read_stream_with(client, "DEMO_EVENTS", 20, T).await;
     assert_exactly_once_in_order(&got, &sent);
     assert!(relay.term(Duration::from_secs(30)).success());
+
+    // The consumer over the same TLS connections: every event reaches a
+    // local HTTP handler once, and its Postgres connections are TLS too.
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let app = {
+        let calls = calls.clone();
+        axum::Router::new().route(
+            "/events",
+            axum::routing::post(move || {
+                let calls = calls.clone();
+                async move {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    "ok"
+                }
+            }),
+        )
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handler_url = format!("http://{}/events", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let consumer = Service::consumer(
+        &admin_url,
+        s.get("NATS_URL"),
+        "DEMO_EVENTS",
+        "billing",
+        &handler_url,
+        &nats_args,
+    );
+    eventually(T, "20 inbox rows processed over TLS", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages WHERE consumer = 'billing' AND processed_at IS NOT NULL",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        n == 20
+    })
+    .await;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 20);
+    let (tls, plain): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) \
+         FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+         WHERE a.application_name = 'outbox-relay'",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert!(tls > 0, "the consumer holds Postgres connections");
+    assert_eq!(plain, 0, "a consumer connection without TLS");
+    drop(consumer);
+
     let log = relay.log_text();
     assert!(log.contains("TRACE"), "traced");
     for secret in ["relay-Secret-1", s.get("NATS_PASSWORD")] {
