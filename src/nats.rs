@@ -7,10 +7,10 @@ use std::time::Duration;
 use crate::config::NatsArgs;
 use crate::error::{Error, Result};
 
-/// Connect (reconnecting forever afterwards). `name` shows in the server's
-/// connection list. Errors name the servers without credentials.
+/// Connect (reconnecting forever afterwards) with settings that passed
+/// [`NatsArgs::validate`] (the commands' `validate` runs it). `name` shows in
+/// the server's connection list. Errors name the servers without credentials.
 pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client> {
-    args.validate()?;
     let servers = redact_url(&args.nats_url);
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)

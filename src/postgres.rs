@@ -80,15 +80,11 @@ impl Dsn {
                 )))
             }
         };
-        for (name, path) in [("sslrootcert", &root)] {
-            if let Some(p) = path {
-                if !p.is_file() {
-                    return Err(bad(&format!(
-                        "{name}={} is not a readable file",
-                        p.display()
-                    )));
-                }
-            }
+        if let Some(p) = root.as_ref().filter(|p| !p.is_file()) {
+            return Err(bad(&format!(
+                "sslrootcert={} is not a readable file",
+                p.display()
+            )));
         }
         let tls = TlsConfig {
             mode,

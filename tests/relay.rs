@@ -703,15 +703,7 @@ async fn postgres_crash_and_restart_under_load_lose_nothing_and_keep_order() {
         own.get("DATABASE_URL").to_owned(),
         own.get("NATS_URL").to_owned(),
     );
-    let out = std::process::Command::new(BIN)
-        .args(["migrate", "--database-url", &url])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    migrate(&url);
     let relay = Service::relay(&url, &nats_url, "pgcrash", &[]);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)

@@ -23,15 +23,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     let admin_url = s.get("DATABASE_URL").to_owned();
 
     // The owner migrates (over TLS + SCRAM) and creates the publication.
-    let out = Command::new(BIN)
-        .args(["migrate", "--database-url", &admin_url])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    migrate(&admin_url);
     let admin = PgPoolOptions::new()
         .max_connections(2)
         .connect(&admin_url)
@@ -223,42 +215,8 @@ async fn nats_token_auth_and_the_token_stays_out_of_logs() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_token").await;
     const TOKEN: &str = "tok-9f2c71d4e0ab";
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let store = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nats-token");
-    let _ = std::fs::remove_dir_all(&store);
-    let mut server = Command::new(&stack.nats_bin)
-        .args([
-            "-a",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-js",
-            "--auth",
-            TOKEN,
-            "-sd",
-        ])
-        .arg(&store)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    struct Kill<'a>(&'a mut std::process::Child);
-    impl Drop for Kill<'_> {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _server = Kill(&mut server);
-    let nats_url = format!("nats://127.0.0.1:{port}");
-    eventually(T, "nats-server up", || async {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    })
-    .await;
+    let nats = OwnNats::start_with(&stack, "token", &["--auth", TOKEN]);
+    let nats_url = nats.url.clone();
 
     let mut relay = Service::relay_traced(&url, &nats_url, "token", &["--nats-token", TOKEN]);
     let sent: HashSet<uuid::Uuid> = insert_txn(&pool, 1, 0, 10, 16).await.into_iter().collect();

@@ -64,8 +64,19 @@ pub async fn fresh_db(stack: &Stack, name: &str) -> (String, PgPool) {
         .await
         .unwrap();
     let url = db_url(&stack.admin_url, name);
+    migrate(&url);
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&url)
+        .await
+        .unwrap();
+    (url, pool)
+}
+
+/// `outbox-relay migrate` against `url`, by the real binary.
+pub fn migrate(url: &str) {
     let out = Command::new(BIN)
-        .args(["migrate", "--database-url", &url])
+        .args(["migrate", "--database-url", url])
         .output()
         .unwrap();
     assert!(
@@ -73,12 +84,6 @@ pub async fn fresh_db(stack: &Stack, name: &str) -> (String, PgPool) {
         "migrate failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .connect(&url)
-        .await
-        .unwrap();
-    (url, pool)
 }
 
 pub fn log_dir() -> PathBuf {
@@ -576,10 +581,16 @@ pub struct OwnNats {
     port: u16,
     dir: PathBuf,
     bin: String,
+    extra: Vec<String>,
 }
 
 impl OwnNats {
     pub fn start(stack: &Stack, name: &str) -> OwnNats {
+        Self::start_with(stack, name, &[])
+    }
+
+    /// With extra nats-server arguments (authentication, say).
+    pub fn start_with(stack: &Stack, name: &str, extra: &[&str]) -> OwnNats {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -594,6 +605,7 @@ impl OwnNats {
             port,
             dir,
             bin: stack.nats_bin.clone(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         n.up();
         n
@@ -601,14 +613,9 @@ impl OwnNats {
 
     pub fn up(&mut self) {
         let child = Command::new(&self.bin)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js"])
+            .args(&self.extra)
+            .arg("-sd")
             .arg(self.dir.join("store"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
