@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream};
+use outbox_relay::wire;
 
 fn arg(name: &str, default: u64) -> u64 {
     let argv: Vec<String> = std::env::args().collect();
@@ -68,8 +69,8 @@ async fn main() {
     let mut acks = Vec::with_capacity(n as usize);
     for i in 0..n {
         let mut h = async_nats::HeaderMap::new();
-        h.insert("Nats-Msg-Id", uuid::Uuid::new_v4().to_string().as_str());
-        h.insert("Outbox-Aggregate-Id", (i % aggregates).to_string().as_str());
+        h.insert(wire::MSG_ID, uuid::Uuid::new_v4().to_string().as_str());
+        h.insert(wire::AGGREGATE_ID, (i % aggregates).to_string().as_str());
         let msg = jetstream::message::PublishMessage::build()
             .payload(r#"{"n": 1}"#.into())
             .headers(h);

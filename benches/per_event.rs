@@ -6,41 +6,14 @@ use std::hint::black_box;
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use outbox_relay::outbox::OutboxLayout;
-use outbox_relay::pgoutput::{self, encode, oid, Column, Message, Relation, Value};
-use outbox_relay::route::{Position, Router, Template};
+use outbox_relay::testing::{
+    self, decode, encode, header_map, Message, OutboxLayout, Position, Router, Template, Value,
+};
 use pgwire_replication::Lsn;
 
 /// `outbox_events` as pgoutput describes it (migrations/0001_outbox.sql).
-fn relation() -> Relation {
-    let col = |name: &str, type_oid: u32| Column {
-        key: name == "id",
-        name: name.into(),
-        type_oid,
-        type_modifier: -1,
-    };
-    Relation {
-        id: 16384,
-        namespace: "public".into(),
-        name: "outbox_events".into(),
-        replica_identity: b'd',
-        columns: vec![
-            col("id", oid::UUID),
-            col("aggregate_type", oid::TEXT),
-            col("aggregate_id", oid::TEXT),
-            col("event_type", oid::TEXT),
-            col("event_version", oid::INT4),
-            col("payload", oid::JSONB),
-            col("occurred_at", oid::TIMESTAMPTZ),
-            col("correlation_id", oid::UUID),
-            col("causation_id", oid::UUID),
-            col("subject", oid::TEXT),
-            col("headers", oid::JSONB),
-            col("published_at", oid::TIMESTAMPTZ),
-            col("publish_attempts", oid::INT4),
-            col("publish_error", oid::TEXT),
-        ],
-    }
+fn relation() -> outbox_relay::testing::Relation {
+    testing::outbox_relation(16384)
 }
 
 /// A binary-format Insert with a 256-byte JSON payload, as the bench load writes.
@@ -85,14 +58,14 @@ fn per_event(c: &mut Criterion) {
         commit_lsn: Lsn(0x16B_3748),
         index: 7,
     };
-    let Ok(Message::Insert(insert)) = pgoutput::decode(&data) else {
+    let Ok(Message::Insert(insert)) = decode(&data) else {
         panic!("not an insert")
     };
     let row = layout.row(&insert.values).expect("row");
 
     let mut g = c.benchmark_group("per_event");
     g.throughput(Throughput::Elements(1));
-    g.bench_function("decode", |b| b.iter(|| pgoutput::decode(black_box(&data))));
+    g.bench_function("decode", |b| b.iter(|| decode(black_box(&data))));
     g.bench_function("row", |b| b.iter(|| layout.row(black_box(&insert.values))));
     g.bench_function("route", |b| {
         b.iter(|| router.route(black_box(&row), pos, 1 << 20))
@@ -100,13 +73,13 @@ fn per_event(c: &mut Criterion) {
     g.bench_function("headers", |b| {
         b.iter_batched(
             || router.route(&row, pos, 1 << 20),
-            |msg| outbox_relay::publish::header_map(msg.headers, Some(msg.msg_id)),
+            |msg| header_map(msg.headers, Some(msg.msg_id)),
             criterion::BatchSize::SmallInput,
         )
     });
     g.bench_function("decode_row_route", |b| {
         b.iter(|| {
-            let Ok(Message::Insert(i)) = pgoutput::decode(black_box(&data)) else {
+            let Ok(Message::Insert(i)) = decode(black_box(&data)) else {
                 unreachable!()
             };
             let row = layout.row(&i.values).expect("row");

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use hdrhistogram::Histogram;
+use outbox_relay::wire;
 use serde_json::json;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
@@ -289,7 +290,7 @@ async fn polling_relay(
         let mut acks = Vec::with_capacity(rows.len());
         for (id, event_type, payload) in &rows {
             let mut h = async_nats::HeaderMap::new();
-            h.insert("Nats-Msg-Id", id.to_string().as_str());
+            h.insert(wire::MSG_ID, id.to_string().as_str());
             let body = serde_json::to_vec(payload).expect("payload");
             acks.push(
                 js.publish_with_headers(format!("benchpoll.{event_type}"), h, body.into())
@@ -404,7 +405,7 @@ async fn run_phase(
                 let Some(msg) = msg else { break };
                 let now = Instant::now();
                 last_receipt = now;
-                if let Some(id) = msg.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).and_then(|v| Uuid::parse_str(v.as_str()).ok()) {
+                if let Some(id) = msg.headers.as_ref().and_then(|h| h.get(wire::MSG_ID)).and_then(|v| Uuid::parse_str(v.as_str()).ok()) {
                     received_at.lock().unwrap().push((id, now));
                 }
             }
@@ -449,7 +450,7 @@ async fn run_phase(
             if let Some(id) = msg
                 .headers
                 .as_ref()
-                .and_then(|h| h.get("Nats-Msg-Id"))
+                .and_then(|h| h.get(wire::MSG_ID))
                 .and_then(|v| Uuid::parse_str(v.as_str()).ok())
             {
                 received_at.lock().unwrap().push((id, Instant::now()));

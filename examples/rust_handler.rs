@@ -7,8 +7,8 @@
 
 use std::time::Duration;
 
-use outbox_relay::consume::{self, ConsumeConfig};
-use outbox_relay::handler::{Delivery, Handler, Outcome};
+use outbox_relay::consumer::{self, ConsumeConfig};
+use outbox_relay::consumer::{Delivery, Handler, Outcome};
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 
@@ -67,7 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stop.cancel();
     });
     // A Rust service would serve `ready` on its own health endpoint.
-    let ready = outbox_relay::endpoint::Readiness::default();
-    consume::run(cfg, pool, js, Totals, ready, shutdown).await?;
+    let ready = outbox_relay::ops::endpoint::Readiness::default();
+    consumer::run(cfg, pool, js, Totals, ready, shutdown).await?;
     Ok(())
 }

@@ -30,7 +30,7 @@ if [ "$MODE" = consumer ]; then
   RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 600 cargo bench --quiet --bench "$BENCH" -- "$@"
   exit
 fi
-METRICS_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+METRICS_PORT="$(scripts/stack.sh free-port)"
 RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
 timeout 1800 cargo bench --quiet --bench relay_e2e -- "$@"

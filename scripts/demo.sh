@@ -28,7 +28,7 @@ scripts/stack.sh up "$STACK_DIR"
 echo "== outbox-relay migrate"
 "$BIN" migrate
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { scripts/stack.sh free-port; }
 get() { python3 -c 'import sys, urllib.request, urllib.error
 try: r = urllib.request.urlopen(sys.argv[1], timeout=5); print(r.status, r.read().decode().strip())
 except urllib.error.HTTPError as e: print(e.code, e.read().decode().strip())' "$1"; }

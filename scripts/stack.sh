@@ -13,6 +13,7 @@
 #                               run `BIN relay ARGS…` against the stack in the
 #                               background (log DIR/relay.log), return once it
 #                               streams; `down DIR` stops it first
+#   scripts/stack.sh free-port  print a loopback port that is free now
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
 #   scripts/stack.sh pg-restart DIR [fast|immediate]
@@ -260,8 +261,9 @@ case "${1:-}" in
   up) [ -n "${2:-}" ] || die "usage: stack.sh up DIR"; up "$2" ;;
   down) [ -n "${2:-}" ] || die "usage: stack.sh down DIR"; down "$2" ;;
   relay) [ -n "${3:-}" ] || die "usage: stack.sh relay DIR BIN [ARGS…]"; relay "${@:2}" ;;
+  free-port) free_port ;;
   nats-bin) nats_bin ;;
   promtool) promtool_bin ;;
   pg-restart) [ -n "${2:-}" ] || die "usage: stack.sh pg-restart DIR [fast|immediate]"; pg_restart "$2" "${3:-fast}" ;;
-  *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | nats-bin | promtool | pg-restart DIR [MODE]" ;;
+  *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | free-port | nats-bin | promtool | pg-restart DIR [MODE]" ;;
 esac

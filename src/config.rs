@@ -8,7 +8,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::error::{Error, Result};
-use crate::route::Template;
+use crate::relay::route::{subject_problem, Template};
+use crate::wire;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -173,11 +174,6 @@ impl NatsArgs {
     }
 }
 
-/// The events stream a context uses unless told otherwise: `{CONTEXT}_EVENTS`.
-pub fn default_stream(context: &str) -> String {
-    format!("{}_EVENTS", context.to_uppercase().replace('-', "_"))
-}
-
 #[derive(Debug, Args)]
 pub struct MigrateArgs {
     #[command(flatten)]
@@ -203,7 +199,7 @@ impl SlotNameArgs {
         let name = self
             .slot
             .clone()
-            .unwrap_or_else(|| format!("outbox_relay_{}", self.context.replace('-', "_")));
+            .unwrap_or_else(|| wire::slot_name(&self.context));
         validate_pg_name("slot", &name)?;
         Ok(name)
     }
@@ -402,13 +398,13 @@ pub struct ConsumeArgs {
 }
 
 impl ConsumeArgs {
-    pub fn validate(&self) -> Result<crate::consume::ConsumeConfig> {
+    pub fn validate(&self) -> Result<crate::consumer::ConsumeConfig> {
         validate_context(&self.context)?;
         self.nats.validate()?;
         let stream = self
             .stream
             .clone()
-            .unwrap_or_else(|| default_stream(&self.context));
+            .unwrap_or_else(|| wire::stream_name(&self.context));
         let durable_ok = !self.durable.is_empty()
             && self
                 .durable
@@ -432,22 +428,22 @@ impl ConsumeArgs {
         let dlq_prefix = self
             .dlq_prefix
             .clone()
-            .unwrap_or_else(|| format!("dlq.{}", self.context));
-        if let Some(p) = crate::route::subject_problem(&dlq_prefix) {
+            .unwrap_or_else(|| wire::consumer_dlq_prefix(&self.context));
+        if let Some(p) = subject_problem(&dlq_prefix) {
             return Err(Error::Config(format!("--dlq-prefix {dlq_prefix:?}: {p}")));
         }
         if dlq_prefix == self.context || dlq_prefix.starts_with(&format!("{}.", self.context)) {
             // Inside the events stream, a dead letter (same Nats-Msg-Id as
             // its original) would be dropped by JetStream's dedupe.
             return Err(Error::Config(format!(
-                "--dlq-prefix {dlq_prefix:?} falls inside the events stream's subjects {}.>; dead letters there would be deduplicated away: choose a prefix outside it (default dlq.{})",
-                self.context, self.context
+                "--dlq-prefix {dlq_prefix:?} falls inside the events stream's subjects {}; dead letters there would be deduplicated away: choose a prefix outside it (default {})",
+                wire::stream_subjects(&self.context), wire::consumer_dlq_prefix(&self.context)
             )));
         }
         if self.ack_wait < Duration::from_secs(1) {
             return Err(Error::Config("--ack-wait must be at least 1s".into()));
         }
-        Ok(crate::consume::ConsumeConfig {
+        Ok(crate::consumer::ConsumeConfig {
             stream,
             durable: self.durable.clone(),
             filter: self.filter.clone(),
@@ -495,7 +491,7 @@ impl RelayArgs {
         let publication = self
             .publication
             .clone()
-            .unwrap_or_else(|| format!("outbox_relay_{}", context.replace('-', "_")));
+            .unwrap_or_else(|| wire::publication_name(&context));
         validate_pg_name("publication", &publication)?;
         let (schema, table) = match self.table.split_once('.') {
             Some((s, t)) => (s.to_owned(), t.to_owned()),
@@ -506,7 +502,7 @@ impl RelayArgs {
         let stream = self
             .stream
             .clone()
-            .unwrap_or_else(|| default_stream(&context));
+            .unwrap_or_else(|| wire::stream_name(&context));
         if stream.is_empty()
             || stream
                 .chars()
@@ -547,8 +543,6 @@ impl RelayArgs {
     }
 }
 
-/// The context is a subject token and part of SQL identifiers. `dlq` is
-/// taken: consumers' dead letters live under `dlq.{context}.>`.
 /// A polling interval: at least 100 ms, so a typo cannot hammer the server.
 fn parse_interval(s: &str) -> std::result::Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
@@ -558,6 +552,8 @@ fn parse_interval(s: &str) -> std::result::Result<Duration, String> {
     Ok(d)
 }
 
+/// The context is a subject token and part of SQL identifiers. `dlq` is
+/// taken: consumers' dead letters live under `dlq.{context}.>`.
 pub fn validate_context(context: &str) -> Result<()> {
     if context == "dlq" {
         return Err(Error::Config(
@@ -619,9 +615,9 @@ mod tests {
     #[test]
     fn defaults_derive_from_context() {
         let c = relay(&["--context", "billing"]).unwrap();
-        assert_eq!(c.slot, "outbox_relay_billing");
-        assert_eq!(c.publication, "outbox_relay_billing");
-        assert_eq!(c.stream, "BILLING_EVENTS");
+        assert_eq!(c.slot, wire::slot_name("billing"));
+        assert_eq!(c.publication, wire::publication_name("billing"));
+        assert_eq!(c.stream, wire::stream_name("billing"));
         assert_eq!(
             (c.schema.as_str(), c.table.as_str()),
             ("public", "outbox_events")

@@ -1,28 +1,67 @@
-//! One error type for the relay, with a retry class.
+//! One error type for the crate's boundaries, with a retry class.
 //!
 //! - [`Class::Transient`]: the connection or the peer failed; reconnect with
 //!   backoff and resume from the slot's confirmed LSN.
 //! - [`Class::Permanent`]: configuration, privileges or a slot that is gone;
 //!   retrying cannot help, so the process exits with one clear line.
 //!
+//! Every variant that wraps a library failure keeps it as its `source`, so
+//! the chain and the library's own kind survive; the class is decided from
+//! structured facts (SQLSTATE codes, error kinds), never from message text.
+//!
 //! Poison rows are not errors at all: routing turns them into dead letters.
 
-use crate::pgoutput::DecodeError;
+use crate::relay::pgoutput::DecodeError;
 
+/// Whether retrying can help.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
     Transient,
     Permanent,
 }
 
+/// Any library error, kept as a source.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What a failed JetStream publish ran into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishFailure {
+    /// The connection would not take the message.
+    Send,
+    /// `Nats-Expected-Last-Msg-Id` did not match: an earlier message did not
+    /// reach the stream, or another writer appended to it.
+    OutOfOrder,
+    /// No stream captures the subject (or the stream has no leader now).
+    NoStream,
+    TimedOut,
+    Other,
+}
+
+impl PublishFailure {
+    fn describe(self) -> &'static str {
+        match self {
+            Self::Send => "could not be sent",
+            Self::OutOfOrder => "refused out of order (an earlier message did not reach the stream, or another writer appended to it)",
+            Self::NoStream => "found no stream capturing its subject",
+            Self::TimedOut => "ack timed out",
+            Self::Other => "failed",
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// Bad configuration, found before connecting: one line with the fix.
     #[error("{0}")]
     Config(String),
 
-    /// Missing privilege or object, with the statement that fixes it.
-    #[error("{0}")]
-    Setup(String),
+    /// A missing privilege or object, with the statement that fixes it.
+    #[error("{message}")]
+    Setup {
+        message: String,
+        #[source]
+        source: Option<BoxError>,
+    },
 
     #[error("postgres: {context}: {source}")]
     Postgres {
@@ -31,14 +70,35 @@ pub enum Error {
         source: sqlx::Error,
     },
 
-    #[error("replication stream: {0}")]
-    Replication(#[from] pgwire_replication::PgWireError),
+    #[error("replication stream: {source}")]
+    Replication {
+        #[from]
+        source: pgwire_replication::PgWireError,
+    },
 
-    #[error("nats: {context}: {message}")]
-    Nats { context: String, message: String },
+    /// The first connection failed (afterwards the client reconnects by itself).
+    #[error("cannot connect to NATS at {servers}: {source}")]
+    NatsConnect {
+        /// Without credentials.
+        servers: String,
+        #[source]
+        source: BoxError,
+    },
 
-    #[error("publish: {0}")]
-    Publish(String),
+    #[error("nats: {context}: {source}")]
+    Nats {
+        context: String,
+        #[source]
+        source: BoxError,
+    },
+
+    #[error("publish: event {id} {}: {source}", .failure.describe())]
+    Publish {
+        id: String,
+        failure: PublishFailure,
+        #[source]
+        source: BoxError,
+    },
 
     #[error("{0}")]
     Decode(#[from] DecodeError),
@@ -51,61 +111,184 @@ pub enum Error {
 impl Error {
     pub fn class(&self) -> Class {
         match self {
-            Error::Config(_) | Error::Setup(_) | Error::Decode(_) => Class::Permanent,
-            Error::Postgres { source, .. } => match source {
-                sqlx::Error::Io(_)
-                | sqlx::Error::PoolTimedOut
-                | sqlx::Error::PoolClosed
-                | sqlx::Error::Tls(_)
-                | sqlx::Error::Protocol(_) => Class::Transient,
-                sqlx::Error::Database(db) => match db.code().as_deref() {
-                    // Connection exceptions, operator intervention (shutdown,
-                    // terminated backend), insufficient resources.
-                    Some(c)
-                        if c.starts_with("08") || c.starts_with("57") || c.starts_with("53") =>
-                    {
-                        Class::Transient
-                    }
-                    _ => Class::Permanent,
-                },
-                _ => Class::Permanent,
-            },
-            Error::Replication(e) => {
-                if e.is_transient() {
-                    return Class::Transient;
-                }
-                let text = e.to_string();
-                // The walsender was terminated, the server is shutting down, or
-                // another session holds the slot for now: all pass.
-                if text.contains("57P01")
-                    || text.contains("57P02")
-                    || text.contains("57P03")
-                    || text.contains("55006")
-                    || text.contains("terminating connection")
-                    || text.contains("is active for PID")
-                    || text.contains("the database system is")
-                {
-                    Class::Transient
-                } else {
-                    Class::Permanent
-                }
-            }
-            Error::Nats { .. } | Error::Publish(_) | Error::StreamEnded => Class::Transient,
+            Error::Config(_) | Error::Setup { .. } | Error::Decode(_) => Class::Permanent,
+            Error::Postgres { source, .. } => sqlx_class(source),
+            Error::Replication { source } => replication_class(source),
+            Error::NatsConnect { .. }
+            | Error::Nats { .. }
+            | Error::Publish { .. }
+            | Error::StreamEnded => Class::Transient,
         }
     }
 
+    pub fn setup(message: impl Into<String>) -> Error {
+        Error::Setup {
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// `map_err` helper: a Postgres failure while doing `context`.
     pub fn pg(context: impl Into<String>) -> impl FnOnce(sqlx::Error) -> Error {
         let context = context.into();
         move |source| Error::Postgres { context, source }
     }
 
-    pub fn nats<E: std::fmt::Display>(context: impl Into<String>) -> impl FnOnce(E) -> Error {
+    /// `map_err` helper: a NATS failure while doing `context`.
+    pub fn nats<E>(context: impl Into<String>) -> impl FnOnce(E) -> Error
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
         let context = context.into();
         move |e| Error::Nats {
             context,
-            message: e.to_string(),
+            source: Box::new(e),
+        }
+    }
+
+    /// The SQLSTATE of a Postgres or replication error, when the server sent one.
+    pub fn sqlstate(&self) -> Option<String> {
+        match self {
+            Error::Postgres {
+                source: sqlx::Error::Database(db),
+                ..
+            } => db.code().map(|c| c.into_owned()),
+            Error::Replication {
+                source: pgwire_replication::PgWireError::Server(text),
+            } => replication_sqlstate(text).map(str::to_owned),
+            _ => None,
         }
     }
 }
 
+fn sqlx_class(e: &sqlx::Error) -> Class {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_) => Class::Transient,
+        sqlx::Error::Database(db) => db.code().map_or(Class::Permanent, |c| sqlstate_class(&c)),
+        _ => Class::Permanent,
+    }
+}
+
+fn replication_class(e: &pgwire_replication::PgWireError) -> Class {
+    use pgwire_replication::PgWireError as E;
+    match e {
+        E::Io(_) | E::Task(_) => Class::Transient,
+        E::Server(text) => replication_sqlstate(text).map_or(Class::Permanent, sqlstate_class),
+        _ => Class::Permanent,
+    }
+}
+
+/// pgwire-replication renders a server ErrorResponse as
+/// `{message} (SQLSTATE {code})`: the code is a protocol field it appends,
+/// not words of the message.
+fn replication_sqlstate(text: &str) -> Option<&str> {
+    let code = text.strip_suffix(')')?.rsplit_once("(SQLSTATE ")?.1;
+    (code.len() == 5 && code.bytes().all(|b| b.is_ascii_alphanumeric())).then_some(code)
+}
+
+/// Which server errors pass by themselves.
+fn sqlstate_class(code: &str) -> Class {
+    match code {
+        // Connection exceptions, insufficient resources, operator
+        // intervention (shutdown, terminated backend, starting up).
+        c if c.starts_with("08") || c.starts_with("53") || c.starts_with("57") => Class::Transient,
+        // object_in_use: another walsender still holds the slot (the one of a
+        // relay that just died, until the server notices).
+        "55006" => Class::Transient,
+        // Serialization failure, deadlock: the statement may simply be retried.
+        "40001" | "40P01" => Class::Transient,
+        _ => Class::Permanent,
+    }
+}
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pgwire_replication::PgWireError;
+
+    fn server(text: &str) -> Error {
+        Error::Replication {
+            source: PgWireError::Server(text.into()),
+        }
+    }
+
+    #[test]
+    fn replication_errors_are_classed_by_sqlstate() {
+        let cases = [
+            (
+                "replication slot \"s\" is active for PID 42 (SQLSTATE 55006)",
+                Class::Transient,
+            ),
+            (
+                "terminating connection due to administrator command (SQLSTATE 57P01)",
+                Class::Transient,
+            ),
+            (
+                "the database system is starting up (SQLSTATE 57P03)",
+                Class::Transient,
+            ),
+            ("connection failure (SQLSTATE 08006)", Class::Transient),
+            ("too many connections (SQLSTATE 53300)", Class::Transient),
+            (
+                "replication slot \"s\" does not exist (SQLSTATE 42704)",
+                Class::Permanent,
+            ),
+            ("permission denied (SQLSTATE 42501)", Class::Permanent),
+            // The words alone decide nothing.
+            (
+                "terminating connection, is active for PID",
+                Class::Permanent,
+            ),
+            (
+                "text mentioning (SQLSTATE 57P01) in the middle",
+                Class::Permanent,
+            ),
+        ];
+        for (text, class) in cases {
+            assert_eq!(server(text).class(), class, "{text}");
+        }
+        assert_eq!(
+            server("x (SQLSTATE 55006)").sqlstate().as_deref(),
+            Some("55006")
+        );
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert_eq!(Error::from(PgWireError::from(io)).class(), Class::Transient);
+        assert_eq!(
+            Error::from(PgWireError::Auth("bad password".into())).class(),
+            Class::Permanent
+        );
+    }
+
+    #[test]
+    fn sql_errors_and_the_rest() {
+        let pg = |e: sqlx::Error| Error::pg("x")(e).class();
+        assert_eq!(pg(sqlx::Error::PoolTimedOut), Class::Transient);
+        assert_eq!(
+            pg(sqlx::Error::Io(std::io::ErrorKind::BrokenPipe.into())),
+            Class::Transient
+        );
+        assert_eq!(pg(sqlx::Error::RowNotFound), Class::Permanent);
+        for (code, class) in [
+            ("08006", Class::Transient),
+            ("57P01", Class::Transient),
+            ("40001", Class::Transient),
+            ("42501", Class::Permanent),
+            ("23505", Class::Permanent),
+        ] {
+            assert_eq!(sqlstate_class(code), class, "{code}");
+        }
+        assert_eq!(Error::Config("x".into()).class(), Class::Permanent);
+        assert_eq!(Error::setup("x").class(), Class::Permanent);
+        assert_eq!(Error::StreamEnded.class(), Class::Transient);
+        let nats = Error::nats("lookup")(std::io::Error::other("down"));
+        assert_eq!(nats.class(), Class::Transient);
+        assert_eq!(nats.to_string(), "nats: lookup: down");
+        assert!(std::error::Error::source(&nats).is_some(), "source kept");
+    }
+}

@@ -1,34 +1,30 @@
 //! outbox-relay: the transactional outbox, relayed from the Postgres WAL to
-//! NATS JetStream.
+//! NATS JetStream, and consumed through an inbox.
 //!
-//! The modules follow the data's path:
-//! [`postgres`] (slot, publication) → replication stream → [`events`]
-//! ([`pgoutput`] decode, [`outbox`] row, [`route`] subject and headers) → [`publish`]
-//! (JetStream, in order) → [`watermark`] (slot ack), driven by [`relay`].
-//! The consumer: [`consume`] (pull, per-aggregate order) → [`inbox`] (dedupe)
-//! → [`handler`] (HTTP or Rust, in the inbox transaction) → [`dlq`].
-//! Beside them: [`metrics`] (names, recorder), [`slots`] (`pg_replication_slots`
-//! monitor) and [`endpoint`] (`/metrics`, `/healthz`, `/readyz`).
+//! The modules follow the data's path (ARCHITECTURE.md draws them):
+//! - [`relay`]: replication stream → decode → route → publish → slot ack;
+//! - [`consumer`]: pull → inbox (dedupe) → handler (HTTP or Rust, in the
+//!   inbox transaction) → ack, NAK or dead letter;
+//! - [`ops`]: metrics, the slot monitor and the operator endpoint;
+//! - [`wire`]: the contract both paths share (headers, names, positions).
+//!
+//! A Rust service embeds the consumer with its own [`Handler`]:
+//! [`consumer::run`] with a [`ConsumeConfig`] and an [`ops::endpoint::Readiness`].
 
+pub mod cli;
 pub mod config;
-pub mod consume;
-pub mod dlq;
-pub mod endpoint;
+pub mod consumer;
 pub mod error;
-pub mod events;
-pub mod handler;
-pub mod inbox;
-pub mod metrics;
-pub mod nats;
-pub mod outbox;
-pub mod pgoutput;
-pub mod postgres;
-pub mod publish;
+mod json;
+pub(crate) mod nats;
+pub mod ops;
+pub(crate) mod postgres;
 pub mod relay;
-pub mod route;
-pub mod slots;
-pub mod watermark;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+pub mod wire;
 
+pub use consumer::{ConsumeConfig, Delivery, Handler, Outcome};
 pub use error::{Error, Result};
 
 /// Select ring as the process-wide TLS provider before any TLS connection

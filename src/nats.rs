@@ -38,10 +38,13 @@ pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client
             .map_err(|e| Error::Config(format!("--nats-creds {}: {e}", creds.display())))?;
     }
     opts.connect(args.nats_url.as_str()).await.map_err(|e| {
-        Error::Config(format!(
-            "cannot connect to NATS at {servers}: {}",
-            redact_text(&e.to_string(), args)
-        ))
+        // The library's error may echo what it was given: only its redacted
+        // text travels on, never the error itself.
+        let text = redact_text(&e.to_string(), args);
+        Error::NatsConnect {
+            servers,
+            source: Box::new(std::io::Error::other(text)),
+        }
     })
 }
 

@@ -1,17 +1,16 @@
 //! Consumer integration tests: real Postgres, real nats-server, and a real
 //! local HTTP handler (axum) whose answers each test scripts per message.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use async_nats::jetstream::{self, stream};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use common::*;
+use outbox_relay::wire;
 use uuid::Uuid;
 
 const T: Duration = Duration::from_secs(90);
@@ -79,7 +78,7 @@ async fn answer(State(h): State<Handler>, headers: HeaderMap, body: Bytes) -> St
     h.calls.lock().unwrap().push(Call {
         id,
         idempotency_key: h2("idempotency-key"),
-        traceparent: h2("traceparent"),
+        traceparent: h2(wire::TRACEPARENT),
         body,
         status,
         at: Instant::now(),
@@ -100,10 +99,10 @@ async fn js(nats_url: &str) -> jetstream::Context {
 
 /// A fresh events stream `{CTX}_EVENTS` on `{ctx}.>`, and its DLQ stream gone.
 async fn fresh_stream(js: &jetstream::Context, ctx: &str, dup_window: Duration) -> String {
-    let name = format!("{}_EVENTS", ctx.to_uppercase());
+    let name = wire::stream_name(ctx);
     let _ = js.delete_stream(&name).await;
     let _ = js
-        .delete_stream(format!("DLQ_{}", ctx.to_uppercase()))
+        .delete_stream(wire::dlq_stream_name(&wire::consumer_dlq_prefix(ctx)))
         .await;
     js.create_stream(stream::Config {
         name: name.clone(),
@@ -163,13 +162,13 @@ async fn publish(
 ) {
     let mut h = async_nats::HeaderMap::new();
     if let Some(id) = id {
-        h.insert("Nats-Msg-Id", id.to_string().as_str());
+        h.insert(wire::MSG_ID, id.to_string().as_str());
     }
-    h.insert("Outbox-Aggregate-Id", aggregate);
-    h.insert("Outbox-Event-Type", "placed");
-    h.insert("Outbox-Event-Version", "2");
+    h.insert(wire::AGGREGATE_ID, aggregate);
+    h.insert(wire::EVENT_TYPE, "placed");
+    h.insert(wire::EVENT_VERSION, "2");
     h.insert(
-        "traceparent",
+        wire::TRACEPARENT,
         "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     );
     js.send_publish(
@@ -337,23 +336,32 @@ async fn each_answer_of_the_spec_table() {
     }
 
     // The DLQ holds exactly the two dead letters, with their headers.
-    let dlq = read_stream(&stack().nats_url, "DLQ_CTAB", 2, T).await;
+    let dlq = read_stream(
+        &stack().nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("ctab")),
+        2,
+        T,
+    )
+    .await;
     assert_eq!(dlq.len(), 2);
     for (g, i, attempts) in [(&dlq[0], 2, "1"), (&dlq[1], 5, "3")] {
-        assert_eq!(g.subject, "dlq.ctab.ctab.event.placed.v2");
-        assert_eq!(g.h("Nats-Msg-Id"), Some(ids[i].to_string().as_str()));
-        assert_eq!(g.h("Outbox-Dlq-Attempts"), Some(attempts));
         assert_eq!(
-            g.h("Outbox-Dlq-Original-Subject"),
+            g.subject,
+            wire::consumer_dlq_subject(&wire::consumer_dlq_prefix("ctab"), "ctab.event.placed.v2")
+        );
+        assert_eq!(g.h(wire::MSG_ID), Some(ids[i].to_string().as_str()));
+        assert_eq!(g.h(wire::DLQ_ATTEMPTS), Some(attempts));
+        assert_eq!(
+            g.h(wire::DLQ_ORIGINAL_SUBJECT),
             Some("ctab.event.placed.v2")
         );
-        assert_eq!(g.h("Outbox-Dlq-Consumer"), Some("table"));
+        assert_eq!(g.h(wire::DLQ_CONSUMER), Some("table"));
         assert_eq!(
-            g.h("Outbox-Event-Type"),
+            g.h(wire::EVENT_TYPE),
             Some("placed"),
             "original headers kept"
         );
-        assert!(g.h("Outbox-Dlq-Reason").is_some());
+        assert!(g.h(wire::DLQ_REASON).is_some());
         assert_eq!(g.payload, scripts[i].as_bytes(), "original body");
     }
 
@@ -428,7 +436,14 @@ async fn unreachable_handler_is_retried_then_dead_lettered() {
         .unwrap()
         .contains("unreachable"));
     assert_eq!(
-        read_stream(&stack.nats_url, "DLQ_CUNR", 1, T).await.len(),
+        read_stream(
+            &stack.nats_url,
+            &wire::dlq_stream_name(&wire::consumer_dlq_prefix("cunr")),
+            1,
+            T
+        )
+        .await
+        .len(),
         1
     );
     assert_all_acked(&js, &stream, "unreach").await;
@@ -453,21 +468,29 @@ async fn bad_input_is_dead_lettered_not_dropped_nor_retried() {
         b"this is not json",
     )
     .await;
-    let dlq = read_stream(&stack().nats_url, "DLQ_CBAD", 2, T).await;
+    let dlq = read_stream(
+        &stack().nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("cbad")),
+        2,
+        T,
+    )
+    .await;
     assert_eq!(dlq.len(), 2);
-    let reason = |subject: &str| {
+    let dead =
+        |original: &str| wire::consumer_dlq_subject(&wire::consumer_dlq_prefix("cbad"), original);
+    let reason = |original: &str| {
         dlq.iter()
-            .find(|g| g.subject == subject)
+            .find(|g| g.subject == dead(original))
             .unwrap()
-            .h("Outbox-Dlq-Reason")
+            .h(wire::DLQ_REASON)
             .unwrap()
             .to_owned()
     };
-    assert!(reason("dlq.cbad.cbad.no.id").contains("no Nats-Msg-Id"));
-    assert!(reason("dlq.cbad.cbad.not.json").contains("not JSON"));
+    assert!(reason("cbad.no.id").contains(&format!("no {}", wire::MSG_ID)));
+    assert!(reason("cbad.not.json").contains("not JSON"));
     assert_eq!(
         dlq.iter()
-            .find(|g| g.subject == "dlq.cbad.cbad.not.json")
+            .find(|g| g.subject == dead("cbad.not.json"))
             .unwrap()
             .payload,
         b"this is not json"
@@ -628,13 +651,13 @@ async fn kill_9_mid_batch_then_restart_processes_each_once() {
 /// first delivery of each message fails after writing.
 struct Effects;
 
-impl outbox_relay::handler::Handler for Effects {
+impl outbox_relay::consumer::Handler for Effects {
     async fn handle(
         &self,
         tx: &mut sqlx::PgConnection,
-        d: &outbox_relay::handler::Delivery,
-    ) -> outbox_relay::handler::Outcome {
-        use outbox_relay::handler::Outcome;
+        d: &outbox_relay::consumer::Delivery,
+    ) -> outbox_relay::consumer::Outcome {
+        use outbox_relay::consumer::Outcome;
         if let Err(e) = sqlx::query("INSERT INTO effects (message_id, delivered) VALUES ($1, $2)")
             .bind(d.message_id)
             .bind(d.delivered)
@@ -661,7 +684,7 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
         .unwrap();
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "crust", Duration::from_secs(120)).await;
-    let cfg = outbox_relay::consume::ConsumeConfig {
+    let cfg = outbox_relay::consumer::ConsumeConfig {
         stream: stream.clone(),
         durable: "rust".into(),
         filter: None,
@@ -670,17 +693,17 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
         max_ack_pending: 50,
         concurrency: 2,
         backoff: vec![Duration::from_millis(200)],
-        dlq_prefix: "dlq.crust".into(),
+        dlq_prefix: wire::consumer_dlq_prefix("crust"),
         dlq_replicas: 1,
         shutdown_timeout: Duration::from_secs(5),
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(outbox_relay::consume::run(
+    let task = tokio::spawn(outbox_relay::consumer::run(
         cfg,
         pool.clone(),
         js.clone(),
         Effects,
-        outbox_relay::endpoint::Readiness::default(),
+        outbox_relay::ops::endpoint::Readiness::default(),
         shutdown.clone(),
     ));
     let ids: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();

@@ -2,12 +2,11 @@
 //! every SPEC §7 metric, event counts, and slot metrics that keep reporting
 //! (from another relay) while a relay is down.
 
-mod common;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
+use outbox_relay::wire;
 
 const T: Duration = Duration::from_secs(60);
 
@@ -29,7 +28,7 @@ const SPEC_RELAY_METRICS: &[&str] = &[
 async fn readyz_waits_for_the_slot_then_metrics_count_every_event() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "obs_ready").await;
-    let stream = "OBSREADY_EVENTS";
+    let stream = &wire::stream_name("obsready");
 
     // Creating a logical slot waits for every transaction that holds an
     // xid, server-wide. Hold one open: the relay cannot stream until it ends.
@@ -108,7 +107,7 @@ async fn readyz_waits_for_the_slot_then_metrics_count_every_event() {
         m.value("outbox_relay_commit_to_ack_seconds_bucket{le=\"+Inf\"}"),
         Some(200.0)
     );
-    let slot = "outbox_relay_obsready";
+    let slot = &wire::slot_name("obsready");
     assert_eq!(
         m.value(&format!("pg_replication_slot_active{{slot=\"{slot}\"}}")),
         Some(1.0)
@@ -147,7 +146,7 @@ async fn readyz_waits_for_the_slot_then_metrics_count_every_event() {
         String::from_utf8_lossy(&out.stderr)
     );
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(status["slot"], slot);
+    assert_eq!(status["slot"], slot.as_str());
     assert_eq!(status["active"], true);
     assert_eq!(status["wal_status"], "reserved");
     assert!(status["safe_wal_size_bytes"].as_i64().unwrap() > 0);
@@ -163,7 +162,7 @@ async fn slot_lag_rises_while_a_relay_is_down_and_falls_after_it_catches_up() {
     // relay's too: that one is what we stop.
     let watcher = Service::relay(&url, &stack.nats_url, "obswatch", &fast);
     let mut relay = Service::relay(&url, &stack.nats_url, "obslag", &fast);
-    let slot = "outbox_relay_obslag";
+    let slot = &wire::slot_name("obslag");
     let lag = |m: &Scrape| m.value(&format!("pg_replication_slot_lag_bytes{{slot=\"{slot}\"}}"));
     let active = |m: &Scrape| m.value(&format!("pg_replication_slot_active{{slot=\"{slot}\"}}"));
 
@@ -212,7 +211,10 @@ async fn slot_lag_rises_while_a_relay_is_down_and_falls_after_it_catches_up() {
         watcher
             .scrape()
             .await
-            .value("pg_replication_slot_lag_bytes{slot=\"outbox_relay_obswatch\"}")
+            .value(&format!(
+                "pg_replication_slot_lag_bytes{{slot=\"{}\"}}",
+                wire::slot_name("obswatch")
+            ))
             .is_some_and(|v| v < 1_000_000.0)
     })
     .await;
@@ -224,6 +226,12 @@ async fn slot_lag_rises_while_a_relay_is_down_and_falls_after_it_catches_up() {
         active(&m) == Some(1.0) && lag(&m).is_some_and(|v| v < 256.0 * 1024.0 && v < peak / 4.0)
     })
     .await;
-    let got = read_stream(&stack.nats_url, "OBSLAG_EVENTS", sent.len() as u64, T).await;
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("obslag"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
     assert_exactly_once_in_order(&got, &sent);
 }

@@ -2,15 +2,15 @@
 //! Each test has its own database, context (so slot, publication and stream)
 //! and relay process.
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
-use rand::Rng;
+use crate::common::*;
+use outbox_relay::wire;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 const T: Duration = Duration::from_secs(120);
 
@@ -42,27 +42,27 @@ async fn ten_thousand_events_mixed_transactions_arrive_once_in_commit_order() {
     }
     assert_eq!(sent.len(), 10_000);
 
-    let got = read_stream(&stack.nats_url, "MIXED_EVENTS", 10_000, T).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("mixed"), 10_000, T).await;
     assert_exactly_once_in_order(&got, &sent);
 
     // Every SPEC §4 header, and the body is the payload.
     let g = &got[0];
     assert_eq!(g.subject, "mixed.event.placed.v1");
     for h in [
-        "Nats-Msg-Id",
-        "Outbox-Event-Type",
-        "Outbox-Event-Version",
-        "Outbox-Aggregate-Type",
-        "Outbox-Aggregate-Id",
-        "Outbox-Occurred-At",
-        "Outbox-Commit-Lsn",
+        wire::MSG_ID,
+        wire::EVENT_TYPE,
+        wire::EVENT_VERSION,
+        wire::AGGREGATE_TYPE,
+        wire::AGGREGATE_ID,
+        wire::OCCURRED_AT,
+        wire::COMMIT_LSN,
     ] {
         assert!(g.h(h).is_some(), "missing header {h}");
     }
-    assert_eq!(g.h("Outbox-Event-Type"), Some("placed"));
-    assert_eq!(g.h("Outbox-Aggregate-Type"), Some("order"));
+    assert_eq!(g.h(wire::EVENT_TYPE), Some("placed"));
+    assert_eq!(g.h(wire::AGGREGATE_TYPE), Some("order"));
     time::OffsetDateTime::parse(
-        g.h("Outbox-Occurred-At").unwrap(),
+        g.h(wire::OCCURRED_AT).unwrap(),
         &time::format_description::well_known::Rfc3339,
     )
     .expect("Outbox-Occurred-At is RFC 3339");
@@ -114,21 +114,18 @@ async fn optional_headers_text_format_and_alter_table_mid_stream() {
         .await
         .unwrap();
 
-    let got = read_stream(&stack.nats_url, "ALTER_EVENTS", 2, T).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("alter"), 2, T).await;
     assert_eq!(got.len(), 2);
     let (a, b) = (&got[0], &got[1]);
-    assert_eq!(a.h("Nats-Msg-Id"), Some(id1.to_string().as_str()));
+    assert_eq!(a.h(wire::MSG_ID), Some(id1.to_string().as_str()));
     assert!(a.subject.starts_with("alter.cart."), "{}", a.subject);
     let part: u32 = a.subject.rsplit('.').next().unwrap().parse().unwrap();
     assert!(part < 4);
-    assert_eq!(a.h("Outbox-Event-Version"), Some("3"));
-    assert_eq!(
-        a.h("Outbox-Correlation-Id"),
-        Some(corr.to_string().as_str())
-    );
-    assert_eq!(a.h("Outbox-Causation-Id"), None);
-    assert_eq!(a.h("traceparent"), Some("00-abc-def-01"));
-    assert_eq!(a.h("Outbox-Occurred-At"), Some("2026-01-02T03:04:05.678Z"));
+    assert_eq!(a.h(wire::EVENT_VERSION), Some("3"));
+    assert_eq!(a.h(wire::CORRELATION_ID), Some(corr.to_string().as_str()));
+    assert_eq!(a.h(wire::CAUSATION_ID), None);
+    assert_eq!(a.h(wire::TRACEPARENT), Some("00-abc-def-01"));
+    assert_eq!(a.h(wire::OCCURRED_AT), Some("2026-01-02T03:04:05.678Z"));
     assert_eq!(a.payload, br#"{"sku": "A"}"#);
     assert_eq!(b.subject, "alter.custom.subject");
     assert_eq!(b.payload, b"[1, 2]");
@@ -157,22 +154,39 @@ async fn large_transaction_streams_with_bounded_memory() {
             .into_iter()
             .collect();
     let started = Instant::now();
-    let got = read_stream(&stack.nats_url, "LARGE_EVENTS", N, Duration::from_secs(400)).await;
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("large"),
+        N,
+        Duration::from_secs(400),
+    )
+    .await;
     let peak = relay.peak_rss_kib();
     assert_exactly_once_in_order(&got, &sent);
-    let commit = got[0].h("Outbox-Commit-Lsn").unwrap();
+    let commit = got[0].h(wire::COMMIT_LSN).unwrap();
     assert!(
-        got.iter().all(|g| g.h("Outbox-Commit-Lsn") == Some(commit)),
+        got.iter().all(|g| g.h(wire::COMMIT_LSN) == Some(commit)),
         "one transaction"
     );
-    // Reported, not asserted: timing and memory figures belong to the bench.
+    // Timing belongs to the bench; memory has a bound: the publish window
+    // and the replication buffer, not the transaction, decide it.
+    let peak = peak.expect("the relay's VmHWM");
     println!(
-        "200k-row transaction: relayed in {:?}; relay peak RSS {} KiB",
+        "200k-row transaction: relayed in {:?}; relay peak RSS {peak} KiB",
         started.elapsed(),
-        peak.map_or("?".into(), |p| p.to_string())
+    );
+    assert!(
+        peak < PEAK_RSS_BOUND_KIB,
+        "relay peak RSS {peak} KiB over {PEAK_RSS_BOUND_KIB} KiB for a 200k-row transaction"
     );
     assert!(relay.term(Duration::from_secs(30)).success());
 }
+
+/// What the relay may use for any transaction size: 4,096 events in flight
+/// at about 300 bytes, 512 buffered WAL messages, the runtime and TLS (about
+/// 25 MiB measured). Holding the 200k-row transaction (60 MB of payload)
+/// would cross it.
+const PEAK_RSS_BOUND_KIB: u64 = 48 * 1024;
 
 /// Producer inserting `total` events in transactions of 10 at about `rate`/s until done or stopped.
 fn spawn_producer(
@@ -203,7 +217,14 @@ async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
     let mut relay = Service::relay(&url, &stack.nats_url, "kill", &[]);
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(pool.clone(), 12_000, 1500, stop.clone());
-    let mut rng = rand::thread_rng();
+    // Seeded, and the seed printed, so a failing schedule can be replayed
+    // with TEST_SEED.
+    let seed = std::env::var("TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("kill schedule seed: TEST_SEED={seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
     for round in 0..4 {
         tokio::time::sleep(Duration::from_millis(rng.gen_range(700..1800))).await;
         relay.kill9();
@@ -217,7 +238,13 @@ async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
         relay.restart();
     }
     let sent = producer.await.unwrap();
-    let got = read_stream(&stack.nats_url, "KILL_EVENTS", sent.len() as u64, T).await;
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("kill"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
     assert_exactly_once_in_order(&got, &sent);
     let st = relay.term(Duration::from_secs(30));
     assert!(st.success(), "graceful stop exits 0, got {st:?}");
@@ -248,7 +275,13 @@ async fn nats_restart_under_load_loses_nothing_and_keeps_order() {
         nats.up();
     }
     let sent = producer.await.unwrap();
-    let got = read_stream(&nats.url, "NATSRS_EVENTS", sent.len() as u64, T).await;
+    let got = read_stream(
+        &nats.url,
+        &wire::stream_name("natsrs"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
     assert_exactly_once_in_order(&got, &sent);
     eventually(T, "/readyz ready again after NATS came back", || async {
         relay.http_get("/readyz").await.0 == 200
@@ -275,10 +308,10 @@ async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
     let (url, pool) = fresh_db(&stack, "t_held").await;
     let nats = OwnNats::start(&stack, "held");
     let _relay = Service::relay(&url, &nats.url, "held", &["--publish-timeout", "30s"]);
-    let slot = "outbox_relay_held";
+    let slot = &wire::slot_name("held");
     // Warm up: one event through, so the stream and slot exist.
     let mut sent: HashSet<uuid::Uuid> = insert_txn(&pool, 0, 0, 1, 0).await.into_iter().collect();
-    read_stream(&nats.url, "HELD_EVENTS", 1, T).await;
+    read_stream(&nats.url, &wire::stream_name("held"), 1, T).await;
 
     // Hold every JetStream ack: freeze the server.
     signal(nats.pid(), "STOP");
@@ -313,11 +346,11 @@ async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
     }
     // Release: the event is (re)published once and the slot moves past it.
     signal(nats.pid(), "CONT");
-    let got = read_stream(&nats.url, "HELD_EVENTS", 4, T).await;
+    let got = read_stream(&nats.url, &wire::stream_name("held"), 4, T).await;
     assert_exactly_once_in_order(&got, &sent);
     // Decoding resends a transaction whose commit record starts at or after
     // the slot's confirmed LSN; Outbox-Commit-Lsn is that start.
-    let held_commit = lsn(got[1].h("Outbox-Commit-Lsn").unwrap());
+    let held_commit = lsn(got[1].h(wire::COMMIT_LSN).unwrap());
     assert!(held_commit > lsn(&before) && held_commit < lsn(&after_commit));
     for confirmed in confirmed_while_held {
         assert!(
@@ -338,8 +371,8 @@ async fn idle_outbox_in_busy_database_retains_little_wal() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_idle").await;
     let _relay = Service::relay(&url, &stack.nats_url, "idle", &[]);
-    let slot = "outbox_relay_idle";
-    sent_one_and_wait(&stack, &pool, "IDLE_EVENTS").await;
+    let slot = &wire::slot_name("idle");
+    sent_one_and_wait(&stack, &pool, &wire::stream_name("idle")).await;
     let start: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
         .fetch_one(&pool)
         .await
@@ -428,7 +461,7 @@ async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
     let outside = insert(Some("elsewhere.x"), "{\"k\": 3}".into()).await;
     let good = insert(None, "{\"k\": 4}".into()).await;
 
-    let got = read_stream(&stack.nats_url, "POISON_EVENTS", 5, T).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("poison"), 5, T).await;
     assert_eq!(
         got.len(),
         5,
@@ -436,7 +469,7 @@ async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
     );
     let by_id = |id: uuid::Uuid| {
         got.iter()
-            .find(|g| g.h("Nats-Msg-Id") == Some(id.to_string().as_str()))
+            .find(|g| g.h(wire::MSG_ID) == Some(id.to_string().as_str()))
             .unwrap()
     };
     for (id, reason) in [
@@ -446,9 +479,9 @@ async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
         (outside, "subject_outside_stream"),
     ] {
         let g = by_id(id);
-        assert_eq!(g.subject, "poison.dlq.relay", "{reason}");
-        assert_eq!(g.h("Outbox-Dlq-Reason"), Some(reason));
-        assert_eq!(g.h("Outbox-Event-Type"), Some("e"));
+        assert_eq!(g.subject, wire::relay_dlq_subject("poison"), "{reason}");
+        assert_eq!(g.h(wire::DLQ_REASON), Some(reason));
+        assert_eq!(g.h(wire::EVENT_TYPE), Some("e"));
     }
     assert!(by_id(huge).payload.is_empty(), "too-large body is dropped");
     assert_eq!(
@@ -458,9 +491,9 @@ async fn bad_rows_are_dead_lettered_with_a_reason_and_later_rows_flow() {
     );
     let g = by_id(good);
     assert_eq!(g.subject, "poison.event.e.v1");
-    assert_eq!(g.h("Outbox-Dlq-Reason"), None);
+    assert_eq!(g.h(wire::DLQ_REASON), None);
     assert_eq!(
-        got.last().unwrap().h("Nats-Msg-Id"),
+        got.last().unwrap().h(wire::MSG_ID),
         Some(good.to_string().as_str())
     );
 }
@@ -555,7 +588,7 @@ async fn restart_after_the_duplicate_window_adds_no_duplicates() {
         }
         let deadline = Instant::now() + T;
         loop {
-            let mut stream = js.get_stream("WINDOW_EVENTS").await.unwrap();
+            let mut stream = js.get_stream(&wire::stream_name("window")).await.unwrap();
             if stream.info().await.unwrap().state.messages >= sent.len() as u64 {
                 break;
             }
@@ -563,9 +596,17 @@ async fn restart_after_the_duplicate_window_adds_no_duplicates() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         relay.kill9();
-        let last = read_stream(&stack.nats_url, "WINDOW_EVENTS", sent.len() as u64, T).await;
-        let last_commit = lsn(last.last().unwrap().h("Outbox-Commit-Lsn").unwrap());
-        let confirmed = slot_confirmed(&pool, "outbox_relay_window").await.unwrap();
+        let last = read_stream(
+            &stack.nats_url,
+            &wire::stream_name("window"),
+            sent.len() as u64,
+            T,
+        )
+        .await;
+        let last_commit = lsn(last.last().unwrap().h(wire::COMMIT_LSN).unwrap());
+        let confirmed = slot_confirmed(&pool, &wire::slot_name("window"))
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(2500)).await;
         relay.restart();
         relay.wait_ready();
@@ -581,11 +622,21 @@ async fn restart_after_the_duplicate_window_adds_no_duplicates() {
         "could not force a replay past the duplicate window in 5 attempts"
     );
     sent.extend(insert_txn(&pool, 0, 10_000, 5, 0).await);
-    let got = read_stream(&stack.nats_url, "WINDOW_EVENTS", sent.len() as u64, T).await;
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("window"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
     assert_exactly_once_in_order(&got, &sent);
+    let skipped = relay
+        .scrape()
+        .await
+        .value("outbox_relay_events_skipped_total");
     assert!(
-        relay.log_text().contains("resume_after=Some"),
-        "relay found its tail"
+        skipped.is_some_and(|s| s > 0.0),
+        "the relay found its tail in the stream and skipped what it held: {skipped:?}"
     );
 }
 
@@ -621,7 +672,7 @@ async fn dsn_password_never_appears_in_logs_help_or_errors() {
         .await
         .unwrap();
     sent.extend(insert_txn(&pool, 1, 5, 5, 16).await);
-    let got = read_stream(&stack.nats_url, "SECRET_EVENTS", 10, T).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("secret"), 10, T).await;
     assert_exactly_once_in_order(&got, &sent);
     assert!(relay.term(Duration::from_secs(30)).success());
     let log = relay.log_text();
@@ -765,18 +816,24 @@ async fn postgres_crash_and_restart_under_load_lose_nothing_and_keep_order() {
         "{} events committed",
         committed.len()
     );
-    let got = read_stream(&nats_url, "PGCRASH_EVENTS", committed.len() as u64, T).await;
+    let got = read_stream(
+        &nats_url,
+        &wire::stream_name("pgcrash"),
+        committed.len() as u64,
+        T,
+    )
+    .await;
     assert_exactly_once_in_order(&got, &committed);
-    assert!(
-        relay
-            .log_text()
-            .matches("relay session ended; reconnecting")
-            .count()
-            >= 2,
-        "both restarts ended a relay session"
-    );
     eventually(T, "/readyz ready after the restarts", || async {
         relay.http_get("/readyz").await.0 == 200
     })
     .await;
+    let restarts = relay
+        .scrape()
+        .await
+        .value("outbox_relay_session_restarts_total");
+    assert!(
+        restarts.is_some_and(|r| r >= 2.0),
+        "both restarts ended a relay session: {restarts:?}"
+    );
 }

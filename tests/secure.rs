@@ -4,14 +4,13 @@
 //! documents: LOGIN REPLICATION and SELECT on the outbox table, with the
 //! publication created by the table's owner.
 
-mod common;
-
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
+use outbox_relay::wire;
 use sqlx::postgres::PgPoolOptions;
 
 const T: Duration = Duration::from_secs(60);
@@ -103,7 +102,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         .connect(s.get("NATS_URL"))
         .await
         .unwrap();
-    let got = read_stream_with(client, "DEMO_EVENTS", 20, T).await;
+    let got = read_stream_with(client, &wire::stream_name("demo"), 20, T).await;
     assert_exactly_once_in_order(&got, &sent);
     assert!(relay.term(Duration::from_secs(30)).success());
 
@@ -129,7 +128,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     let consumer = Service::consumer(
         &admin_url,
         s.get("NATS_URL"),
-        "DEMO_EVENTS",
+        &wire::stream_name("demo"),
         "billing",
         &handler_url,
         &nats_args,
@@ -224,7 +223,7 @@ async fn nats_token_auth_and_the_token_stays_out_of_logs() {
         .connect(&nats_url)
         .await
         .unwrap();
-    let got = read_stream_with(client, "TOKEN_EVENTS", 10, T).await;
+    let got = read_stream_with(client, &wire::stream_name("token"), 10, T).await;
     assert_exactly_once_in_order(&got, &sent);
     assert!(relay.term(Duration::from_secs(30)).success());
     let log = relay.log_text();

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
+use outbox_relay::wire;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 
@@ -93,27 +94,40 @@ pub fn log_dir() -> PathBuf {
 }
 
 /// The binary (relay or consumer) as a child process; killed on drop.
+/// Its endpoint listens on a port chosen here, so readiness and metrics are
+/// read from `/readyz` and `/metrics`, never from log text.
 pub struct Service {
     pub child: Child,
     pub log: PathBuf,
     args: Vec<String>,
-    log_start: usize,
-    ready: &'static str,
     name: String,
     rust_log: String,
+    metrics_addr: String,
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 impl Service {
     pub fn relay(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
         let args = relay_args(db_url, nats_url, context, extra);
-        Self::start(args, context, "streaming")
+        Self::start(args, context)
     }
 
-    /// The relay started, but not waited for (to watch it become ready).
+    /// The relay started and answering `/healthz`, but not waited for
+    /// (to watch it become ready).
     pub fn relay_starting(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
         let args = relay_args(db_url, nats_url, context, extra);
         let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
-        Self::spawn(args, context, "streaming")
+        let mut service = Self::spawn(args, context);
+        service.wait_until("/healthz");
+        service
     }
 
     /// `outbox-relay consume` for durable `durable` (log named after it).
@@ -137,68 +151,73 @@ impl Service {
             durable,
             "--handler-url",
             handler_url,
-            "--metrics-addr",
-            "127.0.0.1:0",
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
-        Self::start(args, durable, "consuming")
+        Self::start(args, durable)
     }
 
-    fn start(args: Vec<String>, name: &str, ready: &'static str) -> Service {
+    fn start(args: Vec<String>, name: &str) -> Service {
         let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
-        let mut service = Self::spawn(args, name, ready);
+        let mut service = Self::spawn(args, name);
         service.wait_ready();
         service
     }
 
-    /// Block until the service says it is ready. For the relay that is when it
-    /// holds its slot: rows committed before the slot exists are, by design,
-    /// not in it.
+    /// Block until `/readyz` answers 200. For the relay that is when it
+    /// streams from its slot; for the consumer, when it pulls.
     pub fn wait_ready(&mut self) {
+        self.wait_until("/readyz");
+    }
+
+    /// Block until `path` answers 200 (or the service exits: a panic with its log).
+    fn wait_until(&mut self, path: &str) {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if self.log_text()[self.log_start..].contains(self.ready) {
+            if http_get_blocking(&self.metrics_addr, path).is_some_and(|(s, _)| s == 200) {
                 return;
             }
             if let Some(st) = self.child.try_wait().unwrap() {
                 panic!(
-                    "relay exited with {st} before streaming:\n{}",
+                    "service exited with {st} before {path} answered 200:\n{}",
                     self.log_text()
                 );
             }
             assert!(
                 Instant::now() < deadline,
-                "service not ready after 60s:\n{}",
+                "service: no 200 on {path} after 60s:\n{}",
                 self.log_text()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
 
-    fn spawn(args: Vec<String>, name: &str, ready: &'static str) -> Service {
-        Self::spawn_logged(args, name, ready, "info,outbox_relay=debug".to_owned())
+    fn spawn(args: Vec<String>, name: &str) -> Service {
+        Self::spawn_logged(args, name, "info,outbox_relay=debug".to_owned())
     }
 
     /// The relay logging at every level of every crate (`RUST_LOG=trace`).
     pub fn relay_traced(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
         let args = relay_args(db_url, nats_url, context, extra);
         let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
-        let mut s = Self::spawn_logged(args, context, "streaming", "trace".to_owned());
+        let mut s = Self::spawn_logged(args, context, "trace".to_owned());
         s.wait_ready();
         s
     }
 
-    fn spawn_logged(
-        args: Vec<String>,
-        name: &str,
-        ready: &'static str,
-        rust_log: String,
-    ) -> Service {
+    fn spawn_logged(mut args: Vec<String>, name: &str, rust_log: String) -> Service {
         let log = log_dir().join(format!("{name}.log"));
-        let log_start = std::fs::metadata(&log).map_or(0, |m| m.len() as usize);
+        // The same address across restarts (the caller may have chosen one).
+        let metrics_addr = match args.iter().position(|a| a == "--metrics-addr") {
+            Some(i) => args[i + 1].clone(),
+            None => {
+                let addr = format!("127.0.0.1:{}", free_port());
+                args.extend(["--metrics-addr".to_owned(), addr.clone()]);
+                addr
+            }
+        };
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -215,10 +234,9 @@ impl Service {
             child,
             log,
             args,
-            log_start,
-            ready,
             name: name.to_owned(),
             rust_log,
+            metrics_addr,
         }
     }
 
@@ -226,12 +244,7 @@ impl Service {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        *self = Self::spawn_logged(
-            self.args.clone(),
-            &self.name.clone(),
-            self.ready,
-            self.rust_log.clone(),
-        );
+        *self = Self::spawn_logged(self.args.clone(), &self.name.clone(), self.rust_log.clone());
     }
 
     pub fn pid(&self) -> u32 {
@@ -271,32 +284,9 @@ impl Service {
             .ok()
     }
 
-    /// Where this run of the service serves `/metrics` (it logs the address,
-    /// since the tests ask for port 0).
-    pub fn metrics_addr(&self) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let log = self.log_text();
-            let this_run = log.get(self.log_start..).unwrap_or_default();
-            if let Some(line) = this_run
-                .lines()
-                .rev()
-                .find(|l| l.contains("serving /metrics"))
-            {
-                if let Some(addr) = line.split("addr=").nth(1) {
-                    return addr
-                        .split_whitespace()
-                        .next()
-                        .unwrap_or_default()
-                        .to_owned();
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no metrics address in the log:\n{log}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    /// Where the service serves `/metrics`, `/healthz` and `/readyz`.
+    pub fn metrics_addr(&self) -> &str {
+        &self.metrics_addr
     }
 
     /// GET `path` on the metrics endpoint: (status, body).
@@ -346,11 +336,27 @@ fn relay_args(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Ve
         context.into(),
         "--max-backoff".into(),
         "1s".into(),
-        "--metrics-addr".into(),
-        "127.0.0.1:0".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     args
+}
+
+/// `GET path` on `addr` over a plain socket (the harness's sync code
+/// waits with it): `(status, body)`, or `None` when nothing answers.
+pub fn http_get_blocking(addr: &str, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        conn,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    Some((status, body.to_owned()))
 }
 
 /// One `/metrics` response.
@@ -398,8 +404,8 @@ impl Got {
     }
 }
 
-/// Wait until the stream holds `expected` messages (or `timeout`), wait a
-/// little longer so duplicates would show, then read the stream in order.
+/// Wait until the stream holds `expected` messages (or `timeout`) and its
+/// count has stopped changing (so duplicates would show), then read it in order.
 pub async fn read_stream(
     nats_url: &str,
     stream: &str,
@@ -419,20 +425,28 @@ pub async fn read_stream_with(
 ) -> Vec<Got> {
     let js = jetstream::new(client);
     let deadline = Instant::now() + timeout;
-    let mut count = 0;
+    // The count must then hold still this long: a replay republishes from the
+    // slot's position forward, so its duplicates are stored before anything
+    // newer, and once every expected event is in, a short calm shows them.
+    const QUIET: Duration = Duration::from_millis(500);
+    let mut last: Option<(u64, Instant)> = None;
     loop {
         if let Ok(mut s) = js.get_stream(stream).await {
-            count = s.info().await.unwrap().state.messages;
-            if count >= expected {
-                break;
+            let count = s.info().await.unwrap().state.messages;
+            match last {
+                Some((c, since)) if c == count => {
+                    if count >= expected && since.elapsed() >= QUIET {
+                        break;
+                    }
+                }
+                _ => last = Some((count, Instant::now())),
             }
         }
         if Instant::now() > deadline {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut s = js.get_stream(stream).await.unwrap();
     let total = s.info().await.unwrap().state.messages;
     if total == 0 {
@@ -470,7 +484,6 @@ pub async fn read_stream_with(
             payload: m.payload.to_vec(),
         });
     }
-    let _ = count;
     out
 }
 
@@ -507,7 +520,7 @@ pub async fn insert_txn(
 pub fn assert_exactly_once_in_order(got: &[Got], sent: &HashSet<uuid::Uuid>) {
     let mut seen = HashSet::new();
     for g in got {
-        let id = g.h("Nats-Msg-Id").expect("Nats-Msg-Id");
+        let id = g.h(wire::MSG_ID).expect(wire::MSG_ID);
         let id = uuid::Uuid::parse_str(id).unwrap();
         assert!(seen.insert(id), "duplicate event {id} in the stream");
     }
@@ -522,8 +535,8 @@ pub fn assert_exactly_once_in_order(got: &[Got], sent: &HashSet<uuid::Uuid>) {
     let mut last_pos: Option<(u64, u32)> = None;
     let mut last_seq: HashMap<u64, u64> = HashMap::new();
     for g in got {
-        let lsn = lsn(g.h("Outbox-Commit-Lsn").unwrap());
-        let idx: u32 = g.h("Outbox-Txn-Index").unwrap().parse().unwrap();
+        let lsn = lsn(g.h(wire::COMMIT_LSN).unwrap());
+        let idx: u32 = g.h(wire::TXN_INDEX).unwrap().parse().unwrap();
         match last_pos {
             Some((l, i)) if l == lsn => {
                 assert_eq!(idx, i + 1, "transaction split or reordered at {lsn:x}")
@@ -591,11 +604,7 @@ impl OwnNats {
 
     /// With extra nats-server arguments (authentication, say).
     pub fn start_with(stack: &Stack, name: &str, extra: &[&str]) -> OwnNats {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("nats-{name}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();

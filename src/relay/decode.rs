@@ -10,11 +10,13 @@ use std::collections::HashMap;
 
 use pgwire_replication::{Lsn, ReplicationEvent};
 
+use super::outbox_row::{OutboxLayout, RowError};
+use super::pgoutput::{self, DecodeError, Insert, Message, Relation};
+use super::route::{OutMessage, Router};
+use super::watermark::{Ticket, Watermark};
 use crate::error::{Error, Result};
-use crate::outbox::{OutboxLayout, RowError};
-use crate::pgoutput::{self, DecodeError, Insert, Message, Relation};
-use crate::route::{DlqReason, OutMessage, Position, Router};
-use crate::watermark::{Ticket, Watermark};
+use crate::ops::metrics as m;
+use crate::wire::{DlqReason, Position};
 
 /// What the loop must do after one event.
 #[derive(Debug)]
@@ -130,7 +132,7 @@ impl Stage {
         txn.next_index += 1;
         let ticket = wm.register();
         if self.resume.is_some_and(|r| pos <= r) {
-            metrics::counter!(crate::metrics::EVENTS_SKIPPED).increment(1);
+            metrics::counter!(m::EVENTS_SKIPPED).increment(1);
             return Ok(wm.ack(ticket).map_or(Step::Nothing, Step::Confirm));
         }
         // Positions only grow: once past the resume point, stop comparing.
@@ -169,41 +171,29 @@ impl Stage {
 
 fn log_dead_letter(msg: &OutMessage, reason: DlqReason) {
     tracing::warn!(id = %msg.msg_id, reason = reason.as_str(), "dead-lettering row");
-    metrics::counter!(crate::metrics::EVENTS_DEAD_LETTERED, "reason" => reason.as_str())
-        .increment(1);
+    metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(1);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pgoutput::{encode, oid, Column, Value};
-    use crate::route::Template;
+    use crate::relay::route::Template;
+    use crate::testing::{self, encode, oid, Value};
+    use crate::wire;
     use bytes::Bytes;
 
-    fn col(name: &str, type_oid: u32) -> Column {
-        Column {
-            key: false,
-            name: name.into(),
-            type_oid,
-            type_modifier: -1,
-        }
-    }
-
+    /// The outbox's required columns only, in the order `insert` fills them.
     fn relation(id: u32, name: &str) -> ReplicationEvent {
-        let rel = Relation {
-            id,
-            namespace: "public".into(),
-            name: name.into(),
-            replica_identity: b'd',
-            columns: vec![
-                col("id", oid::UUID),
-                col("aggregate_type", oid::TEXT),
-                col("aggregate_id", oid::TEXT),
-                col("event_type", oid::TEXT),
-                col("payload", oid::JSONB),
-            ],
-        };
-        xlog(encode::relation(&rel))
+        let columns = [
+            ("id", oid::UUID),
+            ("aggregate_type", oid::TEXT),
+            ("aggregate_id", oid::TEXT),
+            ("event_type", oid::TEXT),
+            ("payload", oid::JSONB),
+        ];
+        xlog(encode::relation(&testing::relation(
+            id, "public", name, &columns,
+        )))
     }
 
     fn insert(rel: u32, id: &str) -> ReplicationEvent {
@@ -268,9 +258,9 @@ mod tests {
         s.on_event(begin(100), &mut wm).unwrap();
         let a = published(s.on_event(insert(7, ID1), &mut wm).unwrap()).unwrap();
         let b = published(s.on_event(insert(7, ID2), &mut wm).unwrap()).unwrap();
-        assert_eq!(a.header("Outbox-Txn-Index"), Some("0"));
-        assert_eq!(b.header("Outbox-Txn-Index"), Some("1"));
-        assert_eq!(b.header("Outbox-Commit-Lsn"), Some("0/64"));
+        assert_eq!(a.header(wire::TXN_INDEX), Some("0"));
+        assert_eq!(b.header(wire::TXN_INDEX), Some("1"));
+        assert_eq!(b.header(wire::COMMIT_LSN), Some("0/64"));
         assert!(matches!(
             s.on_event(commit(100), &mut wm).unwrap(),
             Step::Nothing
@@ -338,6 +328,6 @@ mod tests {
         let msg = published(s.on_event(insert(7, "not-a-uuid"), &mut wm).unwrap()).unwrap();
         assert_eq!(msg.dlq_reason, Some(DlqReason::BadRow));
         assert_eq!(msg.msg_id, "0/64-0");
-        assert_eq!(msg.subject, "ctx.dlq.relay");
+        assert_eq!(msg.subject, wire::relay_dlq_subject("ctx"));
     }
 }

@@ -5,12 +5,8 @@
 use async_nats::jetstream::{self, context::GetStreamByNameErrorKind, stream, Context};
 use async_nats::HeaderMap;
 
-use crate::error::{Error, Result};
-
-pub const HDR_REASON: &str = "Outbox-Dlq-Reason";
-pub const HDR_ATTEMPTS: &str = "Outbox-Dlq-Attempts";
-pub const HDR_ORIGINAL_SUBJECT: &str = "Outbox-Dlq-Original-Subject";
-pub const HDR_CONSUMER: &str = "Outbox-Dlq-Consumer";
+use crate::error::{Error, PublishFailure, Result};
+use crate::wire;
 
 #[derive(Clone)]
 pub struct DeadLetters {
@@ -28,7 +24,7 @@ impl DeadLetters {
                 tracing::info!(stream = %name, prefix, "dead letters go to an existing stream")
             }
             Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
-                let name = stream_name(prefix);
+                let name = wire::dlq_stream_name(prefix);
                 js.create_stream(stream::Config {
                     name: name.clone(),
                     subjects: vec![format!("{prefix}.>")],
@@ -37,10 +33,11 @@ impl DeadLetters {
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| {
-                    Error::Setup(format!(
+                .map_err(|e| Error::Setup {
+                    message: format!(
                         "cannot create dead-letter stream {name} on {prefix}.>: {e}; choose another --dlq-prefix"
-                    ))
+                    ),
+                    source: Some(Box::new(e)),
                 })?;
                 tracing::info!(stream = %name, prefix, "created dead-letter stream");
             }
@@ -67,7 +64,10 @@ impl DeadLetters {
                 let name = k.to_string();
                 // Our own Nats-Msg-Id below; publish expectations of the
                 // original (the relay's ordering chain) must not apply here.
-                if name.to_ascii_lowercase().starts_with("nats-") {
+                if name
+                    .to_ascii_lowercase()
+                    .starts_with(wire::NATS_HEADER_PREFIX)
+                {
                     continue;
                 }
                 for v in vs {
@@ -75,12 +75,12 @@ impl DeadLetters {
                 }
             }
         }
-        headers.insert("Nats-Msg-Id", msg_id);
-        headers.insert(HDR_REASON, one_line(reason).as_str());
-        headers.insert(HDR_ATTEMPTS, attempts.to_string().as_str());
-        headers.insert(HDR_ORIGINAL_SUBJECT, msg.subject.as_str());
-        headers.insert(HDR_CONSUMER, self.consumer.as_str());
-        let subject = format!("{}.{}", self.prefix, msg.subject);
+        headers.insert(wire::MSG_ID, msg_id);
+        headers.insert(wire::DLQ_REASON, one_line(reason).as_str());
+        headers.insert(wire::DLQ_ATTEMPTS, attempts.to_string().as_str());
+        headers.insert(wire::DLQ_ORIGINAL_SUBJECT, msg.subject.as_str());
+        headers.insert(wire::DLQ_CONSUMER, self.consumer.as_str());
+        let subject = wire::consumer_dlq_subject(&self.prefix, &msg.subject);
         let ack = self
             .js
             .send_publish(
@@ -90,37 +90,26 @@ impl DeadLetters {
                     .headers(headers),
             )
             .await
-            .map_err(|e| Error::Publish(format!("dead-lettering {msg_id}: {e}")))?;
+            .map_err(|e| dlq_error(msg_id, PublishFailure::Send, e))?;
         ack.await
-            .map_err(|e| Error::Publish(format!("dead-lettering {msg_id}: {e}")))?;
+            .map_err(|e| dlq_error(msg_id, PublishFailure::Other, e))?;
         Ok(())
     }
 }
 
-/// `dlq.orders` → `DLQ_ORDERS`.
-pub fn stream_name(prefix: &str) -> String {
-    prefix
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_uppercase()
-            } else {
-                '_'
-            }
-        })
-        .collect()
+fn dlq_error(
+    msg_id: &str,
+    failure: PublishFailure,
+    e: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
+    Error::Publish {
+        id: format!("{msg_id} (dead letter)"),
+        failure,
+        source: Box::new(e),
+    }
 }
 
 fn one_line(s: &str) -> String {
     let s = s.replace(['\r', '\n'], " ");
     s.chars().take(500).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn stream_names() {
-        assert_eq!(super::stream_name("dlq.orders"), "DLQ_ORDERS");
-        assert_eq!(super::stream_name("dlq.my-ctx"), "DLQ_MY_CTX");
-    }
 }

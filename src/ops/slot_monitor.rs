@@ -15,8 +15,8 @@ use serde::Serialize;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
+use super::metrics as m;
 use crate::error::{Error, Result};
-use crate::metrics as m;
 
 /// One logical slot, as `slot status` prints it and `/metrics` exports it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -131,7 +131,7 @@ pub async fn monitor(
         let polled = tokio::time::timeout(interval.max(Duration::from_secs(1)), list(&pool, None))
             .await
             .unwrap_or_else(|_| {
-                Err(Error::Setup(
+                Err(Error::setup(
                     "reading pg_replication_slots timed out".to_owned(),
                 ))
             })

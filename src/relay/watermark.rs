@@ -109,10 +109,6 @@ impl Watermark {
         self.confirmed
     }
 
-    pub fn in_transaction(&self) -> bool {
-        self.in_transaction
-    }
-
     fn release(&mut self) -> Option<Lsn> {
         let mut newest = None;
         while let Some(&(through, lsn)) = self.pending_commits.front() {

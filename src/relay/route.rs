@@ -8,70 +8,10 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use bytes::Bytes;
-use pgwire_replication::Lsn;
 
-use crate::outbox::OutboxRow;
-
-pub const HDR_MSG_ID: &str = "Nats-Msg-Id";
-pub const HDR_EVENT_TYPE: &str = "Outbox-Event-Type";
-pub const HDR_EVENT_VERSION: &str = "Outbox-Event-Version";
-pub const HDR_AGGREGATE_TYPE: &str = "Outbox-Aggregate-Type";
-pub const HDR_AGGREGATE_ID: &str = "Outbox-Aggregate-Id";
-pub const HDR_OCCURRED_AT: &str = "Outbox-Occurred-At";
-pub const HDR_CORRELATION_ID: &str = "Outbox-Correlation-Id";
-pub const HDR_CAUSATION_ID: &str = "Outbox-Causation-Id";
-pub const HDR_COMMIT_LSN: &str = "Outbox-Commit-Lsn";
-/// Position of the event inside its transaction (0-based). With the commit
-/// LSN it orders every event of one source, which lets a restarted relay find
-/// where the stream ends without relying on the duplicate window.
-pub const HDR_TXN_INDEX: &str = "Outbox-Txn-Index";
-/// Which server history, database and slot wrote the message:
-/// `{system id}/{timeline}/{database}/{slot}` ([`source_id`]).
-pub const HDR_SOURCE: &str = "Outbox-Source";
-
-/// The `Outbox-Source` of a relay. LSNs order events only within one WAL
-/// history: after a point-in-time restore or a promotion the timeline
-/// changes and LSNs can repeat, so a restarted relay must not skip events by
-/// comparing against positions from another timeline. With the timeline in
-/// the source it does not; at worst it republishes, and `Nats-Msg-Id` and
-/// the consumers' inbox dedupe that.
-pub fn source_id(system_id: &str, timeline: u32, database: &str, slot: &str) -> String {
-    format!("{system_id}/{timeline}/{database}/{slot}")
-}
-pub const HDR_DLQ_REASON: &str = "Outbox-Dlq-Reason";
-/// Set by consumers on their dead letters; the relay skips such messages
-/// when it looks for its own last message in the stream.
-pub const HDR_DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";
-
-/// Why a row was dead-lettered by the relay (the `reason` metric label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DlqReason {
-    InvalidSubject,
-    SubjectOutsideStream,
-    InvalidHeader,
-    TooLarge,
-    BadRow,
-}
-
-impl DlqReason {
-    pub const ALL: [DlqReason; 5] = [
-        Self::InvalidSubject,
-        Self::SubjectOutsideStream,
-        Self::InvalidHeader,
-        Self::TooLarge,
-        Self::BadRow,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::InvalidSubject => "invalid_subject",
-            Self::SubjectOutsideStream => "subject_outside_stream",
-            Self::InvalidHeader => "invalid_header",
-            Self::TooLarge => "too_large",
-            Self::BadRow => "bad_row",
-        }
-    }
-}
+use super::outbox_row::OutboxRow;
+use crate::json::JsonObject;
+use crate::wire::{self, DlqReason, Position};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutMessage {
@@ -97,6 +37,7 @@ impl OutMessage {
         10 + headers + 2 + self.body.len()
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
@@ -229,7 +170,6 @@ fn header_value_ok(value: &str) -> bool {
 
 #[derive(Debug, Clone)]
 pub struct Router {
-    pub context: String,
     pub template: Template,
     pub partitions: u32,
     pub envelope: bool,
@@ -241,13 +181,6 @@ pub struct Router {
     source: String,
 }
 
-/// Where an event sits in the WAL; see [`HDR_TXN_INDEX`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Position {
-    pub commit_lsn: Lsn,
-    pub index: u32,
-}
-
 impl Router {
     pub fn new(
         context: &str,
@@ -257,19 +190,14 @@ impl Router {
         source: String,
     ) -> Self {
         Self {
-            context: context.to_owned(),
             template,
             partitions,
             envelope,
             stream_prefix: format!("{context}."),
-            dlq_prefix: format!("{context}.dlq."),
-            dlq_subject: format!("{context}.dlq.relay"),
+            dlq_prefix: wire::relay_dlq_prefix(context),
+            dlq_subject: wire::relay_dlq_subject(context),
             source,
         }
-    }
-
-    pub fn dlq_subject(&self) -> &str {
-        &self.dlq_subject
     }
 
     /// Route a row. `max_payload` is the server's limit; an oversized message
@@ -323,15 +251,15 @@ impl Router {
     /// when that much was readable, else derived from its WAL position, so a
     /// replay dedupes it either way.
     pub fn bad_row(&self, id: Option<String>, pos: Position, detail: &str) -> OutMessage {
-        let msg_id = id.unwrap_or_else(|| format!("{}-{}", pos.commit_lsn, pos.index));
-        let mut headers = vec![(Cow::Borrowed(HDR_MSG_ID), msg_id.clone())];
+        let msg_id = id.unwrap_or_else(|| pos.fallback_msg_id());
+        let mut headers = vec![(Cow::Borrowed(wire::MSG_ID), msg_id.clone())];
         self.position_headers(&mut headers, pos);
         headers.push((
-            Cow::Borrowed("Outbox-Dlq-Detail"),
+            Cow::Borrowed(wire::DLQ_DETAIL),
             detail.replace(['\r', '\n'], " "),
         ));
         headers.push((
-            Cow::Borrowed(HDR_DLQ_REASON),
+            Cow::Borrowed(wire::DLQ_REASON),
             DlqReason::BadRow.as_str().to_owned(),
         ));
         OutMessage {
@@ -354,9 +282,9 @@ impl Router {
         msg.headers
             .retain(|(k, v)| header_name_ok(k) && header_value_ok(v));
         msg.headers
-            .push((Cow::Borrowed(HDR_DLQ_REASON), reason.as_str().to_owned()));
+            .push((Cow::Borrowed(wire::DLQ_REASON), reason.as_str().to_owned()));
         msg.headers.push((
-            Cow::Borrowed("Outbox-Dlq-Original-Subject"),
+            Cow::Borrowed(wire::DLQ_ORIGINAL_SUBJECT),
             msg.subject.replace(['\r', '\n'], " "),
         ));
         msg.subject = self.dlq_subject.clone();
@@ -366,8 +294,7 @@ impl Router {
         }
         if msg.wire_size() > max_payload {
             // Even the headers are too large (huge user headers): keep ours only.
-            msg.headers
-                .retain(|(k, _)| k.starts_with("Outbox-") || k.starts_with("Nats-"));
+            msg.headers.retain(|(k, _)| is_reserved(k));
         }
         msg
     }
@@ -380,28 +307,28 @@ impl Router {
     ) -> Vec<(Cow<'static, str>, String)> {
         let mut h = Vec::with_capacity(12);
         let mut push = |name: &'static str, value: String| h.push((Cow::Borrowed(name), value));
-        push(HDR_MSG_ID, msg_id.to_owned());
-        push(HDR_EVENT_TYPE, row.event_type.clone());
-        push(HDR_EVENT_VERSION, row.event_version.to_string());
-        push(HDR_AGGREGATE_TYPE, row.aggregate_type.clone());
-        push(HDR_AGGREGATE_ID, row.aggregate_id.clone());
+        push(wire::MSG_ID, msg_id.to_owned());
+        push(wire::EVENT_TYPE, row.event_type.clone());
+        push(wire::EVENT_VERSION, row.event_version.to_string());
+        push(wire::AGGREGATE_TYPE, row.aggregate_type.clone());
+        push(wire::AGGREGATE_ID, row.aggregate_id.clone());
         if let Some(t) = &row.occurred_at {
-            push(HDR_OCCURRED_AT, t.clone());
+            push(wire::OCCURRED_AT, t.clone());
         }
         if let Some(c) = row.correlation_id {
-            push(HDR_CORRELATION_ID, c.to_string());
+            push(wire::CORRELATION_ID, c.to_string());
         }
         if let Some(c) = row.causation_id {
-            push(HDR_CAUSATION_ID, c.to_string());
+            push(wire::CAUSATION_ID, c.to_string());
         }
         self.position_headers(&mut h, pos);
         h
     }
 
     fn position_headers(&self, h: &mut Vec<(Cow<'static, str>, String)>, pos: Position) {
-        h.push((Cow::Borrowed(HDR_COMMIT_LSN), pos.commit_lsn.to_string()));
-        h.push((Cow::Borrowed(HDR_TXN_INDEX), pos.index.to_string()));
-        h.push((Cow::Borrowed(HDR_SOURCE), self.source.clone()));
+        h.push((Cow::Borrowed(wire::COMMIT_LSN), pos.commit_lsn.to_string()));
+        h.push((Cow::Borrowed(wire::TXN_INDEX), pos.index.to_string()));
+        h.push((Cow::Borrowed(wire::SOURCE), self.source.clone()));
     }
 }
 
@@ -416,12 +343,7 @@ fn user_headers(json: &[u8]) -> Result<Vec<(Cow<'static, str>, String)>, ()> {
     let mut out = Vec::with_capacity(map.len());
     for (k, v) in map {
         let Some(s) = v.as_str() else { continue };
-        let lower = k.to_ascii_lowercase();
-        if !header_name_ok(k)
-            || !header_value_ok(s)
-            || lower.starts_with("nats-")
-            || lower.starts_with("outbox-")
-        {
+        if !header_name_ok(k) || !header_value_ok(s) || is_reserved(k) {
             return Err(());
         }
         out.push((Cow::Owned(k.clone()), s.to_owned()));
@@ -429,55 +351,36 @@ fn user_headers(json: &[u8]) -> Result<Vec<(Cow<'static, str>, String)>, ()> {
     Ok(out)
 }
 
+/// Names only the relay sets (`Nats-*`, `Outbox-*`), any case.
+fn is_reserved(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    wire::RESERVED_PREFIXES.iter().any(|p| lower.starts_with(p))
+}
+
 /// `--envelope`: the payload wrapped with the event's metadata. The payload is
 /// embedded as Postgres rendered it (already valid JSON), not re-serialised.
 pub fn envelope(row: &OutboxRow) -> Bytes {
-    let mut out = Vec::with_capacity(row.payload.len() + 320);
-    let s = |out: &mut Vec<u8>, v: &str| {
-        // Writing JSON strings into a Vec cannot fail.
-        let _ = serde_json::to_writer(&mut *out, v);
-    };
-    let opt = |out: &mut Vec<u8>, v: Option<String>| match v {
-        Some(v) => s(out, &v),
-        None => out.extend_from_slice(b"null"),
-    };
-    out.extend_from_slice(b"{\"eventId\":");
-    s(&mut out, &row.id.to_string());
-    out.extend_from_slice(b",\"eventType\":");
-    s(&mut out, &row.event_type);
-    let _ = write!(
-        VecWriter(&mut out),
-        ",\"eventVersion\":{}",
-        row.event_version
-    );
-    out.extend_from_slice(b",\"aggregateType\":");
-    s(&mut out, &row.aggregate_type);
-    out.extend_from_slice(b",\"aggregateId\":");
-    s(&mut out, &row.aggregate_id);
-    out.extend_from_slice(b",\"occurredAt\":");
-    opt(&mut out, row.occurred_at.clone());
-    out.extend_from_slice(b",\"correlationId\":");
-    opt(&mut out, row.correlation_id.map(|u| u.to_string()));
-    out.extend_from_slice(b",\"causationId\":");
-    opt(&mut out, row.causation_id.map(|u| u.to_string()));
-    out.extend_from_slice(b",\"payload\":");
-    out.extend_from_slice(&row.payload);
-    out.push(b'}');
-    Bytes::from(out)
-}
-
-struct VecWriter<'a>(&'a mut Vec<u8>);
-
-impl std::fmt::Write for VecWriter<'_> {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        self.0.extend_from_slice(s.as_bytes());
-        Ok(())
-    }
+    let id = row.id.to_string();
+    let correlation = row.correlation_id.map(|u| u.to_string());
+    let causation = row.causation_id.map(|u| u.to_string());
+    JsonObject::with_capacity(row.payload.len() + 320)
+        .str("eventId", &id)
+        .str("eventType", &row.event_type)
+        .int("eventVersion", row.event_version)
+        .str("aggregateType", &row.aggregate_type)
+        .str("aggregateId", &row.aggregate_id)
+        .opt_str("occurredAt", row.occurred_at.as_deref())
+        .opt_str("correlationId", correlation.as_deref())
+        .opt_str("causationId", causation.as_deref())
+        .raw("payload", &row.payload)
+        .finish()
+        .into()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pgwire_replication::Lsn;
     use uuid::Uuid;
 
     fn row() -> OutboxRow {
@@ -512,31 +415,18 @@ mod tests {
     };
 
     #[test]
-    fn source_names_the_timeline() {
-        assert_eq!(
-            source_id("7310000000000000000", 3, "app", "outbox_relay_orders"),
-            "7310000000000000000/3/app/outbox_relay_orders"
-        );
-        assert_ne!(
-            source_id("1", 1, "app", "s"),
-            source_id("1", 2, "app", "s"),
-            "a new timeline is a new source"
-        );
-    }
-
-    #[test]
     fn default_template_and_headers() {
         let m = router("{context}.event.{event_type}.v{event_version}").route(&row(), POS, 1 << 20);
         assert_eq!(m.subject, "shop.event.placed.v2");
         assert_eq!(m.dlq_reason, None);
         assert_eq!(
-            m.header("Nats-Msg-Id"),
+            m.header(wire::MSG_ID),
             Some("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11")
         );
-        assert_eq!(m.header("Outbox-Commit-Lsn"), Some("0/16B3748"));
-        assert_eq!(m.header("Outbox-Event-Version"), Some("2"));
-        assert_eq!(m.header("Outbox-Occurred-At"), Some("2026-11-21T21:31:42Z"));
-        assert_eq!(m.header("Outbox-Correlation-Id"), None);
+        assert_eq!(m.header(wire::COMMIT_LSN), Some("0/16B3748"));
+        assert_eq!(m.header(wire::EVENT_VERSION), Some("2"));
+        assert_eq!(m.header(wire::OCCURRED_AT), Some("2026-11-21T21:31:42Z"));
+        assert_eq!(m.header(wire::CORRELATION_ID), None);
         assert_eq!(m.body, row().payload);
     }
 
@@ -579,8 +469,8 @@ mod tests {
             let m = router("{context}.e").route(&r, POS, 1 << 20);
             assert_eq!(m.dlq_reason, Some(reason), "{subject}");
             assert_eq!(m.subject, "shop.dlq.relay");
-            assert_eq!(m.header("Outbox-Dlq-Reason"), Some(reason.as_str()));
-            assert_eq!(m.header("Nats-Msg-Id"), Some(r.id.to_string().as_str()));
+            assert_eq!(m.header(wire::DLQ_REASON), Some(reason.as_str()));
+            assert_eq!(m.header(wire::MSG_ID), Some(r.id.to_string().as_str()));
             assert_eq!(m.body, r.payload, "body kept when it fits");
         }
     }
@@ -602,12 +492,12 @@ mod tests {
             br#"{"traceparent": "00-abc-01", "n": 5}"#,
         ));
         let m = router("{context}.e").route(&r, POS, 1 << 20);
-        assert_eq!(m.header("traceparent"), Some("00-abc-01"));
+        assert_eq!(m.header(wire::TRACEPARENT), Some("00-abc-01"));
         assert_eq!(m.header("n"), None, "non-string entries are skipped");
         r.headers = Some(Bytes::from_static(br#"{"Nats-Msg-Id": "x"}"#));
         let m = router("{context}.e").route(&r, POS, 1 << 20);
         assert_eq!(m.dlq_reason, Some(DlqReason::InvalidHeader));
-        assert_eq!(m.header("Nats-Msg-Id"), Some(r.id.to_string().as_str()));
+        assert_eq!(m.header(wire::MSG_ID), Some(r.id.to_string().as_str()));
     }
 
     #[test]

@@ -13,26 +13,22 @@
 //! pipeline opens once it is acked. Its `Nats-Msg-Id` still dedupes it if an
 //! earlier session stored it.
 
+use std::borrow::Cow;
 use std::future::IntoFuture;
 use std::pin::Pin;
 use std::time::Duration;
 
-use std::borrow::Cow;
-
 use async_nats::header::{HeaderName, HeaderValue, IntoHeaderName};
 use async_nats::jetstream::{self, context::PublishErrorKind, stream, Context};
 use async_nats::HeaderMap;
-
-const EXPECTED_LAST_MSG_ID: HeaderName = HeaderName::from_static("Nats-Expected-Last-Msg-Id");
 use futures::stream::{FuturesOrdered, StreamExt};
 use futures::Future;
-use pgwire_replication::Lsn;
 
-use crate::error::{Error, Result};
-use crate::route::{
-    OutMessage, Position, HDR_COMMIT_LSN, HDR_DLQ_CONSUMER, HDR_SOURCE, HDR_TXN_INDEX,
-};
-use crate::watermark::Ticket;
+use super::route::OutMessage;
+use super::watermark::Ticket;
+use crate::error::{Error, PublishFailure, Result};
+use crate::ops::metrics as m;
+use crate::wire::{self, Position};
 
 /// How far back from the stream's end to look for the relay's last message.
 /// Other writers (consumer dead letters) may sit after it; past this many we
@@ -70,11 +66,12 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<()> {
                 ..Default::default()
             })
             .await
-            .map_err(|e| {
-                Error::Setup(format!(
+            .map_err(|e| Error::Setup {
+                message: format!(
                     "cannot create stream {} on {}: {e}; create it yourself or pass --stream with an existing one",
                     s.name, s.subjects
-                ))
+                ),
+                source: Some(Box::new(e)),
             })?;
             tracing::info!(stream = s.name, subjects = %s.subjects, "created stream");
             Ok(())
@@ -109,16 +106,10 @@ pub async fn stored_tail(
     while seq >= lowest && seq > 0 {
         match stream.get_raw_message(seq).await {
             Ok(m) => {
-                let h = &m.headers;
-                let ours = h.get(HDR_SOURCE).map(|v| v.as_str()) == Some(source)
-                    && h.get(HDR_DLQ_CONSUMER).is_none();
-                if ours {
-                    let lsn = h
-                        .get(HDR_COMMIT_LSN)
-                        .and_then(|v| Lsn::parse(v.as_str()).ok());
-                    let index = h.get(HDR_TXN_INDEX).and_then(|v| v.as_str().parse().ok());
-                    if let (Some(commit_lsn), Some(index)) = (lsn, index) {
-                        return Ok(Some(Position { commit_lsn, index }));
+                let get = |name: &str| m.headers.get(name).map(|v| v.as_str());
+                if get(wire::SOURCE) == Some(source) && get(wire::DLQ_CONSUMER).is_none() {
+                    if let Some(pos) = Position::from_headers(get) {
+                        return Ok(Some(pos));
                     }
                 }
             }
@@ -151,13 +142,24 @@ pub fn header_map(
         map.insert(name, HeaderValue::from(v));
     }
     if let Some(prev) = expected_last_msg_id {
-        map.insert(EXPECTED_LAST_MSG_ID, HeaderValue::from(prev));
+        map.insert(
+            HeaderName::from_static(wire::EXPECTED_LAST_MSG_ID),
+            HeaderValue::from(prev),
+        );
     }
     map
 }
 
-/// Resolves to (ticket, the event's commit time in Postgres micros, result).
-type AckFuture = Pin<Box<dyn Future<Output = (Ticket, i64, Result<bool>)> + Send>>;
+/// JetStream's answer to one publish.
+pub struct Ack {
+    pub ticket: Ticket,
+    /// The event's commit time in Postgres micros, for the latency metric.
+    pub commit_micros: i64,
+    /// `Ok(duplicate)`: stored, or already stored before.
+    pub result: Result<bool>,
+}
+
+type AckFuture = Pin<Box<dyn Future<Output = Ack> + Send>>;
 
 pub struct Publisher {
     js: Context,
@@ -211,40 +213,50 @@ impl Publisher {
             .send_publish(msg.subject, publish)
             .await
             .map_err(|e| {
-                metrics::counter!(crate::metrics::PUBLISH_ERRORS).increment(1);
-                Error::Publish(format!("sending event {}: {e}", msg.msg_id))
+                metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+                Error::Publish {
+                    id: msg.msg_id.clone(),
+                    failure: PublishFailure::Send,
+                    source: Box::new(e),
+                }
             })?;
         self.chain = Some(msg.msg_id.clone());
         let id = msg.msg_id;
         self.inflight.push_back(Box::pin(async move {
             let result = match ack.into_future().await {
                 Ok(ack) => Ok(ack.duplicate),
-                Err(e) => Err(describe(&id, &e)),
+                Err(e) => Err(refused(id, e)),
             };
-            (ticket, commit_micros, result)
+            Ack {
+                ticket,
+                commit_micros,
+                result,
+            }
         }));
         Ok(())
     }
 
-    /// The next ack in publish order; `Ok(duplicate)` on success.
-    pub async fn next_ack(&mut self) -> Option<(Ticket, i64, Result<bool>)> {
+    /// The next ack, in publish order.
+    pub async fn next_ack(&mut self) -> Option<Ack> {
         let next = self.inflight.next().await;
-        if matches!(next, Some((_, _, Ok(_)))) {
+        if next.as_ref().is_some_and(|a| a.result.is_ok()) {
             self.solo_pending = false;
         }
         next
     }
 }
 
-fn describe(id: &str, e: &jetstream::context::PublishError) -> Error {
-    metrics::counter!(crate::metrics::PUBLISH_ERRORS).increment(1);
-    let what = match e.kind() {
-        PublishErrorKind::WrongLastMessageId => {
-            "refused out of order (an earlier message did not reach the stream, or another writer appended to it)"
-        }
-        PublishErrorKind::StreamNotFound => "no stream captures the subject",
-        PublishErrorKind::TimedOut => "ack timed out",
-        _ => "failed",
+fn refused(id: String, e: jetstream::context::PublishError) -> Error {
+    metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+    let failure = match e.kind() {
+        PublishErrorKind::WrongLastMessageId => PublishFailure::OutOfOrder,
+        PublishErrorKind::StreamNotFound => PublishFailure::NoStream,
+        PublishErrorKind::TimedOut => PublishFailure::TimedOut,
+        _ => PublishFailure::Other,
     };
-    Error::Publish(format!("event {id} {what}: {e}"))
+    Error::Publish {
+        id,
+        failure,
+        source: Box::new(e),
+    }
 }

@@ -8,6 +8,10 @@ use bytes::Bytes;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use crate::error::{Error, Result};
+use crate::json::JsonObject;
+use crate::wire;
+
 /// One message as the handler sees it.
 #[derive(Debug, Clone)]
 pub struct Delivery {
@@ -55,17 +59,21 @@ pub struct HttpHandler {
 }
 
 impl HttpHandler {
-    pub fn new(url: &str, timeout: Duration) -> Result<Self, String> {
-        let parsed = reqwest::Url::parse(url).map_err(|e| format!("--handler-url {url:?}: {e}"))?;
+    pub fn new(url: &str, timeout: Duration) -> Result<Self> {
+        let parsed = reqwest::Url::parse(url)
+            .map_err(|e| Error::Config(format!("--handler-url {url:?}: {e}")))?;
         if parsed.scheme() != "http" {
-            return Err(format!(
+            return Err(Error::Config(format!(
                 "--handler-url {url:?}: only http:// is supported by this build"
-            ));
+            )));
         }
         let client = reqwest::Client::builder()
             .timeout(timeout)
             .build()
-            .map_err(|e| format!("HTTP client: {e}"))?;
+            .map_err(|e| Error::Setup {
+                message: format!("cannot build the HTTP client: {e}"),
+                source: Some(Box::new(e)),
+            })?;
         Ok(Self {
             client,
             url: url.to_owned(),
@@ -73,35 +81,16 @@ impl HttpHandler {
     }
 
     fn body(d: &Delivery) -> Vec<u8> {
-        let mut out = Vec::with_capacity(d.payload.len() + 256);
-        let s = |out: &mut Vec<u8>, v: Option<&str>| match v {
-            // Writing JSON strings into a Vec cannot fail.
-            Some(v) => {
-                let _ = serde_json::to_writer(&mut *out, v);
-            }
-            None => out.extend_from_slice(b"null"),
-        };
-        out.extend_from_slice(b"{\"message_id\":");
-        s(&mut out, Some(&d.message_id.to_string()));
-        out.extend_from_slice(b",\"subject\":");
-        s(&mut out, Some(&d.subject));
-        out.extend_from_slice(b",\"event_type\":");
-        s(&mut out, d.event_type.as_deref());
-        out.extend_from_slice(b",\"event_version\":");
-        match d.event_version {
-            Some(v) => out.extend_from_slice(v.to_string().as_bytes()),
-            None => out.extend_from_slice(b"null"),
-        }
-        out.extend_from_slice(b",\"occurred_at\":");
-        s(&mut out, d.occurred_at.as_deref());
-        out.extend_from_slice(b",\"correlation_id\":");
-        s(&mut out, d.correlation_id.as_deref());
-        out.extend_from_slice(b",\"causation_id\":");
-        s(&mut out, d.causation_id.as_deref());
-        out.extend_from_slice(b",\"payload\":");
-        out.extend_from_slice(&d.payload);
-        out.push(b'}');
-        out
+        JsonObject::with_capacity(d.payload.len() + 256)
+            .str("message_id", &d.message_id.to_string())
+            .str("subject", &d.subject)
+            .opt_str("event_type", d.event_type.as_deref())
+            .opt_int("event_version", d.event_version)
+            .opt_str("occurred_at", d.occurred_at.as_deref())
+            .opt_str("correlation_id", d.correlation_id.as_deref())
+            .opt_str("causation_id", d.causation_id.as_deref())
+            .raw("payload", &d.payload)
+            .finish()
     }
 }
 
@@ -111,10 +100,10 @@ impl Handler for HttpHandler {
             .client
             .post(&self.url)
             .header("content-type", "application/json")
-            .header("Idempotency-Key", d.message_id.to_string())
+            .header(wire::IDEMPOTENCY_KEY, d.message_id.to_string())
             .body(Self::body(d));
         if let Some(tp) = &d.traceparent {
-            req = req.header("traceparent", tp);
+            req = req.header(wire::TRACEPARENT, tp);
         }
         match req.send().await {
             Ok(resp) => match resp.status().as_u16() {

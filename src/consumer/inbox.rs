@@ -5,7 +5,7 @@
 //! calling the handler twice, and a Rust handler's writes commit together
 //! with `processed_at` (exactly-once effects).
 
-use sqlx::{PgConnection, Postgres, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use uuid::Uuid;
 
 /// Insert the row or count one more attempt; lock it for this transaction.
@@ -47,50 +47,36 @@ pub async fn mark_processed(
     Ok(())
 }
 
-/// After a failed attempt whose transaction was rolled back: record the
-/// attempt and its error on their own.
-pub async fn record_failure(
-    conn: &mut PgConnection,
-    consumer: &str,
-    id: Uuid,
-    subject: &str,
-    error: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, last_error) VALUES ($1, $2, $3, 1, $4) \
-         ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET attempts = inbox_messages.attempts + 1, last_error = excluded.last_error",
-    )
-    .bind(consumer)
-    .bind(id)
-    .bind(subject)
-    .bind(error)
-    .execute(conn)
-    .await?;
-    Ok(())
+/// One attempt that ended outside the delivery's transaction (which was
+/// rolled back): its error, and whether the message is done with.
+pub struct Attempt<'a> {
+    pub consumer: &'a str,
+    pub id: Uuid,
+    pub subject: &'a str,
+    pub error: &'a str,
 }
 
-/// A dead-lettered message: record the attempt, its reason and mark it
-/// processed in one statement (the delivery's transaction was rolled back).
-pub async fn finish_dead_lettered(
-    conn: &mut PgConnection,
-    consumer: &str,
-    id: Uuid,
-    subject: &str,
-    error: &str,
+/// Count the attempt and record its error; with `processed` (a dead letter
+/// that the DLQ stored) also mark the message done, in the same statement.
+pub async fn record_attempt(
+    pool: &PgPool,
+    a: &Attempt<'_>,
+    processed: bool,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, last_error, processed_at) \
-         VALUES ($1, $2, $3, 1, $4, now()) \
+         VALUES ($1, $2, $3, 1, $4, CASE WHEN $5 THEN now() END) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
            SET attempts = inbox_messages.attempts + 1, last_error = excluded.last_error, \
-               processed_at = greatest(now(), inbox_messages.received_at)",
+               processed_at = CASE WHEN $5 THEN greatest(now(), inbox_messages.received_at) \
+                                   ELSE inbox_messages.processed_at END",
     )
-    .bind(consumer)
-    .bind(id)
-    .bind(subject)
-    .bind(error)
-    .execute(conn)
+    .bind(a.consumer)
+    .bind(a.id)
+    .bind(a.subject)
+    .bind(a.error)
+    .bind(processed)
+    .execute(pool)
     .await?;
     Ok(())
 }

@@ -18,8 +18,8 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use super::slot_monitor::SlotMetrics;
 use crate::error::{Error, Result};
-use crate::slots::SlotMetrics;
 
 /// How long `/readyz` waits for Postgres before calling it unreachable.
 const PG_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -124,7 +124,7 @@ impl Endpoint {
             .local_addr()
             .map_err(|e| Error::Config(format!("metrics listener: {e}")))?;
         let stop = CancellationToken::new();
-        tokio::spawn(crate::metrics::upkeep(metrics.clone(), stop.clone()));
+        tokio::spawn(super::metrics::upkeep(metrics.clone(), stop.clone()));
         let app = axum::Router::new()
             .route("/metrics", get(scrape))
             .route("/healthz", get(|| async { "ok\n" }))

@@ -18,7 +18,6 @@ use bytes::Bytes;
 
 /// Postgres type OIDs the outbox columns may use.
 pub mod oid {
-    pub const BOOL: u32 = 16;
     pub const INT8: u32 = 20;
     pub const INT2: u32 = 21;
     pub const INT4: u32 = 23;
@@ -264,82 +263,14 @@ fn decode_tuple(r: &mut Reader<'_>) -> Result<Vec<Value>, DecodeError> {
     Ok(values)
 }
 
-/// Encoders for the same messages: the inverse of [`decode`], used by the
-/// property tests and the decoder benchmark to build realistic input.
-pub mod encode {
-    use super::{Relation, Value};
-
-    pub fn relation(rel: &Relation) -> Vec<u8> {
-        let mut out = vec![b'R'];
-        out.extend_from_slice(&rel.id.to_be_bytes());
-        cstring(&mut out, &rel.namespace);
-        cstring(&mut out, &rel.name);
-        out.push(rel.replica_identity);
-        out.extend_from_slice(&(rel.columns.len() as i16).to_be_bytes());
-        for c in &rel.columns {
-            out.push(u8::from(c.key));
-            cstring(&mut out, &c.name);
-            out.extend_from_slice(&c.type_oid.to_be_bytes());
-            out.extend_from_slice(&c.type_modifier.to_be_bytes());
-        }
-        out
-    }
-
-    pub fn insert(relation_id: u32, values: &[Value]) -> Vec<u8> {
-        let mut out = vec![b'I'];
-        out.extend_from_slice(&relation_id.to_be_bytes());
-        out.push(b'N');
-        out.extend_from_slice(&(values.len() as i16).to_be_bytes());
-        for v in values {
-            match v {
-                Value::Null => out.push(b'n'),
-                Value::Unchanged => out.push(b'u'),
-                Value::Text(b) | Value::Binary(b) => {
-                    out.push(if matches!(v, Value::Text(_)) {
-                        b't'
-                    } else {
-                        b'b'
-                    });
-                    out.extend_from_slice(&(b.len() as i32).to_be_bytes());
-                    out.extend_from_slice(b);
-                }
-            }
-        }
-        out
-    }
-
-    fn cstring(out: &mut Vec<u8>, s: &str) {
-        out.extend_from_slice(s.as_bytes());
-        out.push(0);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{self, encode};
     use proptest::prelude::*;
 
     fn rel() -> Relation {
-        Relation {
-            id: 16384,
-            namespace: "public".into(),
-            name: "outbox_events".into(),
-            replica_identity: b'd',
-            columns: vec![
-                Column {
-                    key: true,
-                    name: "id".into(),
-                    type_oid: oid::UUID,
-                    type_modifier: -1,
-                },
-                Column {
-                    key: false,
-                    name: "payload".into(),
-                    type_oid: oid::JSONB,
-                    type_modifier: -1,
-                },
-            ],
-        }
+        testing::outbox_relation(16384)
     }
 
     #[test]

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
-use crate::pgoutput::{oid, Relation, Value};
+use super::pgoutput::{oid, Relation, Value};
 
 /// Column positions of the outbox fields in one version of the table.
 #[derive(Debug, Clone)]
@@ -351,15 +351,10 @@ pub fn iso_text_to_rfc3339(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pgoutput::Column;
+    use crate::testing;
 
-    fn col(name: &str, type_oid: u32) -> Column {
-        Column {
-            key: false,
-            name: name.into(),
-            type_oid,
-            type_modifier: -1,
-        }
+    fn outbox(columns: &[(&str, u32)]) -> Relation {
+        testing::relation(1, "public", "outbox_events", columns)
     }
 
     fn t(s: &str) -> Value {
@@ -368,21 +363,15 @@ mod tests {
 
     #[test]
     fn columns_resolved_by_name_in_any_order_with_extras() {
-        let rel = Relation {
-            id: 1,
-            namespace: "public".into(),
-            name: "outbox_events".into(),
-            replica_identity: b'd',
-            columns: vec![
-                col("extra", oid::TEXT),
-                col("payload", oid::JSONB),
-                col("event_type", oid::TEXT),
-                col("aggregate_id", oid::TEXT),
-                col("id", oid::UUID),
-                col("aggregate_type", oid::TEXT),
-                col("occurred_at", oid::TIMESTAMPTZ),
-            ],
-        };
+        let rel = outbox(&[
+            ("extra", oid::TEXT),
+            ("payload", oid::JSONB),
+            ("event_type", oid::TEXT),
+            ("aggregate_id", oid::TEXT),
+            ("id", oid::UUID),
+            ("aggregate_type", oid::TEXT),
+            ("occurred_at", oid::TIMESTAMPTZ),
+        ]);
         let layout = OutboxLayout::new(&rel).unwrap();
         let row = layout
             .row(&[
@@ -404,21 +393,8 @@ mod tests {
 
     #[test]
     fn binary_values() {
-        let rel = Relation {
-            id: 1,
-            namespace: "public".into(),
-            name: "outbox_events".into(),
-            replica_identity: b'd',
-            columns: vec![
-                col("id", oid::UUID),
-                col("aggregate_type", oid::TEXT),
-                col("aggregate_id", oid::TEXT),
-                col("event_type", oid::TEXT),
-                col("event_version", oid::INT4),
-                col("payload", oid::JSONB),
-                col("occurred_at", oid::TIMESTAMPTZ),
-            ],
-        };
+        // The table's first seven columns: id … occurred_at.
+        let rel = outbox(&testing::OUTBOX_COLUMNS[..7]);
         let id = Uuid::new_v4();
         let b = |v: &[u8]| Value::Binary(Bytes::copy_from_slice(v));
         let mut jsonb = vec![1u8];
@@ -447,13 +423,7 @@ mod tests {
 
     #[test]
     fn missing_required_column_is_reported() {
-        let rel = Relation {
-            id: 1,
-            namespace: "public".into(),
-            name: "outbox_events".into(),
-            replica_identity: b'd',
-            columns: vec![col("id", oid::UUID)],
-        };
+        let rel = outbox(&[("id", oid::UUID)]);
         assert_eq!(
             OutboxLayout::new(&rel).unwrap_err(),
             RowError::MissingColumn {

@@ -1,0 +1,243 @@
+//! The `outbox-relay` command: parse, pick a runtime, dispatch, and turn any
+//! error into one line and a non-zero exit.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Cli, Command, SlotCommand};
+use crate::consumer::HttpHandler;
+use crate::error::Error;
+use crate::ops::endpoint::{Endpoint, Readiness};
+use crate::ops::slot_monitor::{self as slots, SlotMetrics};
+use crate::postgres::{self, provision};
+use crate::relay;
+
+/// The binary's `main`.
+pub fn main() -> ExitCode {
+    crate::install_tls_provider();
+    let cli = Cli::parse();
+    init_logging(&cli.log_format);
+    // The relay is one ordered pipeline: on one thread its tasks (replication
+    // worker, session loop, NATS connection) hand events over without
+    // cross-thread wakeups, which cost more than the work itself. The
+    // consumer runs handlers concurrently and gets the thread pool.
+    let builder = match &cli.command {
+        Command::Relay(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let runtime = match { builder }.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, what is wrong and how to fix it; no backtrace.
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal, never into log files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn run(command: Command) -> Result<(), Error> {
+    match command {
+        Command::Migrate(args) => {
+            let dsn = postgres::Dsn::parse(&args.db.database_url)?;
+            if args.check_config {
+                println!("configuration ok");
+                return Ok(());
+            }
+            let pool = dsn.pool(1).await?;
+            provision::migrate(&pool).await?;
+            tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::Relay(args) => {
+            let cfg = args.validate()?;
+            let dsn = postgres::Dsn::parse(&cfg.database_url)?;
+            if args.check_config {
+                println!("configuration ok");
+                return Ok(());
+            }
+            let handle = crate::ops::metrics::install()?;
+            let ready = Readiness::new("not streaming yet: starting");
+            // Slot figures come from their own small pool, so they keep
+            // reporting while the replication stream is down.
+            let slots = SlotMetrics::default();
+            let monitor_stop = CancellationToken::new();
+            tokio::spawn(slots::monitor(
+                dsn.lazy_pool(1, args.slot_metrics_interval)?,
+                args.slot_metrics_interval,
+                slots.clone(),
+                monitor_stop.clone(),
+            ));
+            let _monitor_stop = monitor_stop.drop_guard();
+            let endpoint =
+                Endpoint::start(args.metrics_addr, handle, Some(slots), ready.clone()).await?;
+            let shutdown = CancellationToken::new();
+            tokio::spawn(on_signal(shutdown.clone()));
+            let stopped = relay::run(cfg, ready, shutdown).await?;
+            endpoint.stop();
+            tracing::info!(confirmed_lsn = %stopped.confirmed, "relay stopped");
+            Ok(())
+        }
+        Command::Consume(args) => {
+            let cfg = args.validate()?;
+            let handler = HttpHandler::new(&args.handler_url, args.handler_timeout)?;
+            let dsn = postgres::Dsn::parse(&args.db.database_url)?;
+            if args.check_config {
+                println!("configuration ok");
+                return Ok(());
+            }
+            let handle = crate::ops::metrics::install()?;
+            let ready = Readiness::new("not consuming yet: starting");
+            let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
+            let pool = dsn.pool(cfg.concurrency as u32 + 2).await?;
+            ready.watch_postgres(pool.clone());
+            let nats =
+                crate::nats::connect(&args.nats, format!("outbox-consume:{}", cfg.durable)).await?;
+            ready.watch_nats(nats.clone());
+            let js = async_nats::jetstream::new(nats.clone());
+            let shutdown = CancellationToken::new();
+            tokio::spawn(on_signal(shutdown.clone()));
+            crate::consumer::run(cfg, pool, js, handler, ready, shutdown).await?;
+            nats.flush().await.ok();
+            endpoint.stop();
+            Ok(())
+        }
+        Command::Slot { command } => match command {
+            SlotCommand::Status(args) => {
+                let slot = args.names.slot_name()?;
+                let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+                let found = slots::list(&pool, (!args.all).then_some(slot.as_str())).await?;
+                if found.is_empty() && !args.all {
+                    return Err(Error::setup(format!(
+                        "slot {slot} does not exist (the relay creates it on its first start; --all lists every logical slot)"
+                    )));
+                }
+                if args.json {
+                    // One object for one slot, an array for --all.
+                    let json = if args.all {
+                        serde_json::to_string_pretty(&found)
+                    } else {
+                        serde_json::to_string_pretty(&found[0])
+                    }
+                    .map_err(|e| Error::Setup {
+                        message: format!("encoding JSON: {e}"),
+                        source: Some(Box::new(e)),
+                    })?;
+                    println!("{json}");
+                } else {
+                    for (i, s) in found.iter().enumerate() {
+                        if i > 0 {
+                            println!();
+                        }
+                        print_status(s);
+                    }
+                }
+                Ok(())
+            }
+            SlotCommand::Drop(args) => {
+                let slot = args.names.slot_name()?;
+                if !args.yes {
+                    return Err(Error::Config(format!(
+                        "dropping slot {slot} loses the relay's position; pass --yes to confirm"
+                    )));
+                }
+                let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+                if provision::drop_slot(&pool, &slot).await? {
+                    println!("dropped slot {slot}");
+                } else {
+                    println!("slot {slot} does not exist");
+                }
+                Ok(())
+            }
+        },
+    }
+}
+
+fn print_status(s: &slots::SlotStatus) {
+    let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    let bytes = |v: Option<i64>| v.map_or_else(|| "-".into(), human_bytes);
+    println!("slot                 {}", s.slot);
+    println!(
+        "plugin / database    {} / {}",
+        opt(&s.plugin),
+        opt(&s.database)
+    );
+    println!(
+        "active               {}{}",
+        s.active,
+        s.active_pid
+            .map(|p| format!(" (pid {p})"))
+            .unwrap_or_default()
+    );
+    println!("current WAL LSN      {}", s.current_wal_lsn);
+    println!("confirmed flush LSN  {}", opt(&s.confirmed_flush_lsn));
+    println!("restart LSN          {}", opt(&s.restart_lsn));
+    println!("lag                  {}", bytes(s.lag_bytes));
+    println!("retained WAL         {}", bytes(s.retained_wal_bytes));
+    println!("wal_status           {}", opt(&s.wal_status));
+    println!(
+        "safe WAL size        {}",
+        s.safe_wal_size_bytes.map_or_else(
+            || "- (max_slot_wal_keep_size is not set: the slot may retain WAL without limit)"
+                .into(),
+            human_bytes
+        )
+    );
+}
+
+fn human_bytes(b: i64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut unit = "";
+    for u in UNITS {
+        if v.abs() < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    if unit.is_empty() {
+        format!("{b} bytes")
+    } else {
+        format!("{b} bytes ({v:.1} {unit})")
+    }
+}
+
+async fn on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL only");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+    shutdown.cancel();
+}

@@ -1,0 +1,7 @@
+//! Beside the data paths: metric names and the recorder ([`metrics`]), the
+//! `pg_replication_slots` monitor ([`slot_monitor`]) and the operator
+//! endpoint ([`endpoint`]: `/metrics`, `/healthz`, `/readyz`).
+
+pub mod endpoint;
+pub mod metrics;
+pub(crate) mod slot_monitor;

@@ -1,0 +1,114 @@
+//! The relay: replication stream → decode → route → publish → slot ack.
+//!
+//! ```text
+//!  pgwire-replication ──events──▶ session (decode ▶ route) ──publish──▶ Publisher (window)
+//!        ▲                          │   ▲                                     │
+//!        └── update_applied_lsn ────┘   └──────── acks, in order ─────────────┘
+//!                 (Watermark: commit end LSNs whose events are all acked)
+//! ```
+//!
+//! Files, in the data's order: [`pgoutput`] (wire decode), [`outbox_row`]
+//! (columns → row), [`route`] (row → subject, headers, body), [`decode`] (the
+//! I/O-free stage that ties them to transactions and the resume point),
+//! [`publish`] (JetStream, in order), [`watermark`] (what the slot may
+//! confirm) and [`session`] (one replication connection, driving them all).
+//!
+//! Recovery is crash-only: any transient error ends the session; the next
+//! one starts from the slot's confirmed LSN and skips the events the stream
+//! already holds ([`publish::stored_tail`]). A kill -9 takes the same path,
+//! so the path is exercised, not hoped for.
+
+pub(crate) mod decode;
+pub(crate) mod outbox_row;
+pub(crate) mod pgoutput;
+pub(crate) mod publish;
+pub(crate) mod route;
+mod session;
+pub(crate) mod watermark;
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use pgwire_replication::Lsn;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::RelayConfig;
+use crate::error::{Class, Result};
+use crate::ops::endpoint::Readiness;
+use crate::ops::metrics as m;
+use crate::postgres::Dsn;
+use session::{Env, Session};
+
+/// A session that streamed this long resets the reconnect backoff.
+const HEALTHY_SESSION: Duration = Duration::from_secs(30);
+
+/// What the process reports when it stops.
+#[derive(Debug, Clone, Copy)]
+pub struct Stopped {
+    pub confirmed: Lsn,
+}
+
+/// Run until `shutdown`, reconnecting after transient failures. Errors that
+/// retrying cannot fix (configuration, privileges) end the run; so does any
+/// error before the first session streamed, so a wrong URL fails at once.
+///
+/// `ready` is told the phase: ready only while streaming from the slot.
+pub async fn run(
+    cfg: RelayConfig,
+    ready: Readiness,
+    shutdown: CancellationToken,
+) -> Result<Stopped> {
+    m::register_relay();
+    let dsn = Dsn::parse(&cfg.database_url)?;
+    let pool = dsn.pool(2).await?;
+    let nats = crate::nats::connect(&cfg.nats, format!("outbox-relay:{}", cfg.slot)).await?;
+    ready.watch_nats(nats.clone());
+    let js = jetstream::ContextBuilder::new()
+        .timeout(cfg.publish_timeout)
+        .max_ack_inflight(cfg.max_inflight + 16)
+        .backpressure_on_inflight(true)
+        .build(nats.clone());
+    let env = Env {
+        cfg: &cfg,
+        dsn: &dsn,
+        pool: &pool,
+        js: &js,
+        nats: &nats,
+        ready: &ready,
+    };
+
+    let mut backoff = Duration::from_millis(100);
+    let mut streamed_once = false;
+    loop {
+        let started = Instant::now();
+        let mut session = Session::new(&env);
+        let result = session.run(&shutdown).await;
+        streamed_once |= session.streamed();
+        metrics::gauge!(m::STREAMING).set(0.0);
+        match &result {
+            Ok(_) => ready.not_ready("shutting down"),
+            Err(e) => ready.not_ready(format!("not streaming: {e}")),
+        }
+        match result {
+            Ok(stopped) => {
+                nats.flush().await.ok();
+                return Ok(stopped);
+            }
+            Err(e) if e.class() == Class::Transient && streamed_once => {
+                metrics::counter!(m::SESSION_RESTARTS).increment(1);
+                if started.elapsed() > HEALTHY_SESSION {
+                    backoff = Duration::from_millis(100);
+                }
+                tracing::warn!(error = %e, retry_in = ?backoff, "relay session ended; reconnecting");
+                tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        return Ok(Stopped { confirmed: session.confirmed() });
+                    }
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(cfg.max_backoff);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! One replication session: open (slot, publication, stream, resume point),
+//! pump (WAL in, publishes out, acks back to the slot), drain (on shutdown,
+//! wait for what is in flight).
+//!
+//! The pump is one `biased` select, in priority order: shutdown, then acks
+//! (draining acks before reading more keeps memory bounded), then new WAL,
+//! read only while the publish window has room. The replication worker keeps
+//! answering the server's keepalives while we hold back, so backpressure
+//! never trips `wal_sender_timeout`.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use pgwire_replication::{Lsn, ReplicationClient};
+use tokio_util::sync::CancellationToken;
+
+use super::decode::{Stage, Step};
+use super::publish::{self, Ack, Publisher, StreamSettings};
+use super::route::Router;
+use super::watermark::Watermark;
+use super::Stopped;
+use crate::config::RelayConfig;
+use crate::error::{Error, Result};
+use crate::ops::endpoint::Readiness;
+use crate::ops::metrics as m;
+use crate::postgres::{self, Dsn};
+use crate::wire;
+
+/// Events buffered between the replication worker and the loop. Small: the
+/// publish window is where events wait, and a large XLogData buffer would let
+/// big payloads multiply memory.
+const REPLICATION_BUFFER: usize = 512;
+
+/// What every session of one relay shares.
+pub(super) struct Env<'a> {
+    pub cfg: &'a RelayConfig,
+    pub dsn: &'a Dsn,
+    pub pool: &'a sqlx::PgPool,
+    pub js: &'a jetstream::Context,
+    pub nats: &'a async_nats::Client,
+    pub ready: &'a Readiness,
+}
+
+pub(super) struct Session<'a> {
+    env: &'a Env<'a>,
+    watermark: Watermark,
+    streamed: bool,
+    metrics: Handles,
+}
+
+/// A streaming session's moving parts.
+struct Open {
+    client: ReplicationClient,
+    stage: Stage,
+    publisher: Publisher,
+    status_interval: Duration,
+}
+
+/// Metric handles resolved once: the per-event path does no registry lookups.
+struct Handles {
+    published: metrics::Counter,
+    inflight: metrics::Gauge,
+    commit_to_ack: metrics::Histogram,
+    confirmed: metrics::Gauge,
+}
+
+impl<'a> Session<'a> {
+    pub fn new(env: &'a Env<'a>) -> Self {
+        Self {
+            env,
+            watermark: Watermark::new(Lsn::ZERO),
+            streamed: false,
+            metrics: Handles {
+                published: metrics::counter!(m::EVENTS_PUBLISHED),
+                inflight: metrics::gauge!(m::INFLIGHT_EVENTS),
+                commit_to_ack: metrics::histogram!(m::COMMIT_TO_ACK_SECONDS),
+                confirmed: metrics::gauge!(m::CONFIRMED_LSN),
+            },
+        }
+    }
+
+    /// Whether this session reached the streaming state.
+    pub fn streamed(&self) -> bool {
+        self.streamed
+    }
+
+    /// The last LSN this session confirmed to the slot.
+    pub fn confirmed(&self) -> Lsn {
+        self.watermark.confirmed()
+    }
+
+    pub async fn run(&mut self, shutdown: &CancellationToken) -> Result<Stopped> {
+        let mut open = self.open().await?;
+        if let Err(e) = self.pump(&mut open, shutdown).await {
+            open.client.abort();
+            return Err(e);
+        }
+        Ok(self.drain(open).await)
+    }
+
+    async fn open(&mut self) -> Result<Open> {
+        let Env {
+            cfg,
+            dsn,
+            pool,
+            js,
+            nats,
+            ready,
+        } = *self.env;
+        ready.not_ready(format!(
+            "not streaming yet: preparing slot {} and publication {}",
+            cfg.slot, cfg.publication
+        ));
+        let confirmed = postgres::provision::prepare(
+            pool,
+            &cfg.schema,
+            &cfg.table,
+            &cfg.publication,
+            &cfg.slot,
+        )
+        .await?;
+        self.watermark = Watermark::new(confirmed);
+        publish::ensure_stream(
+            js,
+            &StreamSettings {
+                name: &cfg.stream,
+                subjects: wire::stream_subjects(&cfg.context),
+                replicas: cfg.stream_replicas,
+                max_age: cfg.stream_max_age,
+                max_bytes: cfg.stream_max_bytes,
+                duplicate_window: cfg.duplicate_window,
+            },
+        )
+        .await?;
+
+        // Feedback well inside the server's timeout (Materialize's rule:
+        // min(1 s, timeout / 2); we take a quarter for slack under load).
+        let sender_timeout: String = sqlx::query_scalar("SHOW wal_sender_timeout")
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("SHOW wal_sender_timeout"))?;
+        let status_interval = postgres::parse_pg_duration(&sender_timeout)
+            .map_or(Duration::from_secs(1), |t| {
+                (t / 4).min(Duration::from_secs(1))
+            });
+
+        ready.not_ready(format!(
+            "not streaming yet: starting replication from slot {}",
+            cfg.slot
+        ));
+        let repl = dsn
+            .replication_config(&cfg.slot, &cfg.publication)
+            .with_start_lsn(confirmed)
+            .with_ack_lsn(confirmed)
+            .with_binary(cfg.binary)
+            .with_buffer_size(REPLICATION_BUFFER)
+            .with_status_interval(status_interval)
+            .with_wakeup_interval(status_interval);
+        let mut client = ReplicationClient::connect_gated(repl).await?;
+        let system = client.identify_system().await?;
+        let source = wire::source_id(&system.system_id, system.timeline, &dsn.database, &cfg.slot);
+        let resume = publish::stored_tail(js, &cfg.stream, &source).await?;
+        client.start().await?;
+        client.wait_started().await?;
+        self.streamed = true;
+        ready.ready();
+        metrics::gauge!(m::STREAMING).set(1.0);
+        tracing::info!(
+            slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
+            resume_after = ?resume.map(|p| format!("{}#{}", p.commit_lsn, p.index)),
+            "streaming"
+        );
+        self.metrics.confirmed.set(confirmed.as_u64() as f64);
+
+        let router = Router::new(
+            &cfg.context,
+            cfg.template.clone(),
+            cfg.partitions,
+            cfg.envelope,
+            source,
+        );
+        // Read once per session: server_info() clones the whole INFO block.
+        let max_payload = nats.server_info().max_payload;
+        Ok(Open {
+            client,
+            stage: Stage::new(&cfg.schema, &cfg.table, router, max_payload, resume),
+            publisher: Publisher::new(js.clone(), cfg.max_inflight),
+            status_interval,
+        })
+    }
+
+    /// Until shutdown (`Ok`) or the first error.
+    async fn pump(&mut self, open: &mut Open, shutdown: &CancellationToken) -> Result<()> {
+        let Open {
+            client,
+            stage,
+            publisher,
+            ..
+        } = open;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
+                    self.on_ack(client, publisher, ack)?;
+                }
+                event = client.recv(), if publisher.has_room() => {
+                    let event = match event {
+                        Ok(Some(ev)) => ev,
+                        Ok(None) => return Err(Error::StreamEnded),
+                        Err(e) => return Err(e.into()),
+                    };
+                    match stage.on_event(event, &mut self.watermark)? {
+                        Step::Nothing => {}
+                        Step::Confirm(lsn) => self.confirm(client, lsn),
+                        Step::Publish { ticket, commit_micros, msg } => {
+                            publisher.publish(ticket, commit_micros, msg).await?;
+                            self.metrics.inflight.set(publisher.in_flight() as f64);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Graceful stop: read nothing more, wait (bounded) for the acks of what
+    /// is in flight, confirm, and let the worker send that position.
+    async fn drain(&mut self, mut open: Open) -> Stopped {
+        let cfg = self.env.cfg;
+        self.env
+            .ready
+            .not_ready("shutting down: waiting for in-flight acks");
+        tracing::info!(
+            in_flight = open.publisher.in_flight(),
+            "stopping: waiting for in-flight acks"
+        );
+        let drain = async {
+            while let Some(ack) = open.publisher.next_ack().await {
+                if let Err(e) = self.on_ack(&open.client, &open.publisher, ack) {
+                    tracing::warn!(error = %e, "publish failed during shutdown; it will be replayed");
+                    break;
+                }
+            }
+        };
+        if tokio::time::timeout(cfg.shutdown_timeout, drain)
+            .await
+            .is_err()
+        {
+            tracing::warn!("shutdown timeout: unacked events will be replayed on the next start");
+        }
+        // The worker sends a raised position within one status interval.
+        tokio::time::sleep(open.status_interval + Duration::from_millis(200)).await;
+        let _ = open.client.shutdown().await;
+        Stopped {
+            confirmed: self.watermark.confirmed(),
+        }
+    }
+
+    /// The one place an ack is accounted: metrics, watermark, slot.
+    fn on_ack(
+        &mut self,
+        client: &ReplicationClient,
+        publisher: &Publisher,
+        ack: Ack,
+    ) -> Result<()> {
+        ack.result?;
+        self.metrics.published.increment(1);
+        self.metrics.inflight.set(publisher.in_flight() as f64);
+        let age = unix_micros_now() - pg_to_unix_micros(ack.commit_micros);
+        self.metrics.commit_to_ack.record(age.max(0) as f64 / 1e6);
+        if let Some(lsn) = self.watermark.ack(ack.ticket) {
+            self.confirm(client, lsn);
+        }
+        Ok(())
+    }
+
+    fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
+        client.update_applied_lsn(lsn);
+        self.metrics.confirmed.set(lsn.as_u64() as f64);
+    }
+}
+
+fn pg_to_unix_micros(pg: i64) -> i64 {
+    pg.saturating_add(super::outbox_row::PG_EPOCH_UNIX_MICROS)
+}
+
+fn unix_micros_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}

@@ -1,0 +1,244 @@
+//! The wire contract (SPEC §3, §4, §6): every header name, the
+//! `Outbox-Source` format, commit positions, dead-letter reasons and the
+//! default names derived from a context. Defined once, here.
+//!
+//! The relay writes these and the consumer, the relay's own restart scan and
+//! users' services read them; a silent mismatch between two copies would
+//! break the resume skip or dedupe, so no other module (nor a test) spells a
+//! header name or a derived name itself.
+
+use pgwire_replication::Lsn;
+
+// ---- Headers the relay sets on every event (SPEC §4). ----
+
+/// JetStream's dedupe key: the outbox row id.
+pub const MSG_ID: &str = "Nats-Msg-Id";
+pub const EVENT_TYPE: &str = "Outbox-Event-Type";
+pub const EVENT_VERSION: &str = "Outbox-Event-Version";
+pub const AGGREGATE_TYPE: &str = "Outbox-Aggregate-Type";
+/// The ordering key: a consumer hands one aggregate's messages to its
+/// handler one at a time.
+pub const AGGREGATE_ID: &str = "Outbox-Aggregate-Id";
+pub const OCCURRED_AT: &str = "Outbox-Occurred-At";
+pub const CORRELATION_ID: &str = "Outbox-Correlation-Id";
+pub const CAUSATION_ID: &str = "Outbox-Causation-Id";
+/// With [`TXN_INDEX`], the event's [`Position`] in its source's WAL.
+pub const COMMIT_LSN: &str = "Outbox-Commit-Lsn";
+pub const TXN_INDEX: &str = "Outbox-Txn-Index";
+/// Which WAL history wrote the message ([`source_id`]).
+pub const SOURCE: &str = "Outbox-Source";
+
+/// NATS's own headers (lower-cased prefix): publish expectations, dedupe.
+pub const NATS_HEADER_PREFIX: &str = "nats-";
+/// Ours (lower-cased prefix).
+pub const OUTBOX_HEADER_PREFIX: &str = "outbox-";
+/// Name prefixes users may not set through the row's `headers`: they would
+/// break dedupe or lie about the event.
+pub const RESERVED_PREFIXES: [&str; 2] = [NATS_HEADER_PREFIX, OUTBOX_HEADER_PREFIX];
+
+/// JetStream's optimistic-concurrency header: the publish is refused unless
+/// the stream's last message has this id. The relay's order guard.
+pub const EXPECTED_LAST_MSG_ID: &str = "Nats-Expected-Last-Msg-Id";
+
+/// W3C trace context, passed from the row's `headers` to the handler.
+pub const TRACEPARENT: &str = "traceparent";
+/// HTTP header of the handler call: the message id.
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+
+// ---- Dead letters (SPEC §4 relay, §6 consumer). ----
+
+pub const DLQ_REASON: &str = "Outbox-Dlq-Reason";
+/// The subject the message would have had.
+pub const DLQ_ORIGINAL_SUBJECT: &str = "Outbox-Dlq-Original-Subject";
+/// The relay's explanation of a row it could not decode.
+pub const DLQ_DETAIL: &str = "Outbox-Dlq-Detail";
+pub const DLQ_ATTEMPTS: &str = "Outbox-Dlq-Attempts";
+/// Set by consumers on their dead letters; the relay's restart scan skips
+/// such messages.
+pub const DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";
+
+/// Why the relay dead-lettered a row (the `reason` metric label and the
+/// `Outbox-Dlq-Reason` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DlqReason {
+    InvalidSubject,
+    SubjectOutsideStream,
+    InvalidHeader,
+    TooLarge,
+    BadRow,
+}
+
+impl DlqReason {
+    pub const ALL: [DlqReason; 5] = [
+        Self::InvalidSubject,
+        Self::SubjectOutsideStream,
+        Self::InvalidHeader,
+        Self::TooLarge,
+        Self::BadRow,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidSubject => "invalid_subject",
+            Self::SubjectOutsideStream => "subject_outside_stream",
+            Self::InvalidHeader => "invalid_header",
+            Self::TooLarge => "too_large",
+            Self::BadRow => "bad_row",
+        }
+    }
+}
+
+// ---- Positions and sources. ----
+
+/// Where an event sits in its source's WAL: the commit LSN of its
+/// transaction and its index inside it. Positions of one source are totally
+/// ordered, which lets a restarted relay find where the stream ends without
+/// relying on the duplicate window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Position {
+    pub commit_lsn: Lsn,
+    pub index: u32,
+}
+
+impl Position {
+    /// The position a message's headers state, if both are present and valid.
+    pub fn from_headers<'a>(get: impl Fn(&str) -> Option<&'a str>) -> Option<Position> {
+        let commit_lsn = Lsn::parse(get(COMMIT_LSN)?).ok()?;
+        let index = get(TXN_INDEX)?.parse().ok()?;
+        Some(Position { commit_lsn, index })
+    }
+
+    /// The message id of a row too broken to have one of its own: unique per
+    /// source position, so a replay still dedupes.
+    pub fn fallback_msg_id(self) -> String {
+        format!("{}-{}", self.commit_lsn, self.index)
+    }
+}
+
+/// The `Outbox-Source` of a relay: `{system id}/{timeline}/{database}/{slot}`.
+///
+/// LSNs order events only within one WAL history: after a point-in-time
+/// restore or a promotion the timeline changes and LSNs can repeat, so a
+/// restarted relay must not skip events by comparing against positions from
+/// another timeline. With the timeline in the source it does not; at worst it
+/// republishes, and `Nats-Msg-Id` and the consumers' inbox dedupe that.
+pub fn source_id(system_id: &str, timeline: u32, database: &str, slot: &str) -> String {
+    format!("{system_id}/{timeline}/{database}/{slot}")
+}
+
+// ---- Names derived from a context (SPEC §3, §4, §6). ----
+
+/// Slot and publication: `outbox_relay_{context}` (a SQL identifier, so `-`
+/// becomes `_`).
+pub fn slot_name(context: &str) -> String {
+    format!("outbox_relay_{}", context.replace('-', "_"))
+}
+
+pub fn publication_name(context: &str) -> String {
+    slot_name(context)
+}
+
+/// The events stream: `{CONTEXT}_EVENTS`.
+pub fn stream_name(context: &str) -> String {
+    format!("{}_EVENTS", context.to_uppercase().replace('-', "_"))
+}
+
+/// What the events stream captures: `{context}.>`.
+pub fn stream_subjects(context: &str) -> String {
+    format!("{context}.>")
+}
+
+/// Where the relay dead-letters rows: `{context}.dlq.relay`.
+pub fn relay_dlq_subject(context: &str) -> String {
+    format!("{context}.dlq.relay")
+}
+
+/// Subjects under `{context}.dlq.` are reserved for the relay's dead letters.
+pub fn relay_dlq_prefix(context: &str) -> String {
+    format!("{context}.dlq.")
+}
+
+/// The consumers' default dead-letter prefix: `dlq.{context}`. The context
+/// `dlq` is reserved because of it.
+pub fn consumer_dlq_prefix(context: &str) -> String {
+    format!("dlq.{context}")
+}
+
+/// A consumer dead letter's subject: `{prefix}.{original subject}`.
+pub fn consumer_dlq_subject(prefix: &str, original: &str) -> String {
+    format!("{prefix}.{original}")
+}
+
+/// The stream a consumer creates for its dead letters: `dlq.orders` →
+/// `DLQ_ORDERS`.
+pub fn dlq_stream_name(prefix: &str) -> String {
+    prefix
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_derive_from_the_context() {
+        assert_eq!(slot_name("my-ctx"), "outbox_relay_my_ctx");
+        assert_eq!(publication_name("billing"), "outbox_relay_billing");
+        assert_eq!(stream_name("my-ctx"), "MY_CTX_EVENTS");
+        assert_eq!(stream_subjects("shop"), "shop.>");
+        assert_eq!(relay_dlq_subject("shop"), "shop.dlq.relay");
+        assert!(relay_dlq_subject("shop").starts_with(&relay_dlq_prefix("shop")));
+        assert_eq!(consumer_dlq_prefix("shop"), "dlq.shop");
+        assert_eq!(
+            consumer_dlq_subject("dlq.shop", "shop.e"),
+            "dlq.shop.shop.e"
+        );
+        assert_eq!(dlq_stream_name("dlq.orders"), "DLQ_ORDERS");
+        assert_eq!(dlq_stream_name("dlq.my-ctx"), "DLQ_MY_CTX");
+    }
+
+    #[test]
+    fn source_names_the_timeline() {
+        assert_eq!(
+            source_id("7310000000000000000", 3, "app", "outbox_relay_orders"),
+            "7310000000000000000/3/app/outbox_relay_orders"
+        );
+        assert_ne!(
+            source_id("1", 1, "app", "s"),
+            source_id("1", 2, "app", "s"),
+            "a new timeline is a new source"
+        );
+    }
+
+    #[test]
+    fn positions_round_trip_through_headers() {
+        let p = Position {
+            commit_lsn: Lsn(0x16B3748),
+            index: 3,
+        };
+        let lsn = p.commit_lsn.to_string();
+        let idx = p.index.to_string();
+        let get = |k: &str| match k {
+            COMMIT_LSN => Some(lsn.as_str()),
+            TXN_INDEX => Some(idx.as_str()),
+            _ => None,
+        };
+        assert_eq!(Position::from_headers(get), Some(p));
+        assert_eq!(Position::from_headers(|_| None), None);
+        assert_eq!(p.fallback_msg_id(), "0/16B3748-3");
+        assert!(
+            p < Position {
+                commit_lsn: Lsn(0x16B3748),
+                index: 4
+            }
+        );
+    }
+}

@@ -1,0 +1,10 @@
+//! The integration suite: one binary, one module per area, all against the
+//! real stack that `scripts/test.sh` starts (Postgres with wal_level=logical
+//! and nats-server with JetStream, on loopback).
+
+mod common;
+mod consumer;
+mod deploy;
+mod observability;
+mod relay;
+mod secure;
