@@ -122,11 +122,35 @@ impl std::fmt::Debug for NatsArgs {
 }
 
 impl NatsArgs {
-    /// Contradictions and missing files, reported before connecting.
-    pub fn validate(&self) -> Result<()> {
+    /// `NATS_URL`: comma-separated servers (a cluster), each parsed; an entry
+    /// that does not parse is named (without its credentials).
+    pub fn servers(&self) -> Result<Vec<async_nats::ServerAddr>> {
         if self.nats_url.trim().is_empty() {
             return Err(Error::Config("NATS_URL is empty".into()));
         }
+        self.nats_url
+            .split(',')
+            .map(|entry| {
+                let entry = entry.trim();
+                if entry.is_empty() {
+                    return Err(Error::Config(format!(
+                        "NATS_URL {:?} has an empty entry (a stray comma?)",
+                        crate::nats::redact_url(&self.nats_url)
+                    )));
+                }
+                entry.parse().map_err(|e| {
+                    Error::Config(format!(
+                        "NATS_URL entry {:?}: {e} (expected comma-separated nats://host:port or tls://host:port)",
+                        crate::nats::redact_url(entry)
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// Contradictions and missing files, reported before connecting.
+    pub fn validate(&self) -> Result<()> {
+        self.servers()?;
         match (&self.nats_user, &self.nats_password) {
             (Some(_), None) => {
                 return Err(Error::Config(
@@ -201,6 +225,11 @@ impl SlotNameArgs {
             .clone()
             .unwrap_or_else(|| wire::slot_name(&self.context));
         validate_pg_name("slot", &name)?;
+        if wire::init_slot_name(&name).len() > 63 {
+            return Err(Error::Config(format!(
+                "slot name {name:?} is too long: at most 58 bytes (the first start reads through a temporary slot named {name}_init)"
+            )));
+        }
         Ok(name)
     }
 }
@@ -296,6 +325,17 @@ pub struct RelayArgs {
     /// On SIGTERM, how long to wait for in-flight acks.
     #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
+
+    /// On first start (the relay creates its slot): publish the rows already
+    /// in the outbox with published_at IS NULL (`unpublished`), read from the
+    /// slot's own snapshot, before streaming; or `none`.
+    #[arg(long, env = "OUTBOX_BACKFILL", default_value = "unpublished", value_parser = ["unpublished", "none"])]
+    pub backfill: String,
+
+    /// After a lost slot: create it and first republish every row with
+    /// occurred_at >= this RFC 3339 time (consumers' inboxes drop repeats).
+    #[arg(long, env = "OUTBOX_RESYNC_SINCE")]
+    pub resync_since: Option<String>,
 
     /// Tuple format requested from pgoutput (binary needs PostgreSQL 14+).
     #[arg(long, env = "OUTBOX_TUPLE_FORMAT", default_value = "binary", value_parser = ["binary", "text"])]
@@ -482,6 +522,20 @@ pub struct RelayConfig {
     pub shutdown_timeout: Duration,
     pub binary: bool,
     pub max_backoff: Duration,
+    /// What a relay that creates its slot publishes first.
+    pub backfill: Backfill,
+    /// `--resync-since`, when given: overrides `backfill` for a new slot.
+    pub resync_since: Option<Backfill>,
+}
+
+/// Which rows the relay reads from its new slot's snapshot before streaming.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backfill {
+    None,
+    /// `published_at IS NULL` (every row unless a polling relay ran).
+    Unpublished,
+    /// `occurred_at >=` this RFC 3339 time (a resync after a lost slot).
+    Since(String),
 }
 
 impl RelayArgs {
@@ -518,6 +572,23 @@ impl RelayArgs {
             return Err(Error::Config("--publish-timeout must be above zero".into()));
         }
         self.nats.validate()?;
+        let resync_since = match &self.resync_since {
+            None => None,
+            Some(t) => {
+                let at = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                    .map_err(|e| {
+                        Error::Config(format!(
+                            "--resync-since {t:?}: {e} (expected an RFC 3339 time such as 2026-11-23T10:00:00Z)"
+                        ))
+                    })?;
+                if at > time::OffsetDateTime::now_utc() {
+                    return Err(Error::Config(format!(
+                        "--resync-since {t:?} is in the future: nothing could be republished"
+                    )));
+                }
+                Some(Backfill::Since(t.clone()))
+            }
+        };
         Ok(RelayConfig {
             database_url: self.db.database_url.clone(),
             nats: self.nats.clone(),
@@ -539,6 +610,12 @@ impl RelayArgs {
             shutdown_timeout: self.shutdown_timeout,
             binary: self.tuple_format == "binary",
             max_backoff: self.max_backoff,
+            backfill: if self.backfill == "none" {
+                Backfill::None
+            } else {
+                Backfill::Unpublished
+            },
+            resync_since,
         })
     }
 }
@@ -623,6 +700,29 @@ mod tests {
             ("public", "outbox_events")
         );
         assert!(c.binary);
+    }
+
+    #[test]
+    fn nats_url_is_a_server_list() {
+        let c = relay(&[
+            "--nats-url",
+            "nats://127.0.0.1:4222, nats://127.0.0.1:4223,tls://h:4224",
+        ])
+        .unwrap();
+        assert_eq!(c.nats.servers().unwrap().len(), 3);
+        let bad = relay(&[
+            "--nats-url",
+            "nats://127.0.0.1:4222,nats://u:secret@h:notaport",
+        ]);
+        let Err(Error::Config(line)) = bad else {
+            panic!("{bad:?}")
+        };
+        assert!(
+            line.contains("NATS_URL entry \"nats://***@h:notaport\""),
+            "{line}"
+        );
+        assert!(!line.contains("secret"), "{line}");
+        assert!(relay(&["--nats-url", "nats://a:1,,nats://b:2"]).is_err());
     }
 
     #[test]

@@ -103,6 +103,11 @@ pub enum Error {
     #[error("{0}")]
     Decode(#[from] DecodeError),
 
+    /// Another process (an active relay) streams from the slot: this one
+    /// is a standby until it frees.
+    #[error("slot {slot} is held by another process{}", .pid.map(|p| format!(" (PID {p})")).unwrap_or_default())]
+    SlotBusy { slot: String, pid: Option<i32> },
+
     /// The server closed the replication stream without an error.
     #[error("replication stream ended by the server")]
     StreamEnded,
@@ -115,6 +120,7 @@ impl Error {
             Error::Postgres { source, .. } => sqlx_class(source),
             Error::Replication { source } => replication_class(source),
             Error::NatsConnect { .. }
+            | Error::SlotBusy { .. }
             | Error::Nats { .. }
             | Error::Publish { .. }
             | Error::StreamEnded => Class::Transient,
@@ -144,6 +150,12 @@ impl Error {
             context,
             source: Box::new(e),
         }
+    }
+
+    /// Whether the slot is in use by another process: found so before
+    /// streaming, or refused by the server with object_in_use (55006).
+    pub fn is_slot_busy(&self) -> bool {
+        matches!(self, Error::SlotBusy { .. }) || self.sqlstate().as_deref() == Some("55006")
     }
 
     /// The SQLSTATE of a Postgres or replication error, when the server sent one.
@@ -257,6 +269,8 @@ mod tests {
             server("x (SQLSTATE 55006)").sqlstate().as_deref(),
             Some("55006")
         );
+        assert!(server("slot \"s\" is active for PID 7 (SQLSTATE 55006)").is_slot_busy());
+        assert!(!server("x (SQLSTATE 57P01)").is_slot_busy());
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
         assert_eq!(Error::from(PgWireError::from(io)).class(), Class::Transient);
         assert_eq!(

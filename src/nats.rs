@@ -37,7 +37,7 @@ pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client
             .await
             .map_err(|e| Error::Config(format!("--nats-creds {}: {e}", creds.display())))?;
     }
-    opts.connect(args.nats_url.as_str()).await.map_err(|e| {
+    opts.connect(args.servers()?).await.map_err(|e| {
         // The library's error may echo what it was given: only its redacted
         // text travels on, never the error itself.
         let text = redact_text(&e.to_string(), args);

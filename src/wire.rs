@@ -27,6 +27,12 @@ pub const COMMIT_LSN: &str = "Outbox-Commit-Lsn";
 pub const TXN_INDEX: &str = "Outbox-Txn-Index";
 /// Which WAL history wrote the message ([`source_id`]).
 pub const SOURCE: &str = "Outbox-Source";
+/// On rows read from a new slot's snapshot rather than streamed: which rows
+/// that backfill publishes ([`BACKFILL_UNPUBLISHED`] or `since {time}`).
+/// Their position is (0/0, row number): before anything the slot streams.
+pub const BACKFILL: &str = "Outbox-Backfill";
+pub const BACKFILL_UNPUBLISHED: &str = "unpublished";
+pub const BACKFILL_SINCE: &str = "since ";
 
 /// NATS's own headers (lower-cased prefix): publish expectations, dedupe.
 pub const NATS_HEADER_PREFIX: &str = "nats-";
@@ -126,12 +132,30 @@ pub fn source_id(system_id: &str, timeline: u32, database: &str, slot: &str) -> 
     format!("{system_id}/{timeline}/{database}/{slot}")
 }
 
+/// Whether an `Outbox-Source` names this server (system id) and database,
+/// on any timeline and through any slot: what tells a lost slot.
+pub fn same_database(source: &str, system_id: &str, database: &str) -> bool {
+    let mut parts = source.splitn(4, '/');
+    let (Some(sys), Some(_timeline), Some(db), Some(_slot)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return false;
+    };
+    sys == system_id && db == database
+}
+
 // ---- Names derived from a context (SPEC §3, §4, §6). ----
 
 /// Slot and publication: `outbox_relay_{context}` (a SQL identifier, so `-`
 /// becomes `_`).
 pub fn slot_name(context: &str) -> String {
     format!("outbox_relay_{}", context.replace('-', "_"))
+}
+
+/// The temporary slot a first start reads its snapshot through: the slot's
+/// name plus `_init`, so slot names are held to 58 bytes.
+pub fn init_slot_name(slot: &str) -> String {
+    format!("{slot}_init")
 }
 
 pub fn publication_name(context: &str) -> String {
@@ -216,6 +240,20 @@ mod tests {
             source_id("1", 2, "app", "s"),
             "a new timeline is a new source"
         );
+    }
+
+    #[test]
+    fn a_source_names_its_database_on_any_timeline() {
+        let s = source_id("731", 3, "app", "outbox_relay_x");
+        assert!(same_database(&s, "731", "app"));
+        assert!(same_database(
+            &source_id("731", 4, "app", "other"),
+            "731",
+            "app"
+        ));
+        assert!(!same_database(&s, "731", "other"));
+        assert!(!same_database(&s, "732", "app"));
+        assert!(!same_database("garbage", "731", "app"));
     }
 
     #[test]

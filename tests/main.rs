@@ -5,6 +5,7 @@
 mod common;
 mod consumer;
 mod deploy;
+mod lifecycle;
 mod observability;
 mod relay;
 mod secure;

@@ -188,28 +188,6 @@ async fn large_transaction_streams_with_bounded_memory() {
 /// would cross it.
 const PEAK_RSS_BOUND_KIB: u64 = 48 * 1024;
 
-/// Producer inserting `total` events in transactions of 10 at about `rate`/s until done or stopped.
-fn spawn_producer(
-    pool: sqlx::PgPool,
-    total: u64,
-    rate: u64,
-    stop: Arc<AtomicBool>,
-) -> tokio::task::JoinHandle<HashSet<uuid::Uuid>> {
-    tokio::spawn(async move {
-        let mut sent = HashSet::new();
-        let mut seq = 0;
-        let per_txn = 10;
-        let interval = Duration::from_micros(1_000_000 * per_txn / rate);
-        let mut tick = tokio::time::interval(interval);
-        while seq < total && !stop.load(Ordering::Relaxed) {
-            tick.tick().await;
-            sent.extend(insert_txn(&pool, 0, seq, per_txn, 32).await);
-            seq += per_txn;
-        }
-        sent
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
     let stack = stack();

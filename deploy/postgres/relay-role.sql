@@ -7,7 +7,7 @@ BEGIN
     CREATE ROLE outbox_relay LOGIN REPLICATION PASSWORD 'relay';
   END IF;
   IF NOT EXISTS (SELECT FROM pg_publication WHERE pubname = 'outbox_relay_demo') THEN
-    CREATE PUBLICATION outbox_relay_demo FOR TABLE public.outbox_events WITH (publish = 'insert');
+    CREATE PUBLICATION outbox_relay_demo FOR TABLE public.outbox_events WITH (publish = 'insert', publish_via_partition_root = true);
   END IF;
 END
 $$;

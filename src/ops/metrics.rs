@@ -28,6 +28,12 @@ pub const EVENTS_SKIPPED: &str = "outbox_relay_events_skipped_total";
 pub const SESSION_RESTARTS: &str = "outbox_relay_session_restarts_total";
 /// 1 while the relay streams from its slot (what `/readyz` reports).
 pub const STREAMING: &str = "outbox_relay_streaming";
+/// 1 while the relay waits as a standby: another process holds the slot.
+pub const STANDBY: &str = "outbox_relay_standby";
+/// Rows published from a new slot's snapshot (first start, resync).
+pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
+/// 1 while the relay publishes a new slot's snapshot.
+pub const BACKFILLING: &str = "outbox_relay_backfilling";
 
 // Slots (SPEC §7), rendered by `super::slot_monitor`.
 pub const SLOT_LAG_BYTES: &str = "pg_replication_slot_lag_bytes";
@@ -60,6 +66,9 @@ pub const ALL: &[&str] = &[
     EVENTS_SKIPPED,
     SESSION_RESTARTS,
     STREAMING,
+    STANDBY,
+    BACKFILL_ROWS,
+    BACKFILLING,
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_ACTIVE,
@@ -141,6 +150,18 @@ pub fn register_relay() {
         "Replication sessions restarted after an error"
     );
     describe_gauge!(STREAMING, "1 while the relay streams from its slot");
+    describe_counter!(
+        BACKFILL_ROWS,
+        "Rows published from a new slot's snapshot (first start, resync)"
+    );
+    describe_gauge!(
+        BACKFILLING,
+        "1 while the relay publishes a new slot's snapshot"
+    );
+    describe_gauge!(
+        STANDBY,
+        "1 while the relay waits as a standby (another process holds the slot)"
+    );
 
     metrics::counter!(EVENTS_PUBLISHED).increment(0);
     for reason in crate::wire::DlqReason::ALL {
@@ -151,6 +172,9 @@ pub fn register_relay() {
     metrics::counter!(SESSION_RESTARTS).increment(0);
     metrics::gauge!(INFLIGHT_EVENTS).set(0.0);
     metrics::gauge!(STREAMING).set(0.0);
+    metrics::gauge!(STANDBY).set(0.0);
+    metrics::counter!(BACKFILL_ROWS).increment(0);
+    metrics::gauge!(BACKFILLING).set(0.0);
 }
 
 /// The consumer's counterpart of [`register_relay`].

@@ -17,15 +17,34 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     })
 }
 
+/// What the relay streams from, once [`prepare`]d.
+#[derive(Debug)]
+pub struct Prepared {
+    /// `None` when the slot does not exist yet: the session creates it,
+    /// reading the rows before it from the slot's snapshot
+    /// (`relay/backfill.rs`).
+    pub slot: Option<SlotState>,
+    /// The outbox's partitions (schema, name), if it is partitioned. The
+    /// publication publishes through the root, so pgoutput must never name
+    /// one of them; if it does, the publication changed under the relay.
+    pub partitions: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SlotState {
+    pub confirmed: Lsn,
+    /// The backend streaming from the slot now, if any (another relay).
+    pub active_pid: Option<i32>,
+}
+
 /// Make sure the server, table, publication and slot are ready to stream.
-/// Returns the slot's confirmed position.
 pub async fn prepare(
     pool: &PgPool,
     schema: &str,
     table: &str,
     publication: &str,
     slot: &str,
-) -> Result<Lsn> {
+) -> Result<Prepared> {
     let wal_level: String = sqlx::query_scalar("SHOW wal_level")
         .fetch_one(pool)
         .await
@@ -56,8 +75,10 @@ pub async fn prepare(
             .await
             .map_err(Error::pg("looking up the publication"))?;
     if !has_pub {
+        // Through the root, a partitioned outbox's rows carry the outbox's
+        // name, whatever partition holds them (now or in the future).
         let sql = format!(
-            "CREATE PUBLICATION {publication} FOR TABLE \"{schema}\".\"{table}\" WITH (publish = 'insert')"
+            "CREATE PUBLICATION {publication} FOR TABLE \"{schema}\".\"{table}\" WITH (publish = 'insert', publish_via_partition_root = true)"
         );
         // The names were validated at config load (lower-case, digits, underscores).
         match sqlx::query(sqlx::AssertSqlSafe(sql.clone())).execute(pool).await {
@@ -73,54 +94,164 @@ pub async fn prepare(
         }
     }
 
+    let facts = publication_facts(pool, publication, schema, table).await?;
+    if let Some(fix) = publication_fix(publication, schema, table, &facts) {
+        return Err(Error::setup(fix));
+    }
+    let partitions = partitions(pool, schema, table).await?;
+
+    let slot = existing_slot(pool, slot).await?;
+    Ok(Prepared { slot, partitions })
+}
+
+/// The slot's state, after checking it is this database's pgoutput slot.
+async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
     let row = sqlx::query(
-        "SELECT plugin, database, confirmed_flush_lsn::text AS confirmed \
+        "SELECT plugin, database, confirmed_flush_lsn::text AS confirmed, active_pid, \
+                current_database()::text AS this_db \
          FROM pg_replication_slots WHERE slot_name = $1",
     )
     .bind(slot)
     .fetch_optional(pool)
     .await
     .map_err(Error::pg("looking up the replication slot"))?;
-    let confirmed = match row {
-        Some(row) => {
-            let plugin: Option<String> = row.get("plugin");
-            let database: Option<String> = row.get("database");
-            let this_db: String = sqlx::query_scalar("SELECT current_database()")
-                .fetch_one(pool)
-                .await
-                .map_err(Error::pg("current_database()"))?;
-            if plugin.as_deref() != Some("pgoutput")
-                || database.as_deref() != Some(this_db.as_str())
-            {
-                return Err(Error::setup(format!(
-                    "slot {slot} exists but is not a pgoutput slot of database {this_db} (plugin {plugin:?}, database {database:?}); choose another --slot or drop it"
-                )));
-            }
-            let confirmed: Option<String> = row.get("confirmed");
-            parse_lsn(confirmed.as_deref().unwrap_or("0/0"))?
-        }
-        None => {
-            let created = sqlx::query_scalar::<_, String>(
-                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-            )
-            .bind(slot)
-            .fetch_one(pool)
-            .await;
-            match created {
-                Ok(lsn) => {
-                    tracing::info!(slot, lsn, "created replication slot");
-                    parse_lsn(&lsn)?
-                }
-                Err(e) if db_code(&e).as_deref() == Some("42501") => {
-                    return Err(Error::setup(format!(
-                        "slot {slot} is missing and this role may not create it: grant REPLICATION (ALTER ROLE <role> REPLICATION;) or run SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput');"
-                    )))
-                }
-                Err(e) => return Err(Error::pg("creating the replication slot")(e)),
-            }
-        }
+    let Some(row) = row else {
+        return Ok(None);
     };
-    Ok(confirmed)
+    let plugin: Option<String> = row.get("plugin");
+    let database: Option<String> = row.get("database");
+    let this_db: String = row.get("this_db");
+    if plugin.as_deref() != Some("pgoutput") || database.as_deref() != Some(this_db.as_str()) {
+        return Err(Error::setup(format!(
+            "slot {slot} exists but is not a pgoutput slot of database {this_db} (plugin {plugin:?}, database {database:?}); choose another --slot or drop it"
+        )));
+    }
+    let confirmed: Option<String> = row.get("confirmed");
+    Ok(Some(SlotState {
+        confirmed: parse_lsn(confirmed.as_deref().unwrap_or("0/0"))?,
+        active_pid: row.get("active_pid"),
+    }))
+}
+
+/// Make the relay's slot a persistent copy of the temporary `init` slot a
+/// first start read its snapshot through: same position, so the stream goes
+/// on exactly where the snapshot ends. Returns that position.
+pub async fn persist_slot(pool: &PgPool, init: &str, slot: &str) -> Result<Lsn> {
+    let copied = sqlx::query("SELECT pg_copy_logical_replication_slot($1, $2, false)")
+        .bind(init)
+        .bind(slot)
+        .execute(pool)
+        .await;
+    match copied {
+        Ok(_) => {}
+        // Another relay created the slot meanwhile: it is the active one.
+        Err(e) if db_code(&e).as_deref() == Some("42710") => {
+            return Err(Error::SlotBusy {
+                slot: slot.to_owned(),
+                pid: None,
+            })
+        }
+        Err(e) if db_code(&e).as_deref() == Some("42501") => {
+            return Err(Error::setup(format!(
+                "slot {slot} is missing and this role may not create it: grant REPLICATION (ALTER ROLE <role> REPLICATION;)"
+            )))
+        }
+        Err(e) => return Err(Error::pg("creating the replication slot")(e)),
+    }
+    match existing_slot(pool, slot).await? {
+        Some(s) => {
+            tracing::info!(slot, lsn = %s.confirmed, "created replication slot");
+            Ok(s.confirmed)
+        }
+        None => Err(Error::setup(format!(
+            "slot {slot} vanished right after it was created; is another process dropping it?"
+        ))),
+    }
+}
+
+/// What `pg_publication` says of the publication and the outbox table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PublicationFacts {
+    inserts: bool,
+    via_root: bool,
+    partitioned: bool,
+    /// The table, or any of its partitions, is in the publication.
+    includes_table: bool,
+}
+
+async fn publication_facts(
+    pool: &PgPool,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) -> Result<PublicationFacts> {
+    let row = sqlx::query(
+        "SELECT p.pubinsert, p.pubviaroot, c.relkind = 'p' AS partitioned, \
+                EXISTS (SELECT 1 FROM (SELECT c.oid AS relid UNION SELECT relid FROM pg_partition_tree(c.oid)) pt \
+                        JOIN pg_class pc ON pc.oid = pt.relid \
+                        JOIN pg_namespace pn ON pn.oid = pc.relnamespace \
+                        JOIN pg_publication_tables t \
+                          ON t.pubname = p.pubname AND t.schemaname = pn.nspname AND t.tablename = pc.relname) \
+                  AS includes_table \
+         FROM pg_publication p, pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE p.pubname = $1 AND n.nspname = $2 AND c.relname = $3",
+    )
+    .bind(publication)
+    .bind(schema)
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("reading the publication"))?;
+    Ok(PublicationFacts {
+        inserts: row.get("pubinsert"),
+        via_root: row.get("pubviaroot"),
+        partitioned: row.get("partitioned"),
+        includes_table: row.get("includes_table"),
+    })
+}
+
+/// The statement that makes the publication publish the outbox's inserts
+/// under the outbox's own name, or `None` when it already does.
+fn publication_fix(
+    publication: &str,
+    schema: &str,
+    table: &str,
+    f: &PublicationFacts,
+) -> Option<String> {
+    let why = format!("publication {publication} does not publish the inserts of {schema}.{table}");
+    if !f.includes_table {
+        return Some(format!(
+            "{why} (another table's?): run ALTER PUBLICATION {publication} ADD TABLE \"{schema}\".\"{table}\"; or choose another --publication"
+        ));
+    }
+    if !f.inserts {
+        return Some(format!(
+            "{why}: run ALTER PUBLICATION {publication} SET (publish = 'insert');"
+        ));
+    }
+    if f.partitioned && !f.via_root {
+        return Some(format!(
+            "{why} under its own name (it is partitioned, and rows would carry their partition's name): run ALTER PUBLICATION {publication} SET (publish_via_partition_root = true);"
+        ));
+    }
+    None
+}
+
+/// The outbox's partitions at every level, without the outbox itself.
+async fn partitions(pool: &PgPool, schema: &str, table: &str) -> Result<Vec<(String, String)>> {
+    sqlx::query_as(
+        "SELECT pn.nspname::text, pc.relname::text \
+         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace, \
+              pg_partition_tree(c.oid) pt \
+              JOIN pg_class pc ON pc.oid = pt.relid \
+              JOIN pg_namespace pn ON pn.oid = pc.relnamespace \
+         WHERE n.nspname = $1 AND c.relname = $2 AND pt.relid <> c.oid",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_all(pool)
+    .await
+    .map_err(Error::pg("listing the outbox's partitions"))
 }
 
 pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
@@ -138,5 +269,48 @@ pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
                 .map_err(Error::pg("pg_drop_replication_slot"))?;
             Ok(true)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: PublicationFacts = PublicationFacts {
+        inserts: true,
+        via_root: false,
+        partitioned: false,
+        includes_table: true,
+    };
+
+    #[test]
+    fn a_publication_must_publish_the_outbox_inserts_under_its_name() {
+        let fix = |f: PublicationFacts| publication_fix("pub", "public", "outbox_events", &f);
+        assert_eq!(fix(GOOD), None, "a plain table needs no root");
+        let parted = PublicationFacts {
+            partitioned: true,
+            via_root: true,
+            ..GOOD
+        };
+        assert_eq!(fix(parted), None);
+        let other = fix(PublicationFacts {
+            includes_table: false,
+            ..GOOD
+        });
+        assert!(other
+            .unwrap()
+            .contains("ALTER PUBLICATION pub ADD TABLE \"public\".\"outbox_events\""));
+        let no_inserts = fix(PublicationFacts {
+            inserts: false,
+            ..GOOD
+        });
+        assert!(no_inserts.unwrap().contains("SET (publish = 'insert')"));
+        let leaves = fix(PublicationFacts {
+            via_root: false,
+            ..parted
+        });
+        assert!(leaves
+            .unwrap()
+            .contains("SET (publish_via_partition_root = true)"));
     }
 }

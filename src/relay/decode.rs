@@ -46,6 +46,11 @@ type Layouts = HashMap<u32, Option<std::result::Result<OutboxLayout, RowError>>>
 pub struct Stage {
     schema: String,
     table: String,
+    /// The outbox's partitions (schema, name): rows must reach us under the
+    /// outbox's name, never theirs (see [`Stage::on_event`]).
+    partitions: Vec<(String, String)>,
+    /// Relation ids pgoutput gave those partitions, with their names.
+    partition_ids: HashMap<u32, String>,
     router: Router,
     max_payload: usize,
     layouts: Layouts,
@@ -58,6 +63,7 @@ impl Stage {
     pub fn new(
         schema: &str,
         table: &str,
+        partitions: Vec<(String, String)>,
         router: Router,
         max_payload: usize,
         resume: Option<Position>,
@@ -65,6 +71,8 @@ impl Stage {
         Self {
             schema: schema.to_owned(),
             table: table.to_owned(),
+            partitions,
+            partition_ids: HashMap::new(),
             router,
             max_payload,
             layouts: HashMap::new(),
@@ -96,6 +104,19 @@ impl Stage {
             ReplicationEvent::KeepAlive { wal_end, .. } => confirm(wm.keepalive(wal_end)),
             ReplicationEvent::XLogData { data, .. } => match pgoutput::decode(&data)? {
                 Message::Relation(rel) => {
+                    // pgoutput describes a partition too (after its root,
+                    // even when publishing via the root): remember it, so an
+                    // Insert under its id is caught, not skipped.
+                    if self
+                        .partitions
+                        .iter()
+                        .any(|(s, t)| *s == rel.namespace && *t == rel.name)
+                    {
+                        self.partition_ids
+                            .insert(rel.id, format!("{}.{}", rel.namespace, rel.name));
+                        self.layouts.insert(rel.id, None);
+                        return Ok(Step::Nothing);
+                    }
                     let layout = self.layout_for(&rel);
                     self.layouts.insert(rel.id, layout);
                     Ok(Step::Nothing)
@@ -114,6 +135,15 @@ impl Stage {
                 detail,
             })
         };
+        if let Some(partition) = self.partition_ids.get(&ins.relation_id) {
+            // A row under its partition's name: the publication stopped
+            // publishing via the root. Skipping it as another table's row
+            // would lose it; stop instead, with nothing confirmed past it.
+            return Err(Error::setup(format!(
+                "the replication stream carries a row of {partition}, a partition of the outbox {}.{}, under the partition's name: the publication no longer publishes via the partition root; run ALTER PUBLICATION <publication> SET (publish_via_partition_root = true); then restart the relay",
+                self.schema, self.table
+            )));
+        }
         let layout = self
             .layouts
             .get(&ins.relation_id)
@@ -169,7 +199,7 @@ impl Stage {
     }
 }
 
-fn log_dead_letter(msg: &OutMessage, reason: DlqReason) {
+pub(super) fn log_dead_letter(msg: &OutMessage, reason: DlqReason) {
     tracing::warn!(id = %msg.msg_id, reason = reason.as_str(), "dead-lettering row");
     metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(1);
 }
@@ -237,7 +267,15 @@ mod tests {
             false,
             "src".into(),
         );
-        Stage::new("public", "outbox_events", router, 1 << 20, resume)
+        let partitions = vec![("public".into(), "outbox_events_p1".into())];
+        Stage::new(
+            "public",
+            "outbox_events",
+            partitions,
+            router,
+            1 << 20,
+            resume,
+        )
     }
 
     const ID1: &str = "00000000-0000-4000-8000-000000000001";
@@ -316,6 +354,24 @@ mod tests {
         assert!(matches!(
             s.on_event(insert(9, ID1), &mut wm),
             Err(Error::Decode(_))
+        ));
+    }
+
+    #[test]
+    fn a_row_under_a_partitions_name_stops_the_relay_instead_of_skipping() {
+        let mut s = stage(None);
+        let mut wm = Watermark::new(Lsn(0));
+        // Via the root: the root's description, the partition's, then the
+        // row under the root's id.
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(relation(9, "outbox_events_p1"), &mut wm)
+            .unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        assert!(published(s.on_event(insert(7, ID1), &mut wm).unwrap()).is_some());
+        // Not via the root: the row under the partition's id.
+        assert!(matches!(
+            s.on_event(insert(9, ID2), &mut wm),
+            Err(Error::Setup { .. })
         ));
     }
 

@@ -18,6 +18,7 @@
 //! already holds ([`publish::stored_tail`]). A kill -9 takes the same path,
 //! so the path is exercised, not hoped for.
 
+mod backfill;
 pub(crate) mod decode;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;
@@ -42,6 +43,10 @@ use session::{Env, Session};
 /// A session that streamed this long resets the reconnect backoff.
 const HEALTHY_SESSION: Duration = Duration::from_secs(30);
 
+/// How often a standby asks for the slot: a takeover comes within about
+/// this long of the active relay's walsender going away.
+const STANDBY_POLL: Duration = Duration::from_secs(1);
+
 /// What the process reports when it stops.
 #[derive(Debug, Clone, Copy)]
 pub struct Stopped {
@@ -51,6 +56,13 @@ pub struct Stopped {
 /// Run until `shutdown`, reconnecting after transient failures. Errors that
 /// retrying cannot fix (configuration, privileges) end the run; so does any
 /// error before the first session streamed, so a wrong URL fails at once.
+///
+/// A slot held by another process is not an error but standby (SPEC §9):
+/// relays with the same settings coordinate through the slot, which only one
+/// walsender can hold. This one waits, says so on `/readyz` and
+/// `outbox_relay_standby`, and takes over when the slot frees; a relay
+/// restarted at once after a kill -9 takes the same path while the old
+/// walsender lingers.
 ///
 /// `ready` is told the phase: ready only while streaming from the slot.
 pub async fn run(
@@ -79,11 +91,13 @@ pub async fn run(
 
     let mut backoff = Duration::from_millis(100);
     let mut streamed_once = false;
+    let mut standby_logged = false;
     loop {
         let started = Instant::now();
         let mut session = Session::new(&env);
         let result = session.run(&shutdown).await;
         streamed_once |= session.streamed();
+        standby_logged &= !session.streamed();
         metrics::gauge!(m::STREAMING).set(0.0);
         match &result {
             Ok(_) => ready.not_ready("shutting down"),
@@ -93,6 +107,20 @@ pub async fn run(
             Ok(stopped) => {
                 nats.flush().await.ok();
                 return Ok(stopped);
+            }
+            Err(e) if e.is_slot_busy() => {
+                metrics::gauge!(m::STANDBY).set(1.0);
+                if !standby_logged {
+                    tracing::info!(reason = %e, "standby: waiting for the slot");
+                    standby_logged = true;
+                }
+                ready.not_ready(format!("standby: {e}; taking over when it frees"));
+                tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        return Ok(Stopped { confirmed: session.confirmed() });
+                    }
+                    _ = tokio::time::sleep(STANDBY_POLL) => {}
+                }
             }
             Err(e) if e.class() == Class::Transient && streamed_once => {
                 metrics::counter!(m::SESSION_RESTARTS).increment(1);

@@ -10,8 +10,11 @@
 //!
 //! The first publish of a session has nothing to chain from (the stream's
 //! last message may not be ours), so it goes alone, unconditionally, and the
-//! pipeline opens once it is acked. Its `Nats-Msg-Id` still dedupes it if an
-//! earlier session stored it.
+//! pipeline opens once it is stored. Its `Nats-Msg-Id` still dedupes it if
+//! an earlier session stored it; but a duplicate does not become the
+//! stream's last message, so nothing can chain from it either: while solo
+//! publishes come back as duplicates (a backfill republishing what the
+//! stream holds), each next one goes solo too.
 
 use std::borrow::Cow;
 use std::future::IntoFuture;
@@ -30,10 +33,11 @@ use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
 use crate::wire::{self, Position};
 
-/// How far back from the stream's end to look for the relay's last message.
-/// Other writers (consumer dead letters) may sit after it; past this many we
-/// fall back to JetStream's duplicate window alone.
-const TAIL_SCAN_LIMIT: u64 = 10_000;
+/// How long a scan of the stream's tail may take. Other writers (consumer
+/// dead letters, foreign publishers) may sit after the relay's last message;
+/// a budget in time, unlike a count of messages, is one they cannot exhaust
+/// faster than the relay reads.
+const TAIL_SCAN_BUDGET: Duration = Duration::from_secs(10);
 
 pub struct StreamSettings<'a> {
     pub name: &'a str,
@@ -86,10 +90,78 @@ pub async fn stored_tail(
     stream_name: &str,
     source: &str,
 ) -> Result<Option<Position>> {
-    let mut stream = js
-        .get_stream(stream_name)
-        .await
-        .map_err(Error::nats("reading stream info"))?;
+    let found = scan_tail(js, stream_name, |h| {
+        let get = |name: &str| h.get(name).map(|v| v.as_str());
+        if get(wire::SOURCE) == Some(source) && get(wire::DLQ_CONSUMER).is_none() {
+            Position::from_headers(get)
+        } else {
+            None
+        }
+    })
+    .await?;
+    if found.is_none() {
+        tracing::info!(
+            stream = stream_name,
+            "no message of this relay in the stream's tail; relying on the duplicate window"
+        );
+    }
+    Ok(found)
+}
+
+/// The newest event in the stream that a relay of this server and database
+/// wrote (any timeline, any slot): what tells a lost slot from a first start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TailEvent {
+    pub id: String,
+    pub occurred_at: Option<String>,
+    pub commit_lsn: Option<String>,
+    /// Set when it was backfilled: which rows that backfill published.
+    pub backfill: Option<String>,
+}
+
+pub async fn last_event_of_database(
+    js: &Context,
+    stream_name: &str,
+    system_id: &str,
+    database: &str,
+) -> Result<Option<TailEvent>> {
+    scan_tail(js, stream_name, |h| {
+        let get = |name: &str| h.get(name).map(|v| v.as_str().to_owned());
+        let source = get(wire::SOURCE)?;
+        if !wire::same_database(&source, system_id, database) || get(wire::DLQ_CONSUMER).is_some() {
+            return None;
+        }
+        Some(TailEvent {
+            id: get(wire::MSG_ID)?,
+            occurred_at: get(wire::OCCURRED_AT),
+            commit_lsn: get(wire::COMMIT_LSN),
+            backfill: get(wire::BACKFILL),
+        })
+    })
+    .await
+}
+
+/// Walk the stream back from its last message until `found` says yes, the
+/// first message is passed, or [`TAIL_SCAN_BUDGET`] is spent. A missing
+/// stream is an empty one.
+async fn scan_tail<T>(
+    js: &Context,
+    stream_name: &str,
+    found: impl Fn(&HeaderMap) -> Option<T>,
+) -> Result<Option<T>> {
+    let mut stream = match js.get_stream(stream_name).await {
+        Ok(s) => s,
+        Err(e)
+            if matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            return Ok(None)
+        }
+        Err(e) => return Err(Error::nats("reading stream info")(e)),
+    };
     let state = stream
         .info()
         .await
@@ -99,18 +171,22 @@ pub async fn stored_tail(
     if state.messages == 0 {
         return Ok(None);
     }
-    let lowest = state
-        .first_sequence
-        .max(state.last_sequence.saturating_sub(TAIL_SCAN_LIMIT));
+    let deadline = std::time::Instant::now() + TAIL_SCAN_BUDGET;
     let mut seq = state.last_sequence;
-    while seq >= lowest && seq > 0 {
+    while seq >= state.first_sequence && seq > 0 {
+        if std::time::Instant::now() > deadline {
+            tracing::warn!(
+                stream = stream_name,
+                from = state.last_sequence,
+                to = seq,
+                "tail scan stopped after {TAIL_SCAN_BUDGET:?}"
+            );
+            break;
+        }
         match stream.get_raw_message(seq).await {
             Ok(m) => {
-                let get = |name: &str| m.headers.get(name).map(|v| v.as_str());
-                if get(wire::SOURCE) == Some(source) && get(wire::DLQ_CONSUMER).is_none() {
-                    if let Some(pos) = Position::from_headers(get) {
-                        return Ok(Some(pos));
-                    }
+                if let Some(t) = found(&m.headers) {
+                    return Ok(Some(t));
                 }
             }
             // Deleted or expired messages leave gaps.
@@ -119,10 +195,6 @@ pub async fn stored_tail(
         }
         seq -= 1;
     }
-    tracing::warn!(
-        stream = stream_name,
-        "no message of this relay among the last {TAIL_SCAN_LIMIT}; relying on the duplicate window"
-    );
     Ok(None)
 }
 
@@ -239,7 +311,14 @@ impl Publisher {
     /// The next ack, in publish order.
     pub async fn next_ack(&mut self) -> Option<Ack> {
         let next = self.inflight.next().await;
-        if next.as_ref().is_some_and(|a| a.result.is_ok()) {
+        if let Some(Ack {
+            result: Ok(duplicate),
+            ..
+        }) = &next
+        {
+            if self.solo_pending && *duplicate {
+                self.chain = None;
+            }
             self.solo_pending = false;
         }
         next

@@ -14,6 +14,7 @@ use async_nats::jetstream;
 use pgwire_replication::{Lsn, ReplicationClient};
 use tokio_util::sync::CancellationToken;
 
+use super::backfill;
 use super::decode::{Stage, Step};
 use super::publish::{self, Ack, Publisher, StreamSettings};
 use super::route::Router;
@@ -23,6 +24,7 @@ use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
+use crate::postgres::provision::SlotState;
 use crate::postgres::{self, Dsn};
 use crate::wire;
 
@@ -111,7 +113,7 @@ impl<'a> Session<'a> {
             "not streaming yet: preparing slot {} and publication {}",
             cfg.slot, cfg.publication
         ));
-        let confirmed = postgres::provision::prepare(
+        let prepared = postgres::provision::prepare(
             pool,
             &cfg.schema,
             &cfg.table,
@@ -119,7 +121,17 @@ impl<'a> Session<'a> {
             &cfg.slot,
         )
         .await?;
-        self.watermark = Watermark::new(confirmed);
+        if let Some(SlotState {
+            active_pid: Some(pid),
+            ..
+        }) = prepared.slot
+        {
+            // Before any NATS work: a standby asks again every second.
+            return Err(Error::SlotBusy {
+                slot: cfg.slot.clone(),
+                pid: Some(pid),
+            });
+        }
         publish::ensure_stream(
             js,
             &StreamSettings {
@@ -144,6 +156,24 @@ impl<'a> Session<'a> {
                 (t / 4).min(Duration::from_secs(1))
             });
 
+        // Read once per session: server_info() clones the whole INFO block.
+        let max_payload = nats.server_info().max_payload;
+        let mut publisher = Publisher::new(js.clone(), cfg.max_inflight);
+        let router = |source: &str| {
+            Router::new(
+                &cfg.context,
+                cfg.template.clone(),
+                cfg.partitions,
+                cfg.envelope,
+                source.to_owned(),
+            )
+        };
+        let confirmed = match prepared.slot {
+            Some(slot) => slot.confirmed,
+            None => backfill::first_start(self.env, &mut publisher, router, max_payload).await?,
+        };
+        self.watermark = Watermark::new(confirmed);
+
         ready.not_ready(format!(
             "not streaming yet: starting replication from slot {}",
             cfg.slot
@@ -164,6 +194,7 @@ impl<'a> Session<'a> {
         client.wait_started().await?;
         self.streamed = true;
         ready.ready();
+        metrics::gauge!(m::STANDBY).set(0.0);
         metrics::gauge!(m::STREAMING).set(1.0);
         tracing::info!(
             slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
@@ -172,19 +203,17 @@ impl<'a> Session<'a> {
         );
         self.metrics.confirmed.set(confirmed.as_u64() as f64);
 
-        let router = Router::new(
-            &cfg.context,
-            cfg.template.clone(),
-            cfg.partitions,
-            cfg.envelope,
-            source,
-        );
-        // Read once per session: server_info() clones the whole INFO block.
-        let max_payload = nats.server_info().max_payload;
         Ok(Open {
             client,
-            stage: Stage::new(&cfg.schema, &cfg.table, router, max_payload, resume),
-            publisher: Publisher::new(js.clone(), cfg.max_inflight),
+            stage: Stage::new(
+                &cfg.schema,
+                &cfg.table,
+                prepared.partitions,
+                router(&source),
+                max_payload,
+                resume,
+            ),
+            publisher,
             status_interval,
         })
     }

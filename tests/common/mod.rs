@@ -240,11 +240,13 @@ impl Service {
         }
     }
 
-    /// Start again with the same arguments (after a kill); does not wait.
+    /// Start again with the same arguments (after a kill); waits only until
+    /// its endpoint answers `/healthz`, not until it is ready.
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         *self = Self::spawn_logged(self.args.clone(), &self.name.clone(), self.rust_log.clone());
+        self.wait_until("/healthz");
     }
 
     pub fn pid(&self) -> u32 {
@@ -315,6 +317,36 @@ impl Drop for Service {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Run the binary with `args` for at most `timeout`: (exit code, stderr).
+/// A command that does not exit by then is killed and reported as `None`,
+/// so a test of "refuses at start" cannot hang on a relay that streams.
+pub fn run_bounded(args: &[&str], timeout: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + timeout;
+    let code = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use std::io::Read;
+        let _ = e.read_to_string(&mut err);
+    }
+    (code, err)
 }
 
 pub fn signal(pid: u32, sig: &str) {
@@ -513,6 +545,28 @@ pub async fn insert_txn(
     q.build().execute(&mut *tx).await.unwrap();
     tx.commit().await.unwrap();
     ids
+}
+
+/// Producer inserting `total` events in transactions of 10 at about `rate`/s until done or stopped.
+pub fn spawn_producer(
+    pool: sqlx::PgPool,
+    total: u64,
+    rate: u64,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<HashSet<uuid::Uuid>> {
+    tokio::spawn(async move {
+        let mut sent = HashSet::new();
+        let mut seq = 0;
+        let per_txn = 10;
+        let interval = Duration::from_micros(1_000_000 * per_txn / rate);
+        let mut tick = tokio::time::interval(interval);
+        while seq < total && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            tick.tick().await;
+            sent.extend(insert_txn(&pool, 0, seq, per_txn, 32).await);
+            seq += per_txn;
+        }
+        sent
+    })
 }
 
 /// Every id exactly once, commit order (LSN non-decreasing, index 0.. in a

@@ -1,0 +1,441 @@
+//! First start (SPEC §9): the relay creates its slot, and the rows already
+//! in the outbox are published before anything the slot streams.
+//!
+//! Exactly once across the switch from table to stream comes from one
+//! snapshot. A temporary slot `{slot}_init` is created on a replication
+//! session of its own with `SNAPSHOT 'export'`: the rows visible in that
+//! snapshot are exactly the transactions committed before the slot's
+//! consistent point, and the slot streams exactly those committed after.
+//! The rows are read in that snapshot (`occurred_at, id` order, a cursor, so
+//! memory stays bounded for millions of rows) and published through the
+//! session's ordered publisher; once every one is acked, the temporary slot
+//! is copied into the relay's persistent slot, at the same position, and
+//! streaming starts there.
+//!
+//! A crash before the copy leaves no slot (a temporary slot dies with its
+//! session), so the next start backfills again; the backfilled messages it
+//! finds in the stream (`Outbox-Backfill`) say it is finishing an
+//! interrupted backfill, not recovering a lost slot, and which rows that
+//! backfill was publishing. Republished rows dedupe by `Nats-Msg-Id`.
+//!
+//! Without a slot but with streamed events of this database in the stream,
+//! the slot was lost: the relay refuses to start from "now" and names
+//! `--resync-since`, which backfills `occurred_at >= T` the same way.
+
+use std::borrow::Cow;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pgwire_replication::{Lsn, ReplicationClient};
+use sqlx::Row;
+
+use super::decode::log_dead_letter;
+use super::outbox_row::OutboxLayout;
+use super::pgoutput::{Column, Relation, Value};
+use super::publish::{self, Publisher, TailEvent};
+use super::route::{OutMessage, Router};
+use super::session::Env;
+use crate::config::Backfill;
+use crate::error::{Error, Result};
+use crate::ops::metrics as m;
+use crate::postgres::{parse_lsn, provision};
+use crate::wire::{self, Position};
+
+/// Rows per FETCH: small, so a table of multi-MB rows stays within memory.
+const BATCH_ROWS: i64 = 64;
+
+/// How often progress is logged.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// Create the relay's slot, publishing first what its snapshot holds.
+/// Returns the slot's position, where streaming starts.
+pub(super) async fn first_start(
+    env: &Env<'_>,
+    publisher: &mut Publisher,
+    router: impl Fn(&str) -> Router,
+    max_payload: usize,
+) -> Result<Lsn> {
+    let Env {
+        cfg,
+        dsn,
+        pool,
+        js,
+        ready,
+        ..
+    } = *env;
+    let init = wire::init_slot_name(&cfg.slot);
+    let mut session =
+        ReplicationClient::connect_gated(dsn.replication_config(&init, &cfg.publication)).await?;
+    let system = session.identify_system().await?;
+    let tail =
+        publish::last_event_of_database(js, &cfg.stream, &system.system_id, &dsn.database).await?;
+    let filter = plan(
+        &cfg.backfill,
+        cfg.resync_since.as_ref(),
+        tail.as_ref(),
+        &cfg.slot,
+        &cfg.stream,
+    )?;
+    let export = filter != Backfill::None;
+    let created = session
+        .simple_query(&format!(
+            "CREATE_REPLICATION_SLOT {init} TEMPORARY LOGICAL pgoutput (SNAPSHOT '{}')",
+            if export { "export" } else { "nothing" }
+        ))
+        .await
+        .map_err(Error::from)
+        .map_err(|e| match e.sqlstate().as_deref() {
+            // Another relay is in its own first start.
+            Some("42710") => Error::SlotBusy {
+                slot: init.clone(),
+                pid: None,
+            },
+            _ => e,
+        })?;
+    // slot_name, consistent_point, snapshot_name, output_plugin
+    let field = |i: usize| {
+        created
+            .first()
+            .and_then(|row| row.get(i).cloned().flatten())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+    };
+    let consistent = parse_lsn(&field(1).unwrap_or_default())?;
+    if export {
+        let snapshot = field(2).ok_or_else(|| {
+            Error::setup(format!(
+                "CREATE_REPLICATION_SLOT {init} exported no snapshot"
+            ))
+        })?;
+        ready.not_ready(format!(
+            "not streaming yet: backfilling {} rows from the new slot's snapshot",
+            describe(&filter)
+        ));
+        let source = wire::source_id(&system.system_id, system.timeline, &dsn.database, &cfg.slot);
+        let rows = publish_snapshot(
+            env,
+            &snapshot,
+            &filter,
+            &router(&source),
+            publisher,
+            max_payload,
+        )
+        .await?;
+        tracing::info!(rows, filter = describe(&filter), "backfill done");
+    }
+    let lsn = provision::persist_slot(pool, &init, &cfg.slot).await?;
+    tracing::debug!(%consistent, slot_at = %lsn, "snapshot consistent point and the new slot's position");
+    // Ends the session; its temporary slot goes with it.
+    drop(session);
+    Ok(lsn)
+}
+
+/// Which rows a new slot backfills, from the settings and the newest event
+/// of this database the stream holds. Pure.
+pub(super) fn plan(
+    configured: &Backfill,
+    resync: Option<&Backfill>,
+    tail: Option<&TailEvent>,
+    slot: &str,
+    stream: &str,
+) -> Result<Backfill> {
+    match tail {
+        None => Ok(resync.unwrap_or(configured).clone()),
+        // An interrupted backfill: finish it, with its own filter unless told.
+        Some(TailEvent {
+            backfill: Some(header),
+            ..
+        }) => Ok(match resync {
+            Some(r) => r.clone(),
+            None => parse_header(header).unwrap_or(Backfill::Unpublished),
+        }),
+        Some(last) => match resync {
+            Some(r) => Ok(r.clone()),
+            None => {
+                let at = last.occurred_at.as_deref().unwrap_or("unknown");
+                Err(Error::setup(format!(
+                    "slot {slot} does not exist, but stream {stream} already holds events of this database (the last: {}, occurred at {at}, commit LSN {}): the slot was dropped, invalidated or lost in a failover, and what was written since is not in the WAL any more. Restart with --resync-since {at} to republish every row from then on (consumers' inboxes drop the repeats)",
+                    last.id,
+                    last.commit_lsn.as_deref().unwrap_or("unknown"),
+                )))
+            }
+        },
+    }
+}
+
+fn header_value(filter: &Backfill) -> String {
+    match filter {
+        Backfill::Since(t) => format!("{}{t}", wire::BACKFILL_SINCE),
+        _ => wire::BACKFILL_UNPUBLISHED.to_owned(),
+    }
+}
+
+fn parse_header(value: &str) -> Option<Backfill> {
+    if value == wire::BACKFILL_UNPUBLISHED {
+        return Some(Backfill::Unpublished);
+    }
+    let t = value.strip_prefix(wire::BACKFILL_SINCE)?;
+    rfc3339(t).ok().map(|_| Backfill::Since(t.to_owned()))
+}
+
+fn describe(filter: &Backfill) -> String {
+    match filter {
+        Backfill::None => "no".into(),
+        Backfill::Unpublished => "unpublished (published_at IS NULL)".into(),
+        Backfill::Since(t) => format!("occurred_at >= {t}"),
+    }
+}
+
+fn rfc3339(t: &str) -> Result<time::OffsetDateTime> {
+    time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+        .map_err(|e| Error::Config(format!("backfill time {t:?}: {e}")))
+}
+
+/// Read the rows in the exported snapshot and publish each, in
+/// `occurred_at, id` order; returns once every one is acked.
+async fn publish_snapshot(
+    env: &Env<'_>,
+    snapshot: &str,
+    filter: &Backfill,
+    router: &Router,
+    publisher: &mut Publisher,
+    max_payload: usize,
+) -> Result<u64> {
+    let cfg = env.cfg;
+    // Snapshot names are hex digits and dashes; anything else is not one.
+    if snapshot.is_empty() || !snapshot.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+        return Err(Error::setup(format!(
+            "unexpected snapshot name {snapshot:?}"
+        )));
+    }
+    let mut tx = env
+        .pool
+        .begin()
+        .await
+        .map_err(Error::pg("starting the backfill transaction"))?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY; \
+         SET TRANSACTION SNAPSHOT '{snapshot}'; \
+         SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'"
+    )))
+    .execute(&mut *tx)
+    .await
+    .map_err(Error::pg("importing the slot's snapshot"))?;
+
+    let columns: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT a.attname::text, a.atttypid::int8 FROM pg_attribute a \
+         JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped \
+         ORDER BY a.attnum",
+    )
+    .bind(&cfg.schema)
+    .bind(&cfg.table)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(Error::pg("reading the outbox's columns"))?;
+    // The table as pgoutput would describe it: every value read as text, so
+    // the stream's row decoding serves the backfill too.
+    let relation = Relation {
+        id: 0,
+        namespace: cfg.schema.clone(),
+        name: cfg.table.clone(),
+        replica_identity: b'd',
+        columns: columns
+            .iter()
+            .map(|(name, oid)| Column {
+                key: false,
+                name: name.clone(),
+                type_oid: u32::try_from(*oid).unwrap_or_default(),
+                type_modifier: -1,
+            })
+            .collect(),
+    };
+    let layout = OutboxLayout::new(&relation);
+    let has = |name: &str| columns.iter().any(|(n, _)| n == name);
+    let condition = match filter {
+        Backfill::Since(t) => {
+            // Re-rendered from the parsed time: only a valid timestamp reaches SQL.
+            let at = rfc3339(t)?
+                .format(&time::format_description::well_known::Rfc3339)
+                .map_err(|e| Error::Config(format!("backfill time {t:?}: {e}")))?;
+            format!("WHERE occurred_at >= '{at}'::timestamptz")
+        }
+        Backfill::Unpublished if has("published_at") => "WHERE published_at IS NULL".into(),
+        _ => String::new(),
+    };
+    let select = columns
+        .iter()
+        .map(|(name, _)| format!("{}::text", quote(name)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DECLARE outbox_backfill NO SCROLL CURSOR FOR SELECT {select} FROM {}.{} {condition} ORDER BY occurred_at, id",
+        quote(&cfg.schema),
+        quote(&cfg.table)
+    )))
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| {
+        if crate::postgres::db_code(&e).as_deref() == Some("42501") {
+            Error::setup(format!(
+                "the backfill may not read {}.{}: GRANT SELECT ON {}.{} TO <relay role>; (or start with --backfill none)",
+                cfg.schema, cfg.table, cfg.schema, cfg.table
+            ))
+        } else {
+            Error::pg("reading the outbox for the backfill")(e)
+        }
+    })?;
+
+    let header = header_value(filter);
+    let published = metrics::counter!(m::BACKFILL_ROWS);
+    metrics::gauge!(m::BACKFILLING).set(1.0);
+    let started = Instant::now();
+    let mut last_log = Instant::now();
+    let mut index: u32 = 0;
+    let mut acked: u64 = 0;
+    loop {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "FETCH FORWARD {BATCH_ROWS} FROM outbox_backfill"
+        )))
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(Error::pg("reading the outbox for the backfill"))?;
+        if rows.is_empty() {
+            break;
+        }
+        for row in &rows {
+            let values: Vec<Value> = (0..columns.len())
+                .map(|i| match row.try_get::<Option<String>, _>(i) {
+                    Ok(Some(v)) => Value::Text(Bytes::from(v)),
+                    _ => Value::Null,
+                })
+                .collect();
+            let pos = Position {
+                commit_lsn: Lsn::ZERO,
+                index,
+            };
+            index = index.saturating_add(1);
+            let mut msg: OutMessage = match &layout {
+                Ok(l) => match l.row(&values) {
+                    Ok(r) => router.route(&r, pos, max_payload),
+                    Err(e) => {
+                        router.bad_row(l.id(&values).map(|u| u.to_string()), pos, &e.to_string())
+                    }
+                },
+                Err(e) => router.bad_row(None, pos, &e.to_string()),
+            };
+            msg.headers
+                .push((Cow::Borrowed(wire::BACKFILL), header.clone()));
+            if let Some(reason) = msg.dlq_reason {
+                log_dead_letter(&msg, reason);
+            }
+            while !publisher.has_room() {
+                acked += await_ack(publisher).await?;
+            }
+            publisher.publish(u64::from(index), 0, msg).await?;
+        }
+        if last_log.elapsed() > PROGRESS_EVERY {
+            last_log = Instant::now();
+            tracing::info!(rows = index, acked, elapsed = ?started.elapsed(), "backfilling");
+        }
+    }
+    while publisher.in_flight() > 0 {
+        acked += await_ack(publisher).await?;
+    }
+    published.increment(acked);
+    metrics::gauge!(m::BACKFILLING).set(0.0);
+    tx.rollback()
+        .await
+        .map_err(Error::pg("ending the backfill transaction"))?;
+    Ok(acked)
+}
+
+async fn await_ack(publisher: &mut Publisher) -> Result<u64> {
+    match publisher.next_ack().await {
+        Some(ack) => ack.result.map(|_| 1),
+        None => Ok(0),
+    }
+}
+
+/// A SQL identifier, quoted.
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn streamed() -> TailEvent {
+        TailEvent {
+            id: "0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11".into(),
+            occurred_at: Some("2026-11-20T10:00:00Z".into()),
+            commit_lsn: Some("0/16B3748".into()),
+            backfill: None,
+        }
+    }
+
+    #[test]
+    fn a_first_start_backfills_as_configured() {
+        let plan = |b: &Backfill, r: Option<&Backfill>| plan(b, r, None, "s", "S");
+        assert_eq!(
+            plan(&Backfill::Unpublished, None).unwrap(),
+            Backfill::Unpublished
+        );
+        assert_eq!(plan(&Backfill::None, None).unwrap(), Backfill::None);
+        let since = Backfill::Since("2026-11-01T00:00:00Z".into());
+        assert_eq!(plan(&Backfill::None, Some(&since)).unwrap(), since);
+    }
+
+    #[test]
+    fn a_lost_slot_is_refused_with_the_last_event_and_the_fix() {
+        let err = plan(
+            &Backfill::Unpublished,
+            None,
+            Some(&streamed()),
+            "slot_a",
+            "A_EVENTS",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11"),
+            "{err}"
+        );
+        assert!(err.contains("--resync-since 2026-11-20T10:00:00Z"), "{err}");
+        let since = Backfill::Since("2026-11-20T10:00:00Z".into());
+        assert_eq!(
+            plan(
+                &Backfill::Unpublished,
+                Some(&since),
+                Some(&streamed()),
+                "s",
+                "S"
+            )
+            .unwrap(),
+            since
+        );
+    }
+
+    #[test]
+    fn an_interrupted_backfill_is_finished_with_its_own_filter() {
+        for filter in [
+            Backfill::Unpublished,
+            Backfill::Since("2026-11-20T10:00:00Z".into()),
+        ] {
+            let tail = TailEvent {
+                backfill: Some(header_value(&filter)),
+                ..streamed()
+            };
+            assert_eq!(
+                plan(&Backfill::None, None, Some(&tail), "s", "S").unwrap(),
+                filter
+            );
+        }
+        assert_eq!(parse_header("since not-a-time"), None);
+    }
+
+    #[test]
+    fn identifiers_are_quoted() {
+        assert_eq!(quote("a\"b"), "\"a\"\"b\"");
+    }
+}

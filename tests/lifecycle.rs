@@ -1,0 +1,463 @@
+//! SPEC §9: the paths a deployment takes over its life, beyond one relay
+//! streaming a plain table from a slot that already exists.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use outbox_relay::wire;
+
+const T: Duration = Duration::from_secs(120);
+
+/// The outbox as migrations/0001 creates it, but partitioned by time into
+/// three partitions (old, recent, current).
+const PARTITIONED_OUTBOX: &str = "
+DROP TABLE outbox_events;
+CREATE TABLE outbox_events (
+    id               uuid        NOT NULL,
+    aggregate_type   text        NOT NULL,
+    aggregate_id     text        NOT NULL,
+    event_type       text        NOT NULL,
+    event_version    int         NOT NULL DEFAULT 1,
+    payload          jsonb       NOT NULL,
+    occurred_at      timestamptz NOT NULL DEFAULT now(),
+    correlation_id   uuid        NULL,
+    causation_id     uuid        NULL,
+    subject          text        NULL,
+    headers          jsonb       NULL,
+    published_at     timestamptz NULL,
+    publish_attempts int         NOT NULL DEFAULT 0,
+    publish_error    text        NULL,
+    PRIMARY KEY (id, occurred_at)
+) PARTITION BY RANGE (occurred_at);
+CREATE TABLE outbox_events_old PARTITION OF outbox_events
+    FOR VALUES FROM (MINVALUE) TO ('2026-01-01');
+CREATE TABLE outbox_events_recent PARTITION OF outbox_events
+    FOR VALUES FROM ('2026-01-01') TO ('2026-06-01');
+CREATE TABLE outbox_events_current PARTITION OF outbox_events
+    FOR VALUES FROM ('2026-06-01') TO (MAXVALUE);
+";
+
+/// Issue 18, defect 1: with a partitioned outbox, pgoutput names each row's
+/// partition unless the publication publishes via the root, and the relay
+/// used to drop every such row without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_outbox_delivers_rows_of_every_partition_in_commit_order() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_parted").await;
+    sqlx::raw_sql(PARTITIONED_OUTBOX)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let relay = Service::relay(&url, &stack.nats_url, "parted", &[]);
+    let mut sent = HashSet::new();
+    for (txn, occurred_at) in [
+        "2025-03-01T00:00:00Z",
+        "2026-02-01T00:00:00Z",
+        "2026-11-01T00:00:00Z",
+    ]
+    .iter()
+    .cycle()
+    .take(30)
+    .enumerate()
+    {
+        // One transaction spans all three partitions every third time.
+        let mut tx = pool.begin().await.unwrap();
+        let span: &[&str] = if txn % 3 == 0 {
+            &[
+                "2025-03-01T00:00:00Z",
+                "2026-02-01T00:00:00Z",
+                "2026-11-01T00:00:00Z",
+            ]
+        } else {
+            std::slice::from_ref(occurred_at)
+        };
+        for (i, at) in span.iter().enumerate() {
+            let id = uuid::Uuid::new_v4();
+            sqlx::query(
+                "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+                 VALUES ($1, 'order', 'p0', 'placed', $2, $3::timestamptz)",
+            )
+            .bind(id)
+            .bind(serde_json::json!({"p": 0, "s": txn * 10 + i}))
+            .bind(at)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            sent.insert(id);
+        }
+        tx.commit().await.unwrap();
+    }
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("parted"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_events_published_total"),
+        Some(sent.len() as f64)
+    );
+}
+
+/// Issue 18, defect 1: a publication of the relay's name that does not
+/// publish the outbox's inserts is refused at start, with the statement that
+/// fixes it, instead of streaming nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publication_that_does_not_publish_the_outbox_is_refused_with_the_fix() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_pubother").await;
+    let publication = wire::publication_name("pubother");
+    let run = || {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let (code, err) = run_bounded(
+            &[
+                "relay",
+                "--database-url",
+                &url,
+                "--nats-url",
+                &stack.nats_url,
+                "--context",
+                "pubother",
+                "--metrics-addr",
+                &addr,
+            ],
+            Duration::from_secs(30),
+        );
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("error:"))
+            .unwrap_or_default()
+            .to_owned();
+        (code, line, err)
+    };
+
+    // For another table.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE other (x int primary key); CREATE PUBLICATION {publication} FOR TABLE other"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, line, err) = run();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        line.contains(&format!("ALTER PUBLICATION {publication} ADD TABLE")),
+        "{err}"
+    );
+
+    // For the table, but without its inserts.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP PUBLICATION {publication}; CREATE PUBLICATION {publication} FOR TABLE outbox_events WITH (publish = 'update')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, line, err) = run();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(line.contains("publish = 'insert'"), "{err}");
+
+    // A partitioned outbox behind a publication that names the partitions.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP PUBLICATION {publication}; {PARTITIONED_OUTBOX} \
+         CREATE PUBLICATION {publication} FOR TABLE outbox_events WITH (publish = 'insert')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, line, err) = run();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(line.contains("publish_via_partition_root = true"), "{err}");
+}
+
+/// Issue 18, defect 8: `NATS_URL` is a comma-separated server list (SPEC
+/// §2), for `relay` and `consume` alike; an entry that does not parse is one
+/// line naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_url_takes_a_server_list_and_names_a_bad_entry() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_natslist").await;
+    // The first server is down: the client must try the next.
+    let list = format!("nats://127.0.0.1:{}, {}", free_port(), stack.nats_url);
+    let _relay = Service::relay(&url, &list, "natslist", &[]);
+    let sent: HashSet<uuid::Uuid> = insert_txn(&pool, 0, 0, 20, 8).await.into_iter().collect();
+    let stream = wire::stream_name("natslist");
+    let got = read_stream(&stack.nats_url, &stream, 20, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    // Ready means connected and pulling.
+    let _consumer = Service::consumer(&url, &list, &stream, "listed", "http://127.0.0.1:1/", &[]);
+
+    let bad = format!("{},nats://127.0.0.1:notaport", stack.nats_url);
+    for command in [
+        vec!["relay"],
+        vec![
+            "consume",
+            "--durable",
+            "d",
+            "--handler-url",
+            "http://127.0.0.1:1/",
+        ],
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(&command)
+            .args(["--database-url", &url, "--nats-url", &bad, "--check-config"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{command:?}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 1, "{command:?}: one line: {err}");
+        assert!(
+            lines[0].contains("NATS_URL entry \"nats://127.0.0.1:notaport\""),
+            "{command:?}: {err}"
+        );
+    }
+}
+
+/// SPEC §9 standby, and issue 18 defect 6 (a relay that finds its slot held
+/// exited, so a kill -9 and an immediate restart crash-looped): a second
+/// relay with the same settings waits as a standby and takes over when the
+/// active one dies; twice, under load, with nothing lost, doubled or
+/// reordered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_relay_takes_over_after_kill_9_twice_under_load() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_standby").await;
+    let mut active = Service::relay(&url, &stack.nats_url, "standby", &[]);
+    let mut standby = Service::relay_starting(&url, &stack.nats_url, "standby", &[]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = spawn_producer(pool.clone(), 1_000_000, 1000, stop.clone());
+    for round in 1..=2 {
+        eventually(T, "the second relay reports standby", || async {
+            let (status, body) = standby.http_get("/readyz").await;
+            status == 503
+                && body.contains("standby")
+                && standby.scrape().await.value("outbox_relay_standby") == Some(1.0)
+        })
+        .await;
+        let m = active.scrape().await;
+        assert_eq!(m.value("outbox_relay_standby"), Some(0.0));
+        assert_eq!(m.value("outbox_relay_streaming"), Some(1.0));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        active.kill9();
+        let killed = Instant::now();
+        standby.wait_ready();
+        println!(
+            "round {round}: standby took over {:?} after kill -9",
+            killed.elapsed()
+        );
+        // The killed one comes back as the new standby.
+        active.restart();
+        std::mem::swap(&mut active, &mut standby);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let sent = producer.await.unwrap();
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("standby"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
+    assert_exactly_once_in_order(&got, &sent);
+}
+
+/// `n` unpublished rows, occurred_at one millisecond apart an hour ago, with
+/// payload `{"p": producer, "s": 1..=n}`; returns their ids.
+async fn preexisting_rows(pool: &sqlx::PgPool, producer: i32, n: i64) -> HashSet<uuid::Uuid> {
+    sqlx::query_scalar(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+         SELECT gen_random_uuid(), 'order', 'pre', 'placed', jsonb_build_object('p', $1::int, 's', g), \
+                now() - interval '1 hour' + g * interval '1 millisecond' \
+         FROM generate_series(1, $2::int8) g RETURNING id",
+    )
+    .bind(producer)
+    .bind(n)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect()
+}
+
+/// One-row transactions (so `occurred_at` orders them as commits do) until
+/// `stop`; returns their ids.
+fn trickle(
+    pool: sqlx::PgPool,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<HashSet<uuid::Uuid>> {
+    tokio::spawn(async move {
+        let mut sent = HashSet::new();
+        let mut seq = 0;
+        while !stop.load(Ordering::Relaxed) {
+            sent.extend(insert_txn(&pool, 0, seq, 1, 8).await);
+            seq += 1;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        sent
+    })
+}
+
+/// Issue 18, defect 2 / SPEC §9 first start: rows written before the relay
+/// ever ran are published (the unpublished ones, in occurred_at order)
+/// before what the slot streams, with inserts going on across the switch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_start_backfills_unpublished_rows_then_streams_under_concurrent_inserts() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_backfill").await;
+    let unpublished = preexisting_rows(&pool, 9, 2000).await;
+    // What a polling worker already published stays out.
+    let published = preexisting_rows(&pool, 8, 300).await;
+    sqlx::query("UPDATE outbox_events SET published_at = now() WHERE payload->>'p' = '8'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = trickle(pool.clone(), stop.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let relay = Service::relay(&url, &stack.nats_url, "backfill", &[]);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut sent = unpublished.clone();
+    sent.extend(producer.await.unwrap());
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("backfill"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
+    assert_exactly_once_in_order(&got, &sent);
+    assert!(got
+        .iter()
+        .all(|g| !published.contains(&uuid::Uuid::parse_str(g.h(wire::MSG_ID).unwrap()).unwrap())));
+    // The unpublished rows come first, in occurred_at order, then the rows
+    // the producer committed before the slot's snapshot; then the stream.
+    assert!(got[..2000].iter().all(|g| g.json()["p"] == 9));
+    let backfilled = got
+        .iter()
+        .take_while(|g| g.h(wire::BACKFILL).is_some())
+        .count();
+    assert!(backfilled >= 2000);
+    assert!(got[backfilled..]
+        .iter()
+        .all(|g| g.h(wire::BACKFILL).is_none()));
+    assert!(backfilled < got.len(), "some rows came through the slot");
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_backfill_rows_total"),
+        Some(backfilled as f64)
+    );
+}
+
+/// SPEC §9: a relay killed while it backfills finishes the backfill on its
+/// next start; nothing is lost, nothing doubled in the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_killed_during_backfill_finishes_it_on_the_next_start() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_bfcrash").await;
+    let sent = preexisting_rows(&pool, 9, 100_000).await;
+    let stream = wire::stream_name("bfcrash");
+    let mut relay = Service::relay_starting(&url, &stack.nats_url, "bfcrash", &[]);
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    eventually(T, "the backfill is under way", || async {
+        match js.get_stream(&stream).await {
+            Ok(mut s) => s.info().await.unwrap().state.messages >= 5_000,
+            Err(_) => false,
+        }
+    })
+    .await;
+    let (status, body) = relay.http_get("/readyz").await;
+    relay.kill9();
+    assert_eq!(status, 503, "killed before the backfill ended: {body}");
+    relay.restart();
+    relay.wait_ready();
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+}
+
+/// Issue 18, defect 3 / SPEC §9 slot lost: with no slot but this database's
+/// events in the stream, the relay refuses to start from "now"; with
+/// --resync-since it republishes the gap from the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_slot_is_refused_then_resync_since_republishes_the_gap() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_slotlost").await;
+    let stream = wire::stream_name("slotlost");
+    let mut relay = Service::relay(&url, &stack.nats_url, "slotlost", &["--backfill", "none"]);
+    let mut sent: HashSet<uuid::Uuid> = HashSet::new();
+    for i in 0..10 {
+        sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
+    }
+    let got = read_stream(&stack.nats_url, &stream, 100, T).await;
+    let last = got.last().unwrap().clone();
+    assert!(relay.term(Duration::from_secs(30)).success());
+    let (code, err) = run_bounded(
+        &[
+            "slot",
+            "drop",
+            "--yes",
+            "--database-url",
+            &url,
+            "--context",
+            "slotlost",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    // Written while no slot existed: only the table has them.
+    for i in 10..15 {
+        sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
+    }
+
+    let addr = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "relay",
+        "--database-url",
+        &url,
+        "--nats-url",
+        &stack.nats_url,
+        "--context",
+        "slotlost",
+        "--metrics-addr",
+        &addr,
+    ];
+    let (code, err) = run_bounded(&args, Duration::from_secs(30));
+    assert_eq!(code, Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    let since = last.h(wire::OCCURRED_AT).unwrap();
+    assert!(lines[0].contains(last.h(wire::MSG_ID).unwrap()), "{err}");
+    assert!(
+        lines[0].contains(&format!("--resync-since {since}")),
+        "{err}"
+    );
+
+    let relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "slotlost",
+        &["--resync-since", since],
+    );
+    for i in 15..20 {
+        sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
+    }
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    let ids: Vec<uuid::Uuid> = got
+        .iter()
+        .map(|g| uuid::Uuid::parse_str(g.h(wire::MSG_ID).unwrap()).unwrap())
+        .collect();
+    let unique: HashSet<uuid::Uuid> = ids.iter().copied().collect();
+    assert_eq!(unique.len(), ids.len(), "a duplicate in the stream");
+    assert_eq!(unique, sent, "the stream holds every row once");
+    let m = relay.scrape().await;
+    assert!(m
+        .value("outbox_relay_backfill_rows_total")
+        .is_some_and(|n| n >= 50.0));
+}
