@@ -53,6 +53,7 @@ fn per_event(c: &mut Criterion) {
         16,
         false,
         "7310000000000000000/app/outbox_relay_bench".into(),
+        vec![outbox_relay::wire::stream_subjects("bench")],
     );
     let pos = Position {
         commit_lsn: Lsn(0x16B_3748),

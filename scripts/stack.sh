@@ -13,6 +13,12 @@
 #                               run `BIN relay ARGS…` against the stack in the
 #                               background (log DIR/relay.log), return once it
 #                               streams; `down DIR` stops it first
+#   scripts/stack.sh nats-cluster-up DIR
+#                               a 3-node JetStream cluster (n1..n3) on loopback; writes
+#                               DIR/env (NATS_CLUSTER_URL: the three, comma-separated)
+#   scripts/stack.sh nats-node DIR N start|kill
+#                               start node N again, or kill -9 it (by its PID)
+#   scripts/stack.sh nats-cluster-down DIR
 #   scripts/stack.sh free-port  print a loopback port that is free now
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
@@ -209,6 +215,71 @@ ENV
   echo "NATS_URL=$natsurl"
 }
 
+# A 3-node JetStream cluster: each node's command line is kept in DIR/nN.cmd
+# so `nats-node DIR N start` brings it back with the same ports and store.
+nats_cluster_up() {
+  local dir="$1" natsbin i
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+  natsbin="$(nats_bin)"
+  local ports=() cports=() routes=""
+  for i in 1 2 3; do ports+=("$(free_port)"); cports+=("$(free_port)"); done
+  for i in 0 1 2; do routes="${routes:+$routes,}nats://127.0.0.1:${cports[$i]}"; done
+  : >"$dir/env"
+  local url=""
+  for i in 1 2 3; do
+    local port="${ports[$((i-1))]}" cport="${cports[$((i-1))]}"
+    printf '%s\n' "$natsbin" -a 127.0.0.1 -p "$port" -js -sd "$dir/n$i" --server_name "n$i" \
+      --cluster_name outbox --cluster "nats://127.0.0.1:$cport" --routes "$routes" >"$dir/n$i.cmd"
+    nats_node_start "$dir" "$i"
+    url="${url:+$url,}nats://127.0.0.1:$port"
+    echo "export NATS_NODE${i}_PORT=$port" >>"$dir/env"
+  done
+  echo "export NATS_CLUSTER_URL=$url" >>"$dir/env"
+  echo "export NATS_SERVER_BIN=$natsbin" >>"$dir/env"
+  # JetStream is usable once a meta leader is elected.
+  for _ in $(seq 1 200); do
+    if grep -q "JetStream cluster new metadata leader\|Self is new JetStream cluster metadata leader" "$dir"/n*.log 2>/dev/null; then
+      echo "NATS_CLUSTER_URL=$url"; return 0
+    fi
+    sleep 0.1
+  done
+  cat "$dir"/n*.log >&2
+  die "the NATS cluster elected no metadata leader in 20s"
+}
+
+nats_node_start() {
+  local dir="$1" i="$2" pid
+  [ -f "$dir/n$i.cmd" ] || die "no node $i in $dir"
+  mapfile -t cmd <"$dir/n$i.cmd"
+  "${cmd[@]}" >>"$dir/n$i.log" 2>&1 &
+  pid=$!
+  echo "$pid" >"$dir/n$i.pid"
+  local port
+  port="$(sed -n '5p' "$dir/n$i.cmd")"
+  for _ in $(seq 1 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$dir/n$i.log" >&2; die "nats node $i exited"; }
+    sleep 0.1
+  done
+  die "nats node $i not listening after 10s"
+}
+
+nats_node_kill() {
+  local dir="$1" i="$2" pid
+  pid="$(cat "$dir/n$i.pid")"
+  kill -9 "$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+}
+
+nats_cluster_down() {
+  local dir="$1" i
+  for i in 1 2 3; do
+    [ -f "$dir/n$i.pid" ] && kill "$(cat "$dir/n$i.pid")" 2>/dev/null || true
+  done
+  return 0
+}
+
 relay() {
   local dir="$1" bin="$2"
   shift 2
@@ -262,6 +333,15 @@ case "${1:-}" in
   down) [ -n "${2:-}" ] || die "usage: stack.sh down DIR"; down "$2" ;;
   relay) [ -n "${3:-}" ] || die "usage: stack.sh relay DIR BIN [ARGS…]"; relay "${@:2}" ;;
   free-port) free_port ;;
+  nats-cluster-up) [ -n "${2:-}" ] || die "usage: stack.sh nats-cluster-up DIR"; nats_cluster_up "$2" ;;
+  nats-cluster-down) [ -n "${2:-}" ] || die "usage: stack.sh nats-cluster-down DIR"; nats_cluster_down "$2" ;;
+  nats-node)
+    [ -n "${4:-}" ] || die "usage: stack.sh nats-node DIR N start|kill"
+    case "$4" in
+      start) nats_node_start "$2" "$3" ;;
+      kill) nats_node_kill "$2" "$3" ;;
+      *) die "nats-node: start or kill, not $4" ;;
+    esac ;;
   nats-bin) nats_bin ;;
   promtool) promtool_bin ;;
   pg-restart) [ -n "${2:-}" ] || die "usage: stack.sh pg-restart DIR [fast|immediate]"; pg_restart "$2" "${3:-fast}" ;;

@@ -318,6 +318,11 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_MAX_INFLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_inflight: u32,
 
+    /// Bytes of publishes awaiting their ack at most (headers and bodies):
+    /// what bounds memory when rows are large. One message always fits.
+    #[arg(long, env = "OUTBOX_MAX_INFLIGHT_BYTES", default_value = "32MiB", value_parser = parse_bytes)]
+    pub max_inflight_bytes: usize,
+
     /// How long to wait for one JetStream ack before reconnecting.
     #[arg(long, env = "OUTBOX_PUBLISH_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub publish_timeout: Duration,
@@ -518,6 +523,7 @@ pub struct RelayConfig {
     pub stream_max_bytes: i64,
     pub duplicate_window: Duration,
     pub max_inflight: usize,
+    pub max_inflight_bytes: usize,
     pub publish_timeout: Duration,
     pub shutdown_timeout: Duration,
     pub binary: bool,
@@ -606,6 +612,7 @@ impl RelayArgs {
             stream_max_bytes: self.stream_max_bytes,
             duplicate_window: self.duplicate_window,
             max_inflight: self.max_inflight as usize,
+            max_inflight_bytes: self.max_inflight_bytes,
             publish_timeout: self.publish_timeout,
             shutdown_timeout: self.shutdown_timeout,
             binary: self.tuple_format == "binary",
@@ -618,6 +625,37 @@ impl RelayArgs {
             resync_since,
         })
     }
+}
+
+/// A size such as `32MiB`, `512KiB`, `1GB` or `1048576`: at least 1 KiB.
+fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 32MiB)"))?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {s:?} (B, KiB, MiB, GiB, KB, MB, GB)"
+            ))
+        }
+    };
+    let bytes = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))?;
+    if bytes < 1024 {
+        return Err(format!("{s:?} is below 1KiB"));
+    }
+    Ok(bytes)
 }
 
 /// A polling interval: at least 100 ms, so a typo cannot hammer the server.
@@ -700,6 +738,16 @@ mod tests {
             ("public", "outbox_events")
         );
         assert!(c.binary);
+    }
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_bytes("32MiB"), Ok(32 << 20));
+        assert_eq!(parse_bytes("2048"), Ok(2048));
+        assert_eq!(parse_bytes("1 GB"), Ok(1_000_000_000));
+        assert!(parse_bytes("-1MiB").is_err());
+        assert!(parse_bytes("12parsecs").is_err());
+        assert!(parse_bytes("10").is_err(), "below 1 KiB");
     }
 
     #[test]

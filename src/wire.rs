@@ -69,27 +69,41 @@ pub const DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";
 pub enum DlqReason {
     InvalidSubject,
     SubjectOutsideStream,
+    /// Longer than the server's control line allows.
+    SubjectTooLong,
     InvalidHeader,
+    /// A header block JetStream would refuse (over 64 KiB).
+    HeadersTooLarge,
+    /// Over the server's `max_payload` or the stream's `max_msg_size`.
     TooLarge,
     BadRow,
+    /// Refused by the server at publish for a reason of its own (the detail
+    /// header has its words).
+    Refused,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 5] = [
+    pub const ALL: [DlqReason; 8] = [
         Self::InvalidSubject,
         Self::SubjectOutsideStream,
+        Self::SubjectTooLong,
         Self::InvalidHeader,
+        Self::HeadersTooLarge,
         Self::TooLarge,
         Self::BadRow,
+        Self::Refused,
     ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::InvalidSubject => "invalid_subject",
             Self::SubjectOutsideStream => "subject_outside_stream",
+            Self::SubjectTooLong => "subject_too_long",
             Self::InvalidHeader => "invalid_header",
+            Self::HeadersTooLarge => "headers_too_large",
             Self::TooLarge => "too_large",
             Self::BadRow => "bad_row",
+            Self::Refused => "refused",
         }
     }
 }

@@ -18,6 +18,11 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 pub const EVENTS_PUBLISHED: &str = "outbox_relay_events_published_total";
 pub const EVENTS_DEAD_LETTERED: &str = "outbox_relay_events_dead_lettered_total";
 pub const PUBLISH_ERRORS: &str = "outbox_relay_publish_errors_total";
+/// Publishes sent again because another writer appended to the stream
+/// between two of the relay's (the order chain refused them).
+pub const PUBLISH_RESENDS: &str = "outbox_relay_publish_resends_total";
+/// Bytes of the events published and not yet acked.
+pub const INFLIGHT_BYTES: &str = "outbox_relay_inflight_bytes";
 pub const INFLIGHT_EVENTS: &str = "outbox_relay_inflight_events";
 pub const COMMIT_TO_ACK_SECONDS: &str = "outbox_relay_commit_to_ack_seconds";
 pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
@@ -60,6 +65,8 @@ pub const ALL: &[&str] = &[
     EVENTS_PUBLISHED,
     EVENTS_DEAD_LETTERED,
     PUBLISH_ERRORS,
+    PUBLISH_RESENDS,
+    INFLIGHT_BYTES,
     INFLIGHT_EVENTS,
     COMMIT_TO_ACK_SECONDS,
     CONFIRMED_LSN,
@@ -137,6 +144,14 @@ pub fn register_relay() {
         "Rows sent to {context}.dlq.relay, by reason"
     );
     describe_counter!(PUBLISH_ERRORS, "Failed publish attempts");
+    describe_counter!(
+        PUBLISH_RESENDS,
+        "Publishes sent again after another writer appended to the stream"
+    );
+    describe_gauge!(
+        INFLIGHT_BYTES,
+        "Bytes of events published and not yet acked"
+    );
     describe_gauge!(INFLIGHT_EVENTS, "Events published and not yet acked");
     describe_histogram!(
         COMMIT_TO_ACK_SECONDS,
@@ -168,6 +183,8 @@ pub fn register_relay() {
         metrics::counter!(EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(0);
     }
     metrics::counter!(PUBLISH_ERRORS).increment(0);
+    metrics::counter!(PUBLISH_RESENDS).increment(0);
+    metrics::gauge!(INFLIGHT_BYTES).set(0.0);
     metrics::counter!(EVENTS_SKIPPED).increment(0);
     metrics::counter!(SESSION_RESTARTS).increment(0);
     metrics::gauge!(INFLIGHT_EVENTS).set(0.0);

@@ -266,6 +266,7 @@ mod tests {
             1,
             false,
             "src".into(),
+            vec![wire::stream_subjects("ctx")],
         );
         let partitions = vec![("public".into(), "outbox_events_p1".into())];
         Stage::new(

@@ -77,7 +77,10 @@ pub async fn run(
     ready.watch_nats(nats.clone());
     let js = jetstream::ContextBuilder::new()
         .timeout(cfg.publish_timeout)
-        .max_ack_inflight(cfg.max_inflight + 16)
+        // Our window bounds what is in flight; the slack is for copies the
+        // publisher dropped to resend, whose permits async-nats keeps until
+        // their ack timeout.
+        .max_ack_inflight(cfg.max_inflight * 2 + 16)
         .backpressure_on_inflight(true)
         .build(nats.clone());
     let env = Env {

@@ -22,16 +22,23 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use async_nats::header::{HeaderName, HeaderValue, IntoHeaderName};
-use async_nats::jetstream::{self, context::PublishErrorKind, stream, Context};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::Notify;
+
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::jetstream::{self, stream, Context};
 use async_nats::HeaderMap;
 use futures::stream::{FuturesOrdered, StreamExt};
 use futures::Future;
 
-use super::route::OutMessage;
+use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
-use crate::wire::{self, Position};
+use crate::wire::{self, DlqReason, Position};
 
 /// How long a scan of the stream's tail may take. Other writers (consumer
 /// dead letters, foreign publishers) may sit after the relay's last message;
@@ -41,7 +48,11 @@ const TAIL_SCAN_BUDGET: Duration = Duration::from_secs(10);
 
 pub struct StreamSettings<'a> {
     pub name: &'a str,
+    /// The stream a context uses by default, for the error that suggests it.
+    pub default_name: &'a str,
     pub subjects: String,
+    /// `{context}.dlq.relay`: the stream must capture it.
+    pub dlq_subject: &'a str,
     pub replicas: u8,
     pub max_age: Duration,
     pub max_bytes: i64,
@@ -49,9 +60,27 @@ pub struct StreamSettings<'a> {
 }
 
 /// Create the stream when missing; an existing stream is used as it is.
-pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<()> {
-    match js.get_stream(s.name).await {
-        Ok(_) => Ok(()),
+/// What the relay publishes into: the stream's subject filters, and the
+/// largest message it takes.
+#[derive(Debug, Clone)]
+pub struct StreamShape {
+    pub subjects: Vec<String>,
+    /// `max_msg_size`, when the stream sets one.
+    pub max_msg_size: Option<usize>,
+}
+
+/// Create the stream when missing; an existing stream is used as it is, but
+/// must capture the relay's dead-letter subject: a stream that cannot store
+/// the relay's dead letters is refused here, in one line, instead of
+/// wedging the relay on the first bad row.
+pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<StreamShape> {
+    let config = match js.get_stream(s.name).await {
+        Ok(mut stream) => stream
+            .info()
+            .await
+            .map_err(Error::nats(format!("reading stream {}", s.name)))?
+            .config
+            .clone(),
         Err(e)
             if matches!(
                 e.kind(),
@@ -59,7 +88,7 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<()> {
                     if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
             ) =>
         {
-            js.create_stream(stream::Config {
+            let config = stream::Config {
                 name: s.name.to_owned(),
                 subjects: vec![s.subjects.clone()],
                 storage: stream::StorageType::File,
@@ -68,20 +97,42 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<()> {
                 max_bytes: s.max_bytes,
                 duplicate_window: s.duplicate_window,
                 ..Default::default()
-            })
-            .await
-            .map_err(|e| Error::Setup {
-                message: format!(
-                    "cannot create stream {} on {}: {e}; create it yourself or pass --stream with an existing one",
-                    s.name, s.subjects
-                ),
-                source: Some(Box::new(e)),
-            })?;
+            };
+            js.create_stream(config.clone())
+                .await
+                .map_err(|e| Error::Setup {
+                    message: format!(
+                        "cannot create stream {} on {}: {e}; create it yourself or pass --stream with an existing one",
+                        s.name, s.subjects
+                    ),
+                    source: Some(Box::new(e)),
+                })?;
             tracing::info!(stream = s.name, subjects = %s.subjects, "created stream");
-            Ok(())
+            config
         }
-        Err(e) => Err(Error::nats(format!("looking up stream {}", s.name))(e)),
+        Err(e) => return Err(Error::nats(format!("looking up stream {}", s.name))(e)),
+    };
+    if !config
+        .subjects
+        .iter()
+        .any(|f| subject_matches(f, s.dlq_subject))
+    {
+        return Err(Error::setup(format!(
+            "stream {} (subjects {}) does not capture the relay's dead-letter subject {}: add {} to its subjects, or pass --stream with a stream that captures them (default: {} on {})",
+            s.name,
+            config.subjects.join(", "),
+            s.dlq_subject,
+            s.subjects,
+            s.default_name,
+            s.subjects,
+        )));
     }
+    Ok(StreamShape {
+        subjects: config.subjects,
+        max_msg_size: usize::try_from(config.max_message_size)
+            .ok()
+            .filter(|&m| m > 0),
+    })
 }
 
 /// The position of the last message this source stored in the stream, if any.
@@ -231,37 +282,94 @@ pub struct Ack {
     pub result: Result<bool>,
 }
 
-type AckFuture = Pin<Box<dyn Future<Output = Ack> + Send>>;
+type AckFuture = Pin<Box<dyn Future<Output = Result<bool, PublishError>> + Send>>;
+
+/// A message handed to the connection, kept until JetStream answers: it is
+/// sent again after an order refusal, or dead-lettered after a refusal of
+/// its own. The body is shared (`Bytes`), so keeping it costs its headers.
+struct Sent {
+    ticket: Ticket,
+    commit_micros: i64,
+    msg: OutMessage,
+}
+
+/// Where a message the server refuses goes instead.
+#[derive(Debug, Clone)]
+pub struct Refusals {
+    pub dlq_subject: String,
+    /// The smaller of the server's `max_payload` and the stream's
+    /// `max_msg_size`.
+    pub max_message: usize,
+}
 
 pub struct Publisher {
     js: Context,
     inflight: FuturesOrdered<AckFuture>,
-    /// Id of the message the next publish must follow; `None` until the
-    /// session's first publish is acked.
+    /// The messages behind `inflight`, in the same order.
+    sent: VecDeque<Sent>,
+    /// During a leader outage, what waits behind the one message probing
+    /// for a leader; sent again, in order, once the probe is stored.
+    parked: VecDeque<Sent>,
+    /// Their `wire_size`, summed: the window is bounded in bytes as well.
+    bytes: usize,
+    /// Id of the message the next publish must follow; `None` until a solo
+    /// publish is stored.
     chain: Option<String>,
     solo_pending: bool,
     max_inflight: usize,
+    max_bytes: usize,
+    refusals: Refusals,
+    /// Signalled by an ack that found no stream leader to answer.
+    leaderless: Arc<Notify>,
+    /// Since when publishes have been failing for want of a leader, and the
+    /// pause before the next resend.
+    outage: Option<(Instant, Duration)>,
 }
+
+/// How long publishes may keep failing for want of a leader (an election
+/// takes seconds) before the session ends and the relay reconnects.
+const OUTAGE_BUDGET: Duration = Duration::from_secs(60);
+/// The longest pause between resends during an outage: publishing resumes
+/// within this of a new leader answering.
+const MAX_RESEND_PAUSE: Duration = Duration::from_millis(250);
 
 impl Publisher {
     /// Each ack is awaited for at most the context's timeout (`--publish-timeout`):
     /// async-nats bounds the ack future by it.
-    pub fn new(js: Context, max_inflight: usize) -> Self {
+    pub fn new(js: Context, max_inflight: usize, max_bytes: usize, refusals: Refusals) -> Self {
         Self {
             js,
             inflight: FuturesOrdered::new(),
+            sent: VecDeque::new(),
+            parked: VecDeque::new(),
+            bytes: 0,
             chain: None,
             solo_pending: false,
             max_inflight,
+            max_bytes,
+            refusals,
+            leaderless: Arc::new(Notify::new()),
+            outage: None,
         }
     }
 
+    /// Whether another message may be handed over. One message is always
+    /// let through when nothing is in flight, whatever its size.
     pub fn has_room(&self) -> bool {
-        !self.solo_pending && self.inflight.len() < self.max_inflight
+        !self.solo_pending
+            && self.parked.is_empty()
+            && self.inflight.len() < self.max_inflight
+            && (self.bytes < self.max_bytes || self.inflight.is_empty())
     }
 
+    /// Messages handed over and not yet acked, including any parked
+    /// behind a leader probe.
     pub fn in_flight(&self) -> usize {
-        self.inflight.len()
+        self.inflight.len() + self.parked.len()
+    }
+
+    pub fn in_flight_bytes(&self) -> usize {
+        self.bytes
     }
 
     /// Hand one message to the connection. Returns once it is queued; its ack
@@ -272,17 +380,27 @@ impl Publisher {
         commit_micros: i64,
         msg: OutMessage,
     ) -> Result<()> {
+        self.send(Sent {
+            ticket,
+            commit_micros,
+            msg,
+        })
+        .await
+    }
+
+    async fn send(&mut self, sent: Sent) -> Result<()> {
         let prev = self.chain.take();
         if prev.is_none() {
             self.solo_pending = true;
         }
-        let headers = header_map(msg.headers, prev);
+        let msg = &sent.msg;
+        let headers = header_map(msg.headers.clone(), prev);
         let publish = jetstream::message::PublishMessage::build()
-            .payload(msg.body)
+            .payload(msg.body.clone())
             .headers(headers);
         let ack = self
             .js
-            .send_publish(msg.subject, publish)
+            .send_publish(msg.subject.clone(), publish)
             .await
             .map_err(|e| {
                 metrics::counter!(m::PUBLISH_ERRORS).increment(1);
@@ -293,39 +411,224 @@ impl Publisher {
                 }
             })?;
         self.chain = Some(msg.msg_id.clone());
-        let id = msg.msg_id;
+        self.bytes += msg.wire_size();
+        let leaderless = self.leaderless.clone();
         self.inflight.push_back(Box::pin(async move {
-            let result = match ack.into_future().await {
-                Ok(ack) => Ok(ack.duplicate),
-                Err(e) => Err(refused(id, e)),
-            };
-            Ack {
-                ticket,
-                commit_micros,
-                result,
+            let result = ack.into_future().await.map(|a| a.duplicate);
+            if result.as_ref().is_err_and(is_leaderless) {
+                // Any message can tell: the ones before it may be waiting
+                // out their ack timeout at a leader that is gone.
+                leaderless.notify_one();
             }
+            result
         }));
+        self.sent.push_back(sent);
         Ok(())
     }
 
-    /// The next ack, in publish order.
+    /// The next ack, in publish order. Two refusals are settled here,
+    /// inside the session, because retrying the session cannot help them:
+    ///
+    /// - out of order (`Nats-Expected-Last-Msg-Id` did not match): every
+    ///   earlier message is stored (acks come in order), this one and all
+    ///   after it were refused, since each expects its predecessor. Another
+    ///   writer appended to the stream. They are sent again from this one,
+    ///   alone first: a foreign message costs a round trip, not a session.
+    /// - the server refuses this message itself (too large for the stream,
+    ///   a header block over 64 KiB): it is dead-lettered in its place, and
+    ///   the messages after it are sent again behind the dead letter.
     pub async fn next_ack(&mut self) -> Option<Ack> {
-        let next = self.inflight.next().await;
-        if let Some(Ack {
-            result: Ok(duplicate),
-            ..
-        }) = &next
-        {
-            if self.solo_pending && *duplicate {
-                self.chain = None;
+        loop {
+            let result = tokio::select! {
+                biased;
+                r = self.inflight.next() => r?,
+                _ = self.leaderless.notified(), if !self.inflight.is_empty() => {
+                    if let Err(e) = self.ride_out_outage().await {
+                        return Some(self.failed(e));
+                    }
+                    continue;
+                }
+            };
+            let sent = self.sent.pop_front()?;
+            self.bytes = self.bytes.saturating_sub(sent.msg.wire_size());
+            match result {
+                Ok(duplicate) => {
+                    if self.outage.take().is_some() {
+                        tracing::info!("the stream answers again; resending what waited");
+                    }
+                    if self.solo_pending {
+                        self.solo_pending = false;
+                        // A duplicate is not the stream's last message, so
+                        // nothing may chain from it: the next goes alone
+                        // too. (With more in flight, those chained to it are
+                        // refused and sent again in order instead.)
+                        if duplicate && self.inflight.is_empty() {
+                            self.chain = None;
+                        }
+                    }
+                    if self.inflight.is_empty() && !self.parked.is_empty() {
+                        let parked: Vec<Sent> = self.parked.drain(..).collect();
+                        for p in parked {
+                            if let Err(e) = self.send(p).await {
+                                return Some(self.failed(e));
+                            }
+                        }
+                    }
+                    return Some(Ack {
+                        ticket: sent.ticket,
+                        commit_micros: sent.commit_micros,
+                        result: Ok(duplicate),
+                    });
+                }
+                Err(e) if matches!(e.kind(), PublishErrorKind::WrongLastMessageId) => {
+                    metrics::counter!(m::PUBLISH_RESENDS).increment(1);
+                    tracing::debug!(id = %sent.msg.msg_id, "another writer appended to the stream; sending again from here");
+                    if let Err(e) = self.resend_from(sent).await {
+                        return Some(self.failed(e));
+                    }
+                }
+                Err(e) if sent.msg.dlq_reason.is_none() && refuses_the_message(&e) => {
+                    let detail = e.to_string();
+                    tracing::warn!(id = %sent.msg.msg_id, reason = %detail, "the server refused the event; dead-lettering it");
+                    metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => DlqReason::Refused.as_str())
+                        .increment(1);
+                    let Sent {
+                        ticket,
+                        commit_micros,
+                        msg,
+                    } = sent;
+                    let msg = dead_letter(
+                        msg,
+                        &self.refusals.dlq_subject,
+                        DlqReason::Refused,
+                        Some(&detail),
+                        self.refusals.max_message,
+                    );
+                    let dead = Sent {
+                        ticket,
+                        commit_micros,
+                        msg,
+                    };
+                    if let Err(e) = self.resend_from(dead).await {
+                        return Some(self.failed(e));
+                    }
+                }
+                Err(e) if is_leaderless(&e) || matches!(e.kind(), PublishErrorKind::TimedOut) => {
+                    // No leader now, or an ack lost with one: stored or not,
+                    // it is sent again (dedupe by id, order by the chain).
+                    self.sent.push_front(sent);
+                    self.bytes += self.sent.front().map_or(0, |s| s.msg.wire_size());
+                    if let Err(e) = self.ride_out_outage().await {
+                        return Some(self.failed(e));
+                    }
+                }
+                Err(e) => {
+                    return Some(Ack {
+                        ticket: sent.ticket,
+                        commit_micros: sent.commit_micros,
+                        result: Err(refused(sent.msg.msg_id, e)),
+                    })
+                }
             }
-            self.solo_pending = false;
         }
-        next
+    }
+
+    /// The stream has no leader (an election after a node died): pause,
+    /// growing to [`MAX_RESEND_PAUSE`], then send everything unacked again
+    /// from the oldest. Past [`OUTAGE_BUDGET`] the session ends instead.
+    async fn ride_out_outage(&mut self) -> Result<()> {
+        let now = Instant::now();
+        let (since, pause) = self.outage.unwrap_or((now, Duration::from_millis(25)));
+        if now.duration_since(since) > OUTAGE_BUDGET {
+            let id = self
+                .sent
+                .front()
+                .map(|s| s.msg.msg_id.clone())
+                .unwrap_or_default();
+            return Err(Error::Publish {
+                id,
+                failure: PublishFailure::NoStream,
+                source: format!("no stream leader answered for {OUTAGE_BUDGET:?}").into(),
+            });
+        }
+        if self.outage.is_none() {
+            tracing::warn!("the stream has no leader; resending until one answers");
+        }
+        self.outage = Some((since, (pause * 2).min(MAX_RESEND_PAUSE)));
+        metrics::counter!(m::PUBLISH_RESENDS).increment(1);
+        tokio::time::sleep(pause).await;
+        // Futures of the old copies go; a new signal for the new ones. Only
+        // the oldest message probes for a leader: every dropped copy keeps
+        // an async-nats ack permit until its timeout, so resending the whole
+        // window each round would exhaust them.
+        self.leaderless = Arc::new(Notify::new());
+        let Some(first) = self.sent.pop_front() else {
+            return Ok(());
+        };
+        let mut rest: VecDeque<Sent> = self.sent.drain(..).collect();
+        rest.extend(self.parked.drain(..));
+        self.parked = rest;
+        self.inflight = FuturesOrdered::new();
+        self.bytes = 0;
+        self.chain = None;
+        self.solo_pending = false;
+        self.send(first).await
+    }
+
+    /// Send `first` and everything still in flight again, in order, `first`
+    /// unchained. What is in flight was refused (it followed a refused
+    /// message), and the server handles one connection's messages in order,
+    /// so the old copies are all answered before the new ones arrive.
+    async fn resend_from(&mut self, first: Sent) -> Result<()> {
+        let rest: Vec<Sent> = self.sent.drain(..).collect();
+        self.inflight = FuturesOrdered::new();
+        self.bytes = 0;
+        self.chain = None;
+        self.solo_pending = false;
+        self.send(first).await?;
+        for s in rest {
+            self.send(s).await?;
+        }
+        Ok(())
+    }
+
+    /// A resend that could not be handed to the connection ends the session.
+    fn failed(&mut self, e: Error) -> Ack {
+        let ticket = self.sent.front().map_or(0, |s| s.ticket);
+        Ack {
+            ticket,
+            commit_micros: 0,
+            result: Err(e),
+        }
     }
 }
 
-fn refused(id: String, e: jetstream::context::PublishError) -> Error {
+/// No responders: nothing answers on the stream's subjects, which in a
+/// cluster means the stream has no leader right now.
+fn is_leaderless(e: &PublishError) -> bool {
+    matches!(
+        e.kind(),
+        PublishErrorKind::StreamNotFound | PublishErrorKind::BrokenPipe
+    )
+}
+
+/// Whether the server refused this message for what it is (so it will
+/// refuse it again), not for the stream's or the connection's state.
+fn refuses_the_message(e: &PublishError) -> bool {
+    if matches!(e.kind(), PublishErrorKind::MaxPayloadExceeded) {
+        return true;
+    }
+    let api = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>());
+    matches!(
+        api.map(|a| a.error_code()),
+        Some(
+            jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+                | jetstream::ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM
+        )
+    )
+}
+
+fn refused(id: String, e: PublishError) -> Error {
     metrics::counter!(m::PUBLISH_ERRORS).increment(1);
     let failure = match e.kind() {
         PublishErrorKind::WrongLastMessageId => PublishFailure::OutOfOrder,

@@ -28,13 +28,17 @@ pub struct OutMessage {
 impl OutMessage {
     /// Bytes counted against the server's `max_payload`: header block plus body.
     pub fn wire_size(&self) -> usize {
-        // "NATS/1.0\r\n" + "name: value\r\n"* + "\r\n"
+        self.header_size() + self.body.len()
+    }
+
+    /// The header block: "NATS/1.0\r\n" + "name: value\r\n"* + "\r\n".
+    pub fn header_size(&self) -> usize {
         let headers: usize = self
             .headers
             .iter()
             .map(|(k, v)| k.len() + 2 + v.len() + 2)
             .sum();
-        10 + headers + 2 + self.body.len()
+        10 + headers + 2
     }
 
     #[cfg(any(test, feature = "testing"))]
@@ -173,8 +177,8 @@ pub struct Router {
     pub template: Template,
     pub partitions: u32,
     pub envelope: bool,
-    /// `{context}.`: every subject must fall under `{context}.>`.
-    stream_prefix: String,
+    /// The stream's subject filters: every subject must fall inside one.
+    captures: Vec<String>,
     /// `{context}.dlq.`: inside the stream's subjects but reserved for dead letters.
     dlq_prefix: String,
     dlq_subject: String,
@@ -188,12 +192,13 @@ impl Router {
         partitions: u32,
         envelope: bool,
         source: String,
+        captures: Vec<String>,
     ) -> Self {
         Self {
             template,
             partitions,
             envelope,
-            stream_prefix: format!("{context}."),
+            captures,
             dlq_prefix: wire::relay_dlq_prefix(context),
             dlq_subject: wire::relay_dlq_subject(context),
             source,
@@ -216,7 +221,10 @@ impl Router {
         };
         let mut reason = if subject_problem(&subject).is_some() {
             Some(DlqReason::InvalidSubject)
-        } else if !subject.starts_with(&self.stream_prefix) || subject.starts_with(&self.dlq_prefix)
+        } else if subject.len() > MAX_SUBJECT_BYTES {
+            Some(DlqReason::SubjectTooLong)
+        } else if !self.captures.iter().any(|f| subject_matches(f, &subject))
+            || subject.starts_with(&self.dlq_prefix)
         {
             Some(DlqReason::SubjectOutsideStream)
         } else {
@@ -241,6 +249,9 @@ impl Router {
             dlq_reason: None,
         };
         match reason {
+            None if msg.header_size() > MAX_HEADER_BYTES => {
+                self.dead_letter(msg, DlqReason::HeadersTooLarge, max_payload)
+            }
             None if msg.wire_size() <= max_payload => msg,
             None => self.dead_letter(msg, DlqReason::TooLarge, max_payload),
             Some(r) => self.dead_letter(msg, r, max_payload),
@@ -271,32 +282,8 @@ impl Router {
         }
     }
 
-    fn dead_letter(
-        &self,
-        mut msg: OutMessage,
-        reason: DlqReason,
-        max_payload: usize,
-    ) -> OutMessage {
-        // Keep what a person needs to find the row; drop headers the NATS
-        // protocol cannot carry.
-        msg.headers
-            .retain(|(k, v)| header_name_ok(k) && header_value_ok(v));
-        msg.headers
-            .push((Cow::Borrowed(wire::DLQ_REASON), reason.as_str().to_owned()));
-        msg.headers.push((
-            Cow::Borrowed(wire::DLQ_ORIGINAL_SUBJECT),
-            msg.subject.replace(['\r', '\n'], " "),
-        ));
-        msg.subject = self.dlq_subject.clone();
-        msg.dlq_reason = Some(reason);
-        if msg.wire_size() > max_payload {
-            msg.body = Bytes::new();
-        }
-        if msg.wire_size() > max_payload {
-            // Even the headers are too large (huge user headers): keep ours only.
-            msg.headers.retain(|(k, _)| is_reserved(k));
-        }
-        msg
+    fn dead_letter(&self, msg: OutMessage, reason: DlqReason, max_payload: usize) -> OutMessage {
+        dead_letter(msg, &self.dlq_subject, reason, None, max_payload)
     }
 
     fn standard_headers(
@@ -349,6 +336,79 @@ fn user_headers(json: &[u8]) -> Result<Vec<(Cow<'static, str>, String)>, ()> {
         out.push((Cow::Owned(k.clone()), s.to_owned()));
     }
     Ok(out)
+}
+
+/// The longest subject routed. The server closes a connection whose
+/// control line (`HPUB <subject> <reply> <sizes>`) passes `max_control_line`,
+/// 4 KiB by default and not announced in INFO: the rest is kept for the
+/// reply inbox and sizes.
+pub const MAX_SUBJECT_BYTES: usize = 3 * 1024;
+
+/// The largest header block routed. JetStream stores its length in 16 bits
+/// and refuses a longer one; the publisher's own order header needs room.
+pub const MAX_HEADER_BYTES: usize = 65_535 - 256;
+
+/// `msg` as a dead letter on `dlq_subject`: the original subject and the
+/// reason (and `detail`, the server's words for a refusal) in headers, and
+/// only what can still be sent: headers the protocol cannot carry dropped,
+/// user headers dropped when the header block is still too large, and the
+/// body emptied when it does not fit.
+pub fn dead_letter(
+    mut msg: OutMessage,
+    dlq_subject: &str,
+    reason: DlqReason,
+    detail: Option<&str>,
+    max_payload: usize,
+) -> OutMessage {
+    let one_line = |s: &str| {
+        let s = s.replace(['\r', '\n'], " ");
+        // A subject is the one value that may be long (too long to route).
+        s.chars().take(1024).collect::<String>()
+    };
+    msg.headers
+        .retain(|(k, v)| header_name_ok(k) && header_value_ok(v));
+    msg.headers
+        .push((Cow::Borrowed(wire::DLQ_REASON), reason.as_str().to_owned()));
+    msg.headers.push((
+        Cow::Borrowed(wire::DLQ_ORIGINAL_SUBJECT),
+        one_line(&msg.subject),
+    ));
+    if let Some(d) = detail {
+        msg.headers
+            .push((Cow::Borrowed(wire::DLQ_DETAIL), one_line(d)));
+    }
+    msg.subject = dlq_subject.to_owned();
+    msg.dlq_reason = Some(reason);
+    if msg.header_size() > MAX_HEADER_BYTES || msg.header_size() > max_payload {
+        // Huge user headers, or values that were routable but are too long
+        // together: keep ours only.
+        msg.headers.retain(|(k, _)| is_reserved(k));
+        for (_, v) in msg.headers.iter_mut() {
+            if v.len() > 1024 {
+                *v = v.chars().take(1024).collect();
+            }
+        }
+    }
+    if msg.wire_size() > max_payload {
+        msg.body = Bytes::new();
+    }
+    msg
+}
+
+/// Whether a subject falls inside a stream's subject filter (`*` one
+/// token, `>` one or more trailing tokens).
+pub fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut f = filter.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (f.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
 }
 
 /// Names only the relay sets (`Nats-*`, `Outbox-*`), any case.
@@ -406,6 +466,7 @@ mod tests {
             8,
             false,
             "1/db/slot".into(),
+            vec![wire::stream_subjects("shop")],
         )
     }
 
@@ -473,6 +534,69 @@ mod tests {
             assert_eq!(m.header(wire::MSG_ID), Some(r.id.to_string().as_str()));
             assert_eq!(m.body, r.payload, "body kept when it fits");
         }
+    }
+
+    #[test]
+    fn subjects_match_nats_filters() {
+        assert!(subject_matches("shop.>", "shop.a.b"));
+        assert!(!subject_matches("shop.>", "shop"));
+        assert!(subject_matches("shop.*.v1", "shop.placed.v1"));
+        assert!(!subject_matches("shop.*.v1", "shop.placed.x.v1"));
+        assert!(subject_matches("a.b", "a.b"));
+        assert!(!subject_matches("a.b", "a.b.c"));
+        assert!(!subject_matches("a.b.c", "a.b"));
+    }
+
+    #[test]
+    fn rows_the_server_would_refuse_are_dead_lettered_with_their_reason() {
+        let mut r = row();
+        r.subject = Some(format!("shop.{}", "x".repeat(MAX_SUBJECT_BYTES)));
+        let m = router("{context}.e").route(&r, POS, 1 << 20);
+        assert_eq!(m.dlq_reason, Some(DlqReason::SubjectTooLong));
+        assert!(m.header_size() < 4096, "the dead letter itself is sendable");
+
+        let mut r = row();
+        r.aggregate_id = "a".repeat(70_000);
+        let m = router("{context}.e").route(&r, POS, 1 << 20);
+        assert_eq!(m.dlq_reason, Some(DlqReason::HeadersTooLarge));
+        assert!(m.header_size() <= MAX_HEADER_BYTES);
+        assert_eq!(m.header(wire::MSG_ID), Some(r.id.to_string().as_str()));
+
+        // A stream that captures only some of the context's subjects.
+        let narrow = Router::new(
+            "shop",
+            Template::parse("{context}.e", "shop").unwrap(),
+            8,
+            false,
+            "1/db/slot".into(),
+            vec!["shop.orders.>".into(), wire::relay_dlq_subject("shop")],
+        );
+        let mut r = row();
+        r.subject = Some("shop.orders.placed".into());
+        assert_eq!(narrow.route(&r, POS, 1 << 20).dlq_reason, None);
+        r.subject = Some("shop.billing.paid".into());
+        assert_eq!(
+            narrow.route(&r, POS, 1 << 20).dlq_reason,
+            Some(DlqReason::SubjectOutsideStream)
+        );
+    }
+
+    #[test]
+    fn a_refused_message_becomes_a_dead_letter_that_fits() {
+        let m = router("{context}.e").route(&row(), POS, 1 << 20);
+        let id = m.msg_id.clone();
+        let dl = dead_letter(
+            m,
+            &wire::relay_dlq_subject("shop"),
+            DlqReason::Refused,
+            Some("message size exceeds maximum allowed"),
+            100,
+        );
+        assert_eq!(dl.subject, wire::relay_dlq_subject("shop"));
+        assert_eq!(dl.header(wire::DLQ_REASON), Some("refused"));
+        assert_eq!(dl.header(wire::MSG_ID), Some(id.as_str()));
+        assert!(dl.header(wire::DLQ_DETAIL).is_some());
+        assert!(dl.body.is_empty(), "the body did not fit in 100 bytes");
     }
 
     #[test]

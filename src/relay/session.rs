@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::backfill;
 use super::decode::{Stage, Step};
-use super::publish::{self, Ack, Publisher, StreamSettings};
+use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
 use super::watermark::Watermark;
 use super::Stopped;
@@ -28,10 +28,14 @@ use crate::postgres::provision::SlotState;
 use crate::postgres::{self, Dsn};
 use crate::wire;
 
-/// Events buffered between the replication worker and the loop. Small: the
-/// publish window is where events wait, and a large XLogData buffer would let
-/// big payloads multiply memory.
-const REPLICATION_BUFFER: usize = 512;
+/// Events buffered between the replication worker and the loop: one per
+/// MiB of `--max-inflight-bytes`, between 16 and 512. The publish window is
+/// where events wait; pgwire-replication bounds this buffer by count only,
+/// so its bytes are this many rows at most, and a deployment with multi-MB
+/// rows lowers `--max-inflight-bytes` to shrink both.
+fn replication_buffer(max_inflight_bytes: usize) -> usize {
+    (max_inflight_bytes >> 20).clamp(16, 512)
+}
 
 /// What every session of one relay shares.
 pub(super) struct Env<'a> {
@@ -62,6 +66,7 @@ struct Open {
 struct Handles {
     published: metrics::Counter,
     inflight: metrics::Gauge,
+    inflight_bytes: metrics::Gauge,
     commit_to_ack: metrics::Histogram,
     confirmed: metrics::Gauge,
 }
@@ -75,6 +80,7 @@ impl<'a> Session<'a> {
             metrics: Handles {
                 published: metrics::counter!(m::EVENTS_PUBLISHED),
                 inflight: metrics::gauge!(m::INFLIGHT_EVENTS),
+                inflight_bytes: metrics::gauge!(m::INFLIGHT_BYTES),
                 commit_to_ack: metrics::histogram!(m::COMMIT_TO_ACK_SECONDS),
                 confirmed: metrics::gauge!(m::CONFIRMED_LSN),
             },
@@ -132,10 +138,13 @@ impl<'a> Session<'a> {
                 pid: Some(pid),
             });
         }
-        publish::ensure_stream(
+        let dlq_subject = wire::relay_dlq_subject(&cfg.context);
+        let shape = publish::ensure_stream(
             js,
             &StreamSettings {
                 name: &cfg.stream,
+                default_name: &wire::stream_name(&cfg.context),
+                dlq_subject: &dlq_subject,
                 subjects: wire::stream_subjects(&cfg.context),
                 replicas: cfg.stream_replicas,
                 max_age: cfg.stream_max_age,
@@ -157,8 +166,20 @@ impl<'a> Session<'a> {
             });
 
         // Read once per session: server_info() clones the whole INFO block.
-        let max_payload = nats.server_info().max_payload;
-        let mut publisher = Publisher::new(js.clone(), cfg.max_inflight);
+        // A message must fit the server and the stream.
+        let max_payload = nats
+            .server_info()
+            .max_payload
+            .min(shape.max_msg_size.unwrap_or(usize::MAX));
+        let mut publisher = Publisher::new(
+            js.clone(),
+            cfg.max_inflight,
+            cfg.max_inflight_bytes,
+            Refusals {
+                dlq_subject,
+                max_message: max_payload,
+            },
+        );
         let router = |source: &str| {
             Router::new(
                 &cfg.context,
@@ -166,6 +187,7 @@ impl<'a> Session<'a> {
                 cfg.partitions,
                 cfg.envelope,
                 source.to_owned(),
+                shape.subjects.clone(),
             )
         };
         let confirmed = match prepared.slot {
@@ -183,7 +205,7 @@ impl<'a> Session<'a> {
             .with_start_lsn(confirmed)
             .with_ack_lsn(confirmed)
             .with_binary(cfg.binary)
-            .with_buffer_size(REPLICATION_BUFFER)
+            .with_buffer_size(replication_buffer(cfg.max_inflight_bytes))
             .with_status_interval(status_interval)
             .with_wakeup_interval(status_interval);
         let mut client = ReplicationClient::connect_gated(repl).await?;
@@ -228,27 +250,31 @@ impl<'a> Session<'a> {
         } = open;
         loop {
             tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => return Ok(()),
-                Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
-                    self.on_ack(client, publisher, ack)?;
-                }
-                event = client.recv(), if publisher.has_room() => {
-                    let event = match event {
-                        Ok(Some(ev)) => ev,
-                        Ok(None) => return Err(Error::StreamEnded),
-                        Err(e) => return Err(e.into()),
-                    };
-                    match stage.on_event(event, &mut self.watermark)? {
-                        Step::Nothing => {}
-                        Step::Confirm(lsn) => self.confirm(client, lsn),
-                        Step::Publish { ticket, commit_micros, msg } => {
-                            publisher.publish(ticket, commit_micros, msg).await?;
-                            self.metrics.inflight.set(publisher.in_flight() as f64);
+                    biased;
+                    _ = shutdown.cancelled() => return Ok(()),
+                    Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
+                        self.on_ack(client, publisher, ack)?;
+                    }
+                    event = client.recv(), if publisher.has_room() => {
+                        let event = match event {
+                            Ok(Some(ev)) => ev,
+                            Ok(None) => return Err(Error::StreamEnded),
+                            Err(e) => return Err(e.into()),
+                        };
+                        match stage.on_event(event, &mut self.watermark)? {
+                            Step::Nothing => {}
+                            Step::Confirm(lsn) => self.confirm(client, lsn),
+                            Step::Publish { ticket, commit_micros, msg } => {
+                                publisher.publish(ticket, commit_micros, msg).await?;
+                                self.metrics.inflight.set(publisher.in_flight() as f64);
+            self.metrics
+                .inflight_bytes
+                .set(publisher.in_flight_bytes() as f64);
+                                self.metrics.inflight_bytes.set(publisher.in_flight_bytes() as f64);
+                            }
                         }
                     }
                 }
-            }
         }
     }
 
@@ -295,6 +321,9 @@ impl<'a> Session<'a> {
         ack.result?;
         self.metrics.published.increment(1);
         self.metrics.inflight.set(publisher.in_flight() as f64);
+        self.metrics
+            .inflight_bytes
+            .set(publisher.in_flight_bytes() as f64);
         let age = unix_micros_now() - pg_to_unix_micros(ack.commit_micros);
         self.metrics.commit_to_ack.record(age.max(0) as f64 / 1e6);
         if let Some(lsn) = self.watermark.ack(ack.ticket) {

@@ -773,3 +773,85 @@ impl Drop for OwnStack {
 }
 
 const STACK_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
+
+/// A 3-node JetStream cluster of the test's own (`scripts/stack.sh
+/// nats-cluster-up`), for leader-failure tests. Stopped on drop.
+pub struct OwnCluster {
+    dir: PathBuf,
+    pub url: String,
+}
+
+impl OwnCluster {
+    pub fn up(name: &str) -> Self {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+        let _ = Command::new(STACK_SH)
+            .arg("nats-cluster-down")
+            .arg(&dir)
+            .status();
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(STACK_SH)
+            .arg("nats-cluster-up")
+            .arg(&dir)
+            .env("NATS_SERVER_BIN", stack().nats_bin)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cluster {name} did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let url = std::fs::read_to_string(dir.join("env"))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("export NATS_CLUSTER_URL="))
+            .unwrap()
+            .to_owned();
+        OwnCluster { dir, url }
+    }
+
+    /// `kill -9` node `n` (1..=3), or start it again.
+    pub fn node(&self, n: usize, action: &str) {
+        let st = Command::new(STACK_SH)
+            .arg("nats-node")
+            .arg(&self.dir)
+            .arg(n.to_string())
+            .arg(action)
+            .env("NATS_SERVER_BIN", stack().nats_bin)
+            .status()
+            .unwrap();
+        assert!(st.success(), "nats-node {n} {action} failed");
+    }
+
+    /// Whether `stream` has a leader and both followers are current: what
+    /// an operator waits for before taking another node down.
+    pub async fn healthy(&self, js: &jetstream::Context, stream: &str) -> bool {
+        let Ok(mut s) = js.get_stream(stream).await else {
+            return false;
+        };
+        let Ok(info) = s.info().await else {
+            return false;
+        };
+        info.cluster.as_ref().is_some_and(|c| {
+            c.leader.is_some()
+                && c.replicas.len() == 2
+                && c.replicas.iter().all(|r| r.current && !r.offline)
+        })
+    }
+
+    /// The node that leads `stream` now (its server name is `n1`..`n3`).
+    pub async fn leader(&self, js: &jetstream::Context, stream: &str) -> Option<usize> {
+        let mut s = js.get_stream(stream).await.ok()?;
+        let info = s.info().await.ok()?;
+        let name = info.cluster.as_ref()?.leader.clone()?;
+        name.strip_prefix('n')?.parse().ok()
+    }
+}
+
+impl Drop for OwnCluster {
+    fn drop(&mut self) {
+        let _ = Command::new(STACK_SH)
+            .arg("nats-cluster-down")
+            .arg(&self.dir)
+            .status();
+    }
+}
