@@ -25,4 +25,14 @@ fi
 
 # Integration tests are few and heavy; two at a time suit a 2-core machine.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
-timeout --signal=TERM 1500 cargo test --locked "$@"
+if [ $# -gt 0 ]; then
+  exec timeout --signal=TERM 1500 cargo test --locked "$@"
+fi
+# Tests that run a 3-node NATS cluster or move hundreds of MB go last, one at
+# a time: next to another heavy test on 2 cores, a starved cluster can fail
+# its own elections, which tests nothing of ours.
+SERIAL=(3_node_cluster five_megabyte)
+skips=()
+for t in "${SERIAL[@]}"; do skips+=(--skip "$t"); done
+timeout --signal=TERM 1500 cargo test --locked -- "${skips[@]}"
+timeout --signal=TERM 900 cargo test --locked --test integration -- --test-threads=1 "${SERIAL[@]}"

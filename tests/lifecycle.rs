@@ -662,7 +662,39 @@ async fn five_megabyte_rows_flow_under_the_byte_bound() {
     .unwrap()
     .into_iter()
     .collect();
-    let got = read_stream(&nats.url, &wire::stream_name("bigrows"), ROWS as u64, T).await;
+    // Read by sequence: an ordered consumer pulling 200 MB through a busy
+    // 2-core box misses its own heartbeats and starts over.
+    let js = async_nats::jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+    let stream_name = wire::stream_name("bigrows");
+    eventually(T, "every row stored", || async {
+        let mut s = js.get_stream(&stream_name).await.unwrap();
+        s.info().await.unwrap().state.messages >= ROWS as u64
+    })
+    .await;
+    let mut stream = js.get_stream(&stream_name).await.unwrap();
+    assert_eq!(
+        stream.info().await.unwrap().state.messages,
+        ROWS as u64,
+        "a row stored twice"
+    );
+    let mut got = Vec::new();
+    for seq in 1..=ROWS as u64 {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        got.push(Got {
+            subject: m.subject.to_string(),
+            headers: m
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.to_string(),
+                        v.first().map(|v| v.to_string()).unwrap_or_default(),
+                    )
+                })
+                .collect(),
+            payload: m.payload.to_vec(),
+        });
+    }
     assert_exactly_once_in_order(&got, &sent);
     assert!(got.iter().all(|g| g.payload.len() > 5_000_000));
     let peak = relay.peak_rss_kib().expect("VmHWM");
@@ -696,6 +728,10 @@ async fn relay_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() {
     let js = async_nats::jetstream::new(client.clone());
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(pool.clone(), 1_000_000, 1000, stop.clone());
+    eventually(T, "the stream is replicated", || {
+        cluster.healthy(&js, &stream)
+    })
+    .await;
     for round in 1..=2 {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let deadline = Instant::now() + T;

@@ -4,7 +4,8 @@
 //! One dispatcher task owns all ordering state ([`scheduler`], pure), so
 //! there are no locks; each delivery ([`delivery`]) runs in its own task.
 //! Waiting deliveries are kept alive with in-progress acks. A pull stream
-//! that ends or fails is rebuilt with backoff; nothing but shutdown ends the
+//! that ends or fails, or whose client reconnected to another server, is
+//! rebuilt (with backoff while that fails); nothing but shutdown ends the
 //! consumer once it runs.
 //!
 //! Shutdown: stop pulling, let running deliveries finish (bounded), NAK what
@@ -16,6 +17,7 @@ pub mod handler;
 mod inbox;
 mod scheduler;
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,7 +61,13 @@ struct Done {
 }
 
 /// The longest pause between attempts to rebuild a failed pull stream.
-const MAX_RESUBSCRIBE_BACKOFF: Duration = Duration::from_secs(5);
+const MAX_RESUBSCRIBE_BACKOFF: Duration = Duration::from_secs(1);
+
+const PULL_HEARTBEAT: Duration = Duration::from_millis(500);
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+/// How often the consumer looks whether its NATS client reconnected.
+const RECONNECT_CHECK: Duration = Duration::from_millis(100);
 
 /// Run until `shutdown`. The consumer is created, or updated to these settings.
 /// `readiness` is told when pulling has started (and when it stops).
@@ -111,6 +119,14 @@ pub async fn run<H: Handler>(
     let pending = metrics::gauge!(m::CONSUMER_PENDING);
     pending.set(consumer.cached_info().num_pending as f64);
 
+    // A pull subscription does not survive its client moving to another
+    // server (a NATS node died): async-nats resubscribes the inbox but the
+    // outstanding pull request is gone, and the stream goes quiet without
+    // an error. Each new connection gets a new pull subscription.
+    let stats = js.client().statistics();
+    let mut connects = stats.connects.load(Ordering::Relaxed);
+    let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
+
     let start = |key: String, msg: jetstream::Message| {
         let shared = shared.clone();
         let done_tx = done_tx.clone();
@@ -129,6 +145,17 @@ pub async fn run<H: Handler>(
                     start(key, msg);
                 }
             }
+            _ = reconnect_check.tick() => {
+                let now = stats.connects.load(Ordering::Relaxed);
+                if now != connects {
+                    connects = now;
+                    tracing::info!("NATS reconnected; renewing the pull subscription");
+                    match resubscribe(&consumer, &cfg, &shutdown).await {
+                        Some(m) => messages = m,
+                        None => break,
+                    }
+                }
+            }
             _ = progress.tick() => {
                 // Waiting deliveries must not pass ack_wait, or they come back
                 // as duplicates out of order.
@@ -143,7 +170,14 @@ pub async fn run<H: Handler>(
                 let msg = match next {
                     Some(Ok(m)) => m,
                     Some(Err(e)) => {
-                        tracing::warn!(error = %e, "pull stream error; continuing");
+                        // Missed heartbeats, no responders: the pull request
+                        // is gone with a consumer leader. A new subscription
+                        // asks the current one.
+                        tracing::warn!(error = %e, "pull stream error; renewing the pull subscription");
+                        match resubscribe(&consumer, &cfg, &shutdown).await {
+                            Some(m) => messages = m,
+                            None => break,
+                        }
                         continue;
                     }
                     None => {
@@ -197,11 +231,14 @@ async fn pull_stream(
     consumer: &jetstream::consumer::Consumer<pull::Config>,
     cfg: &ConsumeConfig,
 ) -> std::result::Result<Messages, jetstream::consumer::StreamError> {
+    // A pull request lives at the consumer's leader: when that node dies,
+    // only a missed heartbeat (two intervals) or the request's expiry tells.
+    // Short ones keep a failover to seconds; an idle heartbeat is cheap.
     consumer
         .stream()
         .max_messages_per_batch(cfg.concurrency.max(1) * 2)
-        .heartbeat(Duration::from_secs(5))
-        .expires(Duration::from_secs(30))
+        .heartbeat(PULL_HEARTBEAT)
+        .expires(PULL_EXPIRES)
         .messages()
         .await
 }

@@ -439,6 +439,11 @@ impl Publisher {
     ///   the messages after it are sent again behind the dead letter.
     pub async fn next_ack(&mut self) -> Option<Ack> {
         loop {
+            if self.inflight.is_empty() && !self.parked.is_empty() {
+                if let Err(e) = self.send_parked().await {
+                    return Some(self.failed(e));
+                }
+            }
             let result = tokio::select! {
                 biased;
                 r = self.inflight.next() => r?,
@@ -467,11 +472,8 @@ impl Publisher {
                         }
                     }
                     if self.inflight.is_empty() && !self.parked.is_empty() {
-                        let parked: Vec<Sent> = self.parked.drain(..).collect();
-                        for p in parked {
-                            if let Err(e) = self.send(p).await {
-                                return Some(self.failed(e));
-                            }
+                        if let Err(e) = self.send_parked().await {
+                            return Some(self.failed(e));
                         }
                     }
                     return Some(Ack {
@@ -531,6 +533,23 @@ impl Publisher {
                 }
             }
         }
+    }
+
+    /// Send what waited behind a leader probe, in order. A message that
+    /// cannot be handed over stays parked (in front) for the next try.
+    async fn send_parked(&mut self) -> Result<()> {
+        tracing::debug!(
+            count = self.parked.len(),
+            "resending what waited behind the probe"
+        );
+        while let Some(p) = self.parked.pop_front() {
+            let id = p.msg.msg_id.clone();
+            if let Err(e) = self.send(p).await {
+                tracing::debug!(%id, error = %e, "resend failed");
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// The stream has no leader (an election after a node died): pause,
