@@ -788,16 +788,7 @@ async fn consume_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() 
     let stack = stack();
     let (url, _pool) = fresh_db(&stack, "c_cluster").await;
     let cluster = OwnCluster::up("nats-cluster-consume");
-    let client = async_nats::ConnectOptions::new()
-        .connect(
-            cluster
-                .url
-                .split(',')
-                .map(|u| u.parse::<async_nats::ServerAddr>().unwrap())
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .unwrap();
+    let client = cluster.client().await;
     let js = jetstream::new(client);
     let stream = wire::stream_name("ccl");
     js.create_stream(stream::Config {

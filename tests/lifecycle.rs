@@ -706,8 +706,7 @@ async fn five_megabyte_rows_flow_under_the_byte_bound() {
 
 /// Issue 18, defect 8: on a 3-node cluster with an R3 stream, the stream
 /// leader killed (kill -9) twice under load and restarted: nothing lost,
-/// doubled or reordered, no human needed, and publishing resumes by itself
-/// inside the session.
+/// doubled or reordered, and publishing resumes by itself (a new session).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() {
     let stack = stack();
@@ -715,16 +714,7 @@ async fn relay_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() {
     let cluster = OwnCluster::up("nats-cluster-relay");
     let stream = wire::stream_name("cluster");
     let relay = Service::relay(&url, &cluster.url, "cluster", &["--stream-replicas", "3"]);
-    let client = async_nats::ConnectOptions::new()
-        .connect(
-            cluster
-                .url
-                .split(',')
-                .map(|u| u.parse::<async_nats::ServerAddr>().unwrap())
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .unwrap();
+    let client = cluster.client().await;
     let js = async_nats::jetstream::new(client.clone());
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(pool.clone(), 1_000_000, 1000, stop.clone());
@@ -778,4 +768,42 @@ async fn relay_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() {
         m.value("outbox_relay_session_restarts_total"),
         m.value("outbox_relay_publish_resends_total")
     );
+}
+
+/// SPEC §9 table shapes: a row inserted and deleted in the same transaction
+/// (so the table stays empty) is still delivered: the publication publishes
+/// inserts only, and the insert is in the WAL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insert_and_delete_in_one_transaction_delivers_the_event() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_insdel").await;
+    let _relay = Service::relay(&url, &stack.nats_url, "insdel", &[]);
+    let mut sent = HashSet::new();
+    for i in 0..5u64 {
+        let mut tx = pool.begin().await.unwrap();
+        let id = uuid::Uuid::new_v4();
+        sqlx::query(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ($1, 'order', 'x', 'placed', $2)",
+        )
+        .bind(id)
+        .bind(serde_json::json!({"p": 0, "s": i}))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        sqlx::query("DELETE FROM outbox_events WHERE id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        sent.insert(id);
+    }
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the table stays empty");
+    let got = read_stream(&stack.nats_url, &wire::stream_name("insdel"), 5, T).await;
+    assert_exactly_once_in_order(&got, &sent);
 }

@@ -111,6 +111,7 @@ pub(super) async fn first_start(
             describe(&filter)
         ));
         let source = wire::source_id(&system.system_id, system.timeline, &dsn.database, &cfg.slot);
+        let started = Instant::now();
         let rows = publish_snapshot(
             env,
             &snapshot,
@@ -120,7 +121,14 @@ pub(super) async fn first_start(
             max_payload,
         )
         .await?;
-        tracing::info!(rows, filter = describe(&filter), "backfill done");
+        let secs = started.elapsed().as_secs_f64();
+        tracing::info!(
+            rows,
+            seconds = format!("{secs:.2}"),
+            rows_per_second = (rows as f64 / secs.max(1e-9)) as u64,
+            filter = describe(&filter),
+            "backfill done"
+        );
     }
     let lsn = provision::persist_slot(pool, &init, &cfg.slot).await?;
     tracing::debug!(%consistent, slot_at = %lsn, "snapshot consistent point and the new slot's position");

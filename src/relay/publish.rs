@@ -23,10 +23,6 @@ use std::time::Duration;
 
 use async_nats::header::{HeaderName, HeaderValue, IntoHeaderName};
 use std::collections::VecDeque;
-use std::sync::Arc;
-use std::time::Instant;
-
-use tokio::sync::Notify;
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, stream, Context};
@@ -60,6 +56,14 @@ pub struct StreamSettings<'a> {
 }
 
 /// Create the stream when missing; an existing stream is used as it is.
+fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    matches!(
+        e.kind(),
+        jetstream::context::GetStreamErrorKind::JetStream(ref j)
+            if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+    )
+}
+
 /// What the relay publishes into: the stream's subject filters, and the
 /// largest message it takes.
 #[derive(Debug, Clone)]
@@ -81,13 +85,7 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
             .map_err(Error::nats(format!("reading stream {}", s.name)))?
             .config
             .clone(),
-        Err(e)
-            if matches!(
-                e.kind(),
-                jetstream::context::GetStreamErrorKind::JetStream(ref j)
-                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-            ) =>
-        {
+        Err(e) if stream_not_found(&e) => {
             let config = stream::Config {
                 name: s.name.to_owned(),
                 subjects: vec![s.subjects.clone()],
@@ -202,15 +200,7 @@ async fn scan_tail<T>(
 ) -> Result<Option<T>> {
     let mut stream = match js.get_stream(stream_name).await {
         Ok(s) => s,
-        Err(e)
-            if matches!(
-                e.kind(),
-                jetstream::context::GetStreamErrorKind::JetStream(ref j)
-                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-            ) =>
-        {
-            return Ok(None)
-        }
+        Err(e) if stream_not_found(&e) => return Ok(None),
         Err(e) => return Err(Error::nats("reading stream info")(e)),
     };
     let state = stream
@@ -287,6 +277,7 @@ type AckFuture = Pin<Box<dyn Future<Output = Result<bool, PublishError>> + Send>
 /// A message handed to the connection, kept until JetStream answers: it is
 /// sent again after an order refusal, or dead-lettered after a refusal of
 /// its own. The body is shared (`Bytes`), so keeping it costs its headers.
+#[derive(Clone)]
 struct Sent {
     ticket: Ticket,
     commit_micros: i64,
@@ -307,8 +298,8 @@ pub struct Publisher {
     inflight: FuturesOrdered<AckFuture>,
     /// The messages behind `inflight`, in the same order.
     sent: VecDeque<Sent>,
-    /// During a leader outage, what waits behind the one message probing
-    /// for a leader; sent again, in order, once the probe is stored.
+    /// Refused or unanswered messages queued to go out again, in order,
+    /// before anything new (see [`Publisher::next_ack`]).
     parked: VecDeque<Sent>,
     /// Their `wire_size`, summed: the window is bounded in bytes as well.
     bytes: usize,
@@ -319,19 +310,7 @@ pub struct Publisher {
     max_inflight: usize,
     max_bytes: usize,
     refusals: Refusals,
-    /// Signalled by an ack that found no stream leader to answer.
-    leaderless: Arc<Notify>,
-    /// Since when publishes have been failing for want of a leader, and the
-    /// pause before the next resend.
-    outage: Option<(Instant, Duration)>,
 }
-
-/// How long publishes may keep failing for want of a leader (an election
-/// takes seconds) before the session ends and the relay reconnects.
-const OUTAGE_BUDGET: Duration = Duration::from_secs(60);
-/// The longest pause between resends during an outage: publishing resumes
-/// within this of a new leader answering.
-const MAX_RESEND_PAUSE: Duration = Duration::from_millis(250);
 
 impl Publisher {
     /// Each ack is awaited for at most the context's timeout (`--publish-timeout`):
@@ -348,8 +327,6 @@ impl Publisher {
             max_inflight,
             max_bytes,
             refusals,
-            leaderless: Arc::new(Notify::new()),
-            outage: None,
         }
     }
 
@@ -388,13 +365,11 @@ impl Publisher {
         .await
     }
 
+    /// Cancel-safe: nothing changes until the connection took the message.
     async fn send(&mut self, sent: Sent) -> Result<()> {
-        let prev = self.chain.take();
-        if prev.is_none() {
-            self.solo_pending = true;
-        }
+        let prev = self.chain.clone();
         let msg = &sent.msg;
-        let headers = header_map(msg.headers.clone(), prev);
+        let headers = header_map(msg.headers.clone(), prev.clone());
         let publish = jetstream::message::PublishMessage::build()
             .payload(msg.body.clone())
             .headers(headers);
@@ -410,17 +385,13 @@ impl Publisher {
                     source: Box::new(e),
                 }
             })?;
+        if prev.is_none() {
+            self.solo_pending = true;
+        }
         self.chain = Some(msg.msg_id.clone());
         self.bytes += msg.wire_size();
-        let leaderless = self.leaderless.clone();
         self.inflight.push_back(Box::pin(async move {
-            let result = ack.into_future().await.map(|a| a.duplicate);
-            if result.as_ref().is_err_and(is_leaderless) {
-                // Any message can tell: the ones before it may be waiting
-                // out their ack timeout at a leader that is gone.
-                leaderless.notify_one();
-            }
-            result
+            ack.into_future().await.map(|a| a.duplicate)
         }));
         self.sent.push_back(sent);
         Ok(())
@@ -438,29 +409,22 @@ impl Publisher {
     ///   a header block over 64 KiB): it is dead-lettered in its place, and
     ///   the messages after it are sent again behind the dead letter.
     pub async fn next_ack(&mut self) -> Option<Ack> {
+        // Cancel-safe: the session's select drops this future whenever new
+        // WAL arrives first. Every change of the books below is made without
+        // an await in between, and a message leaves `parked` only once it is
+        // handed over, so a dropped call loses nothing (it may send one
+        // message twice, which dedupes by id).
         loop {
             if self.inflight.is_empty() && !self.parked.is_empty() {
-                if let Err(e) = self.send_parked().await {
+                if let Err(e) = self.flush().await {
                     return Some(self.failed(e));
                 }
             }
-            let result = tokio::select! {
-                biased;
-                r = self.inflight.next() => r?,
-                _ = self.leaderless.notified(), if !self.inflight.is_empty() => {
-                    if let Err(e) = self.ride_out_outage().await {
-                        return Some(self.failed(e));
-                    }
-                    continue;
-                }
-            };
+            let result = self.inflight.next().await?;
             let sent = self.sent.pop_front()?;
             self.bytes = self.bytes.saturating_sub(sent.msg.wire_size());
             match result {
                 Ok(duplicate) => {
-                    if self.outage.take().is_some() {
-                        tracing::info!("the stream answers again; resending what waited");
-                    }
                     if self.solo_pending {
                         self.solo_pending = false;
                         // A duplicate is not the stream's last message, so
@@ -471,11 +435,7 @@ impl Publisher {
                             self.chain = None;
                         }
                     }
-                    if self.inflight.is_empty() && !self.parked.is_empty() {
-                        if let Err(e) = self.send_parked().await {
-                            return Some(self.failed(e));
-                        }
-                    }
+                    // What waited behind it goes out on the next call.
                     return Some(Ack {
                         ticket: sent.ticket,
                         commit_micros: sent.commit_micros,
@@ -485,9 +445,7 @@ impl Publisher {
                 Err(e) if matches!(e.kind(), PublishErrorKind::WrongLastMessageId) => {
                     metrics::counter!(m::PUBLISH_RESENDS).increment(1);
                     tracing::debug!(id = %sent.msg.msg_id, "another writer appended to the stream; sending again from here");
-                    if let Err(e) = self.resend_from(sent).await {
-                        return Some(self.failed(e));
-                    }
+                    self.requeue(Some(sent));
                 }
                 Err(e) if sent.msg.dlq_reason.is_none() && refuses_the_message(&e) => {
                     let detail = e.to_string();
@@ -506,23 +464,11 @@ impl Publisher {
                         Some(&detail),
                         self.refusals.max_message,
                     );
-                    let dead = Sent {
+                    self.requeue(Some(Sent {
                         ticket,
                         commit_micros,
                         msg,
-                    };
-                    if let Err(e) = self.resend_from(dead).await {
-                        return Some(self.failed(e));
-                    }
-                }
-                Err(e) if is_leaderless(&e) || matches!(e.kind(), PublishErrorKind::TimedOut) => {
-                    // No leader now, or an ack lost with one: stored or not,
-                    // it is sent again (dedupe by id, order by the chain).
-                    self.sent.push_front(sent);
-                    self.bytes += self.sent.front().map_or(0, |s| s.msg.wire_size());
-                    if let Err(e) = self.ride_out_outage().await {
-                        return Some(self.failed(e));
-                    }
+                    }));
                 }
                 Err(e) => {
                     return Some(Ack {
@@ -535,100 +481,46 @@ impl Publisher {
         }
     }
 
-    /// Send what waited behind a leader probe, in order. A message that
-    /// cannot be handed over stays parked (in front) for the next try.
-    async fn send_parked(&mut self) -> Result<()> {
-        tracing::debug!(
-            count = self.parked.len(),
-            "resending what waited behind the probe"
-        );
-        while let Some(p) = self.parked.pop_front() {
-            let id = p.msg.msg_id.clone();
-            if let Err(e) = self.send(p).await {
-                tracing::debug!(%id, error = %e, "resend failed");
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-
-    /// The stream has no leader (an election after a node died): pause,
-    /// growing to [`MAX_RESEND_PAUSE`], then send everything unacked again
-    /// from the oldest. Past [`OUTAGE_BUDGET`] the session ends instead.
-    async fn ride_out_outage(&mut self) -> Result<()> {
-        let now = Instant::now();
-        let (since, pause) = self.outage.unwrap_or((now, Duration::from_millis(25)));
-        if now.duration_since(since) > OUTAGE_BUDGET {
-            let id = self
-                .sent
-                .front()
-                .map(|s| s.msg.msg_id.clone())
-                .unwrap_or_default();
-            return Err(Error::Publish {
-                id,
-                failure: PublishFailure::NoStream,
-                source: format!("no stream leader answered for {OUTAGE_BUDGET:?}").into(),
-            });
-        }
-        if self.outage.is_none() {
-            tracing::warn!("the stream has no leader; resending until one answers");
-        }
-        self.outage = Some((since, (pause * 2).min(MAX_RESEND_PAUSE)));
-        metrics::counter!(m::PUBLISH_RESENDS).increment(1);
-        tokio::time::sleep(pause).await;
-        // Futures of the old copies go; a new signal for the new ones. Only
-        // the oldest message probes for a leader: every dropped copy keeps
-        // an async-nats ack permit until its timeout, so resending the whole
-        // window each round would exhaust them.
-        self.leaderless = Arc::new(Notify::new());
-        let Some(first) = self.sent.pop_front() else {
-            return Ok(());
-        };
-        let mut rest: VecDeque<Sent> = self.sent.drain(..).collect();
-        rest.extend(self.parked.drain(..));
-        self.parked = rest;
+    /// Put everything unacked back in the queue, `first` (just taken off
+    /// the books) at its head, and forget the old copies' futures. What was
+    /// in flight was refused or is unknown; the server handles a
+    /// connection's messages in order, so old copies are answered before
+    /// new ones arrive.
+    fn requeue(&mut self, first: Option<Sent>) {
+        let mut queue: VecDeque<Sent> = first.into_iter().collect();
+        queue.extend(self.sent.drain(..));
+        queue.extend(self.parked.drain(..));
+        self.parked = queue;
         self.inflight = FuturesOrdered::new();
         self.bytes = 0;
         self.chain = None;
         self.solo_pending = false;
-        self.send(first).await
     }
 
-    /// Send `first` and everything still in flight again, in order, `first`
-    /// unchained. What is in flight was refused (it followed a refused
-    /// message), and the server handles one connection's messages in order,
-    /// so the old copies are all answered before the new ones arrive.
-    async fn resend_from(&mut self, first: Sent) -> Result<()> {
-        let rest: Vec<Sent> = self.sent.drain(..).collect();
-        self.inflight = FuturesOrdered::new();
-        self.bytes = 0;
-        self.chain = None;
-        self.solo_pending = false;
-        self.send(first).await?;
-        for s in rest {
-            self.send(s).await?;
+    /// Hand queued messages to the connection, in order, the first
+    /// unchained.
+    async fn flush(&mut self) -> Result<()> {
+        while let Some(front) = self.parked.front() {
+            let next = front.clone();
+            self.send(next).await?;
+            self.parked.pop_front();
         }
         Ok(())
     }
 
     /// A resend that could not be handed to the connection ends the session.
     fn failed(&mut self, e: Error) -> Ack {
-        let ticket = self.sent.front().map_or(0, |s| s.ticket);
+        let ticket = self
+            .sent
+            .front()
+            .or(self.parked.front())
+            .map_or(0, |s| s.ticket);
         Ack {
             ticket,
             commit_micros: 0,
             result: Err(e),
         }
     }
-}
-
-/// No responders: nothing answers on the stream's subjects, which in a
-/// cluster means the stream has no leader right now.
-fn is_leaderless(e: &PublishError) -> bool {
-    matches!(
-        e.kind(),
-        PublishErrorKind::StreamNotFound | PublishErrorKind::BrokenPipe
-    )
 }
 
 /// Whether the server refused this message for what it is (so it will

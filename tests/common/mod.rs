@@ -809,6 +809,16 @@ impl OwnCluster {
         OwnCluster { dir, url }
     }
 
+    /// A client of all three nodes.
+    pub async fn client(&self) -> async_nats::Client {
+        let servers: Vec<async_nats::ServerAddr> =
+            self.url.split(',').map(|u| u.parse().unwrap()).collect();
+        async_nats::ConnectOptions::new()
+            .connect(servers)
+            .await
+            .unwrap()
+    }
+
     /// `kill -9` node `n` (1..=3), or start it again.
     pub fn node(&self, n: usize, action: &str) {
         let st = Command::new(STACK_SH)
