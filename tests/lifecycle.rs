@@ -724,14 +724,7 @@ async fn relay_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() {
     .await;
     for round in 1..=2 {
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let deadline = Instant::now() + T;
-        let leader = loop {
-            if let Some(n) = cluster.leader(&js, &stream).await {
-                break n;
-            }
-            assert!(Instant::now() < deadline, "the stream has no leader");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        let leader = cluster.wait_leader(&js, &stream, T).await;
         let before = relay
             .scrape()
             .await

@@ -832,6 +832,23 @@ impl OwnCluster {
         assert!(st.success(), "nats-node {n} {action} failed");
     }
 
+    /// The node leading `stream`, once it has one (panics after `timeout`).
+    pub async fn wait_leader(
+        &self,
+        js: &jetstream::Context,
+        stream: &str,
+        timeout: Duration,
+    ) -> usize {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(n) = self.leader(js, stream).await {
+                return n;
+            }
+            assert!(Instant::now() < deadline, "stream {stream} has no leader");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Whether `stream` has a leader and both followers are current: what
     /// an operator waits for before taking another node down.
     pub async fn healthy(&self, js: &jetstream::Context, stream: &str) -> bool {
