@@ -114,21 +114,7 @@ async fn publication_that_does_not_publish_the_outbox_is_refused_with_the_fix() 
     let (url, pool) = fresh_db(&stack, "t_pubother").await;
     let publication = wire::publication_name("pubother");
     let run = || {
-        let addr = format!("127.0.0.1:{}", free_port());
-        let (code, err) = run_bounded(
-            &[
-                "relay",
-                "--database-url",
-                &url,
-                "--nats-url",
-                &stack.nats_url,
-                "--context",
-                "pubother",
-                "--metrics-addr",
-                &addr,
-            ],
-            Duration::from_secs(30),
-        );
+        let (code, err) = run_relay_bounded(&url, &stack.nats_url, "pubother", &[]);
         let line = err
             .lines()
             .find(|l| l.starts_with("error:"))
@@ -416,19 +402,7 @@ async fn dropped_slot_is_refused_then_resync_since_republishes_the_gap() {
         sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
     }
 
-    let addr = format!("127.0.0.1:{}", free_port());
-    let args = [
-        "relay",
-        "--database-url",
-        &url,
-        "--nats-url",
-        &stack.nats_url,
-        "--context",
-        "slotlost",
-        "--metrics-addr",
-        &addr,
-    ];
-    let (code, err) = run_bounded(&args, Duration::from_secs(30));
+    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "slotlost", &[]);
     assert_eq!(code, Some(1), "{err}");
     let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(lines.len(), 1, "{err}");
@@ -554,22 +528,11 @@ async fn a_stream_that_cannot_hold_the_dead_letters_is_refused_at_start() {
     })
     .await
     .unwrap();
-    let addr = format!("127.0.0.1:{}", free_port());
-    let (code, err) = run_bounded(
-        &[
-            "relay",
-            "--database-url",
-            &url,
-            "--nats-url",
-            &stack.nats_url,
-            "--context",
-            "wrongstream",
-            "--stream",
-            "ELSEWHERE",
-            "--metrics-addr",
-            &addr,
-        ],
-        Duration::from_secs(30),
+    let (code, err) = run_relay_bounded(
+        &url,
+        &stack.nats_url,
+        "wrongstream",
+        &["--stream", "ELSEWHERE"],
     );
     assert_eq!(code, Some(1), "{err}");
     let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();

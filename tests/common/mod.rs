@@ -319,6 +319,23 @@ impl Drop for Service {
     }
 }
 
+/// `outbox-relay relay` for context `context`, expected to refuse at start:
+/// (exit code, stderr) within 30 s (see [`run_bounded`]).
+pub fn run_relay_bounded(
+    db_url: &str,
+    nats_url: &str,
+    context: &str,
+    extra: &[&str],
+) -> (Option<i32>, String) {
+    let mut args = relay_args(db_url, nats_url, context, extra);
+    args.extend([
+        "--metrics-addr".into(),
+        format!("127.0.0.1:{}", free_port()),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_bounded(&args, Duration::from_secs(30))
+}
+
 /// Run the binary with `args` for at most `timeout`: (exit code, stderr).
 /// A command that does not exit by then is killed and reported as `None`,
 /// so a test of "refuses at start" cannot hang on a relay that streams.
