@@ -26,7 +26,8 @@ fi
 # Integration tests are few and heavy; two at a time suit a 2-core machine.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
 if [ $# -gt 0 ]; then
-  exec timeout --signal=TERM 1500 cargo test --locked "$@"
+  timeout --signal=TERM 1500 cargo test --locked "$@"
+  exit $?
 fi
 # Tests that run a 3-node NATS cluster or move hundreds of MB go last, one at
 # a time: next to another heavy test on 2 cores, a starved cluster can fail

@@ -851,10 +851,7 @@ async fn consume_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() 
             killed.elapsed()
         );
         cluster.node(leader, "start");
-        eventually(T, "the restarted node caught up", || {
-            cluster.healthy(&js, &stream)
-        })
-        .await;
+        cluster.wait_healthy(&js, &stream, T).await;
     }
     producer.await.unwrap();
     eventually(T, "every message handled", || async {

@@ -29,6 +29,9 @@ use async_nats::jetstream::{self, stream, Context};
 use async_nats::HeaderMap;
 use futures::stream::{FuturesOrdered, StreamExt};
 use futures::Future;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::Notify;
 
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
@@ -274,14 +277,33 @@ pub struct Ack {
 
 type AckFuture = Pin<Box<dyn Future<Output = Result<bool, PublishError>> + Send>>;
 
+/// How long the oldest message may wait for its ack before the publisher
+/// takes its leader for gone (at most `--publish-timeout`). A stream leader
+/// that dies takes the acks of what it held with it, and with no later
+/// publish to fail fast, only the wait tells.
+const STALL: Duration = Duration::from_secs(2);
+/// During an outage, the first wait for a probe's ack; it doubles after
+/// each probe that times out, up to `--publish-timeout`.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+/// The pause between probes grows from the first to the last: publishing
+/// resumes within [`MAX_PAUSE`] of a new leader answering.
+const FIRST_PAUSE: Duration = Duration::from_millis(20);
+const MAX_PAUSE: Duration = Duration::from_millis(200);
+/// How long the stream may stay unanswering before the session ends and
+/// the relay reconnects from scratch (a deleted stream is recreated there).
+const OUTAGE_BUDGET: Duration = Duration::from_secs(60);
+
 /// A message handed to the connection, kept until JetStream answers: it is
-/// sent again after an order refusal, or dead-lettered after a refusal of
-/// its own. The body is shared (`Bytes`), so keeping it costs its headers.
+/// sent again after an order refusal or a leader outage, or dead-lettered
+/// after a refusal of its own. The body is shared (`Bytes`), so keeping it
+/// costs its headers.
 #[derive(Clone)]
 struct Sent {
     ticket: Ticket,
     commit_micros: i64,
     msg: OutMessage,
+    /// When this copy was handed over: the stall clock.
+    at: Instant,
 }
 
 /// Where a message the server refuses goes instead.
@@ -293,15 +315,26 @@ pub struct Refusals {
     pub max_message: usize,
 }
 
+/// The stream stopped answering (no leader, or a leader that died with our
+/// acks): one message at a time probes for a new leader, the rest wait.
+#[derive(Debug, Clone, Copy)]
+struct Outage {
+    since: Instant,
+    pause: Duration,
+    probe_timeout: Duration,
+    next_probe: Instant,
+}
+
 pub struct Publisher {
     js: Context,
     inflight: FuturesOrdered<AckFuture>,
     /// The messages behind `inflight`, in the same order.
     sent: VecDeque<Sent>,
-    /// Refused or unanswered messages queued to go out again, in order,
-    /// before anything new (see [`Publisher::next_ack`]).
+    /// Messages queued to go out again, in order, before anything new (see
+    /// [`Publisher::next_ack`]).
     parked: VecDeque<Sent>,
-    /// Their `wire_size`, summed: the window is bounded in bytes as well.
+    /// The `wire_size` of everything in `sent` and `parked`: the window is
+    /// bounded in bytes as well.
     bytes: usize,
     /// Id of the message the next publish must follow; `None` until a solo
     /// publish is stored.
@@ -310,12 +343,26 @@ pub struct Publisher {
     max_inflight: usize,
     max_bytes: usize,
     refusals: Refusals,
+    stall: Duration,
+    max_probe_timeout: Duration,
+    /// Raised by any in-flight message the stream refused for want of a
+    /// leader or out of order: the ones before it, still unanswered, may be
+    /// waiting out their ack timeout at a leader that is gone. A new one
+    /// for each set of copies, so an old copy's signal cannot reach them.
+    trouble: Arc<Notify>,
+    outage: Option<Outage>,
 }
 
 impl Publisher {
-    /// Each ack is awaited for at most the context's timeout (`--publish-timeout`):
-    /// async-nats bounds the ack future by it.
-    pub fn new(js: Context, max_inflight: usize, max_bytes: usize, refusals: Refusals) -> Self {
+    /// `publish_timeout` is the context's ack timeout (async-nats bounds each
+    /// ack by it); a stall is declared well before it.
+    pub fn new(
+        js: Context,
+        max_inflight: usize,
+        max_bytes: usize,
+        publish_timeout: Duration,
+        refusals: Refusals,
+    ) -> Self {
         Self {
             js,
             inflight: FuturesOrdered::new(),
@@ -327,6 +374,10 @@ impl Publisher {
             max_inflight,
             max_bytes,
             refusals,
+            stall: STALL.min(publish_timeout),
+            max_probe_timeout: publish_timeout.max(PROBE_TIMEOUT),
+            trouble: Arc::new(Notify::new()),
+            outage: None,
         }
     }
 
@@ -339,10 +390,10 @@ impl Publisher {
             && (self.bytes < self.max_bytes || self.inflight.is_empty())
     }
 
-    /// Messages handed over and not yet acked, including any parked
-    /// behind a leader probe.
+    /// Messages handed over and not yet acked, including any waiting to be
+    /// sent again.
     pub fn in_flight(&self) -> usize {
-        self.inflight.len() + self.parked.len()
+        self.sent.len() + self.parked.len()
     }
 
     pub fn in_flight_bytes(&self) -> usize {
@@ -357,16 +408,29 @@ impl Publisher {
         commit_micros: i64,
         msg: OutMessage,
     ) -> Result<()> {
-        self.send(Sent {
+        let size = msg.wire_size();
+        let sent = Sent {
             ticket,
             commit_micros,
             msg,
-        })
-        .await
+            at: Instant::now(),
+        };
+        if self.parked.is_empty() {
+            self.send(sent, false).await?;
+        } else {
+            // Never ahead of what waits to go again: the caller's select
+            // checked `has_room` before `next_ack` parked them (in the same
+            // poll), and a message sent now would go unchained, before its
+            // predecessors.
+            self.parked.push_back(sent);
+        }
+        self.bytes += size;
+        Ok(())
     }
 
     /// Cancel-safe: nothing changes until the connection took the message.
-    async fn send(&mut self, sent: Sent) -> Result<()> {
+    /// A `probe` waits for its ack a shorter time, growing per outage.
+    async fn send(&mut self, mut sent: Sent, probe: bool) -> Result<()> {
         let prev = self.chain.clone();
         let msg = &sent.msg;
         let headers = header_map(msg.headers.clone(), prev.clone());
@@ -389,16 +453,33 @@ impl Publisher {
             self.solo_pending = true;
         }
         self.chain = Some(msg.msg_id.clone());
-        self.bytes += msg.wire_size();
+        let trouble = self.trouble.clone();
+        let wait = self.outage.filter(|_| probe).map(|o| o.probe_timeout);
         self.inflight.push_back(Box::pin(async move {
-            ack.into_future().await.map(|a| a.duplicate)
+            let ack = ack.into_future();
+            let result = match wait {
+                Some(wait) => tokio::time::timeout(wait, ack)
+                    .await
+                    .unwrap_or_else(|_| Err(PublishError::new(PublishErrorKind::TimedOut))),
+                None => ack.await,
+            };
+            if result.as_ref().is_err_and(|e| {
+                matches!(
+                    e.kind(),
+                    PublishErrorKind::StreamNotFound | PublishErrorKind::WrongLastMessageId
+                )
+            }) {
+                trouble.notify_one();
+            }
+            result.map(|a| a.duplicate)
         }));
+        sent.at = Instant::now();
         self.sent.push_back(sent);
         Ok(())
     }
 
-    /// The next ack, in publish order. Two refusals are settled here,
-    /// inside the session, because retrying the session cannot help them:
+    /// The next ack, in publish order. Three kinds of refusal are settled
+    /// here, inside the session, because a new session cannot help them:
     ///
     /// - out of order (`Nats-Expected-Last-Msg-Id` did not match): every
     ///   earlier message is stored (acks come in order), this one and all
@@ -408,23 +489,55 @@ impl Publisher {
     /// - the server refuses this message itself (too large for the stream,
     ///   a header block over 64 KiB): it is dead-lettered in its place, and
     ///   the messages after it are sent again behind the dead letter.
+    /// - no leader answers (an election after a node died): see
+    ///   [`Publisher::ride_out`].
+    ///
+    /// Cancel-safe: the session's select drops this future whenever new WAL
+    /// arrives first. Every change of the books is made without an await in
+    /// between, and a message leaves `parked` only once it is handed over,
+    /// so a dropped call loses nothing (it may send one message twice, which
+    /// dedupes by id).
     pub async fn next_ack(&mut self) -> Option<Ack> {
-        // Cancel-safe: the session's select drops this future whenever new
-        // WAL arrives first. Every change of the books below is made without
-        // an await in between, and a message leaves `parked` only once it is
-        // handed over, so a dropped call loses nothing (it may send one
-        // message twice, which dedupes by id).
         loop {
             if self.inflight.is_empty() && !self.parked.is_empty() {
+                if let Some(o) = self.outage {
+                    if o.since.elapsed() > OUTAGE_BUDGET {
+                        let e = self.gave_up();
+                        return Some(self.failed(e));
+                    }
+                    tokio::time::sleep_until(o.next_probe.into()).await;
+                }
                 if let Err(e) = self.flush().await {
                     return Some(self.failed(e));
                 }
             }
-            let result = self.inflight.next().await?;
-            let sent = self.sent.pop_front()?;
-            self.bytes = self.bytes.saturating_sub(sent.msg.wire_size());
+            let stall_at = self.sent.front().map(|s| s.at + self.stall);
+            let result = tokio::select! {
+                biased;
+                r = self.inflight.next() => r?,
+                _ = self.trouble.notified() => {
+                    self.ride_out(None, "the stream refused a later message", false);
+                    continue;
+                }
+                _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()),
+                    if stall_at.is_some() => {
+                    self.ride_out(None, "no ack in time", false);
+                    continue;
+                }
+            };
+            let Some(sent) = self.sent.pop_front() else {
+                continue;
+            };
             match result {
                 Ok(duplicate) => {
+                    self.bytes = self.bytes.saturating_sub(sent.msg.wire_size());
+                    if let Some(o) = self.outage.take() {
+                        tracing::info!(
+                            after = ?o.since.elapsed(),
+                            waiting = self.parked.len(),
+                            "the stream answers again; sending what waited"
+                        );
+                    }
                     if self.solo_pending {
                         self.solo_pending = false;
                         // A duplicate is not the stream's last message, so
@@ -456,7 +569,9 @@ impl Publisher {
                         ticket,
                         commit_micros,
                         msg,
+                        at,
                     } = sent;
+                    let before = msg.wire_size();
                     let msg = dead_letter(
                         msg,
                         &self.refusals.dlq_subject,
@@ -464,20 +579,84 @@ impl Publisher {
                         Some(&detail),
                         self.refusals.max_message,
                     );
+                    self.bytes = self.bytes.saturating_sub(before) + msg.wire_size();
                     self.requeue(Some(Sent {
                         ticket,
                         commit_micros,
                         msg,
+                        at,
                     }));
                 }
+                Err(e) if leaderless(&e) => {
+                    let timed_out = matches!(e.kind(), PublishErrorKind::TimedOut);
+                    self.ride_out(Some(sent), &e.to_string(), timed_out);
+                }
                 Err(e) => {
+                    self.bytes = self.bytes.saturating_sub(sent.msg.wire_size());
                     return Some(Ack {
                         ticket: sent.ticket,
                         commit_micros: sent.commit_micros,
                         result: Err(refused(sent.msg.msg_id, e)),
-                    })
+                    });
                 }
             }
+        }
+    }
+
+    /// The stream did not answer: no leader (an election after a node
+    /// died), or a leader that died holding our acks. Stored or not,
+    /// everything unacked is sent again from the oldest: its predecessor is
+    /// stored (acks come in order), so it may go alone, and each later one
+    /// chains to it, so order holds and ids dedupe what was stored. Until
+    /// the stream answers, only that oldest message goes, at growing
+    /// pauses: a probe. The session ends only past [`OUTAGE_BUDGET`].
+    /// `timed_out`: a probe went unanswered, so the next waits longer.
+    fn ride_out(&mut self, first: Option<Sent>, why: &str, timed_out: bool) {
+        metrics::counter!(m::PUBLISH_RESENDS).increment(1);
+        self.requeue(first);
+        let now = Instant::now();
+        let o = match self.outage {
+            None => {
+                tracing::warn!(
+                    reason = why,
+                    unacked = self.parked.len(),
+                    "the stream stopped answering; resending from the oldest unacked event until it does"
+                );
+                Outage {
+                    since: now,
+                    pause: FIRST_PAUSE,
+                    probe_timeout: PROBE_TIMEOUT,
+                    next_probe: now,
+                }
+            }
+            Some(o) => {
+                tracing::debug!(reason = why, "probe failed");
+                let probe_timeout = if timed_out {
+                    (o.probe_timeout * 2).min(self.max_probe_timeout)
+                } else {
+                    o.probe_timeout
+                };
+                Outage {
+                    pause: (o.pause * 2).min(MAX_PAUSE),
+                    probe_timeout,
+                    next_probe: now + o.pause,
+                    ..o
+                }
+            }
+        };
+        self.outage = Some(o);
+    }
+
+    fn gave_up(&self) -> Error {
+        let id = self
+            .parked
+            .front()
+            .map(|s| s.msg.msg_id.clone())
+            .unwrap_or_default();
+        Error::Publish {
+            id,
+            failure: PublishFailure::NoStream,
+            source: format!("the stream did not answer for {OUTAGE_BUDGET:?}").into(),
         }
     }
 
@@ -492,18 +671,22 @@ impl Publisher {
         queue.extend(self.parked.drain(..));
         self.parked = queue;
         self.inflight = FuturesOrdered::new();
-        self.bytes = 0;
+        self.trouble = Arc::new(Notify::new());
         self.chain = None;
         self.solo_pending = false;
     }
 
     /// Hand queued messages to the connection, in order, the first
-    /// unchained.
+    /// unchained; during an outage only the first, as a probe.
     async fn flush(&mut self) -> Result<()> {
+        let probe = self.outage.is_some();
         while let Some(front) = self.parked.front() {
             let next = front.clone();
-            self.send(next).await?;
+            self.send(next, probe).await?;
             self.parked.pop_front();
+            if probe {
+                break;
+            }
         }
         Ok(())
     }
@@ -521,6 +704,17 @@ impl Publisher {
             result: Err(e),
         }
     }
+}
+
+/// No leader took the message: nobody listens on the stream's subjects
+/// (between a leader's death and the election), or no answer came.
+fn leaderless(e: &PublishError) -> bool {
+    matches!(
+        e.kind(),
+        PublishErrorKind::StreamNotFound
+            | PublishErrorKind::TimedOut
+            | PublishErrorKind::BrokenPipe
+    )
 }
 
 /// Whether the server refused this message for what it is (so it will

@@ -175,6 +175,7 @@ impl<'a> Session<'a> {
             js.clone(),
             cfg.max_inflight,
             cfg.max_inflight_bytes,
+            cfg.publish_timeout,
             Refusals {
                 dlq_subject,
                 max_message: max_payload,
@@ -250,31 +251,28 @@ impl<'a> Session<'a> {
         } = open;
         loop {
             tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled() => return Ok(()),
-                    Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
-                        self.on_ack(client, publisher, ack)?;
-                    }
-                    event = client.recv(), if publisher.has_room() => {
-                        let event = match event {
-                            Ok(Some(ev)) => ev,
-                            Ok(None) => return Err(Error::StreamEnded),
-                            Err(e) => return Err(e.into()),
-                        };
-                        match stage.on_event(event, &mut self.watermark)? {
-                            Step::Nothing => {}
-                            Step::Confirm(lsn) => self.confirm(client, lsn),
-                            Step::Publish { ticket, commit_micros, msg } => {
-                                publisher.publish(ticket, commit_micros, msg).await?;
-                                self.metrics.inflight.set(publisher.in_flight() as f64);
-            self.metrics
-                .inflight_bytes
-                .set(publisher.in_flight_bytes() as f64);
-                                self.metrics.inflight_bytes.set(publisher.in_flight_bytes() as f64);
-                            }
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
+                    self.on_ack(client, publisher, ack)?;
+                }
+                event = client.recv(), if publisher.has_room() => {
+                    let event = match event {
+                        Ok(Some(ev)) => ev,
+                        Ok(None) => return Err(Error::StreamEnded),
+                        Err(e) => return Err(e.into()),
+                    };
+                    match stage.on_event(event, &mut self.watermark)? {
+                        Step::Nothing => {}
+                        Step::Confirm(lsn) => self.confirm(client, lsn),
+                        Step::Publish { ticket, commit_micros, msg } => {
+                            publisher.publish(ticket, commit_micros, msg).await?;
+                            self.metrics.inflight.set(publisher.in_flight() as f64);
+                            self.metrics.inflight_bytes.set(publisher.in_flight_bytes() as f64);
                         }
                     }
                 }
+            }
         }
     }
 

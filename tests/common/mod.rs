@@ -605,16 +605,45 @@ pub fn assert_exactly_once_in_order(got: &[Got], sent: &HashSet<uuid::Uuid>) {
 
     let mut last_pos: Option<(u64, u32)> = None;
     let mut last_seq: HashMap<u64, u64> = HashMap::new();
-    for g in got {
+    // Where an order check fails: the messages around it, by stream position.
+    let around = |at: usize| -> String {
+        got.iter()
+            .enumerate()
+            .skip(at.saturating_sub(3))
+            .take(6)
+            .map(|(n, g)| {
+                format!(
+                    "\n  #{} {} {}#{}",
+                    n + 1,
+                    g.h(wire::MSG_ID).unwrap_or("?"),
+                    g.h(wire::COMMIT_LSN).unwrap_or("?"),
+                    g.h(wire::TXN_INDEX).unwrap_or("?")
+                )
+            })
+            .collect()
+    };
+    for (n, g) in got.iter().enumerate() {
         let lsn = lsn(g.h(wire::COMMIT_LSN).unwrap());
         let idx: u32 = g.h(wire::TXN_INDEX).unwrap().parse().unwrap();
         match last_pos {
-            Some((l, i)) if l == lsn => {
-                assert_eq!(idx, i + 1, "transaction split or reordered at {lsn:x}")
-            }
+            Some((l, i)) if l == lsn => assert_eq!(
+                idx,
+                i + 1,
+                "transaction split or reordered at {lsn:x}:{}",
+                around(n)
+            ),
             Some((l, _)) => {
-                assert!(lsn > l, "commit order broken: {lsn:x} after {l:x}");
-                assert_eq!(idx, 0, "transaction does not start at index 0");
+                assert!(
+                    lsn > l,
+                    "commit order broken: {lsn:x} after {l:x}:{}",
+                    around(n)
+                );
+                assert_eq!(
+                    idx,
+                    0,
+                    "transaction does not start at index 0:{}",
+                    around(n)
+                );
             }
             None => {}
         }
@@ -880,6 +909,34 @@ impl OwnCluster {
                 && c.replicas.len() == 2
                 && c.replicas.iter().all(|r| r.current && !r.offline)
         })
+    }
+
+    /// Wait until [`healthy`](Self::healthy); on timeout, fail with each
+    /// replica's state and the tail of every node's log.
+    pub async fn wait_healthy(&self, js: &jetstream::Context, stream: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.healthy(js, stream).await {
+            if Instant::now() > deadline {
+                let state = async {
+                    let mut s = js.get_stream(stream).await.ok()?;
+                    Some(format!("{:?}", s.info().await.ok()?.cluster))
+                }
+                .await;
+                let logs: String = (1..=3)
+                    .map(|n| {
+                        let log = std::fs::read_to_string(self.dir.join(format!("n{n}.log")))
+                            .unwrap_or_default();
+                        let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                        format!(
+                            "\n--- n{n}.log (last lines, newest first)\n{}",
+                            tail.join("\n")
+                        )
+                    })
+                    .collect();
+                panic!("stream {stream} not healthy after {timeout:?}: {state:?}{logs}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// The node that leads `stream` now (its server name is `n1`..`n3`).
