@@ -400,7 +400,7 @@ pub struct ConsumeArgs {
     #[arg(long, env = "OUTBOX_ACK_WAIT", default_value = "120s", value_parser = humantime::parse_duration)]
     pub ack_wait: Duration,
 
-    /// Deliveries before a failing message is dead-lettered (-1 = unlimited).
+    /// Handler attempts, counted in the inbox, before a failing message is dead-lettered (-1 = unlimited).
     #[arg(
         long,
         env = "OUTBOX_MAX_DELIVER",

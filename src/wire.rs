@@ -62,6 +62,10 @@ pub const DLQ_ATTEMPTS: &str = "Outbox-Dlq-Attempts";
 /// Set by consumers on their dead letters; the relay's restart scan skips
 /// such messages.
 pub const DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";
+/// On a consumer's dead letter: the original `Nats-Msg-Id`. The dead letter's
+/// own id is [`consumer_dlq_msg_id`], so two consumers' copies of one
+/// message do not deduplicate each other.
+pub const DLQ_ORIGINAL_ID: &str = "Outbox-Dlq-Original-Id";
 
 /// Why the relay dead-lettered a row (the `reason` metric label and the
 /// `Outbox-Dlq-Reason` header).
@@ -205,6 +209,13 @@ pub fn consumer_dlq_prefix(context: &str) -> String {
 /// A consumer dead letter's subject: `{prefix}.{original subject}`.
 pub fn consumer_dlq_subject(prefix: &str, original: &str) -> String {
     format!("{prefix}.{original}")
+}
+
+/// `Nats-Msg-Id` of a consumer's dead letter: `{consumer}:{original id}`.
+/// Unique per consumer, so each consumer dead-letters a message once and
+/// never swallows another consumer's copy.
+pub fn consumer_dlq_msg_id(consumer: &str, original: &str) -> String {
+    format!("{consumer}:{original}")
 }
 
 /// The stream a consumer creates for its dead letters: `dlq.orders` →

@@ -1,6 +1,10 @@
 //! Consumer dead letters: `{prefix}.{original subject}`, original body and
-//! headers plus the `Outbox-Dlq-*` headers, `Nats-Msg-Id` = the original id
-//! so a message is dead-lettered once.
+//! headers plus the `Outbox-Dlq-*` headers. `Nats-Msg-Id` is
+//! `{consumer}:{original id}` ([`wire::consumer_dlq_msg_id`]): a consumer
+//! dead-letters a message once, and two consumers' copies, which share the
+//! DLQ stream, never deduplicate each other (SPEC §6 said the original id;
+//! that dropped the second consumer's dead letter). The original id is in
+//! `Outbox-Dlq-Original-Id`.
 
 use async_nats::jetstream::{self, context::GetStreamByNameErrorKind, stream, Context};
 use async_nats::HeaderMap;
@@ -51,15 +55,17 @@ impl DeadLetters {
     }
 
     /// Publish and wait for JetStream's ack: only then may the original be acked.
+    /// `original_id` is the message's `Nats-Msg-Id`, or a stand-in when it
+    /// has none.
     pub async fn publish(
         &self,
-        msg: &jetstream::Message,
-        msg_id: &str,
+        msg: &Message<'_>,
+        original_id: &str,
         reason: &str,
         attempts: i64,
     ) -> Result<()> {
         let mut headers = HeaderMap::new();
-        if let Some(h) = &msg.headers {
+        if let Some(h) = msg.headers {
             for (k, vs) in h.iter() {
                 let name = k.to_string();
                 // Our own Nats-Msg-Id below; publish expectations of the
@@ -75,12 +81,14 @@ impl DeadLetters {
                 }
             }
         }
-        headers.insert(wire::MSG_ID, msg_id);
+        let msg_id = wire::consumer_dlq_msg_id(&self.consumer, original_id);
+        headers.insert(wire::MSG_ID, msg_id.as_str());
+        headers.insert(wire::DLQ_ORIGINAL_ID, original_id);
         headers.insert(wire::DLQ_REASON, one_line(reason).as_str());
         headers.insert(wire::DLQ_ATTEMPTS, attempts.to_string().as_str());
-        headers.insert(wire::DLQ_ORIGINAL_SUBJECT, msg.subject.as_str());
+        headers.insert(wire::DLQ_ORIGINAL_SUBJECT, msg.subject);
         headers.insert(wire::DLQ_CONSUMER, self.consumer.as_str());
-        let subject = wire::consumer_dlq_subject(&self.prefix, &msg.subject);
+        let subject = wire::consumer_dlq_subject(&self.prefix, msg.subject);
         let ack = self
             .js
             .send_publish(
@@ -90,11 +98,18 @@ impl DeadLetters {
                     .headers(headers),
             )
             .await
-            .map_err(|e| dlq_error(msg_id, PublishFailure::Send, e))?;
+            .map_err(|e| dlq_error(&msg_id, PublishFailure::Send, e))?;
         ack.await
-            .map_err(|e| dlq_error(msg_id, PublishFailure::Other, e))?;
+            .map_err(|e| dlq_error(&msg_id, PublishFailure::Other, e))?;
         Ok(())
     }
+}
+
+/// A message as the dead-letter queue needs it, pulled or read back.
+pub struct Message<'a> {
+    pub subject: &'a str,
+    pub headers: Option<&'a HeaderMap>,
+    pub payload: &'a bytes::Bytes,
 }
 
 fn dlq_error(

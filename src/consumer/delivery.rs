@@ -1,15 +1,24 @@
-//! One delivery, start to finish: inbox row (dedupe) → handler, in the
-//! inbox transaction → ACK, NAK with backoff, or dead letter (SPEC §6).
+//! One job of the [`scheduler`](super::scheduler), start to finish: inbox
+//! claim (dedupe) → handler → inbox completion → ACK; or park the message
+//! in the inbox (ACK) until its backoff passed; or dead-letter it, acking
+//! only once the DLQ stored it (SPEC §6). A parked message is read back from
+//! the stream by its sequence when its turn comes.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream::{self, stream, AckKind};
+use async_nats::HeaderMap;
+use bytes::Bytes;
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::dead_letter::DeadLetters;
+use super::dead_letter::{self, DeadLetters};
 use super::handler::{Delivery, Handler, Outcome};
-use super::{inbox, ConsumeConfig};
+use super::inbox::{self, Claim};
+use super::scheduler::{Finished, Job};
+use super::ConsumeConfig;
 use crate::ops::metrics as m;
 use crate::wire;
 
@@ -44,9 +53,15 @@ pub fn decide(outcome: &Outcome, delivered: i64, max_deliver: i64, backoff: &[Du
 
 pub(super) struct Shared<H> {
     pub pool: PgPool,
-    pub handler: H,
+    pub handler: std::sync::Arc<H>,
     pub dlq: DeadLetters,
     pub cfg: ConsumeConfig,
+    /// The events stream, to read parked messages back.
+    pub stream: jetstream::stream::Stream,
+    /// Ends every job's waiting (shutdown, or this instance lost its lease).
+    pub stop: CancellationToken,
+    /// Dead letters that could not be stored yet, for `/readyz`.
+    pub dlq_failing: AtomicUsize,
 }
 
 pub(super) fn header(msg: &jetstream::Message, name: &str) -> Option<String> {
@@ -60,200 +75,541 @@ fn count(result: &'static str) {
     metrics::counter!(m::CONSUMER_MESSAGES, "result" => result).increment(1);
 }
 
-/// One delivery, start to finish. Returns the message id when it was NAKed.
-pub(super) async fn deliver<H: Handler>(
+/// The longest pause between attempts at a write that must happen (an inbox
+/// row, a dead letter): the job keeps its place and retries until it works.
+const MAX_PERSIST_BACKOFF: Duration = Duration::from_secs(10);
+
+/// Run one job of the scheduler to its end. A pulled message is acked only
+/// after its outcome is in the inbox (or the DLQ), and kept alive with
+/// progress acks meanwhile.
+pub(super) async fn run_job<H: Handler>(
     shared: &Shared<H>,
-    msg: jetstream::Message,
-) -> Option<String> {
-    let cfg = &shared.cfg;
-    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
-    let raw_id = header(&msg, wire::MSG_ID);
-    let Some(id) = raw_id.as_deref().and_then(|s| Uuid::parse_str(s).ok()) else {
-        // No usable id: no inbox row is possible. Dead-letter under the
-        // stream position so a redelivery dedupes.
-        let pos = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-        let dlq_id = format!("{}:{pos}", cfg.stream);
-        let reason = match raw_id {
-            None => format!("message has no {}", wire::MSG_ID),
-            Some(r) => format!("{} {r:?} is not a UUID", wire::MSG_ID),
-        };
-        return dead_letter_and_ack(shared, &msg, &dlq_id, None, &reason, delivered).await;
-    };
-    if serde_json::from_slice::<serde::de::IgnoredAny>(&msg.payload).is_err() {
-        return dead_letter_and_ack(
-            shared,
-            &msg,
-            &id.to_string(),
-            Some(id),
-            "body is not JSON",
-            delivered,
-        )
-        .await;
+    key: &str,
+    job: Job<jetstream::Message>,
+) -> Finished<Instant> {
+    match job {
+        Job::Deliver(msg) => {
+            let outcome = keep_alive(shared, &msg, deliver_pulled(shared, key, &msg)).await;
+            settle_pulled(shared, &msg, outcome).await
+        }
+        Job::ParkBehind(msg) => {
+            let outcome = keep_alive(shared, &msg, park_behind(shared, key, &msg)).await;
+            settle_pulled(shared, &msg, outcome).await
+        }
+        Job::Retry { seq } => retry(shared, key, seq).await.unwrap_or(Finished::Done),
+    }
+}
+
+/// Ack what is settled; a job cut short (stop) NAKs, so JetStream delivers
+/// the message again at once.
+async fn settle_pulled<H>(
+    shared: &Shared<H>,
+    msg: &jetstream::Message,
+    outcome: Option<Finished<Instant>>,
+) -> Finished<Instant> {
+    match outcome {
+        Some(finished) => {
+            // A lost ack means a redelivery, which the inbox answers.
+            if let Err(e) = msg.ack().await {
+                tracing::warn!(error = %e, "ack failed; the message will be redelivered");
+            }
+            finished
+        }
+        None => {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+            let _ = shared;
+            Finished::Done
+        }
+    }
+}
+
+/// Progress acks while `work` runs: a slow handler or a retried write keeps
+/// its delivery instead of passing `ack_wait`.
+async fn keep_alive<H, T>(
+    shared: &Shared<H>,
+    msg: &jetstream::Message,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval((shared.cfg.ack_wait / 3).max(Duration::from_millis(100)));
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = tick.tick() => { let _ = msg.ack_with(AckKind::Progress).await; }
+        }
+    }
+}
+
+/// Retry `op` until it works; `None` once the consumer stops.
+async fn persist<H, T, F, Fut>(shared: &Shared<H>, what: &str, mut op: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match op().await {
+            Ok(v) => return Some(v),
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "{what} failed; retrying");
+            }
+        }
+        tokio::select! {
+            _ = shared.stop.cancelled() => return None,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(MAX_PERSIST_BACKOFF);
+    }
+}
+
+/// What the handler was given, from headers that a pulled or a read-back
+/// message both carry.
+struct Parts<'a> {
+    subject: &'a str,
+    headers: Option<&'a HeaderMap>,
+    payload: &'a Bytes,
+    seq: u64,
+}
+
+impl Parts<'_> {
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_owned())
     }
 
-    let subject = msg.subject.to_string();
-    let delivery = Delivery {
-        message_id: id,
-        subject: subject.clone(),
-        event_type: header(&msg, wire::EVENT_TYPE),
-        event_version: header(&msg, wire::EVENT_VERSION).and_then(|v| v.parse().ok()),
-        occurred_at: header(&msg, wire::OCCURRED_AT),
-        correlation_id: header(&msg, wire::CORRELATION_ID),
-        causation_id: header(&msg, wire::CAUSATION_ID),
-        traceparent: header(&msg, wire::TRACEPARENT),
-        payload: msg.payload.clone(),
-        delivered,
-    };
+    fn dead_letter(&self) -> dead_letter::Message<'_> {
+        dead_letter::Message {
+            subject: self.subject,
+            headers: self.headers,
+            payload: self.payload,
+        }
+    }
 
-    let outcome = match handle_in_transaction(shared, &msg, &delivery).await {
-        Ok(Some(outcome)) => outcome,
-        Ok(None) => {
-            count("duplicate");
-            ack(&msg).await;
-            return None;
+    fn delivery(&self, id: Uuid, attempts: i32) -> Delivery {
+        Delivery {
+            message_id: id,
+            subject: self.subject.to_owned(),
+            event_type: self.header(wire::EVENT_TYPE),
+            event_version: self
+                .header(wire::EVENT_VERSION)
+                .and_then(|v| v.parse().ok()),
+            occurred_at: self.header(wire::OCCURRED_AT),
+            correlation_id: self.header(wire::CORRELATION_ID),
+            causation_id: self.header(wire::CAUSATION_ID),
+            traceparent: self.header(wire::TRACEPARENT),
+            payload: self.payload.clone(),
+            delivered: i64::from(attempts),
         }
-        Err(e) if cfg.max_deliver > 0 && delivered >= cfg.max_deliver => {
-            // JetStream will not deliver it again: a NAK would strand it.
-            let reason = format!("inbox unavailable on the last delivery ({delivered}): {e}");
-            return dead_letter_and_ack(
-                shared,
-                &msg,
-                &id.to_string(),
-                Some(id),
-                &reason,
-                delivered,
+    }
+}
+
+/// Why a message cannot be handled at all, and its id when it has one.
+struct Unusable {
+    reason: String,
+    id: Option<Uuid>,
+}
+
+/// The id, or why the message cannot be handled at all.
+fn check(parts: &Parts<'_>) -> std::result::Result<Uuid, Unusable> {
+    let id = match parts.header(wire::MSG_ID) {
+        None => {
+            return Err(Unusable {
+                reason: format!("message has no {}", wire::MSG_ID),
+                id: None,
+            })
+        }
+        Some(raw) => Uuid::parse_str(&raw).map_err(|_| Unusable {
+            reason: format!("{} {raw:?} is not a UUID", wire::MSG_ID),
+            id: None,
+        })?,
+    };
+    if serde_json::from_slice::<serde::de::IgnoredAny>(parts.payload).is_err() {
+        return Err(Unusable {
+            reason: "body is not JSON".into(),
+            id: Some(id),
+        });
+    }
+    Ok(id)
+}
+
+/// Dead-letter a message that cannot be handled; with an id, its inbox row
+/// says why. No handler call.
+async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Option<()> {
+    // Without an id, the stream position stands in, so a redelivery dedupes.
+    let stand_in = u.id.map_or_else(
+        || format!("{}:{}", shared.cfg.stream, parts.seq),
+        |id| id.to_string(),
+    );
+    dead_letter(shared, parts, &stand_in, &u.reason, 1).await?;
+    if let Some(id) = u.id {
+        persist(shared, "recording the dead letter", || {
+            inbox::finish_failed(
+                &shared.pool,
+                &shared.cfg.durable,
+                id,
+                parts.subject,
+                &u.reason,
+                true,
             )
-            .await;
+        })
+        .await?;
+    }
+    Some(())
+}
+
+/// What running the handler came to, before it is settled.
+enum Ran {
+    /// Processed (by this call, or before: `duplicate`).
+    Processed { duplicate: bool },
+    /// Parked already (a redelivery after a reset).
+    Parked { seq: Option<i64> },
+    /// The handler did not succeed.
+    Failed { outcome: Outcome, attempts: i32 },
+    /// Processed meanwhile, or gone (a retry only).
+    Gone,
+}
+
+/// Claim, call the handler, complete: in one transaction for a handler
+/// that needs it, else around a detached call. `parked`: the message is a
+/// parked one coming up again (its row exists and is counted differently).
+async fn run_handler<H: Handler>(
+    shared: &Shared<H>,
+    parts: &Parts<'_>,
+    id: Uuid,
+    parked: bool,
+) -> Option<Ran> {
+    let cfg = &shared.cfg;
+    let consumer = cfg.durable.as_str();
+    if shared.handler.in_transaction() {
+        return persist(shared, "the inbox transaction", || async {
+            let mut tx = shared.pool.begin().await?;
+            let attempts = if parked {
+                match inbox::claim_parked(&mut *tx, consumer, id).await? {
+                    Some(a) => a,
+                    None => return Ok(Ran::Gone),
+                }
+            } else {
+                match inbox::claim(&mut *tx, consumer, id, parts.subject).await? {
+                    Claim::Fresh { attempts } => attempts,
+                    Claim::Processed => {
+                        tx.commit().await?;
+                        return Ok(Ran::Processed { duplicate: true });
+                    }
+                    Claim::Parked { seq } => {
+                        tx.commit().await?;
+                        return Ok(Ran::Parked { seq });
+                    }
+                }
+            };
+            let delivery = parts.delivery(id, attempts);
+            let started = Instant::now();
+            let outcome = shared.handler.handle(&mut tx, &delivery).await;
+            metrics::histogram!(m::CONSUMER_HANDLER_SECONDS)
+                .record(started.elapsed().as_secs_f64());
+            if outcome == Outcome::Processed {
+                inbox::complete(&mut tx, consumer, id).await?;
+                tx.commit().await?;
+                Ok(Ran::Processed { duplicate: false })
+            } else {
+                tx.rollback().await?;
+                Ok(Ran::Failed { outcome, attempts })
+            }
+        })
+        .await;
+    }
+    let attempts = if parked {
+        match persist(shared, "the inbox claim", || {
+            inbox::claim_parked(&shared.pool, consumer, id)
+        })
+        .await?
+        {
+            Some(a) => a,
+            None => return Some(Ran::Gone),
         }
-        Err(e) => {
-            // The database failed, not the handler: try again later, without
-            // spending the message's deliveries faster than the backoff.
-            tracing::warn!(%id, error = %e, "inbox unavailable; NAK");
-            count("retried");
-            let delay = cfg
-                .backoff
-                .first()
-                .copied()
-                .unwrap_or(Duration::from_secs(1));
-            let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
-            return Some(id.to_string());
+    } else {
+        match persist(shared, "the inbox claim", || {
+            inbox::claim(&shared.pool, consumer, id, parts.subject)
+        })
+        .await?
+        {
+            Claim::Fresh { attempts } => attempts,
+            Claim::Processed => return Some(Ran::Processed { duplicate: true }),
+            Claim::Parked { seq } => return Some(Ran::Parked { seq }),
         }
     };
-    match decide(&outcome, delivered, cfg.max_deliver, &cfg.backoff) {
-        Action::Ack => {
-            count("processed");
-            ack(&msg).await;
-            None
+    let delivery = parts.delivery(id, attempts);
+    let started = Instant::now();
+    let outcome = shared.handler.handle_detached(&delivery).await;
+    metrics::histogram!(m::CONSUMER_HANDLER_SECONDS).record(started.elapsed().as_secs_f64());
+    if outcome != Outcome::Processed {
+        return Some(Ran::Failed { outcome, attempts });
+    }
+    // The handler succeeded: never call it again for a failed commit.
+    persist(shared, "the inbox completion", || async {
+        let mut conn = shared.pool.acquire().await?;
+        inbox::complete(&mut conn, consumer, id).await
+    })
+    .await?;
+    Some(Ran::Processed { duplicate: false })
+}
+
+/// A pulled message: handle it, or park it after a failure.
+async fn deliver_pulled<H: Handler>(
+    shared: &Shared<H>,
+    key: &str,
+    msg: &jetstream::Message,
+) -> Option<Finished<Instant>> {
+    let parts = Parts {
+        subject: msg.subject.as_str(),
+        headers: msg.headers.as_ref(),
+        payload: &msg.payload,
+        seq: msg.info().map(|i| i.stream_sequence).unwrap_or_default(),
+    };
+    let id = match check(&parts) {
+        Ok(id) => id,
+        Err(u) => {
+            unusable(shared, &parts, u).await?;
+            return Some(Finished::Done);
         }
+    };
+    match run_handler(shared, &parts, id, false).await? {
+        Ran::Processed { duplicate } => {
+            count(if duplicate { "duplicate" } else { "processed" });
+            Some(Finished::Done)
+        }
+        Ran::Parked { seq } => Some(Finished::Parked {
+            seq: seq.and_then(|s| u64::try_from(s).ok()).unwrap_or(parts.seq),
+            due: Instant::now(),
+        }),
+        Ran::Gone => Some(Finished::Done),
+        Ran::Failed { outcome, attempts } => {
+            after_failure(shared, key, &parts, id, outcome, attempts).await
+        }
+    }
+}
+
+/// A failed attempt: dead-letter it (a rejection, or the last allowed
+/// attempt), else park it until its backoff has passed.
+async fn after_failure<H: Handler>(
+    shared: &Shared<H>,
+    key: &str,
+    parts: &Parts<'_>,
+    id: Uuid,
+    outcome: Outcome,
+    attempts: i32,
+) -> Option<Finished<Instant>> {
+    let cfg = &shared.cfg;
+    match decide(&outcome, i64::from(attempts), cfg.max_deliver, &cfg.backoff) {
+        Action::Ack => Some(Finished::Done),
         Action::DeadLetter(reason) => {
-            dead_letter_and_ack(shared, &msg, &id.to_string(), Some(id), &reason, delivered).await
+            dead_letter(shared, parts, &id.to_string(), &reason, attempts).await?;
+            let count_attempt = shared.handler.in_transaction();
+            persist(shared, "recording the dead letter", || {
+                inbox::finish_failed(
+                    &shared.pool,
+                    &cfg.durable,
+                    id,
+                    parts.subject,
+                    &reason,
+                    count_attempt,
+                )
+            })
+            .await?;
+            Some(Finished::Done)
         }
         Action::Nak(delay) => {
             let reason = match &outcome {
                 Outcome::Retry(r) => r.as_str(),
                 _ => "",
             };
-            let attempt = inbox::Attempt {
+            let parking = inbox::Parking {
                 consumer: &cfg.durable,
                 id,
-                subject: &subject,
-                error: reason,
+                subject: parts.subject,
+                key,
+                seq: parts.seq,
             };
-            if let Err(e) = inbox::record_attempt(&shared.pool, &attempt, false).await {
-                tracing::warn!(%id, error = %e, "could not record the failed attempt");
-            }
-            tracing::info!(%id, delivered, ?delay, reason, "handler failed; NAK");
+            // The claim a Rust handler's transaction made was rolled back.
+            let count_attempt = shared.handler.in_transaction();
+            persist(shared, "parking the message", || {
+                inbox::park(&shared.pool, &parking, delay, reason, count_attempt)
+            })
+            .await?;
+            tracing::info!(%id, attempts, ?delay, reason, "handler failed; parked until its retry");
             count("retried");
-            let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
-            Some(id.to_string())
+            Some(Finished::Parked {
+                seq: parts.seq,
+                due: Instant::now() + delay,
+            })
         }
     }
 }
 
-/// The inbox transaction around the handler. `None`: already processed.
-async fn handle_in_transaction<H: Handler>(
+/// Publish to the DLQ until it is stored: a DLQ outage is a wait, shown on
+/// `/readyz`, never a loss. `None` once the consumer stops.
+async fn dead_letter<H>(
     shared: &Shared<H>,
-    msg: &jetstream::Message,
-    delivery: &Delivery,
-) -> std::result::Result<Option<Outcome>, sqlx::Error> {
-    let cfg = &shared.cfg;
-    let mut tx = shared.pool.begin().await?;
-    if inbox::begin_delivery(
-        &mut tx,
-        &cfg.durable,
-        delivery.message_id,
-        &delivery.subject,
-    )
-    .await?
-    {
-        tx.commit().await?;
-        return Ok(None);
-    }
-    let started = Instant::now();
-    let outcome = {
-        let call = shared.handler.handle(&mut tx, delivery);
-        tokio::pin!(call);
-        // A slow handler keeps its delivery: in-progress acks reset ack_wait.
-        let mut keepalive =
-            tokio::time::interval((cfg.ack_wait / 3).max(Duration::from_millis(100)));
-        keepalive.tick().await;
-        loop {
-            tokio::select! {
-                outcome = &mut call => break outcome,
-                _ = keepalive.tick() => { let _ = msg.ack_with(AckKind::Progress).await; }
+    parts: &Parts<'_>,
+    original_id: &str,
+    reason: &str,
+    attempts: i32,
+) -> Option<()> {
+    let mut backoff = Duration::from_millis(200);
+    let mut failing = false;
+    let stored = loop {
+        match shared
+            .dlq
+            .publish(
+                &parts.dead_letter(),
+                original_id,
+                reason,
+                i64::from(attempts),
+            )
+            .await
+        {
+            Ok(()) => break true,
+            Err(e) => {
+                if !failing {
+                    failing = true;
+                    shared.dlq_failing.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(id = original_id, error = %e, retry_in = ?backoff, "the dead-letter stream did not store the message; retrying");
             }
+        }
+        tokio::select! {
+            _ = shared.stop.cancelled() => break false,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(MAX_PERSIST_BACKOFF);
+    };
+    if failing {
+        shared.dlq_failing.fetch_sub(1, Ordering::Relaxed);
+    }
+    if !stored {
+        return None;
+    }
+    tracing::warn!(id = original_id, reason, "dead-lettered");
+    count("dead_lettered");
+    Some(())
+}
+
+/// A pulled message of an aggregate with parked messages waits behind them.
+async fn park_behind<H>(
+    shared: &Shared<H>,
+    key: &str,
+    msg: &jetstream::Message,
+) -> Option<Finished<Instant>> {
+    let parts = Parts {
+        subject: msg.subject.as_str(),
+        headers: msg.headers.as_ref(),
+        payload: &msg.payload,
+        seq: msg.info().map(|i| i.stream_sequence).unwrap_or_default(),
+    };
+    let id = match check(&parts) {
+        Ok(id) => id,
+        Err(u) => {
+            unusable(shared, &parts, u).await?;
+            return Some(Finished::Done);
         }
     };
-    metrics::histogram!(m::CONSUMER_HANDLER_SECONDS).record(started.elapsed().as_secs_f64());
-    if outcome == Outcome::Processed {
-        inbox::mark_processed(&mut tx, &cfg.durable, delivery.message_id).await?;
-        tx.commit().await?;
-    } else {
-        tx.rollback().await?;
-    }
-    Ok(Some(outcome))
+    let parking = inbox::Parking {
+        consumer: &shared.cfg.durable,
+        id,
+        subject: parts.subject,
+        key,
+        seq: parts.seq,
+    };
+    persist(shared, "parking the message", || {
+        inbox::park_behind(&shared.pool, &parking)
+    })
+    .await?;
+    Some(Finished::Done)
 }
 
-async fn dead_letter_and_ack<H: Handler>(
-    shared: &Shared<H>,
-    msg: &jetstream::Message,
-    dlq_id: &str,
-    inbox_id: Option<Uuid>,
-    reason: &str,
-    delivered: i64,
-) -> Option<String> {
-    let cfg = &shared.cfg;
-    if let Err(e) = shared.dlq.publish(msg, dlq_id, reason, delivered).await {
-        // Not stored in the DLQ: keep the original, try again later.
-        tracing::warn!(id = dlq_id, error = %e, "dead-letter publish failed; NAK");
-        count("retried");
-        let _ = msg
-            .ack_with(AckKind::Nak(cfg.backoff.first().copied()))
-            .await;
-        return Some(dlq_id.to_owned());
-    }
-    if let Some(id) = inbox_id {
-        let attempt = inbox::Attempt {
-            consumer: &cfg.durable,
-            id,
-            subject: &msg.subject,
-            error: reason,
-        };
-        if let Err(e) = inbox::record_attempt(&shared.pool, &attempt, true).await {
-            tracing::warn!(%id, error = %e, "dead-lettered, but the inbox row was not updated");
+/// The oldest parked message of `key` comes up: read it back from the stream
+/// and run it. `None` once the consumer stops.
+async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Finished<Instant>> {
+    let consumer = shared.cfg.durable.as_str();
+    let mut backoff = Duration::from_millis(100);
+    let raw = loop {
+        match shared.stream.get_raw_message(seq).await {
+            Ok(m) => break Some(m),
+            Err(e) if matches!(e.kind(), stream::RawMessageErrorKind::NoMessageFound) => {
+                break None
+            }
+            Err(e) => {
+                tracing::warn!(seq, error = %e, retry_in = ?backoff, "cannot read a parked message back; retrying");
+            }
+        }
+        tokio::select! {
+            _ = shared.stop.cancelled() => return None,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(MAX_PERSIST_BACKOFF);
+    };
+    let Some(raw) = raw else {
+        // Past the stream's retention: nothing left to deliver.
+        if let Some((id, subject)) = persist(shared, "reading a parked row", || {
+            inbox::parked_id(&shared.pool, consumer, key, seq)
+        })
+        .await?
+        {
+            tracing::error!(%id, seq, "a parked message left the stream (max age or limits) before its retry; it is not delivered");
+            count("expired");
+            persist(shared, "recording the expired message", || {
+                inbox::finish_failed(
+                    &shared.pool,
+                    consumer,
+                    id,
+                    &subject,
+                    "left the stream before its retry",
+                    false,
+                )
+            })
+            .await?;
+        }
+        return Some(Finished::Retried {
+            next: next_parked(shared, key).await?,
+        });
+    };
+    let parts = Parts {
+        subject: raw.subject.as_str(),
+        headers: Some(&raw.headers),
+        payload: &raw.payload,
+        seq,
+    };
+    let Ok(id) = check(&parts) else {
+        // Parked messages passed the check when pulled; a stream edited
+        // since then is not ours to guess about.
+        return Some(Finished::Retried {
+            next: next_parked(shared, key).await?,
+        });
+    };
+    match run_handler(shared, &parts, id, true).await? {
+        Ran::Processed { duplicate } => {
+            count(if duplicate { "duplicate" } else { "processed" });
+        }
+        Ran::Parked { .. } | Ran::Gone => {}
+        Ran::Failed { outcome, attempts } => {
+            if let Some(parked @ Finished::Parked { .. }) =
+                after_failure(shared, key, &parts, id, outcome, attempts).await
+            {
+                return Some(parked);
+            }
         }
     }
-    tracing::warn!(id = dlq_id, reason, "dead-lettered");
-    count("dead_lettered");
-    ack(msg).await;
-    None
+    Some(Finished::Retried {
+        next: next_parked(shared, key).await?,
+    })
 }
 
-async fn ack(msg: &jetstream::Message) {
-    // A lost ack means a redelivery, which the inbox turns into a duplicate.
-    if let Err(e) = msg.ack().await {
-        tracing::warn!(error = %e, "ack failed; the message will be redelivered");
-    }
+async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
+    persist(shared, "reading the next parked message", || {
+        inbox::next_parked(&shared.pool, &shared.cfg.durable, key)
+    })
+    .await
 }
 
 #[cfg(test)]

@@ -49,6 +49,21 @@ pub trait Handler: Send + Sync + 'static {
         tx: &mut PgConnection,
         delivery: &Delivery,
     ) -> impl Future<Output = Outcome> + Send;
+
+    /// Whether the handler needs the inbox transaction. One whose effects
+    /// live elsewhere (an HTTP service) says no, and the consumer calls
+    /// [`handle_detached`](Self::handle_detached) after the claim committed,
+    /// holding no connection; a completion that fails to commit is retried
+    /// without calling it again.
+    fn in_transaction(&self) -> bool {
+        true
+    }
+
+    /// The call for a handler that is not [`in_transaction`](Self::in_transaction).
+    fn handle_detached(&self, delivery: &Delivery) -> impl Future<Output = Outcome> + Send {
+        let _ = delivery;
+        async { Outcome::Retry("this handler runs only inside the inbox transaction".into()) }
+    }
 }
 
 /// `POST` the SPEC §6 JSON to a URL and map the status code.
@@ -96,6 +111,21 @@ impl HttpHandler {
 
 impl Handler for HttpHandler {
     async fn handle(&self, _tx: &mut PgConnection, d: &Delivery) -> Outcome {
+        self.post(d).await
+    }
+
+    fn in_transaction(&self) -> bool {
+        false
+    }
+
+    async fn handle_detached(&self, d: &Delivery) -> Outcome {
+        self.post(d).await
+    }
+}
+
+impl HttpHandler {
+    /// The call itself; needs no connection.
+    pub async fn post(&self, d: &Delivery) -> Outcome {
         let mut req = self
             .client
             .post(&self.url)

@@ -1,43 +1,103 @@
-//! The inbox: one row per (consumer, message), the consumer's dedupe record.
+//! The inbox: one row per (consumer, message), the consumer's dedupe record
+//! and its parking lot.
 //!
-//! A delivery runs inside one transaction that holds the inbox row locked:
-//! a second consumer instance given the same message waits instead of
-//! calling the handler twice, and a Rust handler's writes commit together
-//! with `processed_at` (exactly-once effects).
+//! - **Claim** before the handler runs: insert the row or count one more
+//!   attempt. A processed row means a duplicate (ACK, no handler call).
+//! - A Rust handler runs inside the claim's transaction (the row locked, its
+//!   writes committing with `processed_at`: exactly-once effects). An HTTP
+//!   handler runs after the claim committed: no transaction idles across a
+//!   network call, and a completion that fails to commit is retried without
+//!   calling the handler again.
+//! - **Park**: a failed attempt waits in its row until `parked_until`, with
+//!   its stream sequence and aggregate key; later messages of the aggregate
+//!   are parked behind it. JetStream has their acks, so a failing aggregate
+//!   holds no ack-pending slot.
 
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::{PgConnection, PgExecutor, PgPool};
+use std::time::Duration;
 use uuid::Uuid;
 
-/// Insert the row or count one more attempt; lock it for this transaction.
-/// Returns `true` when the message was already processed.
-pub async fn begin_delivery(
-    tx: &mut Transaction<'_, Postgres>,
+/// What the claim found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Not processed yet: the handler runs. `attempts` counts this one.
+    Fresh {
+        attempts: i32,
+    },
+    Processed,
+    /// Parked already (a redelivery after a reset): it waits its turn.
+    Parked {
+        seq: Option<i64>,
+    },
+}
+
+/// Columns the consumer needs, checked at start so a database that missed
+/// `outbox-relay migrate` fails with one line instead of on every message.
+pub async fn check_schema(pool: &PgPool) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "SELECT consumer, message_id, subject, attempts, last_error, processed_at, \
+                aggregate_key, stream_seq, parked_until FROM inbox_messages LIMIT 0",
+    )
+    .execute(pool)
+    .await
+    .map(|_| ())
+}
+
+/// A pulled message: insert its row, or count one more attempt on it.
+pub async fn claim<'c>(
+    e: impl PgExecutor<'c>,
     consumer: &str,
     id: Uuid,
     subject: &str,
-) -> Result<bool, sqlx::Error> {
-    let processed: Option<bool> = sqlx::query_scalar(
+) -> Result<Claim, sqlx::Error> {
+    let (processed, parked, seq, attempts): (bool, bool, Option<i64>, i32) = sqlx::query_as(
         "INSERT INTO inbox_messages (consumer, message_id, subject, attempts) VALUES ($1, $2, $3, 1) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET attempts = inbox_messages.attempts + CASE WHEN inbox_messages.processed_at IS NULL THEN 1 ELSE 0 END \
-         RETURNING processed_at IS NOT NULL",
+           SET attempts = inbox_messages.attempts + \
+               CASE WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
+                    THEN 1 ELSE 0 END \
+         RETURNING processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
     )
     .bind(consumer)
     .bind(id)
     .bind(subject)
-    .fetch_optional(&mut **tx)
+    .fetch_one(e)
     .await?;
-    Ok(processed.unwrap_or(false))
+    Ok(if processed {
+        Claim::Processed
+    } else if parked {
+        Claim::Parked { seq }
+    } else {
+        Claim::Fresh { attempts }
+    })
 }
 
-/// Mark processed, in the delivery's transaction.
-pub async fn mark_processed(
+/// A parked message comes up again: count the attempt. `None` when it was
+/// processed meanwhile (or its row is gone).
+pub async fn claim_parked<'c>(
+    e: impl PgExecutor<'c>,
+    consumer: &str,
+    id: Uuid,
+) -> Result<Option<i32>, sqlx::Error> {
+    sqlx::query_scalar(
+        "UPDATE inbox_messages SET attempts = attempts + 1 \
+         WHERE consumer = $1 AND message_id = $2 AND processed_at IS NULL \
+         RETURNING attempts",
+    )
+    .bind(consumer)
+    .bind(id)
+    .fetch_optional(e)
+    .await
+}
+
+/// Mark processed (and no longer parked).
+pub async fn complete(
     conn: &mut PgConnection,
     consumer: &str,
     id: Uuid,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "UPDATE inbox_messages SET processed_at = greatest(now(), received_at) \
+        "UPDATE inbox_messages SET processed_at = greatest(now(), received_at), parked_until = NULL \
          WHERE consumer = $1 AND message_id = $2",
     )
     .bind(consumer)
@@ -47,36 +107,166 @@ pub async fn mark_processed(
     Ok(())
 }
 
-/// One attempt that ended outside the delivery's transaction (which was
-/// rolled back): its error, and whether the message is done with.
-pub struct Attempt<'a> {
+/// Where a message waits in the inbox.
+pub struct Parking<'a> {
     pub consumer: &'a str,
     pub id: Uuid,
     pub subject: &'a str,
-    pub error: &'a str,
+    pub key: &'a str,
+    pub seq: u64,
 }
 
-/// Count the attempt and record its error; with `processed` (a dead letter
-/// that the DLQ stored) also mark the message done, in the same statement.
-pub async fn record_attempt(
+/// The attempt failed: park the row until `after` from now, with its error.
+/// `count_attempt` when the claim that counted it was rolled back (a Rust
+/// handler's transaction).
+pub async fn park(
     pool: &PgPool,
-    a: &Attempt<'_>,
-    processed: bool,
+    p: &Parking<'_>,
+    after: Duration,
+    error: &str,
+    count_attempt: bool,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, last_error, processed_at) \
-         VALUES ($1, $2, $3, 1, $4, CASE WHEN $5 THEN now() END) \
+        "INSERT INTO inbox_messages \
+           (consumer, message_id, subject, attempts, last_error, aggregate_key, stream_seq, parked_until) \
+         VALUES ($1, $2, $3, 1, $4, $5, $6, now() + make_interval(secs => $7)) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET attempts = inbox_messages.attempts + 1, last_error = excluded.last_error, \
-               processed_at = CASE WHEN $5 THEN greatest(now(), inbox_messages.received_at) \
-                                   ELSE inbox_messages.processed_at END",
+           SET attempts = inbox_messages.attempts + CASE WHEN $8 THEN 1 ELSE 0 END, \
+               last_error = excluded.last_error, aggregate_key = excluded.aggregate_key, \
+               stream_seq = excluded.stream_seq, parked_until = excluded.parked_until \
+         WHERE inbox_messages.processed_at IS NULL",
     )
-    .bind(a.consumer)
-    .bind(a.id)
-    .bind(a.subject)
-    .bind(a.error)
-    .bind(processed)
+    .bind(p.consumer)
+    .bind(p.id)
+    .bind(p.subject)
+    .bind(error)
+    .bind(p.key)
+    .bind(seq_param(p.seq))
+    .bind(after.as_secs_f64())
+    .bind(count_attempt)
     .execute(pool)
     .await?;
     Ok(())
+}
+
+/// Park a pulled message behind its aggregate's parked ones (due at once:
+/// its turn comes when they are done). A processed row stays processed.
+pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO inbox_messages \
+           (consumer, message_id, subject, aggregate_key, stream_seq, parked_until) \
+         VALUES ($1, $2, $3, $4, $5, now()) \
+         ON CONFLICT (consumer, message_id) DO UPDATE \
+           SET aggregate_key = excluded.aggregate_key, stream_seq = excluded.stream_seq, \
+               parked_until = coalesce(inbox_messages.parked_until, excluded.parked_until) \
+         WHERE inbox_messages.processed_at IS NULL",
+    )
+    .bind(p.consumer)
+    .bind(p.id)
+    .bind(p.subject)
+    .bind(p.key)
+    .bind(seq_param(p.seq))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Done with, without success: dead-lettered (the DLQ stored it) or gone
+/// from the stream. Counts no attempt unless `count_attempt`.
+pub async fn finish_failed(
+    pool: &PgPool,
+    consumer: &str,
+    id: Uuid,
+    subject: &str,
+    error: &str,
+    count_attempt: bool,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, last_error, processed_at) \
+         VALUES ($1, $2, $3, 1, $4, now()) \
+         ON CONFLICT (consumer, message_id) DO UPDATE \
+           SET attempts = inbox_messages.attempts + CASE WHEN $5 THEN 1 ELSE 0 END, \
+               last_error = excluded.last_error, parked_until = NULL, \
+               processed_at = greatest(now(), inbox_messages.received_at)",
+    )
+    .bind(consumer)
+    .bind(id)
+    .bind(subject)
+    .bind(error)
+    .bind(count_attempt)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The oldest parked message of every aggregate, and how long until it is
+/// due: what a consumer taking over resumes from.
+pub async fn parked_heads(
+    pool: &PgPool,
+    consumer: &str,
+) -> Result<Vec<(String, u64, Duration)>, sqlx::Error> {
+    let rows: Vec<(String, i64, f64)> = sqlx::query_as(
+        "SELECT DISTINCT ON (aggregate_key) aggregate_key, stream_seq, \
+                greatest(0, extract(epoch FROM parked_until - now()))::float8 \
+         FROM inbox_messages \
+         WHERE consumer = $1 AND parked_until IS NOT NULL AND processed_at IS NULL \
+           AND aggregate_key IS NOT NULL AND stream_seq IS NOT NULL \
+         ORDER BY aggregate_key, stream_seq",
+    )
+    .bind(consumer)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(key, seq, wait)| {
+            (
+                key,
+                u64::try_from(seq).unwrap_or(0),
+                Duration::try_from_secs_f64(wait).unwrap_or(Duration::ZERO),
+            )
+        })
+        .collect())
+}
+
+/// The oldest parked message of one aggregate.
+pub async fn next_parked(
+    pool: &PgPool,
+    consumer: &str,
+    key: &str,
+) -> Result<Option<u64>, sqlx::Error> {
+    let seq: Option<i64> = sqlx::query_scalar(
+        "SELECT stream_seq FROM inbox_messages \
+         WHERE consumer = $1 AND aggregate_key = $2 AND parked_until IS NOT NULL \
+           AND processed_at IS NULL AND stream_seq IS NOT NULL \
+         ORDER BY stream_seq LIMIT 1",
+    )
+    .bind(consumer)
+    .bind(key)
+    .fetch_optional(pool)
+    .await?;
+    Ok(seq.and_then(|s| u64::try_from(s).ok()))
+}
+
+/// The parked message at `seq` of one aggregate (its id, to find the row
+/// when the stream no longer has the message).
+pub async fn parked_id(
+    pool: &PgPool,
+    consumer: &str,
+    key: &str,
+    seq: u64,
+) -> Result<Option<(Uuid, String)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT message_id, subject FROM inbox_messages \
+         WHERE consumer = $1 AND aggregate_key = $2 AND stream_seq = $3 AND processed_at IS NULL",
+    )
+    .bind(consumer)
+    .bind(key)
+    .bind(seq_param(seq))
+    .fetch_optional(pool)
+    .await
+}
+
+/// Stream sequences fit a bigint (JetStream's are far below 2^63).
+fn seq_param(seq: u64) -> i64 {
+    i64::try_from(seq).unwrap_or(i64::MAX)
 }

@@ -1,30 +1,41 @@
 //! The consumer: JetStream pull → [`inbox`] → [`handler`] → ACK | NAK |
 //! [`dead_letter`].
 //!
-//! One dispatcher task owns all ordering state ([`scheduler`], pure), so
-//! there are no locks; each delivery ([`delivery`]) runs in its own task.
-//! Waiting deliveries are kept alive with in-progress acks. A pull stream
-//! that ends or fails, or whose client reconnected to another server, is
-//! rebuilt (with backoff while that fails); nothing but shutdown ends the
-//! consumer once it runs.
+//! Order (SPEC §6): one instance per durable dispatches ([`lease`]); the
+//! others wait in standby. The active one owns all ordering state in one
+//! task ([`scheduler`], pure): an aggregate's messages run one at a time in
+//! stream order, and a failed one is parked in its inbox row (acked in
+//! JetStream) with the aggregate's later messages parked behind it, so it
+//! holds no ack-pending slot and the other aggregates flow. Parked messages
+//! survive restarts in the inbox; what a previous holder pulled but did not
+//! finish comes again in order because taking over, and a delivery lost on
+//! the way (a gap in the delivery sequence), reset the consumer to its ack
+//! floor.
 //!
-//! Shutdown: stop pulling, let running deliveries finish (bounded), NAK what
-//! waits so another instance gets it at once.
+//! Each job ([`delivery`]) runs in its own task; waiting ones are kept alive
+//! with progress acks. A pull stream that ends or fails, or whose client
+//! reconnected to another server, is rebuilt (with backoff while that
+//! fails); nothing but shutdown ends the consumer once it runs.
+//!
+//! Shutdown: stop pulling, let running jobs finish (bounded), NAK what waits
+//! so the next active instance gets it at once.
 
 mod dead_letter;
 mod delivery;
 pub mod handler;
 mod inbox;
+mod lease;
 mod scheduler;
 
-use std::sync::atomic::Ordering;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, AckKind};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use sqlx::PgPool;
-use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
@@ -34,7 +45,8 @@ use crate::wire;
 use dead_letter::DeadLetters;
 use delivery::Shared;
 pub use handler::{Delivery, Handler, HttpHandler, Outcome};
-use scheduler::Scheduler;
+use lease::Lease;
+use scheduler::{Finished, Job, Scheduler};
 
 /// Validated consumer settings.
 #[derive(Debug, Clone)]
@@ -53,13 +65,6 @@ pub struct ConsumeConfig {
     pub shutdown_timeout: Duration,
 }
 
-/// A finished delivery, reported to the dispatcher.
-struct Done {
-    key: String,
-    /// Set when the delivery was NAKed: its aggregate waits for its redelivery.
-    naked: Option<String>,
-}
-
 /// The longest pause between attempts to rebuild a failed pull stream.
 const MAX_RESUBSCRIBE_BACKOFF: Duration = Duration::from_secs(1);
 
@@ -69,8 +74,19 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// How often the consumer looks whether its NATS client reconnected.
 const RECONNECT_CHECK: Duration = Duration::from_millis(100);
 
-/// Run until `shutdown`. The consumer is created, or updated to these settings.
-/// `readiness` is told when pulling has started (and when it stops).
+/// How often a standby asks for the lease, and the active instance checks
+/// that it still holds it.
+const LEASE_POLL: Duration = Duration::from_secs(1);
+
+/// Why an active period ended.
+enum Ended {
+    Shutdown,
+    LeaseLost,
+}
+
+/// Run until `shutdown`. The consumer is created, or updated to these
+/// settings. One instance per durable is active (see [`lease`]); the others
+/// wait in standby. `readiness` says which, and when pulling has started.
 pub async fn run<H: Handler>(
     cfg: ConsumeConfig,
     pool: PgPool,
@@ -84,6 +100,12 @@ pub async fn run<H: Handler>(
         "not consuming yet: creating consumer {} on stream {}",
         cfg.durable, cfg.stream
     ));
+    inbox::check_schema(&pool).await.map_err(|e| Error::Setup {
+        message: format!(
+            "inbox_messages lacks the consumer's columns ({e}); run `outbox-relay migrate` against this database"
+        ),
+        source: Some(Box::new(e)),
+    })?;
     let stream = js
         .get_stream(&cfg.stream)
         .await
@@ -94,134 +116,374 @@ pub async fn run<H: Handler>(
             filter_subject: cfg.filter.clone().unwrap_or_default(),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
             ack_wait: cfg.ack_wait,
-            max_deliver: cfg.max_deliver,
+            // Attempts are counted in the inbox (`--max-deliver`); JetStream
+            // redelivers only what a crash or a reset left unacked, and must
+            // never give up on it.
+            max_deliver: -1,
             max_ack_pending: cfg.max_ack_pending,
             ..Default::default()
         })
         .await
         .map_err(Error::nats(format!("creating consumer {}", cfg.durable)))?;
     let dlq = DeadLetters::new(js.clone(), &cfg.dlq_prefix, &cfg.durable, cfg.dlq_replicas).await?;
-    let mut messages = pull_stream(&consumer, &cfg)
-        .await
-        .map_err(Error::nats("starting the pull subscription"))?;
-    tracing::info!(stream = %cfg.stream, durable = %cfg.durable, "consuming");
-    readiness.ready();
+    let handler = Arc::new(handler);
+    let standby = metrics::gauge!(m::CONSUMER_STANDBY);
+    let mut standby_logged = false;
+    loop {
+        let lease = match Lease::try_acquire(&pool, &cfg.stream, &cfg.durable).await {
+            Ok(Some(lease)) => lease,
+            Ok(None) => {
+                standby.set(1.0);
+                if !standby_logged {
+                    tracing::info!(durable = %cfg.durable, "standby: another instance of this durable is active");
+                    standby_logged = true;
+                }
+                readiness.not_ready(format!(
+                    "standby: another instance of durable {} is active; taking over when it stops",
+                    cfg.durable
+                ));
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(LEASE_POLL) => continue,
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot ask for the consumer lease; retrying");
+                readiness.not_ready(format!("cannot ask for the consumer lease: {e}"));
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(LEASE_POLL) => continue,
+                }
+            }
+        };
+        standby.set(0.0);
+        standby_logged = false;
+        let active = Active {
+            cfg: &cfg,
+            js: &js,
+            pool: &pool,
+            stream: &stream,
+            dlq: &dlq,
+            handler: handler.clone(),
+            readiness: &readiness,
+        };
+        match active.run(consumer.clone(), lease, &shutdown).await? {
+            Ended::Shutdown => return Ok(()),
+            Ended::LeaseLost => {
+                tracing::warn!(
+                    "lost the consumer lease (its Postgres connection failed); stopped dispatching"
+                );
+                readiness.not_ready("lost the consumer lease; asking again");
+            }
+        }
+    }
+}
 
-    let shared = Arc::new(Shared {
-        pool,
-        handler,
-        dlq,
-        cfg: cfg.clone(),
-    });
-    let (done_tx, mut done_rx) = mpsc::channel::<Done>(cfg.concurrency * 2 + 8);
-    let mut scheduler = Scheduler::new(cfg.concurrency);
-    let mut progress = tokio::time::interval((cfg.ack_wait / 3).max(Duration::from_millis(100)));
-    let pending = metrics::gauge!(m::CONSUMER_PENDING);
-    pending.set(consumer.cached_info().num_pending as f64);
+/// One period as the active instance.
+struct Active<'a, H> {
+    cfg: &'a ConsumeConfig,
+    js: &'a jetstream::Context,
+    pool: &'a PgPool,
+    stream: &'a jetstream::stream::Stream,
+    dlq: &'a DeadLetters,
+    handler: Arc<H>,
+    readiness: &'a Readiness,
+}
 
-    // A pull subscription does not survive its client moving to another
-    // server (a NATS node died): async-nats resubscribes the inbox but the
-    // outstanding pull request is gone, and the stream goes quiet without
-    // an error. Each new connection gets a new pull subscription.
-    let stats = js.client().statistics();
-    let mut connects = stats.connects.load(Ordering::Relaxed);
-    let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
+type Consumer = jetstream::consumer::Consumer<pull::Config>;
 
-    let start = |key: String, msg: jetstream::Message| {
-        let shared = shared.clone();
-        let done_tx = done_tx.clone();
-        tokio::spawn(async move {
-            let naked = delivery::deliver(&shared, msg).await;
-            let _ = done_tx.send(Done { key, naked }).await;
+impl<H: Handler> Active<'_, H> {
+    async fn run(
+        self,
+        mut consumer: Consumer,
+        mut lease: Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<Ended> {
+        let cfg = self.cfg;
+        self.readiness
+            .not_ready("taking over: resuming from the ack floor");
+        // Whatever a previous holder pulled and did not finish comes again,
+        // in stream order, before anything new: order survives its crash.
+        reset_to_ack_floor(&mut consumer, "taking over").await;
+        let mut scheduler: Scheduler<jetstream::Message, Instant> = Scheduler::new(cfg.concurrency);
+        let heads = inbox::parked_heads(self.pool, &cfg.durable)
+            .await
+            .map_err(Error::pg("reading parked messages"))?;
+        let now = Instant::now();
+        for (key, seq, wait) in heads {
+            scheduler.load_parked(key, seq, now + wait);
+        }
+        let stop = shutdown.child_token();
+        let shared = Arc::new(Shared {
+            pool: self.pool.clone(),
+            handler: self.handler.clone(),
+            dlq: self.dlq.clone(),
+            cfg: cfg.clone(),
+            stream: self.stream.clone(),
+            stop: stop.clone(),
+            dlq_failing: AtomicUsize::new(0),
         });
-    };
+        let mut messages = Some(
+            pull_stream(&consumer, cfg)
+                .await
+                .map_err(Error::nats("starting the pull subscription"))?,
+        );
+        // When the pull stream is down: when to rebuild it, the pause after
+        // that, and whether to reset to the ack floor first. Rebuilding is a
+        // branch of the loop, never a wait inside it: during an election
+        // JetStream requests wait out their timeout, and running jobs must
+        // still finish meanwhile.
+        let mut rebuild: Option<Rebuild> = None;
+        let mut rebuild_pause = MIN_REBUILD_PAUSE;
+        let pending_task = tokio::spawn(watch_pending(consumer.clone(), stop.clone()));
+        tracing::info!(stream = %cfg.stream, durable = %cfg.durable, parked_aggregates = scheduler.parked_keys(), "consuming");
+        self.readiness.ready();
 
+        let mut tasks: JoinSet<(String, Finished<Instant>)> = JoinSet::new();
+        let start = |tasks: &mut JoinSet<_>, jobs: Vec<(String, Job<jetstream::Message>)>| {
+            for (key, job) in jobs {
+                let shared = shared.clone();
+                tasks.spawn(async move {
+                    let how = AssertUnwindSafe(delivery::run_job(&shared, &key, job))
+                        .catch_unwind()
+                        .await
+                        .unwrap_or_else(|_| {
+                            tracing::error!(
+                                key,
+                                "a delivery panicked; its message comes again after a reset"
+                            );
+                            Finished::Done
+                        });
+                    (key, how)
+                });
+            }
+        };
+        let mut progress =
+            tokio::time::interval((cfg.ack_wait / 3).max(Duration::from_millis(100)));
+        let mut lease_check = tokio::time::interval(LEASE_POLL);
+        let parked = metrics::gauge!(m::CONSUMER_PARKED_AGGREGATES);
+        metrics::gauge!(m::CONSUMER_PENDING).set(consumer.cached_info().num_pending as f64);
+
+        // A pull subscription does not survive its client moving to another
+        // server (a NATS node died): async-nats resubscribes the inbox but the
+        // outstanding pull request is gone, and the stream goes quiet without
+        // an error. Each new connection gets a new pull subscription.
+        let stats = self.js.client().statistics();
+        let mut connects = stats.connects.load(Ordering::Relaxed);
+        let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
+        // Deliveries to the only puller are numbered without gaps; a gap is a
+        // delivery lost on the way (a consumer leader died with it), which
+        // would come back only after ack_wait, behind later messages.
+        let mut last_delivery: Option<u64> = None;
+
+        let ended = loop {
+            let wake = scheduler.next_wake();
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break Ended::Shutdown,
+                Some(done) = tasks.join_next() => {
+                    if let Ok((key, how)) = done {
+                        let jobs = scheduler.finish(&key, how, Instant::now());
+                        start(&mut tasks, jobs);
+                    }
+                }
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now).into()), if wake.is_some() => {
+                    let jobs = scheduler.wake(Instant::now());
+                    start(&mut tasks, jobs);
+                }
+                _ = lease_check.tick() => {
+                    if !lease.held().await {
+                        break Ended::LeaseLost;
+                    }
+                    parked.set(scheduler.parked_keys() as f64);
+                    let failing = shared.dlq_failing.load(Ordering::Relaxed);
+                    metrics::gauge!(m::CONSUMER_DLQ_FAILING).set(failing as f64);
+                    if failing > 0 {
+                        self.readiness.not_ready(format!(
+                            "{failing} dead letter(s) not stored yet: the dead-letter stream refuses them; retrying"
+                        ));
+                    } else {
+                        self.readiness.ready();
+                    }
+                }
+                _ = reconnect_check.tick() => {
+                    let now = stats.connects.load(Ordering::Relaxed);
+                    if now != connects {
+                        connects = now;
+                        tracing::info!("NATS reconnected; renewing the pull subscription");
+                        messages = None;
+                        rebuild.get_or_insert(Rebuild { at: Instant::now(), reset: false, tries: 0 });
+                    }
+                }
+                _ = progress.tick() => {
+                    // Waiting deliveries must not pass ack_wait, or they come back
+                    // as duplicates out of order.
+                    for msg in scheduler.waiting() {
+                        let _ = msg.ack_with(AckKind::Progress).await;
+                    }
+                }
+                _ = tokio::time::sleep_until(rebuild.as_ref().map_or_else(Instant::now, |r| r.at).into()), if rebuild.is_some() => {
+                    let Some(mut r) = rebuild.take() else { continue };
+                    if r.reset && r.tries < MAX_RESET_TRIES {
+                        r.tries += 1;
+                        if !reset_to_ack_floor(&mut consumer, "lost delivery").await {
+                            r.at = Instant::now() + rebuild_pause;
+                            rebuild_pause = (rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
+                            rebuild = Some(r);
+                            continue;
+                        }
+                        last_delivery = None;
+                    }
+                    match tokio::time::timeout(JS_REQUEST, pull_stream(&consumer, cfg)).await {
+                        Ok(Ok(m)) => messages = Some(m),
+                        result => {
+                            let error = match result {
+                                Ok(Err(e)) => e.to_string(),
+                                _ => "timed out".to_owned(),
+                            };
+                            tracing::warn!(error, retry_in = ?rebuild_pause, "cannot restart the pull subscription");
+                            r.at = Instant::now() + rebuild_pause;
+                            r.reset = false;
+                            rebuild_pause = (rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
+                            rebuild = Some(r);
+                        }
+                    }
+                }
+                next = next_message(&mut messages), if messages.is_some() && scheduler.can_pull() => {
+                    let msg = match next {
+                        Some(Ok(m)) => m,
+                        failed => {
+                            // Missed heartbeats, no responders: the pull request
+                            // is gone with a consumer leader. A new subscription
+                            // asks the current one, after a pause that grows
+                            // while the stream keeps failing at once.
+                            match failed {
+                                Some(Err(e)) => tracing::debug!(error = %e, retry_in = ?rebuild_pause, "pull stream error; renewing the pull subscription"),
+                                _ => tracing::debug!(retry_in = ?rebuild_pause, "pull stream ended; renewing the pull subscription"),
+                            }
+                            messages = None;
+                            rebuild = Some(Rebuild { at: Instant::now() + rebuild_pause, reset: false, tries: 0 });
+                            rebuild_pause = (rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
+                            continue;
+                        }
+                    };
+                    rebuild_pause = MIN_REBUILD_PAUSE;
+                    let delivery = msg.info().map(|i| i.consumer_sequence).unwrap_or(0);
+                    if let Some(last) = last_delivery {
+                        if delivery != last + 1 {
+                            tracing::warn!(last, now = delivery, "a delivery was lost on the way; resuming from the ack floor");
+                            // What waits is delivered again by the reset.
+                            drop(scheduler.take_waiting());
+                            drop(msg);
+                            messages = None;
+                            rebuild = Some(Rebuild { at: Instant::now(), reset: true, tries: 0 });
+                            continue;
+                        }
+                    }
+                    last_delivery = Some(delivery);
+                    let key = aggregate_key(&msg);
+                    let jobs = scheduler.arrive(key, msg, Instant::now());
+                    start(&mut tasks, jobs);
+                }
+            }
+        };
+
+        // No more pulls; finish what runs (bounded), NAK what waits so the
+        // next active instance gets it at once.
+        drop(messages);
+        if matches!(ended, Ended::LeaseLost) {
+            // Another instance may be active already: nothing more of ours runs.
+            stop.cancel();
+            tasks.abort_all();
+        } else {
+            self.readiness.not_ready("shutting down");
+            let deadline = Instant::now() + cfg.shutdown_timeout;
+            while !tasks.is_empty() {
+                match tokio::time::timeout_at(deadline.into(), tasks.join_next()).await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(_) => {
+                        tracing::warn!(
+                            running = tasks.len(),
+                            "shutdown timeout: unfinished deliveries will be redelivered"
+                        );
+                        stop.cancel();
+                        tasks.abort_all();
+                        break;
+                    }
+                }
+            }
+        }
+        for msg in scheduler.take_waiting() {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+        }
+        pending_task.abort();
+        lease.release().await;
+        tracing::info!("consumer stopped");
+        Ok(ended)
+    }
+}
+
+/// Put the consumer back at its ack floor (ADR-60, nats-server 2.14+): every
+/// unacked message is delivered again, in stream order, at once. Whether it
+/// worked (within [`JS_REQUEST`]).
+async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> bool {
+    match tokio::time::timeout(JS_REQUEST, consumer.reset(None)).await {
+        Ok(Ok(r)) => {
+            tracing::info!(
+                why,
+                ack_floor = r.reset_seq,
+                "consumer reset to its ack floor"
+            );
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(why, error = %e, "cannot reset the consumer to its ack floor (no leader now, or nats-server before 2.14); unacked messages come back after ack_wait");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(why, "no answer to the consumer reset");
+            false
+        }
+    }
+}
+
+/// The pending gauge, kept off the dispatcher: during an election the info
+/// request waits out its timeout.
+async fn watch_pending(mut consumer: Consumer, stop: CancellationToken) {
+    let pending = metrics::gauge!(m::CONSUMER_PENDING);
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
     loop {
         tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break,
-            Some(done) = done_rx.recv() => {
-                for (key, msg) in scheduler.finish(&done.key, done.naked) {
-                    start(key, msg);
-                }
-            }
-            _ = reconnect_check.tick() => {
-                let now = stats.connects.load(Ordering::Relaxed);
-                if now != connects {
-                    connects = now;
-                    tracing::info!("NATS reconnected; renewing the pull subscription");
-                    match resubscribe(&consumer, &cfg, &shutdown).await {
-                        Some(m) => messages = m,
-                        None => break,
-                    }
-                }
-            }
-            _ = progress.tick() => {
-                // Waiting deliveries must not pass ack_wait, or they come back
-                // as duplicates out of order.
-                for msg in scheduler.waiting() {
-                    let _ = msg.ack_with(AckKind::Progress).await;
-                }
-                if let Ok(info) = consumer.clone().info().await {
-                    pending.set(info.num_pending as f64);
-                }
-            }
-            next = messages.next(), if scheduler.can_pull() => {
-                let msg = match next {
-                    Some(Ok(m)) => m,
-                    Some(Err(e)) => {
-                        // Missed heartbeats, no responders: the pull request
-                        // is gone with a consumer leader. A new subscription
-                        // asks the current one.
-                        tracing::warn!(error = %e, "pull stream error; renewing the pull subscription");
-                        match resubscribe(&consumer, &cfg, &shutdown).await {
-                            Some(m) => messages = m,
-                            None => break,
-                        }
-                        continue;
-                    }
-                    None => {
-                        tracing::warn!("pull stream ended; resubscribing");
-                        readiness.not_ready("pull subscription ended; resubscribing");
-                        match resubscribe(&consumer, &cfg, &shutdown).await {
-                            Some(m) => messages = m,
-                            None => break,
-                        }
-                        readiness.ready();
-                        continue;
-                    }
-                };
-                let key = aggregate_key(&msg);
-                let id = delivery::header(&msg, wire::MSG_ID);
-                if let Some(msg) = scheduler.arrive(key.clone(), id.as_deref(), msg) {
-                    start(key, msg);
-                }
-            }
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await {
+            pending.set(info.num_pending as f64);
         }
     }
+}
 
-    // Shutdown: no more pulls; finish what runs, NAK what waits.
-    readiness.not_ready("shutting down");
-    drop(messages);
-    let deadline = Instant::now() + cfg.shutdown_timeout;
-    let mut running = scheduler.running();
-    while running > 0 {
-        match tokio::time::timeout_at(deadline.into(), done_rx.recv()).await {
-            Ok(Some(_)) => running -= 1,
-            _ => {
-                tracing::warn!(
-                    running,
-                    "shutdown timeout: unfinished deliveries will be redelivered"
-                );
-                break;
-            }
-        }
+/// The pull stream is down; rebuild it at `at`, resetting first if `reset`.
+struct Rebuild {
+    at: Instant,
+    reset: bool,
+    tries: u32,
+}
+
+/// How long the dispatcher waits on one JetStream request.
+const JS_REQUEST: Duration = Duration::from_secs(2);
+const MIN_REBUILD_PAUSE: Duration = Duration::from_millis(50);
+/// A reset that keeps failing (a server without ADR-60) is given up.
+const MAX_RESET_TRIES: u32 = 20;
+
+async fn next_message(
+    messages: &mut Option<Messages>,
+) -> Option<std::result::Result<jetstream::Message, pull::MessagesError>> {
+    match messages {
+        Some(m) => m.next().await,
+        None => std::future::pending().await,
     }
-    for msg in scheduler.take_waiting() {
-        let _ = msg.ack_with(AckKind::Nak(None)).await;
-    }
-    tracing::info!("consumer stopped");
-    Ok(())
 }
 
 type Messages = pull::Stream;
@@ -241,29 +503,6 @@ async fn pull_stream(
         .expires(PULL_EXPIRES)
         .messages()
         .await
-}
-
-/// Rebuild the pull stream, retrying with backoff until it works or
-/// `shutdown` (then `None`).
-async fn resubscribe(
-    consumer: &jetstream::consumer::Consumer<pull::Config>,
-    cfg: &ConsumeConfig,
-    shutdown: &CancellationToken,
-) -> Option<Messages> {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        match pull_stream(consumer, cfg).await {
-            Ok(m) => return Some(m),
-            Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "cannot restart the pull subscription");
-            }
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return None,
-            _ = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(MAX_RESUBSCRIBE_BACKOFF);
-    }
 }
 
 /// Messages of one aggregate are ordered; without the header, none are.

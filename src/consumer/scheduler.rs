@@ -1,53 +1,127 @@
-//! Which delivery runs next: messages in, decisions out, no I/O.
+//! Which job runs next: messages in, jobs out, no I/O.
 //!
-//! Rules (SPEC §6):
-//! - at most `concurrency` deliveries run at once;
-//! - deliveries of one key (aggregate) run one at a time, in arrival order;
-//! - a NAKed delivery blocks its key until the same message comes back
-//!   (JetStream's redelivery); later messages of that key wait, other keys
-//!   keep flowing;
-//! - a key whose turn has come but found no free slot waits in a FIFO of
-//!   ready keys, served before anything new is pulled.
+//! Every aggregate (key) is a lane that runs one job at a time, in order:
+//!
+//! - a pulled message is **delivered** (the handler runs) when nothing of its
+//!   key is parked;
+//! - a delivery that fails is **parked**: its inbox row keeps it (stream
+//!   sequence, due time) and JetStream gets its ack, so a failing aggregate
+//!   holds no ack-pending slot and never stalls the others;
+//! - while a key has parked messages, each newly pulled message of that key is
+//!   **parked behind** them (a job of its own: the inbox row, then the ack);
+//! - when the oldest parked message of a key is due, it is **retried** (read
+//!   again from the stream). When it finishes, the next parked one (the
+//!   inbox says which) runs at once; when none is left, the key is clear.
+//!
+//! Because a key's jobs run one at a time, parking behind and retrying never
+//! race: a retry that finds no next parked row really is the last.
+//!
+//! At most `concurrency` jobs run at once; a key with a job to start but no
+//! free slot waits in a FIFO served before anything new is pulled.
 //!
 //! The I/O loop ([`super::run`]) pulls only while [`Scheduler::can_pull`],
-//! starts what [`Scheduler::arrive`] and [`Scheduler::finish`] hand back, and
-//! keeps [`Scheduler::waiting`] messages alive with progress acks.
+//! runs the jobs that [`arrive`](Scheduler::arrive),
+//! [`finish`](Scheduler::finish) and [`wake`](Scheduler::wake) hand back, and
+//! keeps [`waiting`](Scheduler::waiting) messages alive with progress acks.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
-pub struct Scheduler<M> {
-    concurrency: usize,
-    running: usize,
-    keys: HashMap<String, KeyState<M>>,
-    /// Keys that may start their next waiting message when a slot frees.
-    ready: VecDeque<String>,
+/// What to do next for one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Job<M> {
+    /// Call the handler for a pulled message.
+    Deliver(M),
+    /// Park a pulled message behind its key's parked ones.
+    ParkBehind(M),
+    /// Run the key's oldest parked message again.
+    Retry { seq: u64 },
 }
 
-struct KeyState<M> {
+/// How a job ended, as far as ordering cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished<T> {
+    /// Nothing changes for the key: processed, a duplicate, dead-lettered,
+    /// or parked behind the key's parked messages.
+    Done,
+    /// The message failed and waits in the inbox until `due`.
+    Parked { seq: u64, due: T },
+    /// A retry is over (processed or dead-lettered); `next` is the key's
+    /// next parked message, due at once, if the inbox holds one.
+    Retried { next: Option<u64> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Head<T> {
+    seq: u64,
+    due: T,
+}
+
+struct Lane<M, T> {
     running: bool,
-    /// The id of this key's NAKed message: nothing else of the key starts
-    /// before it has come back and finished.
-    blocked_on: Option<String>,
+    queued: bool,
     waiting: VecDeque<M>,
+    /// The oldest parked message of the key.
+    parked: Option<Head<T>>,
 }
 
-impl<M> Default for KeyState<M> {
+impl<M, T> Default for Lane<M, T> {
     fn default() -> Self {
         Self {
             running: false,
-            blocked_on: None,
+            queued: false,
             waiting: VecDeque::new(),
+            parked: None,
         }
     }
 }
 
-impl<M> Scheduler<M> {
+impl<M, T: Ord + Copy> Lane<M, T> {
+    fn next_job(&mut self, now: T) -> Option<Job<M>> {
+        if self.running {
+            return None;
+        }
+        match self.parked {
+            // Park what arrived before retrying: parking frees ack-pending
+            // slots, and the retry must see every row parked behind it.
+            Some(_) if !self.waiting.is_empty() => self.waiting.pop_front().map(Job::ParkBehind),
+            Some(head) if head.due <= now => Some(Job::Retry { seq: head.seq }),
+            Some(_) => None,
+            None => self.waiting.pop_front().map(Job::Deliver),
+        }
+    }
+
+    fn has_job(&self, now: T) -> bool {
+        !self.running
+            && match self.parked {
+                Some(head) => !self.waiting.is_empty() || head.due <= now,
+                None => !self.waiting.is_empty(),
+            }
+    }
+
+    fn idle(&self) -> bool {
+        !self.running && self.waiting.is_empty() && self.parked.is_none()
+    }
+}
+
+pub struct Scheduler<M, T> {
+    concurrency: usize,
+    running: usize,
+    lanes: HashMap<String, Lane<M, T>>,
+    /// Keys with a job to start and no free slot, in the order they asked.
+    ready: VecDeque<String>,
+    /// When parked keys come due (entries go stale when a head changes;
+    /// [`Scheduler::wake`] checks).
+    timers: BTreeSet<(T, String)>,
+}
+
+impl<M, T: Ord + Copy> Scheduler<M, T> {
     pub fn new(concurrency: usize) -> Self {
         Self {
             concurrency: concurrency.max(1),
             running: 0,
-            keys: HashMap::new(),
+            lanes: HashMap::new(),
             ready: VecDeque::new(),
+            timers: BTreeSet::new(),
         }
     }
 
@@ -57,82 +131,140 @@ impl<M> Scheduler<M> {
         self.running < self.concurrency && self.ready.is_empty()
     }
 
+    #[cfg(test)]
     pub fn running(&self) -> usize {
         self.running
     }
 
-    /// A message of `key` arrived (`id`: its message id, which tells a
-    /// redelivery of the blocking message). Returns it when it starts now;
-    /// otherwise it waits its turn.
-    pub fn arrive(&mut self, key: String, id: Option<&str>, msg: M) -> Option<M> {
-        let state = self.keys.entry(key.clone()).or_default();
-        let is_retry = state.blocked_on.is_some() && state.blocked_on.as_deref() == id;
-        if is_retry {
-            // It comes before everything that queued behind it.
-            state.blocked_on = None;
-            state.waiting.push_front(msg);
-        } else {
-            state.waiting.push_back(msg);
-        }
-        let startable = !state.running && state.blocked_on.is_none();
-        if !startable || self.ready.contains(&key) {
-            return None;
-        }
-        if self.running < self.concurrency {
-            self.start(&key)
-        } else {
-            self.ready.push_back(key);
-            None
-        }
+    /// Keys with parked messages.
+    pub fn parked_keys(&self) -> usize {
+        self.lanes.values().filter(|l| l.parked.is_some()).count()
     }
 
-    /// A delivery of `key` finished; `naked` is its id when it was NAKed.
-    /// Returns the deliveries to start now, in order.
-    pub fn finish(&mut self, key: &str, naked: Option<String>) -> Vec<(String, M)> {
+    /// A key found parked in the inbox at start.
+    pub fn load_parked(&mut self, key: String, seq: u64, due: T) {
+        let lane = self.lanes.entry(key.clone()).or_default();
+        lane.parked = Some(Head { seq, due });
+        self.timers.insert((due, key));
+    }
+
+    /// A message of `key` was pulled. Returns the jobs to start now.
+    pub fn arrive(&mut self, key: String, msg: M, now: T) -> Vec<(String, Job<M>)> {
+        self.lanes
+            .entry(key.clone())
+            .or_default()
+            .waiting
+            .push_back(msg);
+        let mut started = Vec::new();
+        self.offer(key, now, &mut started);
+        started
+    }
+
+    /// A job of `key` finished. Returns the jobs to start now.
+    pub fn finish(&mut self, key: &str, how: Finished<T>, now: T) -> Vec<(String, Job<M>)> {
         self.running = self.running.saturating_sub(1);
-        if let Some(state) = self.keys.get_mut(key) {
-            state.running = false;
-            state.blocked_on = naked;
-            if state.blocked_on.is_none() {
-                if state.waiting.is_empty() {
-                    self.keys.remove(key);
-                } else {
-                    self.ready.push_back(key.to_owned());
+        let mut started = Vec::new();
+        if let Some(lane) = self.lanes.get_mut(key) {
+            lane.running = false;
+            match how {
+                Finished::Done => {}
+                Finished::Parked { seq, due } => {
+                    // The oldest parked message leads; a later one never
+                    // replaces it.
+                    if lane.parked.is_none_or(|h| seq <= h.seq) {
+                        lane.parked = Some(Head { seq, due });
+                        self.timers.insert((due, key.to_owned()));
+                    }
+                }
+                Finished::Retried { next } => {
+                    lane.parked = next.map(|seq| Head { seq, due: now });
                 }
             }
+            if lane.idle() {
+                self.lanes.remove(key);
+            } else {
+                self.offer(key.to_owned(), now, &mut started);
+            }
         }
+        self.fill(now, &mut started);
+        started
+    }
+
+    /// Parked keys whose time came. Returns the jobs to start now.
+    pub fn wake(&mut self, now: T) -> Vec<(String, Job<M>)> {
         let mut started = Vec::new();
-        while self.running < self.concurrency {
-            let Some(key) = self.ready.pop_front() else {
+        while let Some((due, _)) = self.timers.first() {
+            if *due > now {
                 break;
-            };
-            if let Some(msg) = self.start(&key) {
-                started.push((key, msg));
+            }
+            if let Some((_, key)) = self.timers.pop_first() {
+                self.offer(key, now, &mut started);
             }
         }
         started
     }
 
-    fn start(&mut self, key: &str) -> Option<M> {
-        let state = self.keys.get_mut(key)?;
-        let msg = state.waiting.pop_front()?;
-        state.running = true;
-        self.running += 1;
-        Some(msg)
+    /// The next time [`wake`](Self::wake) has something to do.
+    pub fn next_wake(&self) -> Option<T> {
+        self.timers.first().map(|(due, _)| *due)
     }
 
-    /// Every message pulled but not started.
+    /// Every pulled message not started yet.
     pub fn waiting(&self) -> impl Iterator<Item = &M> {
-        self.keys.values().flat_map(|s| s.waiting.iter())
+        self.lanes.values().flat_map(|l| l.waiting.iter())
     }
 
-    /// Take every waiting message (on shutdown, to hand them back).
+    /// Take every waiting message (on shutdown or a reset, to let
+    /// JetStream deliver them again).
     pub fn take_waiting(&mut self) -> Vec<M> {
         self.ready.clear();
-        self.keys
+        let taken = self
+            .lanes
             .values_mut()
-            .flat_map(|s| s.waiting.drain(..))
-            .collect()
+            .flat_map(|l| {
+                l.queued = false;
+                l.waiting.drain(..)
+            })
+            .collect();
+        self.lanes.retain(|_, l| !l.idle());
+        taken
+    }
+
+    /// Start the key's next job if a slot is free, else queue the key.
+    fn offer(&mut self, key: String, now: T, started: &mut Vec<(String, Job<M>)>) {
+        let Some(lane) = self.lanes.get_mut(&key) else {
+            return;
+        };
+        if lane.queued || !lane.has_job(now) {
+            return;
+        }
+        if self.running < self.concurrency && self.ready.is_empty() {
+            if let Some(job) = lane.next_job(now) {
+                lane.running = true;
+                self.running += 1;
+                started.push((key, job));
+            }
+        } else {
+            lane.queued = true;
+            self.ready.push_back(key);
+        }
+    }
+
+    fn fill(&mut self, now: T, started: &mut Vec<(String, Job<M>)>) {
+        while self.running < self.concurrency {
+            let Some(key) = self.ready.pop_front() else {
+                break;
+            };
+            let Some(lane) = self.lanes.get_mut(&key) else {
+                continue;
+            };
+            lane.queued = false;
+            if let Some(job) = lane.next_job(now) {
+                lane.running = true;
+                self.running += 1;
+                started.push((key, job));
+            }
+        }
     }
 }
 
@@ -140,173 +272,247 @@ impl<M> Scheduler<M> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::BTreeMap;
 
-    /// Messages are (key, id) pairs.
-    type Msg = (String, String);
+    /// Messages are (key, stream sequence); time is a plain counter.
+    type Msg = (String, u64);
+    type S = Scheduler<Msg, u64>;
 
-    fn msg(key: &str, id: &str) -> Msg {
-        (key.into(), id.into())
+    fn m(key: &str, seq: u64) -> Msg {
+        (key.into(), seq)
     }
 
-    fn arrive(s: &mut Scheduler<Msg>, key: &str, id: &str) -> Option<Msg> {
-        s.arrive(key.into(), Some(id), msg(key, id))
+    fn arrive(s: &mut S, key: &str, seq: u64) -> Vec<(String, Job<Msg>)> {
+        s.arrive(key.into(), m(key, seq), 0)
+    }
+
+    fn deliver(key: &str, seq: u64) -> (String, Job<Msg>) {
+        (key.into(), Job::Deliver(m(key, seq)))
     }
 
     #[test]
     fn one_at_a_time_per_key_in_order() {
-        let mut s = Scheduler::new(4);
-        assert_eq!(arrive(&mut s, "a", "1"), Some(msg("a", "1")));
-        assert_eq!(arrive(&mut s, "a", "2"), None);
-        assert_eq!(arrive(&mut s, "b", "3"), Some(msg("b", "3")));
+        let mut s = S::new(4);
+        assert_eq!(arrive(&mut s, "a", 1), vec![deliver("a", 1)]);
+        assert_eq!(arrive(&mut s, "a", 2), vec![]);
+        assert_eq!(arrive(&mut s, "b", 3), vec![deliver("b", 3)]);
         assert_eq!(s.waiting().count(), 1);
-        assert_eq!(s.finish("a", None), vec![("a".into(), msg("a", "2"))]);
-        assert_eq!(s.finish("a", None), vec![]);
+        assert_eq!(s.finish("a", Finished::Done, 0), vec![deliver("a", 2)]);
+        assert_eq!(s.finish("a", Finished::Done, 0), vec![]);
         assert_eq!(s.running(), 1);
     }
 
     #[test]
-    fn a_naked_key_waits_for_its_redelivery_others_flow() {
-        let mut s = Scheduler::new(4);
-        arrive(&mut s, "a", "1");
-        assert_eq!(arrive(&mut s, "a", "2"), None);
-        assert_eq!(s.finish("a", Some("1".into())), vec![], "blocked on 1");
-        assert_eq!(arrive(&mut s, "b", "9"), Some(msg("b", "9")));
-        assert_eq!(arrive(&mut s, "a", "3"), None, "still blocked");
+    fn a_failed_key_parks_what_follows_and_retries_in_order_while_others_flow() {
+        let mut s = S::new(4);
+        arrive(&mut s, "a", 1);
+        arrive(&mut s, "a", 2);
+        // 1 fails: parked until t=10. 2 waited in memory: it is parked behind.
         assert_eq!(
-            arrive(&mut s, "a", "1"),
-            Some(msg("a", "1")),
-            "the redelivery goes first"
+            s.finish("a", Finished::Parked { seq: 1, due: 10 }, 0),
+            vec![("a".into(), Job::ParkBehind(m("a", 2)))]
         );
-        assert_eq!(s.finish("a", None), vec![("a".into(), msg("a", "2"))]);
-        assert_eq!(s.finish("a", None), vec![("a".into(), msg("a", "3"))]);
+        assert_eq!(s.finish("a", Finished::Done, 0), vec![]);
+        assert_eq!(arrive(&mut s, "b", 3), vec![deliver("b", 3)], "others flow");
+        assert_eq!(
+            s.arrive("a".into(), m("a", 4), 1),
+            vec![("a".into(), Job::ParkBehind(m("a", 4)))]
+        );
+        assert_eq!(s.finish("a", Finished::Done, 1), vec![]);
+        assert_eq!(s.next_wake(), Some(10));
+        assert_eq!(s.wake(9), vec![]);
+        assert_eq!(s.wake(10), vec![("a".into(), Job::Retry { seq: 1 })]);
+        // 1 succeeds; the inbox says 2 is next, then 4, then nothing.
+        assert_eq!(
+            s.finish("a", Finished::Retried { next: Some(2) }, 11),
+            vec![("a".into(), Job::Retry { seq: 2 })]
+        );
+        assert_eq!(
+            s.finish("a", Finished::Retried { next: Some(4) }, 11),
+            vec![("a".into(), Job::Retry { seq: 4 })]
+        );
+        assert_eq!(s.finish("a", Finished::Retried { next: None }, 11), vec![]);
+        assert_eq!(
+            s.arrive("a".into(), m("a", 5), 12),
+            vec![deliver("a", 5)],
+            "clear again"
+        );
     }
 
     #[test]
     fn full_slots_queue_ready_keys_fifo_and_stop_pulling() {
-        let mut s = Scheduler::new(1);
-        arrive(&mut s, "a", "1");
+        let mut s = S::new(1);
+        arrive(&mut s, "a", 1);
         assert!(!s.can_pull());
-        assert_eq!(arrive(&mut s, "b", "2"), None);
-        assert_eq!(arrive(&mut s, "c", "3"), None);
-        assert_eq!(s.finish("a", None), vec![("b".into(), msg("b", "2"))]);
+        assert_eq!(arrive(&mut s, "b", 2), vec![]);
+        assert_eq!(arrive(&mut s, "c", 3), vec![]);
+        assert_eq!(s.finish("a", Finished::Done, 0), vec![deliver("b", 2)]);
         assert!(!s.can_pull(), "c still waits for a slot");
-        assert_eq!(s.finish("b", None), vec![("c".into(), msg("c", "3"))]);
-        assert_eq!(s.finish("c", None), vec![]);
+        assert_eq!(s.finish("b", Finished::Done, 0), vec![deliver("c", 3)]);
+        assert_eq!(s.finish("c", Finished::Done, 0), vec![]);
         assert!(s.can_pull());
     }
 
     #[test]
+    fn keys_parked_at_start_park_what_arrives_and_retry_when_due() {
+        let mut s = S::new(2);
+        s.load_parked("a".into(), 7, 5);
+        assert_eq!(
+            arrive(&mut s, "a", 9),
+            vec![("a".into(), Job::ParkBehind(m("a", 9)))]
+        );
+        assert_eq!(s.finish("a", Finished::Done, 0), vec![]);
+        assert_eq!(s.wake(5), vec![("a".into(), Job::Retry { seq: 7 })]);
+    }
+
+    #[test]
     fn shutdown_takes_what_waits() {
-        let mut s = Scheduler::new(1);
-        arrive(&mut s, "a", "1");
-        arrive(&mut s, "a", "2");
-        arrive(&mut s, "b", "3");
+        let mut s = S::new(1);
+        arrive(&mut s, "a", 1);
+        arrive(&mut s, "a", 2);
+        arrive(&mut s, "b", 3);
         let mut taken = s.take_waiting();
         taken.sort();
-        assert_eq!(taken, vec![msg("a", "2"), msg("b", "3")]);
+        assert_eq!(taken, vec![m("a", 2), m("b", 3)]);
         assert_eq!(s.waiting().count(), 0);
+        assert!(s.can_pull() || s.running() == 1);
     }
 
     #[derive(Debug, Clone)]
     enum Op {
         /// A new message of key k.
         Arrive(u8),
-        /// Finish the i-th running delivery (mod the count), NAKed or not.
+        /// Finish the i-th running job (mod the count); a delivery or
+        /// retry fails when the flag says so.
         Finish(usize, bool),
-        /// JetStream redelivers the i-th NAKed message (mod the count).
-        Redeliver(usize),
+        /// Time passes.
+        Tick,
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0u8..4).prop_map(Op::Arrive),
-            (any::<usize>(), any::<bool>()).prop_map(|(i, n)| Op::Finish(i, n)),
-            any::<usize>().prop_map(Op::Redeliver),
+            3 => (0u8..4).prop_map(Op::Arrive),
+            3 => (any::<usize>(), any::<bool>()).prop_map(|(i, f)| Op::Finish(i, f)),
+            1 => Just(Op::Tick),
         ]
     }
 
-    proptest! {
-        /// Under any interleaving: the slot bound holds, a key never runs
-        /// twice at once, each key's messages start in arrival order (a
-        /// redelivery repeats the message it replaces), and nothing is lost.
-        #[test]
-        fn invariants_hold(concurrency in 1usize..4, ops in prop::collection::vec(op(), 1..200)) {
-            let mut s: Scheduler<Msg> = Scheduler::new(concurrency);
-            let mut running: Vec<Msg> = Vec::new();
-            let mut naked: Vec<Msg> = Vec::new();
-            let mut arrived: HashMap<String, Vec<String>> = HashMap::new();
-            let mut started: HashMap<String, Vec<String>> = HashMap::new();
-            let mut next_id = 0u32;
-            let begin = |m: Msg, running: &mut Vec<Msg>, started: &mut HashMap<String, Vec<String>>| {
-                assert!(running.iter().all(|r| r.0 != m.0), "key {} runs twice", m.0);
-                let seen = started.entry(m.0.clone()).or_default();
-                if seen.last() != Some(&m.1) {
-                    seen.push(m.1.clone());
+    /// The world around the scheduler: the jobs running and the inbox's
+    /// parked rows.
+    #[derive(Default)]
+    struct World {
+        now: u64,
+        running: Vec<(String, Job<Msg>)>,
+        parked: BTreeMap<String, BTreeSet<u64>>,
+        /// Per key, the sequences the handler succeeded on, in order.
+        processed: HashMap<String, Vec<u64>>,
+    }
+
+    impl World {
+        fn start(&mut self, jobs: Vec<(String, Job<Msg>)>) {
+            for (key, job) in jobs {
+                assert!(
+                    self.running.iter().all(|(k, _)| *k != key),
+                    "key {key} runs two jobs"
+                );
+                if let Job::Retry { seq } = job {
+                    assert_eq!(
+                        self.parked[&key].first(),
+                        Some(&seq),
+                        "a retry that is not the key's oldest parked message"
+                    );
                 }
-                running.push(m);
+                self.running.push((key, job));
+            }
+        }
+
+        /// Run the i-th job to its end as the I/O side would.
+        fn finish(&mut self, s: &mut S, i: usize, fail: bool) {
+            let (key, job) = self.running.remove(i % self.running.len());
+            let now = self.now;
+            let how = match job {
+                Job::Deliver((_, seq)) if fail => {
+                    self.parked.entry(key.clone()).or_default().insert(seq);
+                    Finished::Parked { seq, due: now + 2 }
+                }
+                Job::Deliver((_, seq)) => {
+                    self.processed.entry(key.clone()).or_default().push(seq);
+                    Finished::Done
+                }
+                Job::ParkBehind((_, seq)) => {
+                    self.parked.entry(key.clone()).or_default().insert(seq);
+                    Finished::Done
+                }
+                Job::Retry { seq } if fail => Finished::Parked { seq, due: now + 2 },
+                Job::Retry { seq } => {
+                    let rows = self.parked.get_mut(&key).unwrap();
+                    rows.remove(&seq);
+                    let next = rows.first().copied();
+                    self.processed.entry(key.clone()).or_default().push(seq);
+                    Finished::Retried { next }
+                }
             };
+            let started = s.finish(&key, how, now);
+            self.start(started);
+        }
+    }
+
+    proptest! {
+        /// Under any interleaving: the slot bound holds, a key runs one job
+        /// at a time, retries take the oldest parked message, each key's
+        /// messages succeed in stream order, and once everything succeeds
+        /// nothing is left waiting or parked.
+        #[test]
+        fn invariants_hold(concurrency in 1usize..4, ops in prop::collection::vec(op(), 1..300)) {
+            let mut s = S::new(concurrency);
+            let mut w = World::default();
+            let mut arrived: HashMap<String, Vec<u64>> = HashMap::new();
+            let mut seq = 0u64;
             for op in ops {
                 match op {
                     Op::Arrive(k) => {
                         if !s.can_pull() { continue; }
-                        next_id += 1;
-                        let m = msg(&format!("k{k}"), &next_id.to_string());
-                        arrived.entry(m.0.clone()).or_default().push(m.1.clone());
-                        let (key, id) = m.clone();
-                        if let Some(m) = s.arrive(key, Some(&id), m) {
-                            begin(m, &mut running, &mut started);
-                        }
+                        seq += 1;
+                        let key = format!("k{k}");
+                        arrived.entry(key.clone()).or_default().push(seq);
+                        let started = s.arrive(key.clone(), (key, seq), w.now);
+                        w.start(started);
                     }
-                    Op::Finish(i, nak) => {
-                        if running.is_empty() { continue; }
-                        let m = running.remove(i % running.len());
-                        let id = nak.then(|| m.1.clone());
-                        if nak { naked.push(m.clone()); }
-                        for (_, m) in s.finish(&m.0, id) {
-                            begin(m, &mut running, &mut started);
-                        }
+                    Op::Finish(i, fail) => {
+                        if w.running.is_empty() { continue; }
+                        w.finish(&mut s, i, fail);
                     }
-                    Op::Redeliver(i) => {
-                        if naked.is_empty() || !s.can_pull() { continue; }
-                        let m = naked.remove(i % naked.len());
-                        let (key, id) = m.clone();
-                        if let Some(m) = s.arrive(key, Some(&id), m) {
-                            begin(m, &mut running, &mut started);
-                        }
+                    Op::Tick => {
+                        w.now += 1;
+                        let started = s.wake(w.now);
+                        w.start(started);
                     }
                 }
                 prop_assert!(s.running() <= concurrency);
-                prop_assert_eq!(s.running(), running.len());
+                prop_assert_eq!(s.running(), w.running.len());
             }
-            // Liveness: with every NAKed message redelivered and every
-            // delivery finishing, nothing is left waiting.
-            for m in naked.drain(..) {
-                while !s.can_pull() {
-                    let r = running.remove(0);
-                    for (_, m) in s.finish(&r.0, None) {
-                        begin(m, &mut running, &mut started);
+            // Liveness: everything succeeds from here on, time passes.
+            for _ in 0..10_000 {
+                if w.running.is_empty() {
+                    match s.next_wake() {
+                        Some(t) => {
+                            w.now = w.now.max(t);
+                            let started = s.wake(w.now);
+                            w.start(started);
+                        }
+                        None => break,
                     }
+                    continue;
                 }
-                let (key, id) = m.clone();
-                if let Some(m) = s.arrive(key, Some(&id), m) {
-                    begin(m, &mut running, &mut started);
-                }
+                w.finish(&mut s, 0, false);
             }
-            while !running.is_empty() {
-                let r = running.remove(0);
-                for (_, m) in s.finish(&r.0, None) {
-                    begin(m, &mut running, &mut started);
-                }
-            }
+            prop_assert!(w.running.is_empty());
             prop_assert_eq!(s.waiting().count(), 0, "a message was left waiting");
-            for (key, ids) in &started {
-                prop_assert_eq!(&arrived[key][..ids.len()], &ids[..], "key {} out of order", key);
+            prop_assert!(w.parked.values().all(BTreeSet::is_empty), "a message was left parked");
+            prop_assert_eq!(s.parked_keys(), 0);
+            for (key, seqs) in &arrived {
+                prop_assert_eq!(&w.processed[key], seqs, "key {} out of order or lost", key);
             }
-            // A NAKed message counts once, as started (and again on its
-            // redelivery, which `begin` does not count twice).
-            let accounted = started.values().map(Vec::len).sum::<usize>() + s.waiting().count();
-            let total: usize = arrived.values().map(Vec::len).sum();
-            prop_assert_eq!(accounted, total, "a message was lost");
         }
     }
 }

@@ -55,9 +55,18 @@ pub const SLOT_MONITOR_UP: &str = "outbox_relay_slot_monitor_up";
 pub const CONSUMER_MESSAGES: &str = "outbox_consumer_messages_total";
 pub const CONSUMER_HANDLER_SECONDS: &str = "outbox_consumer_handler_seconds";
 pub const CONSUMER_PENDING: &str = "outbox_consumer_pending_messages";
+pub const CONSUMER_PARKED_AGGREGATES: &str = "outbox_consumer_parked_aggregates";
+pub const CONSUMER_STANDBY: &str = "outbox_consumer_standby";
+pub const CONSUMER_DLQ_FAILING: &str = "outbox_consumer_dead_letters_failing";
 
 /// `result` label values of [`CONSUMER_MESSAGES`].
-pub const CONSUMER_RESULTS: [&str; 4] = ["processed", "duplicate", "retried", "dead_lettered"];
+pub const CONSUMER_RESULTS: [&str; 5] = [
+    "processed",
+    "duplicate",
+    "retried",
+    "dead_lettered",
+    "expired",
+];
 
 /// Every metric name this crate exports, for tests and for the deploy/ files'
 /// checks. Histograms are listed by base name.
@@ -85,6 +94,9 @@ pub const ALL: &[&str] = &[
     CONSUMER_MESSAGES,
     CONSUMER_HANDLER_SECONDS,
     CONSUMER_PENDING,
+    CONSUMER_PARKED_AGGREGATES,
+    CONSUMER_STANDBY,
+    CONSUMER_DLQ_FAILING,
 ];
 
 /// Buckets for commit→ack: a healthy relay lives in the low milliseconds, a
@@ -199,13 +211,28 @@ pub fn register_consumer() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
         CONSUMER_MESSAGES,
-        "Deliveries by result: processed, duplicate, retried, dead_lettered"
+        "Deliveries by result: processed, duplicate, retried (parked for a later attempt), dead_lettered, expired (left the stream while parked)"
     );
     describe_histogram!(CONSUMER_HANDLER_SECONDS, Unit::Seconds, "Handler call time");
     describe_gauge!(
         CONSUMER_PENDING,
         "Messages in the stream not yet delivered to the consumer"
     );
+    describe_gauge!(
+        CONSUMER_PARKED_AGGREGATES,
+        "Aggregates with messages parked in the inbox after a failed attempt"
+    );
+    describe_gauge!(
+        CONSUMER_STANDBY,
+        "1 while another instance of this durable is active"
+    );
+    describe_gauge!(
+        CONSUMER_DLQ_FAILING,
+        "Dead letters the DLQ stream has not stored yet (retried until it does)"
+    );
+    metrics::gauge!(CONSUMER_STANDBY).set(0.0);
+    metrics::gauge!(CONSUMER_PARKED_AGGREGATES).set(0.0);
+    metrics::gauge!(CONSUMER_DLQ_FAILING).set(0.0);
     for result in CONSUMER_RESULTS {
         metrics::counter!(CONSUMER_MESSAGES, "result" => result).increment(0);
     }

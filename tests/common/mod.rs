@@ -159,6 +159,41 @@ impl Service {
         Self::start(args, durable)
     }
 
+    /// A further instance of durable `durable`, logging to `{name}.log`;
+    /// waits only for `/healthz` (it may well be standby).
+    #[allow(clippy::too_many_arguments)]
+    pub fn consumer_named(
+        db_url: &str,
+        nats_url: &str,
+        stream: &str,
+        durable: &str,
+        name: &str,
+        handler_url: &str,
+        extra: &[&str],
+    ) -> Service {
+        let mut args: Vec<String> = [
+            "consume",
+            "--database-url",
+            db_url,
+            "--nats-url",
+            nats_url,
+            "--stream",
+            stream,
+            "--durable",
+            durable,
+            "--handler-url",
+            handler_url,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
+        let mut service = Self::spawn(args, name);
+        service.wait_until("/healthz");
+        service
+    }
+
     fn start(args: Vec<String>, name: &str) -> Service {
         let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
         let mut service = Self::spawn(args, name);
