@@ -417,7 +417,7 @@ pub struct ConsumeArgs {
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub concurrency: u32,
 
-    /// NAK delays by delivery, comma-separated; the last repeats.
+    /// Retry delays by attempt (the message waits parked in the inbox), comma-separated; the last repeats.
     #[arg(long, env = "OUTBOX_BACKOFF", default_value = "1s,5s,30s,2m,5m")]
     pub backoff: String,
 
