@@ -805,7 +805,9 @@ pub struct OwnStack {
 
 impl OwnStack {
     pub fn up(name: &str, tls: bool) -> Self {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+        // Outside the checkout: run as root, Postgres runs as an unprivileged
+        // user, who cannot enter a private (0700) checkout.
+        let dir = std::env::temp_dir().join(format!("outbox-relay-{name}-{}", std::process::id()));
         let _ = Command::new(STACK_SH).arg("down").arg(&dir).status();
         let _ = std::fs::remove_dir_all(&dir);
         let out = Command::new(STACK_SH)
