@@ -852,6 +852,7 @@ impl OwnStack {
 impl Drop for OwnStack {
     fn drop(&mut self) {
         let _ = Command::new(STACK_SH).arg("down").arg(&self.dir).status();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
