@@ -90,11 +90,11 @@ pub(super) async fn run_job<H: Handler>(
     match job {
         Job::Deliver(msg) => {
             let outcome = keep_alive(shared, &msg, deliver_pulled(shared, key, &msg)).await;
-            settle_pulled(shared, &msg, outcome).await
+            settle_pulled(&msg, outcome).await
         }
         Job::ParkBehind(msg) => {
             let outcome = keep_alive(shared, &msg, park_behind(shared, key, &msg)).await;
-            settle_pulled(shared, &msg, outcome).await
+            settle_pulled(&msg, outcome).await
         }
         Job::Retry { seq } => retry(shared, key, seq).await.unwrap_or(Finished::Done),
     }
@@ -102,8 +102,7 @@ pub(super) async fn run_job<H: Handler>(
 
 /// Ack what is settled; a job cut short (stop) NAKs, so JetStream delivers
 /// the message again at once.
-async fn settle_pulled<H>(
-    shared: &Shared<H>,
+async fn settle_pulled(
     msg: &jetstream::Message,
     outcome: Option<Finished<Instant>>,
 ) -> Finished<Instant> {
@@ -117,7 +116,6 @@ async fn settle_pulled<H>(
         }
         None => {
             let _ = msg.ack_with(AckKind::Nak(None)).await;
-            let _ = shared;
             Finished::Done
         }
     }
@@ -172,7 +170,16 @@ struct Parts<'a> {
     seq: u64,
 }
 
-impl Parts<'_> {
+impl<'a> Parts<'a> {
+    fn pulled(msg: &'a jetstream::Message) -> Self {
+        Parts {
+            subject: msg.subject.as_str(),
+            headers: msg.headers.as_ref(),
+            payload: &msg.payload,
+            seq: msg.info().map(|i| i.stream_sequence).unwrap_or_default(),
+        }
+    }
+
     fn header(&self, name: &str) -> Option<String> {
         self.headers
             .and_then(|h| h.get(name))
@@ -232,6 +239,18 @@ fn check(parts: &Parts<'_>) -> std::result::Result<Uuid, Unusable> {
         });
     }
     Ok(id)
+}
+
+/// The id of a pulled message; one that cannot be handled is dead-lettered
+/// here (`Some(None)`). `None` once the consumer stops.
+async fn usable_id<H>(shared: &Shared<H>, parts: &Parts<'_>) -> Option<Option<Uuid>> {
+    match check(parts) {
+        Ok(id) => Some(Some(id)),
+        Err(u) => {
+            unusable(shared, parts, u).await?;
+            Some(None)
+        }
+    }
 }
 
 /// Dead-letter a message that cannot be handled; with an id, its inbox row
@@ -361,18 +380,9 @@ async fn deliver_pulled<H: Handler>(
     key: &str,
     msg: &jetstream::Message,
 ) -> Option<Finished<Instant>> {
-    let parts = Parts {
-        subject: msg.subject.as_str(),
-        headers: msg.headers.as_ref(),
-        payload: &msg.payload,
-        seq: msg.info().map(|i| i.stream_sequence).unwrap_or_default(),
-    };
-    let id = match check(&parts) {
-        Ok(id) => id,
-        Err(u) => {
-            unusable(shared, &parts, u).await?;
-            return Some(Finished::Done);
-        }
+    let parts = Parts::pulled(msg);
+    let Some(id) = usable_id(shared, &parts).await? else {
+        return Some(Finished::Done);
     };
     match run_handler(shared, &parts, id, false).await? {
         Ran::Processed { duplicate } => {
@@ -501,18 +511,9 @@ async fn park_behind<H>(
     key: &str,
     msg: &jetstream::Message,
 ) -> Option<Finished<Instant>> {
-    let parts = Parts {
-        subject: msg.subject.as_str(),
-        headers: msg.headers.as_ref(),
-        payload: &msg.payload,
-        seq: msg.info().map(|i| i.stream_sequence).unwrap_or_default(),
-    };
-    let id = match check(&parts) {
-        Ok(id) => id,
-        Err(u) => {
-            unusable(shared, &parts, u).await?;
-            return Some(Finished::Done);
-        }
+    let parts = Parts::pulled(msg);
+    let Some(id) = usable_id(shared, &parts).await? else {
+        return Some(Finished::Done);
     };
     let parking = inbox::Parking {
         consumer: &shared.cfg.durable,

@@ -158,7 +158,7 @@ pub fn register_relay() {
     describe_counter!(PUBLISH_ERRORS, "Failed publish attempts");
     describe_counter!(
         PUBLISH_RESENDS,
-        "Publishes sent again after another writer appended to the stream"
+        "Publishes sent again: another writer appended to the stream, or no stream leader answered"
     );
     describe_gauge!(
         INFLIGHT_BYTES,

@@ -139,23 +139,7 @@ impl Service {
         handler_url: &str,
         extra: &[&str],
     ) -> Service {
-        let mut args: Vec<String> = [
-            "consume",
-            "--database-url",
-            db_url,
-            "--nats-url",
-            nats_url,
-            "--stream",
-            stream,
-            "--durable",
-            durable,
-            "--handler-url",
-            handler_url,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.extend(extra.iter().map(|s| s.to_string()));
+        let args = consume_args(db_url, nats_url, stream, durable, handler_url, extra);
         Self::start(args, durable)
     }
 
@@ -171,23 +155,7 @@ impl Service {
         handler_url: &str,
         extra: &[&str],
     ) -> Service {
-        let mut args: Vec<String> = [
-            "consume",
-            "--database-url",
-            db_url,
-            "--nats-url",
-            nats_url,
-            "--stream",
-            stream,
-            "--durable",
-            durable,
-            "--handler-url",
-            handler_url,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.extend(extra.iter().map(|s| s.to_string()));
+        let args = consume_args(db_url, nats_url, stream, durable, handler_url, extra);
         let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
         let mut service = Self::spawn(args, name);
         service.wait_until("/healthz");
@@ -854,6 +822,34 @@ impl Drop for OwnStack {
         let _ = Command::new(STACK_SH).arg("down").arg(&self.dir).status();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// `outbox-relay consume` for durable `durable`, then `extra`.
+fn consume_args(
+    db_url: &str,
+    nats_url: &str,
+    stream: &str,
+    durable: &str,
+    handler_url: &str,
+    extra: &[&str],
+) -> Vec<String> {
+    [
+        "consume",
+        "--database-url",
+        db_url,
+        "--nats-url",
+        nats_url,
+        "--stream",
+        stream,
+        "--durable",
+        durable,
+        "--handler-url",
+        handler_url,
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect()
 }
 
 const STACK_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
