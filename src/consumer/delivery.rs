@@ -62,6 +62,8 @@ pub(super) struct Shared<H> {
     pub stop: CancellationToken,
     /// Dead letters that could not be stored yet, for `/readyz`.
     pub dlq_failing: AtomicUsize,
+    /// Claims and completions of detached (HTTP) calls, batched.
+    pub batcher: inbox::Batcher,
 }
 
 pub(super) fn header(msg: &jetstream::Message, name: &str) -> Option<String> {
@@ -140,10 +142,11 @@ async fn keep_alive<H, T>(
 }
 
 /// Retry `op` until it works; `None` once the consumer stops.
-async fn persist<H, T, F, Fut>(shared: &Shared<H>, what: &str, mut op: F) -> Option<T>
+async fn persist<H, T, E, F, Fut>(shared: &Shared<H>, what: &str, mut op: F) -> Option<T>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
 {
     let mut backoff = Duration::from_millis(100);
     loop {
@@ -307,7 +310,7 @@ async fn run_handler<H: Handler>(
             let attempts = if parked {
                 match inbox::claim_parked(&mut *tx, consumer, id).await? {
                     Some(a) => a,
-                    None => return Ok(Ran::Gone),
+                    None => return Ok::<_, sqlx::Error>(Ran::Gone),
                 }
             } else {
                 match inbox::claim(&mut *tx, consumer, id, parts.subject).await? {
@@ -349,7 +352,7 @@ async fn run_handler<H: Handler>(
         }
     } else {
         match persist(shared, "the inbox claim", || {
-            inbox::claim(&shared.pool, consumer, id, parts.subject)
+            shared.batcher.claim(id, parts.subject)
         })
         .await?
         {
@@ -366,9 +369,8 @@ async fn run_handler<H: Handler>(
         return Some(Ran::Failed { outcome, attempts });
     }
     // The handler succeeded: never call it again for a failed commit.
-    persist(shared, "the inbox completion", || async {
-        let mut conn = shared.pool.acquire().await?;
-        inbox::complete(&mut conn, consumer, id).await
+    persist(shared, "the inbox completion", || {
+        shared.batcher.complete(id)
     })
     .await?;
     Some(Ran::Processed { duplicate: false })

@@ -15,6 +15,7 @@
 
 use sqlx::{PgConnection, PgExecutor, PgPool};
 use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 /// What the claim found.
@@ -269,4 +270,177 @@ pub async fn parked_id(
 /// Stream sequences fit a bigint (JetStream's are far below 2^63).
 fn seq_param(seq: u64) -> i64 {
     i64::try_from(seq).unwrap_or(i64::MAX)
+}
+
+/// Claims and completions for handlers outside the inbox transaction (HTTP),
+/// many per statement: requests gather while the previous statement runs,
+/// so a busy consumer pays one round trip per batch, not per message, and
+/// an idle one waits for no timer.
+#[derive(Clone)]
+pub struct Batcher {
+    claims: mpsc::Sender<ClaimRequest>,
+    completions: mpsc::Sender<CompleteRequest>,
+}
+
+/// A batch's statement failed (every request in it gets the error's text).
+#[derive(Debug, Clone)]
+pub struct BatchError(pub String);
+
+impl std::fmt::Display for BatchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Rows per statement at most; queued requests at most per kind (a request
+/// holds an id and a subject: the queue stays within a few hundred KiB).
+const MAX_BATCH: usize = 512;
+const QUEUE: usize = 1024;
+
+impl Batcher {
+    /// The two writer tasks end when every handle is dropped.
+    pub fn start(pool: PgPool, consumer: String) -> Self {
+        let (claims, claim_rx) = mpsc::channel(QUEUE);
+        let (completions, complete_rx) = mpsc::channel(QUEUE);
+        tokio::spawn(write_claims(pool.clone(), consumer.clone(), claim_rx));
+        tokio::spawn(write_completions(pool, consumer, complete_rx));
+        Self {
+            claims,
+            completions,
+        }
+    }
+
+    pub async fn claim(&self, id: Uuid, subject: &str) -> Result<Claim, BatchError> {
+        let (reply, answer) = oneshot::channel();
+        self.claims
+            .send((id, subject.to_owned(), reply))
+            .await
+            .map_err(|_| BatchError("the inbox writer stopped".into()))?;
+        answer
+            .await
+            .map_err(|_| BatchError("the inbox writer stopped".into()))?
+    }
+
+    pub async fn complete(&self, id: Uuid) -> Result<(), BatchError> {
+        let (reply, answer) = oneshot::channel();
+        self.completions
+            .send((id, reply))
+            .await
+            .map_err(|_| BatchError("the inbox writer stopped".into()))?;
+        answer
+            .await
+            .map_err(|_| BatchError("the inbox writer stopped".into()))?
+    }
+}
+
+/// Take what is queued, up to [`MAX_BATCH`], after waiting for the first.
+async fn gather<T>(rx: &mut mpsc::Receiver<T>, batch: &mut Vec<T>) -> bool {
+    match rx.recv().await {
+        Some(first) => batch.push(first),
+        None => return false,
+    }
+    while batch.len() < MAX_BATCH {
+        match rx.try_recv() {
+            Ok(next) => batch.push(next),
+            Err(_) => break,
+        }
+    }
+    true
+}
+
+type ClaimRequest = (Uuid, String, oneshot::Sender<Result<Claim, BatchError>>);
+
+async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<ClaimRequest>) {
+    let mut batch: Vec<ClaimRequest> = Vec::new();
+    // A row may be named once per statement (ON CONFLICT); a second claim
+    // of the same id waits for the next one.
+    let mut later: Vec<ClaimRequest> = Vec::new();
+    loop {
+        if later.is_empty() {
+            if !gather(&mut rx, &mut batch).await {
+                return;
+            }
+        } else {
+            batch.append(&mut later);
+        }
+        let mut seen = std::collections::HashSet::new();
+        let (now, next): (Vec<_>, Vec<_>) =
+            batch.drain(..).partition(|(id, _, _)| seen.insert(*id));
+        later = next;
+        let ids: Vec<Uuid> = now.iter().map(|(id, _, _)| *id).collect();
+        let subjects: Vec<&str> = now.iter().map(|(_, s, _)| s.as_str()).collect();
+        let result = claim_many(&pool, &consumer, &ids, &subjects).await;
+        for (id, _, reply) in now {
+            let answer = match &result {
+                Ok(claims) => claims
+                    .get(&id)
+                    .copied()
+                    .ok_or_else(|| BatchError(format!("no inbox row came back for {id}"))),
+                Err(e) => Err(BatchError(e.to_string())),
+            };
+            let _ = reply.send(answer);
+        }
+    }
+}
+
+type CompleteRequest = (Uuid, oneshot::Sender<Result<(), BatchError>>);
+
+async fn write_completions(
+    pool: PgPool,
+    consumer: String,
+    mut rx: mpsc::Receiver<CompleteRequest>,
+) {
+    let mut batch: Vec<CompleteRequest> = Vec::new();
+    while gather(&mut rx, &mut batch).await {
+        let ids: Vec<Uuid> = batch.iter().map(|(id, _)| *id).collect();
+        let result = sqlx::query(
+            "UPDATE inbox_messages SET processed_at = greatest(now(), received_at), parked_until = NULL \
+             WHERE consumer = $1 AND message_id = ANY($2)",
+        )
+        .bind(&consumer)
+        .bind(&ids)
+        .execute(&pool)
+        .await
+        .map(|_| ())
+        .map_err(|e| BatchError(e.to_string()));
+        for (_, reply) in batch.drain(..) {
+            let _ = reply.send(result.clone());
+        }
+    }
+}
+
+/// [`claim`] for many distinct ids in one statement.
+async fn claim_many(
+    pool: &PgPool,
+    consumer: &str,
+    ids: &[Uuid],
+    subjects: &[&str],
+) -> Result<std::collections::HashMap<Uuid, Claim>, sqlx::Error> {
+    let rows: Vec<(Uuid, bool, bool, Option<i64>, i32)> = sqlx::query_as(
+        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts) \
+         SELECT $1, id, subject, 1 FROM unnest($2::uuid[], $3::text[]) AS t(id, subject) \
+         ON CONFLICT (consumer, message_id) DO UPDATE \
+           SET attempts = inbox_messages.attempts + \
+               CASE WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
+                    THEN 1 ELSE 0 END \
+         RETURNING message_id, processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
+    )
+    .bind(consumer)
+    .bind(ids)
+    .bind(subjects)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, processed, parked, seq, attempts)| {
+            let claim = if processed {
+                Claim::Processed
+            } else if parked {
+                Claim::Parked { seq }
+            } else {
+                Claim::Fresh { attempts }
+            };
+            (id, claim)
+        })
+        .collect())
 }

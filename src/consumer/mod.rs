@@ -28,7 +28,7 @@ mod lease;
 mod scheduler;
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -222,6 +222,7 @@ impl<H: Handler> Active<'_, H> {
             stream: self.stream.clone(),
             stop: stop.clone(),
             dlq_failing: AtomicUsize::new(0),
+            batcher: inbox::Batcher::start(self.pool.clone(), cfg.durable.clone()),
         });
         let mut messages = Some(
             pull_stream(&consumer, cfg)
@@ -235,7 +236,17 @@ impl<H: Handler> Active<'_, H> {
         // still finish meanwhile.
         let mut rebuild: Option<Rebuild> = None;
         let mut rebuild_pause = MIN_REBUILD_PAUSE;
-        let pending_task = tokio::spawn(watch_pending(consumer.clone(), stop.clone()));
+        let pending_now = Arc::new(AtomicU64::new(0));
+        let pending_task = tokio::spawn(watch_pending(
+            consumer.clone(),
+            pending_now.clone(),
+            stop.clone(),
+        ));
+        // A pull request can vanish with a consumer leader without the pull
+        // stream noticing (no error, no missed heartbeat); a stream that
+        // stays quiet while messages are pending is rebuilt.
+        let mut last_arrival = Instant::now();
+        let mut quiet_check = tokio::time::interval(QUIET_PULL);
         tracing::info!(stream = %cfg.stream, durable = %cfg.durable, parked_aggregates = scheduler.parked_keys(), "consuming");
         self.readiness.ready();
 
@@ -315,6 +326,19 @@ impl<H: Handler> Active<'_, H> {
                         rebuild.get_or_insert(Rebuild { at: Instant::now(), reset: false, tries: 0 });
                     }
                 }
+                _ = quiet_check.tick() => {
+                    if messages.is_some()
+                        && scheduler.can_pull()
+                        && last_arrival.elapsed() > QUIET_PULL
+                        && pending_now.load(Ordering::Relaxed) > 0
+                    {
+                        tracing::warn!(quiet = ?last_arrival.elapsed(), "nothing delivered while messages are pending; resuming from the ack floor");
+                        drop(scheduler.take_waiting());
+                        messages = None;
+                        last_arrival = Instant::now();
+                        rebuild = Some(Rebuild { at: Instant::now(), reset: true, tries: 0 });
+                    }
+                }
                 _ = progress.tick() => {
                     // Waiting deliveries must not pass ack_wait, or they come back
                     // as duplicates out of order.
@@ -381,6 +405,7 @@ impl<H: Handler> Active<'_, H> {
                         }
                     }
                     last_delivery = Some(delivery);
+                    last_arrival = Instant::now();
                     let key = aggregate_key(&msg);
                     let jobs = scheduler.arrive(key, msg, Instant::now());
                     start(&mut tasks, jobs);
@@ -450,9 +475,9 @@ async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> bool {
 
 /// The pending gauge, kept off the dispatcher: during an election the info
 /// request waits out its timeout.
-async fn watch_pending(mut consumer: Consumer, stop: CancellationToken) {
+async fn watch_pending(mut consumer: Consumer, now: Arc<AtomicU64>, stop: CancellationToken) {
     let pending = metrics::gauge!(m::CONSUMER_PENDING);
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -460,6 +485,7 @@ async fn watch_pending(mut consumer: Consumer, stop: CancellationToken) {
         }
         if let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await {
             pending.set(info.num_pending as f64);
+            now.store(info.num_pending, Ordering::Relaxed);
         }
     }
 }
@@ -474,6 +500,8 @@ struct Rebuild {
 /// How long the dispatcher waits on one JetStream request.
 const JS_REQUEST: Duration = Duration::from_secs(2);
 const MIN_REBUILD_PAUSE: Duration = Duration::from_millis(50);
+/// How long a pull stream may deliver nothing while messages are pending.
+const QUIET_PULL: Duration = Duration::from_secs(5);
 /// A reset that keeps failing (a server without ADR-60) is given up.
 const MAX_RESET_TRIES: u32 = 20;
 
