@@ -2,6 +2,7 @@
 //! local HTTP handler (axum) whose answers each test scripts per message.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -795,7 +796,11 @@ async fn consume_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() 
     let (url, _pool) = fresh_db(&stack, "c_cluster").await;
     let cluster = OwnCluster::up("nats-cluster-consume");
     let client = cluster.client().await;
-    let js = jetstream::new(client);
+    let js = jetstream::new(client.clone());
+    // Short requests, so the first answer of a new leader is seen at once.
+    let probe = jetstream::ContextBuilder::new()
+        .timeout(Duration::from_millis(200))
+        .build(client);
     let stream = wire::stream_name("ccl");
     js.create_stream(stream::Config {
         name: stream.clone(),
@@ -817,15 +822,17 @@ async fn consume_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() 
         &["--ack-wait", "10s"],
     );
 
-    // A producer that rides out the outage: each message until acked, in order.
-    const N: usize = 3000;
-    let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
+    // A producer that rides out the outage: each message until acked, in
+    // order, until told to stop (so the handler has work in both rounds).
+    let stop = Arc::new(AtomicBool::new(false));
     let producer = {
-        let (js, ids) = (js.clone(), ids.clone());
+        let (js, stop) = (js.clone(), stop.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(2));
-            for (i, id) in ids.iter().enumerate() {
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
+                let id = Uuid::new_v4();
                 loop {
                     let mut h = async_nats::HeaderMap::new();
                     h.insert(wire::MSG_ID, id.to_string().as_str());
@@ -839,35 +846,57 @@ async fn consume_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() 
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
+                i += 1;
             }
+            i
         })
     };
     for round in 1..=2 {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let leader = cluster.wait_leader(&js, &stream, T).await;
-        let before = handler.calls().len();
         cluster.node(leader, "kill");
         let killed = Instant::now();
+        // The consumer's leader answers again (it need not be the stream's).
+        let deadline = killed + T;
+        loop {
+            let info = async {
+                let mut c: jetstream::consumer::PullConsumer =
+                    probe.get_consumer_from_stream("ccl", &stream).await.ok()?;
+                c.info().await.ok()?.cluster.clone()?.leader
+            }
+            .await;
+            if info.is_some_and(|l| l != format!("n{leader}")) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the consumer has no leader");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let answered = Instant::now();
+        let before = handler.calls().len();
         eventually(T, "the handler is called again after the kill", || async {
-            handler.calls().len() > before + 50
+            handler.calls().len() > before
         })
         .await;
         println!(
-            "round {round}: killed leader n{leader}; the handler was called again {:?} later",
-            killed.elapsed()
+            "round {round}: killed stream leader n{leader}; the consumer's leader answered {:?} later; \
+             the next handler call came {:?} after that",
+            answered - killed,
+            answered.elapsed()
         );
         cluster.node(leader, "start");
         cluster.wait_healthy(&js, &stream, T).await;
     }
-    producer.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let n = producer.await.unwrap();
     eventually(T, "every message handled", || async {
         let done: std::collections::HashSet<String> =
             handler.calls().into_iter().map(|c| c.id).collect();
-        done.len() == N
+        done.len() == n
     })
     .await;
     let calls = handler.calls();
-    assert_eq!(calls.len(), N, "a message reached the handler twice");
+    assert_eq!(calls.len(), n, "a message reached the handler twice");
     // A delivery lost in transit with the dead server would come back after
     // ack_wait, behind later messages of its aggregate; the consumer sees
     // the gap in its delivery sequence and resets to the ack floor instead.
