@@ -1216,3 +1216,55 @@ async fn order_holds_across_two_instances_and_kill_9() {
         "more repeats than calls in flight at the kills"
     );
 }
+
+/// Issue 12, defect 5: a transaction held open across the HTTP call was
+/// killed by `idle_in_transaction_session_timeout`, so a successful call was
+/// repeated and at last dead-lettered. The HTTP handler now runs outside any
+/// transaction: one call, processed, nothing dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_successful_call_is_not_repeated_when_idle_transactions_are_killed() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_idletx").await;
+    sqlx::query("ALTER DATABASE t_idletx SET idle_in_transaction_session_timeout = '300ms'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cidle", DUP).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "idle",
+        &handler_url,
+        &[
+            "--context",
+            "cidle",
+            "--backoff",
+            "100ms",
+            "--max-deliver",
+            "3",
+        ],
+    );
+    let id = Uuid::new_v4();
+    publish(
+        &js,
+        "cidle.event.placed.v2",
+        Some(id),
+        "a",
+        br#"{"sleep_ms": 800}"#,
+    )
+    .await;
+    wait_processed(&pool, "idle", 1).await;
+    assert_all_acked(&js, &stream, "idle").await;
+    let row = &inbox(&pool, "idle").await[&id];
+    assert_eq!(row.attempts, 1);
+    assert!(row.last_error.is_none(), "{:?}", row.last_error);
+    assert_eq!(
+        handler.calls_for(id).len(),
+        1,
+        "the successful call was repeated"
+    );
+}
