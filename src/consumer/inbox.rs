@@ -15,7 +15,8 @@
 
 use sqlx::{PgConnection, PgExecutor, PgPool};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use uuid::Uuid;
 
 /// What the claim found.
@@ -296,6 +297,9 @@ impl std::fmt::Display for BatchError {
 /// holds an id and a subject: the queue stays within a few hundred KiB).
 const MAX_BATCH: usize = 512;
 const QUEUE: usize = 1024;
+/// Statements of one kind running at once: a batch forms while the others
+/// run, so a claim waits for less than one statement's round trip.
+const STATEMENTS_IN_FLIGHT: usize = 4;
 
 impl Batcher {
     /// The two writer tasks end when every handle is dropped.
@@ -351,11 +355,16 @@ async fn gather<T>(rx: &mut mpsc::Receiver<T>, batch: &mut Vec<T>) -> bool {
 type ClaimRequest = (Uuid, String, oneshot::Sender<Result<Claim, BatchError>>);
 
 async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<ClaimRequest>) {
-    let mut batch: Vec<ClaimRequest> = Vec::new();
+    let inflight = Arc::new(Semaphore::new(STATEMENTS_IN_FLIGHT));
+    let consumer: Arc<str> = consumer.into();
     // A row may be named once per statement (ON CONFLICT); a second claim
     // of the same id waits for the next one.
     let mut later: Vec<ClaimRequest> = Vec::new();
     loop {
+        let Ok(permit) = inflight.clone().acquire_owned().await else {
+            return;
+        };
+        let mut batch: Vec<ClaimRequest> = Vec::new();
         if later.is_empty() {
             if !gather(&mut rx, &mut batch).await {
                 return;
@@ -364,48 +373,60 @@ async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<Cla
             batch.append(&mut later);
         }
         let mut seen = std::collections::HashSet::new();
-        let (now, next): (Vec<_>, Vec<_>) =
-            batch.drain(..).partition(|(id, _, _)| seen.insert(*id));
+        let (now, next): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(id, _, _)| seen.insert(*id));
         later = next;
-        let ids: Vec<Uuid> = now.iter().map(|(id, _, _)| *id).collect();
-        let subjects: Vec<&str> = now.iter().map(|(_, s, _)| s.as_str()).collect();
-        let result = claim_many(&pool, &consumer, &ids, &subjects).await;
-        for (id, _, reply) in now {
-            let answer = match &result {
-                Ok(claims) => claims
-                    .get(&id)
-                    .copied()
-                    .ok_or_else(|| BatchError(format!("no inbox row came back for {id}"))),
-                Err(e) => Err(BatchError(e.to_string())),
-            };
-            let _ = reply.send(answer);
-        }
+        let (pool, consumer) = (pool.clone(), consumer.clone());
+        tokio::spawn(async move {
+            let ids: Vec<Uuid> = now.iter().map(|(id, _, _)| *id).collect();
+            let subjects: Vec<&str> = now.iter().map(|(_, s, _)| s.as_str()).collect();
+            let result = claim_many(&pool, &consumer, &ids, &subjects).await;
+            drop(subjects);
+            for (id, _, reply) in now {
+                let answer = match &result {
+                    Ok(claims) => claims
+                        .get(&id)
+                        .copied()
+                        .ok_or_else(|| BatchError(format!("no inbox row came back for {id}"))),
+                    Err(e) => Err(BatchError(e.to_string())),
+                };
+                let _ = reply.send(answer);
+            }
+            drop(permit);
+        });
     }
 }
 
 type CompleteRequest = (Uuid, oneshot::Sender<Result<(), BatchError>>);
 
-async fn write_completions(
-    pool: PgPool,
-    consumer: String,
-    mut rx: mpsc::Receiver<CompleteRequest>,
-) {
-    let mut batch: Vec<CompleteRequest> = Vec::new();
-    while gather(&mut rx, &mut batch).await {
-        let ids: Vec<Uuid> = batch.iter().map(|(id, _)| *id).collect();
-        let result = sqlx::query(
-            "UPDATE inbox_messages SET processed_at = greatest(now(), received_at), parked_until = NULL \
-             WHERE consumer = $1 AND message_id = ANY($2)",
-        )
-        .bind(&consumer)
-        .bind(&ids)
-        .execute(&pool)
-        .await
-        .map(|_| ())
-        .map_err(|e| BatchError(e.to_string()));
-        for (_, reply) in batch.drain(..) {
-            let _ = reply.send(result.clone());
+async fn write_completions(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<CompleteRequest>) {
+    let inflight = Arc::new(Semaphore::new(STATEMENTS_IN_FLIGHT));
+    let consumer: Arc<str> = consumer.into();
+    loop {
+        let Ok(permit) = inflight.clone().acquire_owned().await else {
+            return;
+        };
+        let mut batch: Vec<CompleteRequest> = Vec::new();
+        if !gather(&mut rx, &mut batch).await {
+            return;
         }
+        let (pool, consumer) = (pool.clone(), consumer.clone());
+        tokio::spawn(async move {
+            let ids: Vec<Uuid> = batch.iter().map(|(id, _)| *id).collect();
+            let result = sqlx::query(
+                "UPDATE inbox_messages SET processed_at = greatest(now(), received_at), parked_until = NULL \
+                 WHERE consumer = $1 AND message_id = ANY($2)",
+            )
+            .bind(&*consumer)
+            .bind(&ids)
+            .execute(&pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| BatchError(e.to_string()));
+            for (_, reply) in batch {
+                let _ = reply.send(result.clone());
+            }
+            drop(permit);
+        });
     }
 }
 
