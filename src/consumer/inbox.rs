@@ -14,8 +14,8 @@
 //!   holds no ack-pending slot.
 
 use sqlx::{PgConnection, PgExecutor, PgPool};
-use std::time::Duration;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use uuid::Uuid;
 
@@ -373,7 +373,8 @@ async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<Cla
             batch.append(&mut later);
         }
         let mut seen = std::collections::HashSet::new();
-        let (now, next): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(id, _, _)| seen.insert(*id));
+        let (now, next): (Vec<_>, Vec<_>) =
+            batch.into_iter().partition(|(id, _, _)| seen.insert(*id));
         later = next;
         let (pool, consumer) = (pool.clone(), consumer.clone());
         tokio::spawn(async move {
@@ -398,7 +399,11 @@ async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<Cla
 
 type CompleteRequest = (Uuid, oneshot::Sender<Result<(), BatchError>>);
 
-async fn write_completions(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<CompleteRequest>) {
+async fn write_completions(
+    pool: PgPool,
+    consumer: String,
+    mut rx: mpsc::Receiver<CompleteRequest>,
+) {
     let inflight = Arc::new(Semaphore::new(STATEMENTS_IN_FLIGHT));
     let consumer: Arc<str> = consumer.into();
     loop {

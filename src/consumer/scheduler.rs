@@ -218,14 +218,17 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
     /// JetStream deliver them again).
     pub fn take_waiting(&mut self) -> Vec<M> {
         self.ready.clear();
-        let taken = self
-            .lanes
-            .values_mut()
-            .flat_map(|l| {
-                l.queued = false;
-                l.waiting.drain(..)
-            })
-            .collect();
+        let mut taken = Vec::new();
+        for (key, lane) in &mut self.lanes {
+            taken.extend(lane.waiting.drain(..));
+            // A parked key queued for a slot keeps its turn: back on a timer.
+            if lane.queued && !lane.running {
+                if let Some(head) = lane.parked {
+                    self.timers.insert((head.due, key.clone()));
+                }
+            }
+            lane.queued = false;
+        }
         self.lanes.retain(|_, l| !l.idle());
         taken
     }
@@ -378,6 +381,17 @@ mod tests {
         assert!(s.can_pull() || s.running() == 1);
     }
 
+    #[test]
+    fn a_parked_key_waiting_for_a_slot_keeps_its_turn_after_take_waiting() {
+        let mut s = S::new(1);
+        s.load_parked("a".into(), 7, 0);
+        arrive(&mut s, "b", 1);
+        assert_eq!(s.wake(1), vec![], "no slot: a waits in the ready queue");
+        s.take_waiting();
+        assert_eq!(s.finish("b", Finished::Done, 2), vec![]);
+        assert_eq!(s.wake(2), vec![("a".into(), Job::Retry { seq: 7 })]);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         /// A new message of key k.
@@ -387,6 +401,9 @@ mod tests {
         Finish(usize, bool),
         /// Time passes.
         Tick,
+        /// A reset to the ack floor: what waits is dropped and delivered
+        /// again, in stream order.
+        Reset,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -394,6 +411,7 @@ mod tests {
             3 => (0u8..4).prop_map(Op::Arrive),
             3 => (any::<usize>(), any::<bool>()).prop_map(|(i, f)| Op::Finish(i, f)),
             1 => Just(Op::Tick),
+            1 => Just(Op::Reset),
         ]
     }
 
@@ -486,6 +504,14 @@ mod tests {
                         w.now += 1;
                         let started = s.wake(w.now);
                         w.start(started);
+                    }
+                    Op::Reset => {
+                        let mut again = s.take_waiting();
+                        again.sort_by_key(|(_, seq)| *seq);
+                        for (key, seq) in again {
+                            let started = s.arrive(key.clone(), (key, seq), w.now);
+                            w.start(started);
+                        }
                     }
                 }
                 prop_assert!(s.running() <= concurrency);
