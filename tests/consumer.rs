@@ -1268,3 +1268,59 @@ async fn a_slow_successful_call_is_not_repeated_when_idle_transactions_are_kille
         "the successful call was repeated"
     );
 }
+
+/// A parked message that leaves the stream before its retry (max age, a
+/// purge) is recorded and counted as `expired`, and its aggregate's later
+/// messages go on; the consumer does not spin on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_message_gone_from_the_stream_is_recorded_and_its_aggregate_goes_on() {
+    let Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        consumer,
+    } = fixture("t_gone", "cgone", "gone", DUP, &["--backoff", "2s"]).await;
+    let first = Uuid::new_v4();
+    let second = Uuid::new_v4();
+    publish(
+        &js,
+        "cgone.event.placed.v2",
+        Some(first),
+        "a",
+        br#"{"answers": [500]}"#,
+    )
+    .await;
+    publish(&js, "cgone.event.placed.v2", Some(second), "a", b"{}").await;
+    eventually(T, "the first message is parked", || async {
+        consumer
+            .scrape()
+            .await
+            .value("outbox_consumer_parked_aggregates")
+            == Some(1.0)
+    })
+    .await;
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_message(1)
+        .await
+        .unwrap();
+    wait_processed(&pool, "gone", 2).await;
+    let rows = inbox(&pool, "gone").await;
+    assert!(
+        rows[&first]
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("left the stream")),
+        "{:?}",
+        rows[&first].last_error
+    );
+    assert_eq!(handler.calls_for(first).len(), 1);
+    assert_eq!(handler.calls_for(second).len(), 1);
+    let m = consumer.scrape().await;
+    assert_eq!(
+        m.value("outbox_consumer_messages_total{result=\"expired\"}"),
+        Some(1.0)
+    );
+}

@@ -535,6 +535,16 @@ async fn park_behind<H>(
 /// and run it. `None` once the consumer stops.
 async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Finished<Instant>> {
     let consumer = shared.cfg.durable.as_str();
+    let Some((row_id, row_subject)) = persist(shared, "reading a parked row", || {
+        inbox::parked_id(&shared.pool, consumer, key, seq)
+    })
+    .await?
+    else {
+        // Done with meanwhile.
+        return Some(Finished::Retried {
+            next: next_parked(shared, key).await?,
+        });
+    };
     let mut backoff = Duration::from_millis(100);
     let raw = loop {
         match shared.stream.get_raw_message(seq).await {
@@ -552,44 +562,33 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
         }
         backoff = (backoff * 2).min(MAX_PERSIST_BACKOFF);
     };
-    let Some(raw) = raw else {
-        // Past the stream's retention: nothing left to deliver.
-        if let Some((id, subject)) = persist(shared, "reading a parked row", || {
-            inbox::parked_id(&shared.pool, consumer, key, seq)
-        })
-        .await?
-        {
-            tracing::error!(%id, seq, "a parked message left the stream (max age or limits) before its retry; it is not delivered");
-            count("expired");
-            persist(shared, "recording the expired message", || {
-                inbox::finish_failed(
-                    &shared.pool,
-                    consumer,
-                    id,
-                    &subject,
-                    "left the stream before its retry",
-                    false,
-                )
-            })
-            .await?;
-        }
-        return Some(Finished::Retried {
-            next: next_parked(shared, key).await?,
-        });
-    };
-    let parts = Parts {
+    let parts = raw.as_ref().map(|raw| Parts {
         subject: raw.subject.as_str(),
         headers: Some(&raw.headers),
         payload: &raw.payload,
         seq,
+    });
+    // The stream must still hold this very message: it may have aged out,
+    // or the stream been recreated with other messages at that sequence.
+    let id = match parts.as_ref().map(check) {
+        Some(Ok(id)) if id == row_id => id,
+        found => {
+            let why = match found {
+                None => "left the stream before its retry (max age or limits)",
+                _ => "the stream holds another message at its sequence now",
+            };
+            tracing::error!(id = %row_id, seq, why, "a parked message cannot be read back; it is not delivered");
+            count("expired");
+            persist(shared, "recording the expired message", || {
+                inbox::finish_failed(&shared.pool, consumer, row_id, &row_subject, why, false)
+            })
+            .await?;
+            return Some(Finished::Retried {
+                next: next_parked(shared, key).await?,
+            });
+        }
     };
-    let Ok(id) = check(&parts) else {
-        // Parked messages passed the check when pulled; a stream edited
-        // since then is not ours to guess about.
-        return Some(Finished::Retried {
-            next: next_parked(shared, key).await?,
-        });
-    };
+    let parts = parts?;
     match run_handler(shared, &parts, id, true).await? {
         Ran::Processed { duplicate } => {
             count(if duplicate { "duplicate" } else { "processed" });
