@@ -1324,3 +1324,46 @@ async fn a_parked_message_gone_from_the_stream_is_recorded_and_its_aggregate_goe
         Some(1.0)
     );
 }
+
+/// A stream that deletes acked messages (work-queue or interest retention)
+/// would lose a parked message: the consumer refuses it with one line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_deletes_acked_messages_is_refused_at_start() {
+    let stack = stack();
+    let (url, _pool) = fresh_db(&stack, "t_wq").await;
+    let js = js(&stack.nats_url).await;
+    let _ = js.delete_stream("CWQ_EVENTS").await;
+    js.create_stream(stream::Config {
+        name: "CWQ_EVENTS".into(),
+        subjects: vec!["cwq.>".into()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (code, stderr) = run_bounded(
+        &[
+            "consume",
+            "--database-url",
+            &url,
+            "--nats-url",
+            &stack.nats_url,
+            "--context",
+            "cwq",
+            "--stream",
+            "CWQ_EVENTS",
+            "--durable",
+            "wq",
+            "--handler-url",
+            "http://127.0.0.1:9/h",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_ne!(code, Some(0));
+    assert!(
+        stderr.contains("retention") && stderr.contains("CWQ_EVENTS"),
+        "{stderr}"
+    );
+}

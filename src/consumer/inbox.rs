@@ -259,7 +259,8 @@ pub async fn parked_id(
 ) -> Result<Option<(Uuid, String)>, sqlx::Error> {
     sqlx::query_as(
         "SELECT message_id, subject FROM inbox_messages \
-         WHERE consumer = $1 AND aggregate_key = $2 AND stream_seq = $3 AND processed_at IS NULL",
+         WHERE consumer = $1 AND aggregate_key = $2 AND stream_seq = $3 \
+           AND parked_until IS NOT NULL AND processed_at IS NULL",
     )
     .bind(consumer)
     .bind(key)

@@ -28,7 +28,7 @@ mod lease;
 mod scheduler;
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -110,6 +110,15 @@ pub async fn run<H: Handler>(
         .get_stream(&cfg.stream)
         .await
         .map_err(Error::nats(format!("looking up stream {}", cfg.stream)))?;
+    // A failed message waits parked, acked, and is read back later: a stream
+    // that deletes acked messages would take it away meanwhile.
+    let retention = stream.cached_info().config.retention;
+    if retention != jetstream::stream::RetentionPolicy::Limits {
+        return Err(Error::setup(format!(
+            "stream {} has {retention:?} retention, which deletes acked messages; the consumer acks a failed message while it waits for its retry and reads it back later, so it needs limits retention (the relay creates its streams so)",
+            cfg.stream
+        )));
+    }
     let consumer = stream
         .create_consumer(pull::Config {
             durable_name: Some(cfg.durable.clone()),
@@ -237,9 +246,13 @@ impl<H: Handler> Active<'_, H> {
         let mut rebuild: Option<Rebuild> = None;
         let mut rebuild_pause = MIN_REBUILD_PAUSE;
         let pending_now = Arc::new(AtomicU64::new(0));
+        // JetStream holds back at max_ack_pending: quiet then is not a
+        // lost pull request.
+        let ack_pending_full = Arc::new(AtomicBool::new(false));
         let pending_task = tokio::spawn(watch_pending(
             consumer.clone(),
             pending_now.clone(),
+            ack_pending_full.clone(),
             stop.clone(),
         ));
         // A pull request can vanish with a consumer leader without the pull
@@ -250,22 +263,35 @@ impl<H: Handler> Active<'_, H> {
         tracing::info!(stream = %cfg.stream, durable = %cfg.durable, parked_aggregates = scheduler.parked_keys(), "consuming");
         self.readiness.ready();
 
-        let mut tasks: JoinSet<(String, Finished<Instant>)> = JoinSet::new();
+        let mut tasks: JoinSet<(String, Finished<Instant>, bool)> = JoinSet::new();
         let start = |tasks: &mut JoinSet<_>, jobs: Vec<(String, Job<jetstream::Message>)>| {
             for (key, job) in jobs {
                 let shared = shared.clone();
+                let retried = match &job {
+                    Job::Retry { seq } => Some(*seq),
+                    _ => None,
+                };
                 tasks.spawn(async move {
-                    let how = AssertUnwindSafe(delivery::run_job(&shared, &key, job))
+                    match AssertUnwindSafe(delivery::run_job(&shared, &key, job))
                         .catch_unwind()
                         .await
-                        .unwrap_or_else(|_| {
-                            tracing::error!(
-                                key,
-                                "a delivery panicked; its message comes again after a reset"
-                            );
-                            Finished::Done
-                        });
-                    (key, how)
+                    {
+                        Ok(how) => (key, how, false),
+                        Err(_) => {
+                            tracing::error!(key, "a delivery panicked (the handler?)");
+                            // A parked message stays the key's head and is
+                            // tried again later; a pulled one is unacked and
+                            // comes again, in order, after a reset.
+                            let how = match retried {
+                                Some(seq) => Finished::Parked {
+                                    seq,
+                                    due: Instant::now() + PANIC_PAUSE,
+                                },
+                                None => Finished::Done,
+                            };
+                            (key, how, retried.is_none())
+                        }
+                    }
                 });
             }
         };
@@ -293,9 +319,14 @@ impl<H: Handler> Active<'_, H> {
                 biased;
                 _ = shutdown.cancelled() => break Ended::Shutdown,
                 Some(done) = tasks.join_next() => {
-                    if let Ok((key, how)) = done {
+                    if let Ok((key, how, panicked)) = done {
                         let jobs = scheduler.finish(&key, how, Instant::now());
                         start(&mut tasks, jobs);
+                        if panicked {
+                            drop(scheduler.take_waiting());
+                            messages = None;
+                            rebuild = Some(Rebuild { at: Instant::now(), reset: true, tries: 0 });
+                        }
                     }
                 }
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now).into()), if wake.is_some() => {
@@ -303,7 +334,7 @@ impl<H: Handler> Active<'_, H> {
                     start(&mut tasks, jobs);
                 }
                 _ = lease_check.tick() => {
-                    if !lease.held().await {
+                    if !matches!(tokio::time::timeout(JS_REQUEST, lease.held()).await, Ok(true)) {
                         break Ended::LeaseLost;
                     }
                     parked.set(scheduler.parked_keys() as f64);
@@ -331,6 +362,7 @@ impl<H: Handler> Active<'_, H> {
                         && scheduler.can_pull()
                         && last_arrival.elapsed() > QUIET_PULL
                         && pending_now.load(Ordering::Relaxed) > 0
+                        && !ack_pending_full.load(Ordering::Relaxed)
                     {
                         tracing::warn!(quiet = ?last_arrival.elapsed(), "nothing delivered while messages are pending; resuming from the ack floor");
                         drop(scheduler.take_waiting());
@@ -348,14 +380,20 @@ impl<H: Handler> Active<'_, H> {
                 }
                 _ = tokio::time::sleep_until(rebuild.as_ref().map_or_else(Instant::now, |r| r.at).into()), if rebuild.is_some() => {
                     let Some(mut r) = rebuild.take() else { continue };
-                    if r.reset && r.tries < MAX_RESET_TRIES {
-                        r.tries += 1;
-                        if !reset_to_ack_floor(&mut consumer, "lost delivery").await {
-                            r.at = Instant::now() + rebuild_pause;
-                            rebuild_pause = (rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
-                            rebuild = Some(r);
-                            continue;
+                    if r.reset {
+                        if r.tries < MAX_RESET_TRIES {
+                            r.tries += 1;
+                            if !reset_to_ack_floor(&mut consumer, "lost delivery").await {
+                                r.at = Instant::now() + rebuild_pause;
+                                rebuild_pause = (rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
+                                rebuild = Some(r);
+                                continue;
+                            }
+                        } else {
+                            tracing::warn!("giving up the reset: the lost delivery comes back after ack_wait");
                         }
+                        // Numbering starts over either way, or the next
+                        // delivery would look like another gap.
                         last_delivery = None;
                     }
                     match tokio::time::timeout(JS_REQUEST, pull_stream(&consumer, cfg)).await {
@@ -475,7 +513,12 @@ async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> bool {
 
 /// The pending gauge, kept off the dispatcher: during an election the info
 /// request waits out its timeout.
-async fn watch_pending(mut consumer: Consumer, now: Arc<AtomicU64>, stop: CancellationToken) {
+async fn watch_pending(
+    mut consumer: Consumer,
+    now: Arc<AtomicU64>,
+    full: Arc<AtomicBool>,
+    stop: CancellationToken,
+) {
     let pending = metrics::gauge!(m::CONSUMER_PENDING);
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {
@@ -486,6 +529,11 @@ async fn watch_pending(mut consumer: Consumer, now: Arc<AtomicU64>, stop: Cancel
         if let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await {
             pending.set(info.num_pending as f64);
             now.store(info.num_pending, Ordering::Relaxed);
+            let limit = info.config.max_ack_pending;
+            full.store(
+                limit > 0 && info.num_ack_pending as i64 >= limit,
+                Ordering::Relaxed,
+            );
         }
     }
 }
@@ -500,6 +548,8 @@ struct Rebuild {
 /// How long the dispatcher waits on one JetStream request.
 const JS_REQUEST: Duration = Duration::from_secs(2);
 const MIN_REBUILD_PAUSE: Duration = Duration::from_millis(50);
+/// The pause before a parked message whose retry panicked is tried again.
+const PANIC_PAUSE: Duration = Duration::from_secs(5);
 /// How long a pull stream may deliver nothing while messages are pending.
 const QUIET_PULL: Duration = Duration::from_secs(5);
 /// A reset that keeps failing (a server without ADR-60) is given up.
