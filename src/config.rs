@@ -342,6 +342,13 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_RESYNC_SINCE")]
     pub resync_since: Option<String>,
 
+    /// On PostgreSQL 17 and later, make the slot a failover slot, so a
+    /// standby with `sync_replication_slots = on` carries it across a
+    /// promotion (`auto`), or leave it a plain slot (`off`). Ignored, with a
+    /// note in the log, on older servers.
+    #[arg(long, env = "OUTBOX_FAILOVER_SLOT", default_value = "auto", value_parser = ["auto", "off"])]
+    pub failover_slot: String,
+
     /// Tuple format requested from pgoutput (binary needs PostgreSQL 14+).
     #[arg(long, env = "OUTBOX_TUPLE_FORMAT", default_value = "binary", value_parser = ["binary", "text"])]
     pub tuple_format: String,
@@ -532,6 +539,8 @@ pub struct RelayConfig {
     pub backfill: Backfill,
     /// `--resync-since`, when given: overrides `backfill` for a new slot.
     pub resync_since: Option<Backfill>,
+    /// Whether the slot should be a failover slot where the server has them.
+    pub failover_slot: bool,
 }
 
 /// Which rows the relay reads from its new slot's snapshot before streaming.
@@ -623,6 +632,7 @@ impl RelayArgs {
                 Backfill::Unpublished
             },
             resync_since,
+            failover_slot: self.failover_slot == "auto",
         })
     }
 }

@@ -150,6 +150,49 @@ pub fn source_id(system_id: &str, timeline: u32, database: &str, slot: &str) -> 
     format!("{system_id}/{timeline}/{database}/{slot}")
 }
 
+/// The sources whose positions still hold for a relay: its own, and the
+/// same system, database and slot on an ancestor timeline for positions
+/// before that timeline ended. A promoted standby (a PostgreSQL 17 failover
+/// slot carried across) streams the same WAL up to the switch point, so the
+/// old primary's last message there is where the new one resumes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lineage {
+    pub source: String,
+    /// `(timeline, the LSN where it ended)`, from the server's history file.
+    ancestors: Vec<(String, Lsn)>,
+}
+
+impl Lineage {
+    /// From the current source and the text of the timeline's history file
+    /// (`TIMELINE_HISTORY`; empty on timeline 1). Lines it cannot read are
+    /// ignored: a missing ancestor only costs a replay the duplicate window
+    /// and the inboxes absorb.
+    pub fn new(system_id: &str, timeline: u32, database: &str, slot: &str, history: &str) -> Self {
+        let ancestors = history
+            .lines()
+            .filter_map(|line| {
+                let mut fields = line.split_whitespace();
+                let tli: u32 = fields.next()?.parse().ok()?;
+                let end = Lsn::parse(fields.next()?).ok()?;
+                (tli < timeline).then(|| (source_id(system_id, tli, database, slot), end))
+            })
+            .collect();
+        Lineage {
+            source: source_id(system_id, timeline, database, slot),
+            ancestors,
+        }
+    }
+
+    /// Whether a message from `source` at `at` is part of this WAL history.
+    pub fn holds(&self, source: &str, at: Position) -> bool {
+        source == self.source
+            || self
+                .ancestors
+                .iter()
+                .any(|(s, end)| s == source && at.commit_lsn < *end)
+    }
+}
+
 /// Whether an `Outbox-Source` names this server (system id) and database,
 /// on any timeline and through any slot: what tells a lost slot.
 pub fn same_database(source: &str, system_id: &str, database: &str) -> bool {
@@ -235,6 +278,32 @@ pub fn dlq_stream_name(prefix: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_lineage_holds_ancestor_positions_before_their_switch_point() {
+        use super::{Lineage, Position};
+        use pgwire_replication::Lsn;
+        let history = "1\t0/3000158\tno recovery target specified\n\n2\t0/5000000\tbefore 2000-01-01\ngarbage\n";
+        let l = Lineage::new("7", 3, "db", "s", history);
+        let at = |lsn: &str| Position {
+            commit_lsn: Lsn::parse(lsn).unwrap(),
+            index: 0,
+        };
+        assert!(l.holds("7/3/db/s", at("0/9000000")));
+        assert!(l.holds("7/1/db/s", at("0/3000157")));
+        assert!(
+            !l.holds("7/1/db/s", at("0/3000158")),
+            "the old primary went on past the switch"
+        );
+        assert!(l.holds("7/2/db/s", at("0/4FFFFFF")));
+        assert!(!l.holds("7/2/db/s", at("0/5000000")));
+        assert!(!l.holds("7/1/db/other", at("0/1000000")), "another slot");
+        assert!(!l.holds("8/1/db/s", at("0/1000000")), "another server");
+        assert!(!l.holds("7/4/db/s", at("0/1000000")), "not an ancestor");
+        let first = Lineage::new("7", 1, "db", "s", "");
+        assert_eq!(first.source, "7/1/db/s");
+        assert!(!first.holds("7/0/db/s", at("0/1")));
+    }
+
     use super::*;
 
     #[test]

@@ -800,3 +800,133 @@ async fn insert_and_delete_in_one_transaction_delivers_the_event() {
     let got = read_stream(&stack.nats_url, &wire::stream_name("insdel"), 5, T).await;
     assert_exactly_once_in_order(&got, &sent);
 }
+
+/// SPEC §9 failover, where the server carries slots across a promotion
+/// (PostgreSQL 17 failover slots): the relay makes its slot a failover slot,
+/// the standby synchronizes it, and after the primary crashes under load and
+/// the standby is promoted, the relay goes on from the synchronized slot:
+/// no refusal and no resync, every row of the new primary exactly once and
+/// in order, and nothing in the stream that the new primary lacks (the
+/// primary's `synchronized_standby_slots` holds the relay back to what the
+/// standby has).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pg17_failover_slot_carries_the_relay_across_a_promotion() {
+    use sqlx::postgres::PgPoolOptions;
+    let stack = stack();
+    let pair = OwnPgPair::up("failover");
+    migrate(&pair.primary_url);
+    let connect = |url: String| async move {
+        PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&url)
+            .await
+            .unwrap()
+    };
+    let primary = connect(pair.primary_url.clone()).await;
+    let standby = connect(pair.standby_url.clone()).await;
+    let slot = wire::slot_name("failover");
+    let mut relay = Service::relay(&pair.primary_url, &stack.nats_url, "failover", &[]);
+    let failover: Option<bool> =
+        sqlx::query_scalar("SELECT failover FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(&slot)
+            .fetch_one(&primary)
+            .await
+            .unwrap();
+    assert_eq!(failover, Some(true), "the relay's slot is a failover slot");
+
+    // Load on the primary until it dies; a failed commit ends the producer.
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (pool, stop) = (primary.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut seq = 0u64;
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                if try_insert_txn(&pool, 0, seq, 10).await.is_err() {
+                    break;
+                }
+                seq += 10;
+            }
+            seq
+        })
+    };
+    eventually(
+        T,
+        "the standby has the slot, synchronized and persistent",
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT synced AND NOT temporary AND confirmed_flush_lsn IS NOT NULL \
+             FROM pg_replication_slots WHERE slot_name = $1",
+            )
+            .bind(&slot)
+            .fetch_optional(&standby)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or(false)
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    pair.failover();
+    stop.store(true, Ordering::Relaxed);
+    let before = producer.await.unwrap();
+    relay.kill9();
+    println!("{before} rows offered to the old primary");
+
+    // The promoted standby is the primary now: the same relay settings.
+    let mut relay = Service::relay(&pair.standby_url, &stack.nats_url, "failover", &[]);
+    for seq in (1_000_000..1_000_500).step_by(10) {
+        try_insert_txn(&standby, 0, seq, 10).await.unwrap();
+    }
+    let rows: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
+        .fetch_all(&standby)
+        .await
+        .unwrap();
+    let rows: HashSet<uuid::Uuid> = rows.into_iter().collect();
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name("failover"),
+        rows.len() as u64,
+        T,
+    )
+    .await;
+    assert_exactly_once_in_order(&got, &rows);
+    let log = relay.log_text();
+    assert!(!log.contains("resync"), "no resync was needed: {log}");
+    // It found where the old primary's relay stopped (an ancestor timeline's
+    // message before the switch point), rather than replaying into the
+    // duplicate window.
+    assert!(
+        !log.contains("relying on the duplicate window"),
+        "resumed from the old timeline's tail: {log}"
+    );
+    relay.term(Duration::from_secs(10));
+}
+
+/// Like `insert_txn`, but a failed commit is the caller's to handle.
+async fn try_insert_txn(
+    pool: &sqlx::PgPool,
+    producer: u32,
+    seq: u64,
+    n: u64,
+) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
+    let ids: Vec<uuid::Uuid> = (0..n).map(|_| uuid::Uuid::new_v4()).collect();
+    let mut tx = pool.begin().await?;
+    let mut q = sqlx::QueryBuilder::new(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) ",
+    );
+    q.push_values(ids.iter().enumerate(), |mut b, (i, id)| {
+        let s = seq + i as u64;
+        b.push_bind(*id)
+            .push_bind("order")
+            .push_bind(format!("p{producer}-{}", s % 50))
+            .push_bind("placed")
+            .push_bind(serde_json::json!({"p": producer, "s": s}));
+    });
+    q.build().execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(ids)
+}

@@ -169,6 +169,72 @@ pub async fn persist_slot(pool: &PgPool, init: &str, slot: &str) -> Result<Lsn> 
     }
 }
 
+/// What the server says of carrying the slot across a promotion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailoverFacts {
+    pub server_version_num: i32,
+    /// The slot's `failover` flag; `None` before PostgreSQL 17 (no such flag).
+    pub slot_failover: Option<bool>,
+    /// `synchronized_standby_slots`, on servers that have it.
+    pub synchronized_standby_slots: Option<String>,
+}
+
+pub async fn failover_facts(pool: &PgPool, slot: &str) -> Result<FailoverFacts> {
+    // Through to_jsonb so the same statement runs on servers without the column.
+    let row = sqlx::query(
+        "SELECT current_setting('server_version_num')::int AS version, \
+                (SELECT (to_jsonb(s) ->> 'failover')::bool FROM pg_replication_slots s \
+                  WHERE slot_name = $1) AS failover, \
+                current_setting('synchronized_standby_slots', true) AS standby_slots",
+    )
+    .bind(slot)
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("looking up the slot's failover setting"))?;
+    Ok(FailoverFacts {
+        server_version_num: row.get("version"),
+        slot_failover: row.get("failover"),
+        synchronized_standby_slots: row.get("standby_slots"),
+    })
+}
+
+/// What to do about the slot's failover flag.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct FailoverPlan {
+    /// `ALTER_REPLICATION_SLOT … (FAILOVER v)` to run before streaming.
+    pub alter: Option<bool>,
+    pub warning: Option<String>,
+    pub note: Option<String>,
+}
+
+/// Pure: from `--failover-slot` and what the server says.
+pub fn failover_plan(wanted: bool, slot: &str, facts: &FailoverFacts) -> FailoverPlan {
+    if facts.server_version_num < 170_000 {
+        return FailoverPlan {
+            note: wanted.then(|| format!(
+                "PostgreSQL {} has no failover slots: a promoted standby will not have slot {slot}; the relay then refuses to start and names the --resync-since to use",
+                facts.server_version_num / 10_000
+            )),
+            ..FailoverPlan::default()
+        };
+    }
+    let alter = match facts.slot_failover {
+        Some(is) if is != wanted => Some(wanted),
+        _ => None,
+    };
+    let unguarded = facts
+        .synchronized_standby_slots
+        .as_deref()
+        .is_none_or(|s| s.trim().is_empty());
+    FailoverPlan {
+        alter,
+        warning: (wanted && unguarded).then(|| format!(
+            "slot {slot} is a failover slot but synchronized_standby_slots is empty: the relay may publish events a standby has not received, and a promotion would lose them from the table but not from the stream; set synchronized_standby_slots to the standby's physical slot"
+        )),
+        note: None,
+    }
+}
+
 /// What `pg_publication` says of the publication and the outbox table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct PublicationFacts {
@@ -275,6 +341,48 @@ pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn facts(version: i32, failover: Option<bool>, standby: Option<&str>) -> FailoverFacts {
+        FailoverFacts {
+            server_version_num: version,
+            slot_failover: failover,
+            synchronized_standby_slots: standby.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn failover_slots_only_where_the_server_has_them() {
+        let old = failover_plan(true, "s", &facts(150_018, None, None));
+        assert_eq!(old.alter, None);
+        assert!(old
+            .note
+            .as_deref()
+            .unwrap_or("")
+            .contains("PostgreSQL 15 has no failover slots"));
+        assert_eq!(
+            failover_plan(false, "s", &facts(160_004, None, None)),
+            FailoverPlan::default()
+        );
+
+        let new = failover_plan(true, "s", &facts(170_010, Some(false), Some("standby1")));
+        assert_eq!((new.alter, new.warning, new.note), (Some(true), None, None));
+        let set = failover_plan(true, "s", &facts(170_010, Some(true), Some("standby1")));
+        assert_eq!(set, FailoverPlan::default());
+        let off = failover_plan(false, "s", &facts(170_010, Some(true), Some("")));
+        assert_eq!((off.alter, off.warning), (Some(false), None));
+    }
+
+    #[test]
+    fn a_failover_slot_no_standby_guards_is_warned_about() {
+        for standby in [None, Some(""), Some("  ")] {
+            let plan = failover_plan(true, "s", &facts(170_010, Some(true), standby));
+            assert!(plan
+                .warning
+                .as_deref()
+                .unwrap_or("")
+                .contains("synchronized_standby_slots"));
+        }
+    }
 
     const GOOD: PublicationFacts = PublicationFacts {
         inserts: true,

@@ -140,15 +140,15 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
 pub async fn stored_tail(
     js: &Context,
     stream_name: &str,
-    source: &str,
+    lineage: &wire::Lineage,
 ) -> Result<Option<Position>> {
     let found = scan_tail(js, stream_name, |h| {
         let get = |name: &str| h.get(name).map(|v| v.as_str());
-        if get(wire::SOURCE) == Some(source) && get(wire::DLQ_CONSUMER).is_none() {
-            Position::from_headers(get)
-        } else {
-            None
+        if get(wire::DLQ_CONSUMER).is_some() {
+            return None;
         }
+        let at = Position::from_headers(get)?;
+        lineage.holds(get(wire::SOURCE)?, at).then_some(at)
     })
     .await?;
     if found.is_none() {

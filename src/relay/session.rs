@@ -24,17 +24,19 @@ use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
-use crate::postgres::provision::SlotState;
+use crate::postgres::provision::{self, SlotState};
 use crate::postgres::{self, Dsn};
 use crate::wire;
 
-/// Events buffered between the replication worker and the loop: one per
-/// MiB of `--max-inflight-bytes`, between 16 and 512. The publish window is
-/// where events wait; pgwire-replication bounds this buffer by count only,
-/// so its bytes are this many rows at most, and a deployment with multi-MB
-/// rows lowers `--max-inflight-bytes` to shrink both.
-fn replication_buffer(max_inflight_bytes: usize) -> usize {
-    (max_inflight_bytes >> 20).clamp(16, 512)
+/// Events buffered between the replication worker and the loop.
+/// pgwire-replication bounds this buffer by count only, so the count comes
+/// from bytes: `--max-inflight-bytes` over the largest message the stream
+/// takes (a bigger row is dead-lettered, never published), so the rows
+/// buffered to be published fit in that many bytes; at least 4 (a
+/// deployment whose largest message is over a quarter of the bound buffers
+/// four), at most 512.
+fn replication_buffer(max_inflight_bytes: usize, max_message: usize) -> usize {
+    (max_inflight_bytes / max_message.max(1)).clamp(4, 512)
 }
 
 /// What every session of one relay shares.
@@ -206,13 +208,29 @@ impl<'a> Session<'a> {
             .with_start_lsn(confirmed)
             .with_ack_lsn(confirmed)
             .with_binary(cfg.binary)
-            .with_buffer_size(replication_buffer(cfg.max_inflight_bytes))
+            .with_buffer_size(replication_buffer(cfg.max_inflight_bytes, max_payload))
             .with_status_interval(status_interval)
             .with_wakeup_interval(status_interval);
         let mut client = ReplicationClient::connect_gated(repl).await?;
         let system = client.identify_system().await?;
-        let source = wire::source_id(&system.system_id, system.timeline, &dsn.database, &cfg.slot);
-        let resume = publish::stored_tail(js, &cfg.stream, &source).await?;
+        // On a promoted server, the old timeline's messages up to the switch
+        // point are this WAL's too: resume after them, not by replaying.
+        let history = match system.timeline {
+            0 | 1 => String::new(),
+            tli => {
+                String::from_utf8_lossy(&client.timeline_history(tli).await?.content).into_owned()
+            }
+        };
+        let lineage = wire::Lineage::new(
+            &system.system_id,
+            system.timeline,
+            &dsn.database,
+            &cfg.slot,
+            &history,
+        );
+        let source = lineage.source.clone();
+        let resume = publish::stored_tail(js, &cfg.stream, &lineage).await?;
+        self.set_failover(&mut client).await?;
         client.start().await?;
         client.wait_started().await?;
         self.streamed = true;
@@ -239,6 +257,36 @@ impl<'a> Session<'a> {
             publisher,
             status_interval,
         })
+    }
+
+    /// Make the slot a failover slot (or not) as `--failover-slot` says,
+    /// on a server that has them; it must happen while no one streams from
+    /// it, so here, before `START_REPLICATION`.
+    async fn set_failover(&mut self, client: &mut ReplicationClient) -> Result<()> {
+        let cfg = self.env.cfg;
+        let facts = provision::failover_facts(self.env.pool, &cfg.slot).await?;
+        let plan = provision::failover_plan(cfg.failover_slot, &cfg.slot, &facts);
+        if let Some(on) = plan.alter {
+            // Slot names are validated at config load.
+            client
+                .simple_query(&format!(
+                    "ALTER_REPLICATION_SLOT {} (FAILOVER {on})",
+                    cfg.slot
+                ))
+                .await?;
+            tracing::info!(slot = %cfg.slot, failover = on, "set the slot's failover flag");
+        }
+        if let Some(warning) = plan.warning {
+            tracing::warn!("{warning}");
+        }
+        // Once a process, not once a session.
+        static NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if let Some(note) = plan.note {
+            if !NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::info!("{note}");
+            }
+        }
+        Ok(())
     }
 
     /// Until shutdown (`Ok`) or the first error.
@@ -344,4 +392,19 @@ fn unix_micros_now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replication_buffer;
+
+    #[test]
+    fn the_wal_buffer_holds_the_byte_bound_in_largest_messages() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(replication_buffer(32 * MIB, MIB), 32);
+        assert_eq!(replication_buffer(16 * MIB, 8 * MIB), 4);
+        assert_eq!(replication_buffer(16 * MIB, 64 * MIB), 4);
+        assert_eq!(replication_buffer(1 << 30, 64 << 10), 512);
+        assert_eq!(replication_buffer(MIB, 0), 512);
+    }
 }

@@ -824,6 +824,71 @@ impl Drop for OwnStack {
     }
 }
 
+/// A PostgreSQL 17 primary and a streaming standby that synchronizes
+/// failover slots (`scripts/stack.sh pg17-pair-up`). Stopped on drop.
+pub struct OwnPgPair {
+    dir: PathBuf,
+    pub primary_url: String,
+    pub standby_url: String,
+}
+
+impl OwnPgPair {
+    pub fn up(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("outbox-relay-{name}-{}", std::process::id()));
+        let _ = Command::new(STACK_SH)
+            .arg("pg17-pair-down")
+            .arg(&dir)
+            .status();
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(STACK_SH)
+            .arg("pg17-pair-up")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "PostgreSQL 17 pair {name} did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let get = |k: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+                .unwrap_or_else(|| panic!("no {k} in: {text}"))
+                .to_owned()
+        };
+        OwnPgPair {
+            primary_url: get("PRIMARY_URL"),
+            standby_url: get("STANDBY_URL"),
+            dir,
+        }
+    }
+
+    /// Crash the primary and promote the standby.
+    pub fn failover(&self) {
+        let out = Command::new(STACK_SH)
+            .arg("pg17-failover")
+            .arg(&self.dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "failover failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for OwnPgPair {
+    fn drop(&mut self) {
+        let _ = Command::new(STACK_SH)
+            .arg("pg17-pair-down")
+            .arg(&self.dir)
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// `outbox-relay consume` for durable `durable`, then `extra`.
 fn consume_args(
     db_url: &str,
