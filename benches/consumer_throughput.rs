@@ -3,8 +3,10 @@
 //!
 //! ```sh
 //! scripts/bench.sh consumer --messages 5000 --concurrency 1
-//! scripts/bench.sh consumer --messages 20000 --concurrency 32
+//! scripts/bench.sh consumer --messages 80000 --concurrency 128 --out docs/bench
 //! ```
+//! Writes `consumer-c{N}.json` and `.svg` under `--out` (default
+//! `target/bench`).
 //! Needs DATABASE_URL (migrated), NATS_URL and RELAY_BIN (the binary to run).
 
 use std::process::{Command, Stdio};
@@ -142,16 +144,22 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Progress from the handler's own count: polling the inbox would load
-    // the Postgres it measures.
+    // the Postgres it measures. One sample a second for the chart.
     let start = Instant::now();
-    let mut last_report = Instant::now();
+    let mut samples: Vec<(f64, u64)> = vec![(0.0, 0)];
+    let mut next_sample = Duration::from_secs(1);
     while calls.load(Ordering::Relaxed) < n && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        if last_report.elapsed() > Duration::from_secs(5) {
-            last_report = Instant::now();
-            eprintln!("  {} handler calls", calls.load(Ordering::Relaxed));
+        if start.elapsed() >= next_sample {
+            let c = calls.load(Ordering::Relaxed);
+            samples.push((start.elapsed().as_secs_f64(), c));
+            next_sample += Duration::from_secs(1);
+            if samples.len() % 5 == 1 {
+                eprintln!("  {c} handler calls");
+            }
         }
     }
+    samples.push((start.elapsed().as_secs_f64(), calls.load(Ordering::Relaxed)));
     let called = start.elapsed().as_secs_f64();
     // Then every message recorded processed in the inbox, exactly once.
     let mut done = 0;
@@ -170,9 +178,85 @@ async fn main() {
         handler_calls as f64 / called,
         done as f64 / elapsed,
     );
+    let rates: Vec<(f64, f64)> = samples
+        .windows(2)
+        .map(|w| {
+            (
+                w[1].0,
+                (w[1].1 - w[0].1) as f64 / (w[1].0 - w[0].0).max(1e-9),
+            )
+        })
+        .collect();
+    let date = time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    let report = serde_json::json!({
+        "bench": "consumer",
+        "date": date,
+        "command": format!("scripts/bench.sh consumer --messages {n} --concurrency {concurrency} --aggregates {aggregates}"),
+        "messages": n,
+        "concurrency": concurrency,
+        "aggregates": aggregates,
+        "handler_calls": handler_calls,
+        "recorded_processed": done,
+        "calls_per_second": handler_calls as f64 / called,
+        "messages_per_second": done as f64 / elapsed,
+        "per_second": rates.iter().map(|(t, r)| serde_json::json!({"t": t, "calls_per_second": r})).collect::<Vec<_>>(),
+    });
+    let out = std::env::args()
+        .collect::<Vec<_>>()
+        .windows(2)
+        .find(|w| w[0] == "--out")
+        .map(|w| w[1].clone())
+        .unwrap_or_else(|| "target/bench".into());
+    std::fs::create_dir_all(&out).expect("create the output dir");
+    let base = format!("{out}/consumer-c{concurrency}");
+    std::fs::write(
+        format!("{base}.json"),
+        serde_json::to_string_pretty(&report).unwrap(),
+    )
+    .expect("write JSON");
+    std::fs::write(
+        format!("{base}.svg"),
+        chart(&rates, &format!("outbox-relay consume, HTTP handler, concurrency {concurrency}: handler calls/s ({date})")),
+    )
+    .expect("write SVG");
+    println!("wrote {base}.json and {base}.svg");
     if handler_calls != n {
         eprintln!("expected exactly {n} handler calls, got {handler_calls}");
         std::process::exit(1);
     }
     std::process::exit(if done == n { 0 } else { 1 });
+}
+
+/// Handler calls per second over the run, as a line.
+fn chart(rates: &[(f64, f64)], title: &str) -> String {
+    let (w, h, pad) = (640.0, 320.0, 48.0);
+    let t_max = rates.iter().map(|r| r.0).fold(1.0, f64::max);
+    let r_max = rates.iter().map(|r| r.1).fold(1.0, f64::max) * 1.1;
+    let x = |t: f64| pad + t / t_max * (w - 2.0 * pad);
+    let y = |r: f64| h - pad - r / r_max * (h - 2.0 * pad);
+    let points: Vec<String> = rates
+        .iter()
+        .map(|&(t, r)| format!("{:.1},{:.1}", x(t), y(r)))
+        .collect();
+    let mut svg = format!(
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{pad}" y="20">{title}</text>
+<line x1="{pad}" y1="{y0}" x2="{x1}" y2="{y0}" stroke="black"/>
+<line x1="{pad}" y1="{y0}" x2="{pad}" y2="{pad}" stroke="black"/>
+<text x="{x1}" y="{yl}" text-anchor="end">{t_max:.0} s</text>
+<text x="4" y="{ytop}">{r_top:.0}/s</text>
+<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{pts}"/>
+"##,
+        y0 = h - pad,
+        x1 = w - pad,
+        yl = h - pad + 16.0,
+        ytop = y(r_max / 1.1) + 4.0,
+        r_top = r_max / 1.1,
+        pts = points.join(" "),
+    );
+    svg.push_str("</svg>\n");
+    svg
 }

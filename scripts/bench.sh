@@ -2,7 +2,7 @@
 # Load runs on a throwaway local stack with a release build.
 #   scripts/bench.sh [relay] [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES]
 #                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
-#   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N]
+#   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 # The relay run measures Postgres alone (raw), the relay (cdc) and a polling
 # relay (poll) under the same load, then writes JSON and an SVG chart.
 # Against your own deployment, run `cargo bench --bench relay_e2e -- …` with

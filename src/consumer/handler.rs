@@ -70,7 +70,8 @@ pub trait Handler: Send + Sync + 'static {
 #[derive(Clone)]
 pub struct HttpHandler {
     client: reqwest::Client,
-    url: String,
+    /// Parsed once: parsing it on every call was 4% of the consumer's CPU.
+    url: reqwest::Url,
 }
 
 impl HttpHandler {
@@ -82,8 +83,11 @@ impl HttpHandler {
                 "--handler-url {url:?}: only http:// is supported by this build"
             )));
         }
+        // A redirect is an answer like any other non-2xx (a retry, with its
+        // code): following one would turn the POST into a GET without body.
         let client = reqwest::Client::builder()
             .timeout(timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| Error::Setup {
                 message: format!("cannot build the HTTP client: {e}"),
@@ -91,7 +95,7 @@ impl HttpHandler {
             })?;
         Ok(Self {
             client,
-            url: url.to_owned(),
+            url: parsed,
         })
     }
 
@@ -128,7 +132,7 @@ impl HttpHandler {
     pub async fn post(&self, d: &Delivery) -> Outcome {
         let mut req = self
             .client
-            .post(&self.url)
+            .post(self.url.clone())
             .header("content-type", "application/json")
             .header(wire::IDEMPOTENCY_KEY, d.message_id.to_string())
             .body(Self::body(d));

@@ -272,7 +272,9 @@ impl<H: Handler> Active<'_, H> {
                     _ => None,
                 };
                 tasks.spawn(async move {
-                    match AssertUnwindSafe(delivery::run_job(&shared, &key, job))
+                    // Boxed: the job's state machine is large, and the task's own
+                    // stage is copied as it settles.
+                    match AssertUnwindSafe(Box::pin(delivery::run_job(&shared, &key, job)))
                         .catch_unwind()
                         .await
                     {
