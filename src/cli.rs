@@ -125,6 +125,24 @@ async fn run(command: Command) -> Result<(), Error> {
             endpoint.stop();
             Ok(())
         }
+        Command::Prune(args) => {
+            let cfg = args.validate()?;
+            // The snapshot's anchor, a batch or partition lock, and the slot poll.
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(4).await?;
+            let report = crate::ops::prune::run(&pool, &cfg).await?;
+            if args.json {
+                let json = serde_json::to_string_pretty(&report).map_err(|e| Error::Setup {
+                    message: format!("encoding JSON: {e}"),
+                    source: Some(Box::new(e)),
+                })?;
+                println!("{json}");
+            } else {
+                for line in report.lines() {
+                    println!("{line}");
+                }
+            }
+            Ok(())
+        }
         Command::Slot { command } => match command {
             SlotCommand::Status(args) => {
                 let slot = args.names.slot_name()?;

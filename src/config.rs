@@ -39,6 +39,62 @@ pub enum Command {
         #[command(subcommand)]
         command: SlotCommand,
     },
+    /// Delete outbox rows that are old and provably published, and old
+    /// processed inbox rows, in small batches (safe from cron).
+    Prune(PruneArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct PruneArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub names: SlotNameArgs,
+    /// The outbox table, as the relay's --table.
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "public.outbox_events")]
+    pub table: String,
+    /// Delete outbox rows whose occurred_at is older than this (e.g. 7d),
+    /// once the relay has provably published them.
+    #[arg(long, env = "OUTBOX_PRUNE_OLDER_THAN", default_value = "7d", allow_hyphen_values = true, value_parser = humantime::parse_duration)]
+    pub older_than: Duration,
+    /// Also delete inbox rows processed longer ago than this (e.g. 30d);
+    /// keep it at least the events stream's max age.
+    #[arg(long, env = "OUTBOX_PRUNE_INBOX_OLDER_THAN", allow_hyphen_values = true, value_parser = humantime::parse_duration)]
+    pub inbox_older_than: Option<Duration>,
+    /// Count what would be deleted; delete nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Rows per delete transaction.
+    #[arg(long, env = "OUTBOX_PRUNE_BATCH", default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
+    pub batch: i64,
+    /// How long to wait for the relay to confirm the snapshot's position
+    /// before keeping every outbox row.
+    #[arg(long, env = "OUTBOX_PRUNE_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub wait: Duration,
+}
+
+impl PruneArgs {
+    pub fn validate(&self) -> Result<crate::ops::prune::PruneConfig> {
+        let (schema, table) = match self.table.split_once('.') {
+            Some((s, t)) => (s.to_owned(), t.to_owned()),
+            None => ("public".to_owned(), self.table.clone()),
+        };
+        validate_pg_name("table schema", &schema)?;
+        validate_pg_name("table", &table)?;
+        Ok(crate::ops::prune::PruneConfig {
+            schema,
+            table,
+            slot: self.names.slot_name()?,
+            older_than: self.older_than,
+            inbox_older_than: self.inbox_older_than,
+            dry_run: self.dry_run,
+            batch: self.batch,
+            wait: self.wait,
+        })
+    }
 }
 
 #[derive(Debug, Subcommand)]

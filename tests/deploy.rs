@@ -204,6 +204,7 @@ fn configuration_reference_covers_every_flag() {
         &["migrate"],
         &["slot", "status"],
         &["slot", "drop"],
+        &["prune"],
     ] {
         let title = format!("### `outbox-relay {}`", cmd.join(" "));
         let section = doc

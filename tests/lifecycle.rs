@@ -13,7 +13,7 @@ const T: Duration = Duration::from_secs(120);
 
 /// The outbox as migrations/0001 creates it, but partitioned by time into
 /// three partitions (old, recent, current).
-const PARTITIONED_OUTBOX: &str = "
+pub(crate) const PARTITIONED_OUTBOX: &str = "
 DROP TABLE outbox_events;
 CREATE TABLE outbox_events (
     id               uuid        NOT NULL,

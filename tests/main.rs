@@ -7,5 +7,6 @@ mod consumer;
 mod deploy;
 mod lifecycle;
 mod observability;
+mod operations;
 mod relay;
 mod secure;

@@ -4,4 +4,5 @@
 
 pub mod endpoint;
 pub mod metrics;
+pub mod prune;
 pub(crate) mod slot_monitor;

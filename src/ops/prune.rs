@@ -1,0 +1,457 @@
+//! `outbox-relay prune`: retention for the outbox and the inbox (SPEC §9).
+//!
+//! # Why a deleted outbox row was published
+//!
+//! The relay confirms a slot position `L` only once JetStream has acked every
+//! event of every transaction whose commit record ends at or before `L`
+//! (`relay/watermark.rs`). So a row is provably published when its
+//! transaction's commit record ends at or before the slot's
+//! `confirmed_flush_lsn`. Prune never reads a row's commit LSN; it proves the
+//! bound for a whole snapshot at once:
+//!
+//! 1. It opens a `REPEATABLE READ` transaction (the anchor) whose first
+//!    statement takes snapshot `S` and then reads `W =
+//!    pg_current_wal_insert_lsn()`. A transaction visible in `S` became
+//!    visible after its commit record was inserted, and that was before `S`
+//!    was taken, so its commit record ends at or before `W`.
+//! 2. It waits (at most `--wait`) until the slot has confirmed `W`. If it
+//!    does not (the relay is down or behind), it deletes nothing from the
+//!    outbox and says so.
+//! 3. Every delete batch runs in its own short transaction that imports `S`
+//!    (`SET TRANSACTION SNAPSHOT`), so it sees, and deletes, only rows that
+//!    were visible in `S`: published ones. A row inserted after `S`, even one
+//!    with an old `occurred_at`, is invisible to the batch and stays.
+//!
+//! A partition of a range-partitioned outbox whose upper bound is at or
+//! before the cutoff is dropped whole instead: it is locked against inserts
+//! (`SHARE`), then `W'` is read and the slot must confirm it while the lock
+//! is held (every row in the partition committed before `W'`); only then is
+//! it detached and dropped, in the same transaction. Locks wait at most 2 s.
+//!
+//! Batches are small and ordered by the primary key, so each is an index
+//! range from where the last one ended; they hold row locks on old rows only
+//! (which producers and the relay never touch).
+
+use std::time::{Duration, Instant};
+
+use pgwire_replication::Lsn;
+use serde::Serialize;
+use sqlx::{PgPool, Row};
+
+use crate::error::{Error, Result};
+use crate::postgres::{db_code, parse_lsn};
+
+/// What to prune.
+#[derive(Debug, Clone)]
+pub struct PruneConfig {
+    pub schema: String,
+    pub table: String,
+    pub slot: String,
+    pub older_than: Duration,
+    pub inbox_older_than: Option<Duration>,
+    pub dry_run: bool,
+    pub batch: i64,
+    /// How long to wait for the slot to confirm what the snapshot holds.
+    pub wait: Duration,
+}
+
+/// What prune did and why.
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub dry_run: bool,
+    /// Outbox rows older than the cutoff that were (or would be) deleted.
+    pub outbox_deleted: u64,
+    pub partitions_dropped: Vec<String>,
+    /// Why outbox rows were kept, when some old ones were.
+    pub outbox_kept: Vec<String>,
+    pub inbox_deleted: u64,
+    pub notes: Vec<String>,
+    /// The position the slot had to confirm, and what it had confirmed.
+    pub needed_lsn: Option<String>,
+    pub confirmed_lsn: Option<String>,
+}
+
+pub async fn run(pool: &PgPool, cfg: &PruneConfig) -> Result<Report> {
+    let mut report = Report {
+        dry_run: cfg.dry_run,
+        ..Report::default()
+    };
+    outbox(pool, cfg, &mut report).await?;
+    if let Some(age) = cfg.inbox_older_than {
+        report.inbox_deleted = inbox(pool, age, cfg.batch, cfg.dry_run).await?;
+        report.notes.push(format!(
+            "inbox rows processed more than {} ago were {}; keep --inbox-older-than at least the events stream's max age, or a redelivery or replay of an older message reaches the handler again",
+            humantime::format_duration(age),
+            if cfg.dry_run { "counted (dry run)" } else { "deleted" }
+        ));
+    }
+    Ok(report)
+}
+
+fn interval(d: Duration) -> String {
+    format!("{} milliseconds", d.as_millis())
+}
+
+async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result<()> {
+    let table = format!("\"{}\".\"{}\"", cfg.schema, cfg.table);
+    // The anchor: snapshot S, then W.
+    let mut anchor = pool
+        .begin()
+        .await
+        .map_err(Error::pg("starting the prune snapshot"))?;
+    sqlx::raw_sql(
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY; \
+         SET LOCAL idle_in_transaction_session_timeout = 0",
+    )
+    .execute(&mut *anchor)
+    .await
+    .map_err(Error::pg("starting the prune snapshot"))?;
+    let row = sqlx::query(
+        "SELECT pg_export_snapshot() AS snapshot, pg_current_wal_insert_lsn()::text AS w, \
+                (now() - $1::interval)::text AS cutoff, \
+                (SELECT relkind = 'p' FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+                  WHERE n.nspname = $2 AND c.relname = $3) AS partitioned",
+    )
+    .bind(interval(cfg.older_than))
+    .bind(&cfg.schema)
+    .bind(&cfg.table)
+    .fetch_one(&mut *anchor)
+    .await
+    .map_err(Error::pg("taking the prune snapshot"))?;
+    let snapshot: String = row.get("snapshot");
+    let w = parse_lsn(&row.get::<String, _>("w"))?;
+    let cutoff: String = row.get("cutoff");
+    let Some(partitioned) = row.get::<Option<bool>, _>("partitioned") else {
+        return Err(Error::setup(format!(
+            "table {table} does not exist: pass the relay's --table"
+        )));
+    };
+    report.needed_lsn = Some(w.to_string());
+
+    // Everything that reads the outbox imports the snapshot in a transaction
+    // of its own: the anchor holds no lock on the table, which a partition's
+    // DETACH would wait for.
+    let old: i64 = {
+        let mut tx = in_snapshot(pool, &snapshot).await?;
+        let n = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE occurred_at < $1::timestamptz"
+        )))
+        .bind(&cutoff)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(Error::pg("counting old outbox rows"))?;
+        tx.rollback()
+            .await
+            .map_err(Error::pg("counting old outbox rows"))?;
+        n
+    };
+    if old == 0 {
+        report
+            .outbox_kept
+            .push("no outbox row is older than the cutoff".into());
+    }
+
+    match wait_confirmed(pool, &cfg.slot, w, cfg.wait).await? {
+        Confirmed::Reached(lsn) => report.confirmed_lsn = Some(lsn.to_string()),
+        Confirmed::Behind(lsn) => {
+            report.confirmed_lsn = lsn.map(|l| l.to_string());
+            if old > 0 {
+                report.outbox_kept.push(format!(
+                    "{old} old rows kept: the relay is down or behind (slot {} confirmed {}, and every row of the snapshot needs {w}); nothing unpublished is ever deleted, so run prune again once the relay has caught up",
+                    cfg.slot,
+                    lsn.map_or_else(|| "nothing: it does not exist".into(), |l| l.to_string())
+                ));
+            }
+            return Ok(());
+        }
+    }
+    if old == 0 {
+        return Ok(());
+    }
+    if cfg.dry_run {
+        report.outbox_deleted = old as u64;
+        return Ok(());
+    }
+
+    if partitioned {
+        for part in old_partitions(pool, &cfg.schema, &cfg.table, &cutoff).await? {
+            match drop_partition(pool, &table, &part, &cfg.slot, cfg.wait).await? {
+                Ok(rows) => {
+                    report.outbox_deleted += rows;
+                    report.partitions_dropped.push(part);
+                }
+                Err(why) => report
+                    .outbox_kept
+                    .push(format!("partition {part} kept: {why}")),
+            }
+        }
+    }
+    report.outbox_deleted += delete_batches(pool, &table, &snapshot, &cutoff, cfg.batch).await?;
+    anchor
+        .rollback()
+        .await
+        .map_err(Error::pg("ending the prune snapshot"))?;
+    Ok(())
+}
+
+/// A transaction that sees exactly what the anchor's snapshot saw.
+async fn in_snapshot(
+    pool: &PgPool,
+    snapshot: &str,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>> {
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(Error::pg("starting a transaction in the prune snapshot"))?;
+    // Snapshot names are server-made hex and dashes.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'"
+    )))
+    .execute(&mut *tx)
+    .await
+    .map_err(Error::pg("importing the prune snapshot"))?;
+    Ok(tx)
+}
+
+enum Confirmed {
+    Reached(Lsn),
+    Behind(Option<Lsn>),
+}
+
+async fn slot_confirmed(pool: &PgPool, slot: &str) -> Result<Option<Lsn>> {
+    let text: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("reading the slot's confirmed position"))?;
+    text.flatten().map(|t| parse_lsn(&t)).transpose()
+}
+
+async fn wait_confirmed(pool: &PgPool, slot: &str, w: Lsn, wait: Duration) -> Result<Confirmed> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let confirmed = slot_confirmed(pool, slot).await?;
+        match confirmed {
+            Some(c) if c >= w => return Ok(Confirmed::Reached(c)),
+            _ if Instant::now() >= deadline => return Ok(Confirmed::Behind(confirmed)),
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// Leaf partitions of a range-partitioned outbox whose upper bound is at or
+/// before the cutoff, oldest first.
+async fn old_partitions(
+    pool: &PgPool,
+    schema: &str,
+    table: &str,
+    cutoff: &str,
+) -> Result<Vec<String>> {
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT format('%I.%I', pn.nspname, p.relname) \
+         FROM pg_inherits i \
+         JOIN pg_class parent ON parent.oid = i.inhparent \
+         JOIN pg_namespace n ON n.oid = parent.relnamespace \
+         JOIN pg_partitioned_table pt ON pt.partrelid = parent.oid \
+         JOIN pg_class p ON p.oid = i.inhrelid \
+         JOIN pg_namespace pn ON pn.oid = p.relnamespace, \
+         LATERAL (SELECT substring(pg_get_expr(p.relpartbound, p.oid) \
+                  FROM 'TO \\(''([^'']+)''\\)') AS upper) b \
+         WHERE n.nspname = $1 AND parent.relname = $2 AND pt.partstrat = 'r' \
+           AND pt.partnatts = 1 \
+           AND (SELECT attname FROM pg_attribute WHERE attrelid = parent.oid \
+                 AND attnum = pt.partattrs[0]) = 'occurred_at' \
+           AND p.relkind = 'r' AND b.upper IS NOT NULL \
+           AND b.upper::timestamptz <= $3::timestamptz \
+         ORDER BY b.upper::timestamptz",
+    )
+    .bind(schema)
+    .bind(table)
+    .bind(cutoff)
+    .fetch_all(pool)
+    .await
+    .map_err(Error::pg("listing the outbox's partitions"))?;
+    Ok(rows)
+}
+
+/// Drop one old partition once every row in it is provably published;
+/// `Ok(Err(why))` when it is kept.
+async fn drop_partition(
+    pool: &PgPool,
+    parent: &str,
+    part: &str,
+    slot: &str,
+    wait: Duration,
+) -> Result<std::result::Result<u64, String>> {
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(Error::pg("starting a partition drop"))?;
+    let locked = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '2s'; LOCK TABLE {part} IN SHARE MODE"
+    )))
+    .execute(&mut *tx)
+    .await;
+    match locked {
+        Ok(_) => {}
+        Err(e) if db_code(&e).as_deref() == Some("55P03") => {
+            return Ok(Err("busy (lock not granted within 2 s)".into()))
+        }
+        Err(e) => return Err(Error::pg(format!("locking partition {part}"))(e)),
+    }
+    let (rows, w): (i64, String) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {part}), pg_current_wal_insert_lsn()::text"
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(Error::pg(format!("reading partition {part}")))?;
+    let w = parse_lsn(&w)?;
+    if let Confirmed::Behind(c) = wait_confirmed(pool, slot, w, wait).await? {
+        return Ok(Err(format!(
+            "the relay has not confirmed {w} (slot {slot} at {})",
+            c.map_or_else(|| "nothing".into(), |l| l.to_string())
+        )));
+    }
+    let dropped = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {parent} DETACH PARTITION {part}; DROP TABLE {part}"
+    )))
+    .execute(&mut *tx)
+    .await;
+    match dropped {
+        Ok(_) => {}
+        Err(e) if db_code(&e).as_deref() == Some("55P03") => {
+            return Ok(Err(
+                "the outbox is busy (lock not granted within 2 s)".into()
+            ))
+        }
+        Err(e) => return Err(Error::pg(format!("dropping partition {part}"))(e)),
+    }
+    tx.commit()
+        .await
+        .map_err(Error::pg(format!("dropping partition {part}")))?;
+    tracing::info!(
+        partition = part,
+        rows,
+        "dropped an old, published outbox partition"
+    );
+    Ok(Ok(rows as u64))
+}
+
+/// Delete the rows older than the cutoff that snapshot `snapshot` sees, a
+/// batch per transaction, in primary-key order.
+async fn delete_batches(
+    pool: &PgPool,
+    table: &str,
+    snapshot: &str,
+    cutoff: &str,
+    batch: i64,
+) -> Result<u64> {
+    let mut deleted = 0u64;
+    let mut after: Option<uuid::Uuid> = None;
+    loop {
+        let mut tx = in_snapshot(pool, snapshot).await?;
+        let (n, last): (i64, Option<uuid::Uuid>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "WITH victims AS ( \
+                 SELECT id FROM {table} WHERE occurred_at < $1::timestamptz AND ($2::uuid IS NULL OR id > $2) \
+                 ORDER BY id LIMIT $3), \
+             gone AS (DELETE FROM {table} t USING victims v WHERE t.id = v.id RETURNING t.id) \
+             SELECT (SELECT count(*) FROM gone), (SELECT id FROM victims ORDER BY id DESC LIMIT 1)"
+        )))
+        .bind(cutoff)
+        .bind(after)
+        .bind(batch)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| match db_code(&e).as_deref() {
+            Some("40001") => Error::setup(
+                "an old outbox row changed while prune ran (a concurrent delete or update); what was deleted so far stays deleted: run prune again",
+            ),
+            _ => Error::pg("deleting a batch of old outbox rows")(e),
+        })?;
+        tx.commit()
+            .await
+            .map_err(Error::pg("committing a delete batch"))?;
+        deleted += n as u64;
+        match last {
+            Some(id) => after = Some(id),
+            None => return Ok(deleted),
+        }
+    }
+}
+
+/// Delete (or count) inbox rows processed before `age` ago, in batches in
+/// key order. Rows not processed (waiting, parked) are never touched.
+async fn inbox(pool: &PgPool, age: Duration, batch: i64, dry_run: bool) -> Result<u64> {
+    if dry_run {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages WHERE processed_at < now() - $1::interval",
+        )
+        .bind(interval(age))
+        .fetch_one(pool)
+        .await
+        .map_err(Error::pg("counting old inbox rows"))?;
+        return Ok(n as u64);
+    }
+    let mut deleted = 0u64;
+    let mut after: Option<(uuid::Uuid, String)> = None;
+    loop {
+        let (n, last_id, last_consumer): (i64, Option<uuid::Uuid>, Option<String>) =
+            sqlx::query_as(
+                "WITH victims AS ( \
+                     SELECT message_id, consumer FROM inbox_messages \
+                     WHERE processed_at < now() - $1::interval \
+                       AND ($2::uuid IS NULL OR (message_id, consumer) > ($2, $3)) \
+                     ORDER BY message_id, consumer LIMIT $4), \
+                 gone AS (DELETE FROM inbox_messages i USING victims v \
+                          WHERE i.message_id = v.message_id AND i.consumer = v.consumer \
+                            AND i.processed_at IS NOT NULL RETURNING 1), \
+                 last AS (SELECT message_id, consumer FROM victims \
+                          ORDER BY message_id DESC, consumer DESC LIMIT 1) \
+                 SELECT (SELECT count(*) FROM gone), (SELECT message_id FROM last), \
+                        (SELECT consumer FROM last)",
+            )
+            .bind(interval(age))
+            .bind(after.as_ref().map(|a| a.0))
+            .bind(after.as_ref().map(|a| a.1.clone()).unwrap_or_default())
+            .bind(batch)
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("deleting a batch of old inbox rows"))?;
+        deleted += n as u64;
+        match (last_id, last_consumer) {
+            (Some(id), Some(c)) => after = Some((id, c)),
+            _ => return Ok(deleted),
+        }
+    }
+}
+
+impl Report {
+    /// The lines `prune` prints without `--json`.
+    pub fn lines(&self) -> Vec<String> {
+        let verb = if self.dry_run {
+            "would delete"
+        } else {
+            "deleted"
+        };
+        let mut out = vec![format!("outbox: {verb} {} rows", self.outbox_deleted)];
+        for p in &self.partitions_dropped {
+            out.push(format!("outbox: dropped partition {p}"));
+        }
+        for k in &self.outbox_kept {
+            out.push(format!("outbox: kept: {k}"));
+        }
+        if let (Some(n), Some(c)) = (&self.needed_lsn, &self.confirmed_lsn) {
+            out.push(format!(
+                "outbox: snapshot needed the slot at {n}; it confirmed {c}"
+            ));
+        }
+        out.push(format!(
+            "inbox: {verb} {} processed rows",
+            self.inbox_deleted
+        ));
+        out.extend(self.notes.iter().map(|n| format!("note: {n}")));
+        out
+    }
+}

@@ -1,0 +1,193 @@
+//! SPEC §9 retention and replay: `prune`, `dlq list`, `dlq replay`,
+//! `consumer reset`, run as an operator would, against the real stack.
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::time::Duration;
+
+use crate::common::*;
+use outbox_relay::wire;
+
+const T: Duration = Duration::from_secs(90);
+
+/// `outbox-relay prune …` to its end: (success, stdout + stderr).
+fn prune(url: &str, context: &str, extra: &[&str]) -> (bool, String) {
+    let out = Command::new(BIN)
+        .args(["prune", "--database-url", url, "--context", context])
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `n` rows with `occurred_at` that long ago, one transaction; their ids.
+async fn rows_aged(pool: &sqlx::PgPool, n: i64, age: &str) -> HashSet<uuid::Uuid> {
+    sqlx::query_scalar(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+         SELECT gen_random_uuid(), 'order', 'a' || (g % 7), 'placed', jsonb_build_object('s', g), \
+                now() - $2::interval FROM generate_series(1, $1::int8) g RETURNING id",
+    )
+    .bind(n)
+    .bind(age)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect()
+}
+
+async fn ids_in_table(pool: &sqlx::PgPool) -> HashSet<uuid::Uuid> {
+    sqlx::query_scalar::<_, uuid::Uuid>("SELECT id FROM outbox_events")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// SPEC §9 retention: with the relay stopped, prune deletes nothing it
+/// cannot prove published and says why; a dry run deletes nothing; with the
+/// relay caught up it deletes exactly the old rows, every one of them in
+/// the stream, and keeps the young ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_deletes_exactly_the_old_published_rows() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "o_prune").await;
+    let mut relay = Service::relay(&url, &stack.nats_url, "prune", &[]);
+    let published_old = rows_aged(&pool, 200, "10 days").await;
+    let young = rows_aged(&pool, 100, "1 hour").await;
+    let stream = wire::stream_name("prune");
+    read_stream(&stack.nats_url, &stream, 300, T).await;
+    relay.kill9();
+    // Old by its timestamp, but committed while the relay is down.
+    let unpublished_old = rows_aged(&pool, 50, "10 days").await;
+
+    let (ok, out) = prune(&url, "prune", &["--older-than", "7d", "--wait", "2s"]);
+    assert!(ok, "{out}");
+    assert!(out.contains("outbox: deleted 0 rows"), "{out}");
+    assert!(out.contains("the relay is down or behind"), "{out}");
+    assert_eq!(
+        ids_in_table(&pool).await.len(),
+        350,
+        "nothing deleted: {out}"
+    );
+
+    relay.restart();
+    read_stream(&stack.nats_url, &stream, 350, T).await;
+    let (ok, out) = prune(&url, "prune", &["--older-than", "7d", "--dry-run"]);
+    assert!(ok && out.contains("outbox: would delete 250 rows"), "{out}");
+    assert_eq!(
+        ids_in_table(&pool).await.len(),
+        350,
+        "a dry run deletes nothing"
+    );
+
+    let (ok, out) = prune(&url, "prune", &["--older-than", "7d", "--batch", "64"]);
+    assert!(ok && out.contains("outbox: deleted 250 rows"), "{out}");
+    assert_eq!(ids_in_table(&pool).await, young, "{out}");
+    let got = read_stream(&stack.nats_url, &stream, 350, T).await;
+    let in_stream: HashSet<uuid::Uuid> = got
+        .iter()
+        .map(|g| g.h(wire::MSG_ID).unwrap().parse().unwrap())
+        .collect();
+    assert!(published_old.is_subset(&in_stream) && unpublished_old.is_subset(&in_stream));
+
+    // The inbox: processed long ago goes; recent, waiting or parked stays.
+    sqlx::raw_sql(
+        "INSERT INTO inbox_messages (consumer, message_id, subject, received_at, processed_at)            SELECT 'c', gen_random_uuid(), 's', now() - interval '41 days', now() - interval '40 days'            FROM generate_series(1, 30);          INSERT INTO inbox_messages (consumer, message_id, subject, received_at, processed_at)            SELECT 'c', gen_random_uuid(), 's', now() - interval '2 days', now() - interval '1 day'            FROM generate_series(1, 20);          INSERT INTO inbox_messages (consumer, message_id, subject, received_at, parked_until)            SELECT 'c', gen_random_uuid(), 's', now() - interval '41 days', now()            FROM generate_series(1, 10);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (ok, out) = prune(
+        &url,
+        "prune",
+        &[
+            "--older-than",
+            "7d",
+            "--inbox-older-than",
+            "30d",
+            "--batch",
+            "7",
+        ],
+    );
+    assert!(
+        ok && out.contains("inbox: deleted 30 processed rows"),
+        "{out}"
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 30, "recent and unprocessed rows stay: {out}");
+}
+
+/// SPEC §9 retention on a partitioned outbox: whole partitions past the
+/// retention go (the current one stays), once the relay has them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_drops_whole_old_partitions_once_published() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "o_prune_parted").await;
+    sqlx::raw_sql(crate::lifecycle::PARTITIONED_OUTBOX)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let _relay = Service::relay(&url, &stack.nats_url, "pruneparted", &[]);
+    for at in ["2025-03-01T00:00:00Z", "2026-02-01T00:00:00Z"] {
+        sqlx::query(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+             SELECT gen_random_uuid(), 'order', 'a', 'placed', '{}', $1::timestamptz FROM generate_series(1, 40)",
+        )
+        .bind(at)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let current = rows_aged(&pool, 30, "1 minute").await;
+    read_stream(&stack.nats_url, &wire::stream_name("pruneparted"), 110, T).await;
+
+    let (ok, out) = prune(&url, "pruneparted", &["--older-than", "30d"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("dropped partition public.outbox_events_old"),
+        "{out}"
+    );
+    assert!(
+        out.contains("dropped partition public.outbox_events_recent"),
+        "{out}"
+    );
+    assert!(out.contains("outbox: deleted 80 rows"), "{out}");
+    let left: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'outbox_events'::regclass",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, vec!["outbox_events_current".to_string()]);
+    assert_eq!(ids_in_table(&pool).await, current);
+}
+
+/// Bad input to prune is one line and a non-zero exit, and deletes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_refuses_bad_durations() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "o_prune_bad").await;
+    rows_aged(&pool, 5, "30 days").await;
+    for bad in [
+        ["--older-than", "-1d"],
+        ["--older-than", "soon"],
+        ["--inbox-older-than", "-5m"],
+    ] {
+        let (ok, out) = prune(&url, "prunebad", &bad);
+        assert!(!ok, "{bad:?} accepted: {out}");
+        assert!(out.lines().next().unwrap_or("").contains("error"), "{out}");
+        assert!(out.contains(bad[0]), "{bad:?}: {out}");
+    }
+    assert_eq!(ids_in_table(&pool).await.len(), 5);
+}
