@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Cli, Command, SlotCommand};
+use crate::config::{Cli, Command, ConsumerCommand, DlqCommand, SlotCommand};
 use crate::consumer::HttpHandler;
 use crate::error::Error;
 use crate::ops::endpoint::{Endpoint, Readiness};
@@ -18,7 +18,13 @@ use crate::relay;
 pub fn main() -> ExitCode {
     crate::install_tls_provider();
     let cli = Cli::parse();
-    init_logging(&cli.log_format);
+    // One-shot operator commands print their own report; their logs stay
+    // quiet unless RUST_LOG asks.
+    let quiet = matches!(
+        cli.command,
+        Command::Prune(_) | Command::Consumer { .. } | Command::Dlq { .. }
+    );
+    init_logging(&cli.log_format, if quiet { "warn" } else { "info" });
     // The relay is one ordered pipeline: on one thread its tasks (replication
     // worker, session loop, NATS connection) hand events over without
     // cross-thread wakeups, which cost more than the work itself. The
@@ -44,9 +50,9 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_logging(format: &str) {
+fn init_logging(format: &str, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -143,6 +149,84 @@ async fn run(command: Command) -> Result<(), Error> {
             }
             Ok(())
         }
+        Command::Dlq {
+            command: DlqCommand::List(args),
+        } => {
+            let sel = args.select.selection()?;
+            let nats = crate::nats::connect(&args.nats, "outbox-dlq".into()).await?;
+            let js = async_nats::jetstream::new(nats);
+            let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;
+            if args.json {
+                println!("{}", to_json(&letters)?);
+            } else {
+                for d in &letters {
+                    println!("{}", crate::ops::dlq::line(d));
+                }
+                println!("{} dead letters", letters.len());
+            }
+            Ok(())
+        }
+        Command::Dlq {
+            command: DlqCommand::Replay(args),
+        } => {
+            let sel = args.select.selection()?;
+            if !args.all && !args.select.narrows() {
+                return Err(Error::Config(
+                    "say which dead letters: --id, --filter or --since, or --all for every one"
+                        .into(),
+                ));
+            }
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(2).await?;
+            let nats = crate::nats::connect(&args.nats, "outbox-dlq-replay".into()).await?;
+            let js = async_nats::jetstream::new(nats.clone());
+            let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;
+            if letters.is_empty() {
+                return Err(Error::Config(format!(
+                    "no dead letter in {} matches",
+                    args.select.stream
+                )));
+            }
+            let who = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+            let done =
+                crate::ops::dlq::replay(&pool, &js, &args.select.stream, letters, &who).await?;
+            nats.flush().await.ok();
+            if args.json {
+                println!("{}", to_json(&done)?);
+            } else {
+                for r in &done {
+                    println!(
+                        "{}  {}  {}  {}: {}",
+                        r.seq,
+                        r.id,
+                        r.consumer.as_deref().unwrap_or("relay"),
+                        r.result,
+                        r.detail
+                    );
+                }
+            }
+            Ok(())
+        }
+        Command::Consumer {
+            command: ConsumerCommand::Reset(args),
+        } => {
+            let from = match (&args.seq, &args.time) {
+                (Some(n), _) => crate::ops::reset::From::Seq(*n),
+                (None, Some(t)) => crate::ops::reset::From::Time(crate::ops::reset::parse_time(t)?),
+                (None, None) => return Err(Error::Config("give --seq or --time".into())),
+            };
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+            let nats = crate::nats::connect(&args.nats, "outbox-consumer-reset".into()).await?;
+            let js = async_nats::jetstream::new(nats.clone());
+            let who = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+            let done = crate::ops::reset::run(&pool, &js, &args.stream, &args.durable, &from, &who)
+                .await?;
+            nats.flush().await.ok();
+            println!(
+                "durable {} on {} starts over from sequence {}: {} messages go to its handler again",
+                args.durable, args.stream, done.from_seq, done.messages
+            );
+            Ok(())
+        }
         Command::Slot { command } => match command {
             SlotCommand::Status(args) => {
                 let slot = args.names.slot_name()?;
@@ -192,6 +276,13 @@ async fn run(command: Command) -> Result<(), Error> {
             }
         },
     }
+}
+
+fn to_json(v: &impl serde::Serialize) -> Result<String, Error> {
+    serde_json::to_string_pretty(v).map_err(|e| Error::Setup {
+        message: format!("encoding JSON: {e}"),
+        source: Some(Box::new(e)),
+    })
 }
 
 fn print_status(s: &slots::SlotStatus) {

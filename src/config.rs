@@ -42,6 +42,129 @@ pub enum Command {
     /// Delete outbox rows that are old and provably published, and old
     /// processed inbox rows, in small batches (safe from cron).
     Prune(PruneArgs),
+    /// List or replay dead letters.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+    /// Operate on a consumer's durable.
+    Consumer {
+        #[command(subcommand)]
+        command: ConsumerCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// One line per dead letter: id, original subject, consumer, reason,
+    /// attempts, time.
+    List(DlqListArgs),
+    /// Send dead letters back through their consumer: its handler is called
+    /// once more for each; a dead letter replayed before is reported, not
+    /// sent again.
+    Replay(DlqReplayArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DlqSelectArgs {
+    /// The dead-letter stream (a consumer's DLQ_* stream, or an events stream
+    /// for the relay's own dead letters).
+    #[arg(long)]
+    pub stream: String,
+    /// Only dead letters whose original subject matches (NATS wildcards).
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// Only these original message ids (repeatable).
+    #[arg(long = "id")]
+    pub ids: Vec<String>,
+    /// Only dead letters stored at or after this RFC 3339 time.
+    #[arg(long)]
+    pub since: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct DlqListArgs {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub select: DlqSelectArgs,
+    /// Print JSON instead of lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DlqReplayArgs {
+    /// The consumer's database (its inbox, and the replay record).
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub select: DlqSelectArgs,
+    /// Replay every dead letter in the stream (without --id, --filter or
+    /// --since, this must be said).
+    #[arg(long)]
+    pub all: bool,
+    /// Print JSON instead of lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl DlqSelectArgs {
+    pub fn selection(&self) -> Result<crate::ops::dlq::Selection> {
+        let since = match &self.since {
+            None => None,
+            Some(t) => Some(
+                time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                    .map_err(|e| {
+                        Error::Config(format!("--since {t:?} is not an RFC 3339 time: {e}"))
+                    })?,
+            ),
+        };
+        if since.is_some_and(|s| s > time::OffsetDateTime::now_utc()) {
+            return Err(Error::Config(
+                "--since is in the future: nothing to select".into(),
+            ));
+        }
+        Ok(crate::ops::dlq::Selection {
+            filter: self.filter.clone(),
+            ids: self.ids.clone(),
+            since,
+        })
+    }
+
+    pub fn narrows(&self) -> bool {
+        self.filter.is_some() || !self.ids.is_empty() || self.since.is_some()
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConsumerCommand {
+    /// Make a durable start over from a stream sequence or time: its handler
+    /// is called once more for every message from there on.
+    Reset(ConsumerResetArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group = clap::ArgGroup::new("from").required(true).args(["seq", "time"]))]
+pub struct ConsumerResetArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// The events stream the durable reads.
+    #[arg(long, env = "OUTBOX_STREAM")]
+    pub stream: String,
+    /// The durable (the inbox's `consumer`).
+    #[arg(long, env = "OUTBOX_DURABLE")]
+    pub durable: String,
+    /// Start over from this stream sequence.
+    #[arg(long)]
+    pub seq: Option<u64>,
+    /// Start over from the first message stored at or after this RFC 3339 time.
+    #[arg(long)]
+    pub time: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -67,6 +67,22 @@ pub const DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";
 /// message do not deduplicate each other.
 pub const DLQ_ORIGINAL_ID: &str = "Outbox-Dlq-Original-Id";
 
+// ---- Replayed dead letters (SPEC §9, `outbox-relay dlq replay`). ----
+
+/// On a replayed dead letter: the original message id (the inbox's key and
+/// the handler's idempotency key).
+pub const REPLAY_OF: &str = "Outbox-Replay-Of";
+/// The durable the replay is for; other durables ack it without a call.
+pub const REPLAY_FOR: &str = "Outbox-Replay-For";
+pub const REPLAYED_BY: &str = "Outbox-Replayed-By";
+pub const REPLAYED_AT: &str = "Outbox-Replayed-At";
+
+/// A replay's own `Nats-Msg-Id`: one per dead letter, so a replay sent
+/// twice within the duplicate window is stored once.
+pub fn replay_msg_id(dlq_stream: &str, dlq_seq: u64) -> String {
+    format!("replay:{dlq_stream}:{dlq_seq}")
+}
+
 /// Why the relay dead-lettered a row (the `reason` metric label and the
 /// `Outbox-Dlq-Reason` header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

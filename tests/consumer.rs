@@ -1410,3 +1410,262 @@ async fn the_inbox_finds_a_batch_by_message_id_whatever_the_statistics_say() {
         "the batch's ids are the index condition: {scan:#}"
     );
 }
+
+/// SPEC §9 `consumer reset --seq N`: the handler sees every message from N
+/// once more, in stream order; one before N is not called again; and an
+/// ordinary redelivery of a message processed after the reset stays a
+/// duplicate. Bad input is one line and a non-zero exit, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_reset_replays_from_a_sequence_and_only_then() {
+    let stack = stack();
+    let window = Duration::from_millis(500);
+    let f = fixture("c_reset", "creset", "creset", window, &[]).await;
+    let url = db_url(&stack.admin_url, "c_reset");
+    let ids: Vec<Uuid> = (0..10).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        publish(&f.js, "creset.e", Some(*id), &format!("a{}", i % 3), b"{}").await;
+    }
+    wait_processed(&f.pool, "creset", 10).await;
+    assert_all_acked(&f.js, &f.stream, "creset").await;
+
+    let reset = |extra: &[&str]| {
+        let mut args = vec![
+            "consumer",
+            "reset",
+            "--database-url",
+            &url,
+            "--nats-url",
+            &stack.nats_url,
+        ];
+        args.extend_from_slice(extra);
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let out = std::process::Command::new(BIN)
+            .args(&args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    for bad in [
+        &[
+            "--stream",
+            "NOPE_EVENTS",
+            "--durable",
+            "creset",
+            "--seq",
+            "4",
+        ][..],
+        &["--stream", &f.stream, "--durable", "nope", "--seq", "4"],
+        &["--stream", &f.stream, "--durable", "creset", "--seq", "0"],
+        &["--stream", &f.stream, "--durable", "creset", "--seq", "99"],
+        &[
+            "--stream",
+            &f.stream,
+            "--durable",
+            "creset",
+            "--time",
+            "2999-01-01T00:00:00Z",
+        ],
+        &["--stream", &f.stream, "--durable", "creset"],
+    ] {
+        let (ok, out) = reset(bad);
+        assert!(!ok, "{bad:?} accepted: {out}");
+        assert!(out.trim_start().starts_with("error"), "{bad:?}: {out}");
+    }
+    let resets: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_resets")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert_eq!(resets, 0, "bad input recorded nothing");
+
+    let (ok, out) = reset(&["--stream", &f.stream, "--durable", "creset", "--seq", "4"]);
+    assert!(
+        ok && out.contains("starts over from sequence 4: 7 messages"),
+        "{out}"
+    );
+    eventually(T, "messages 4..=10 handled once more", || async {
+        ids[3..]
+            .iter()
+            .all(|id| f.handler.calls_for(*id).len() == 2)
+    })
+    .await;
+    assert_all_acked(&f.js, &f.stream, "creset").await;
+    for id in &ids[..3] {
+        assert_eq!(f.handler.calls_for(*id).len(), 1, "before the reset point");
+    }
+    // In stream order, each aggregate's messages in order.
+    let second: Vec<String> = f
+        .handler
+        .calls()
+        .into_iter()
+        .skip(10)
+        .map(|c| c.id)
+        .collect();
+    let expected: Vec<String> = ids[3..].iter().map(|i| i.to_string()).collect();
+    let mut sorted = second.clone();
+    sorted.sort_by_key(|id| expected.iter().position(|e| e == id));
+    for key in 0..3 {
+        let of = |v: &[String]| -> Vec<String> {
+            v.iter()
+                .filter(|id| {
+                    let i = ids.iter().position(|x| x.to_string() == **id).unwrap();
+                    i % 3 == key
+                })
+                .cloned()
+                .collect()
+        };
+        assert_eq!(of(&second), of(&sorted), "aggregate a{key} in order");
+    }
+
+    // An ordinary redelivery after the reset: the same id stored again.
+    tokio::time::sleep(window * 2).await;
+    publish(&f.js, "creset.e", Some(ids[5]), "a2", b"{}").await;
+    eventually(T, "the repeat counted as a duplicate", || async {
+        f.consumer
+            .scrape()
+            .await
+            .value("outbox_consumer_messages_total{result=\"duplicate\"}")
+            .unwrap_or(0.0)
+            >= 1.0
+    })
+    .await;
+    assert_eq!(
+        f.handler.calls_for(ids[5]).len(),
+        2,
+        "not called a third time"
+    );
+}
+
+/// `outbox-relay …` to its end: (success, stdout + stderr).
+fn run_cli(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// SPEC §9 dead letters: `dlq list` shows what the consumer dead-lettered;
+/// `dlq replay --id` calls the handler once more, exactly once, with the
+/// original id; a second replay of it is reported and calls nothing; bad
+/// input is one line and a non-zero exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_list_shows_dead_letters_and_replay_calls_the_handler_once_more() {
+    let stack = stack();
+    let f = fixture("c_dlq_replay", "cdlqr", "cdlqr", DUP, &[]).await;
+    let url = db_url(&stack.admin_url, "c_dlq_replay");
+    let dlq = wire::dlq_stream_name(&wire::consumer_dlq_prefix("cdlqr"));
+    let (bad, good) = (Uuid::new_v4(), Uuid::new_v4());
+    publish(
+        &f.js,
+        "cdlqr.e",
+        Some(bad),
+        "a",
+        br#"{"answers": [422, 200]}"#,
+    )
+    .await;
+    publish(&f.js, "cdlqr.e", Some(good), "b", b"{}").await;
+    wait_processed(&f.pool, "cdlqr", 2).await;
+    assert_all_acked(&f.js, &f.stream, "cdlqr").await;
+
+    let nats = stack.nats_url.as_str();
+    let (ok, out) = run_cli(&["dlq", "list", "--nats-url", nats, "--stream", &dlq]);
+    assert!(ok, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.contains(&bad.to_string()))
+        .unwrap_or_else(|| panic!("no line for {bad}: {out}"));
+    for part in ["cdlqr.e", "consumer=cdlqr", "attempts=1", "422"] {
+        assert!(line.contains(part), "{part} missing: {line}");
+    }
+    assert!(out.contains("1 dead letters"), "{out}");
+    let (ok, out) = run_cli(&[
+        "dlq",
+        "list",
+        "--nats-url",
+        nats,
+        "--stream",
+        &dlq,
+        "--json",
+    ]);
+    let listed: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|_| panic!("{out}"));
+    assert!(ok && listed[0]["id"] == bad.to_string(), "{out}");
+
+    for bad_input in [
+        &["dlq", "list", "--nats-url", nats, "--stream", "NOPE_DLQ"][..],
+        &[
+            "dlq",
+            "replay",
+            "--database-url",
+            &url,
+            "--nats-url",
+            nats,
+            "--stream",
+            &dlq,
+        ],
+        &[
+            "dlq",
+            "list",
+            "--nats-url",
+            nats,
+            "--stream",
+            &dlq,
+            "--since",
+            "2999-01-01T00:00:00Z",
+        ],
+    ] {
+        let (ok, out) = run_cli(bad_input);
+        assert!(
+            !ok && out.trim_start().starts_with("error"),
+            "{bad_input:?}: {out}"
+        );
+    }
+
+    let replay = [
+        "dlq",
+        "replay",
+        "--database-url",
+        &url,
+        "--nats-url",
+        nats,
+        "--stream",
+        &dlq,
+        "--id",
+    ];
+    let id = bad.to_string();
+    let (ok, out) = run_cli(&[&replay[..], &[id.as_str()]].concat());
+    assert!(ok && out.contains("replayed"), "{out}");
+    eventually(T, "the handler called once more", || async {
+        f.handler.calls_for(bad).len() == 2
+    })
+    .await;
+    let call = &f.handler.calls_for(bad)[1];
+    assert_eq!(
+        call.idempotency_key.as_deref(),
+        Some(id.as_str()),
+        "the original id"
+    );
+    eventually(T, "the inbox row processed, without its error", || async {
+        inbox(&f.pool, "cdlqr")
+            .await
+            .get(&bad)
+            .is_some_and(|r| r.processed && r.last_error.is_none())
+    })
+    .await;
+
+    let (ok, out) = run_cli(&[&replay[..], &[id.as_str()]].concat());
+    assert!(ok && out.contains("already_replayed"), "{out}");
+    assert_all_acked(&f.js, &f.stream, "cdlqr").await;
+    assert_eq!(f.handler.calls_for(bad).len(), 2, "not a third time");
+    assert_eq!(f.handler.calls_for(good).len(), 1);
+}

@@ -205,6 +205,9 @@ fn configuration_reference_covers_every_flag() {
         &["slot", "status"],
         &["slot", "drop"],
         &["prune"],
+        &["dlq", "list"],
+        &["dlq", "replay"],
+        &["consumer", "reset"],
     ] {
         let title = format!("### `outbox-relay {}`", cmd.join(" "));
         let section = doc

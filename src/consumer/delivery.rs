@@ -223,15 +223,22 @@ struct Unusable {
 
 /// The id, or why the message cannot be handled at all.
 fn check(parts: &Parts<'_>) -> std::result::Result<Uuid, Unusable> {
-    let id = match parts.header(wire::MSG_ID) {
+    // A replayed dead letter carries its own Nats-Msg-Id; the inbox and the
+    // handler know it by the original's.
+    let key = if parts.header(wire::REPLAY_FOR).is_some() {
+        wire::REPLAY_OF
+    } else {
+        wire::MSG_ID
+    };
+    let id = match parts.header(key) {
         None => {
             return Err(Unusable {
-                reason: format!("message has no {}", wire::MSG_ID),
+                reason: format!("message has no {key}"),
                 id: None,
             })
         }
         Some(raw) => Uuid::parse_str(&raw).map_err(|_| Unusable {
-            reason: format!("{} {raw:?} is not a UUID", wire::MSG_ID),
+            reason: format!("{key} {raw:?} is not a UUID"),
             id: None,
         })?,
     };
@@ -313,7 +320,7 @@ async fn run_handler<H: Handler>(
                     None => return Ok::<_, sqlx::Error>(Ran::Gone),
                 }
             } else {
-                match inbox::claim(&mut *tx, consumer, id, parts.subject).await? {
+                match inbox::claim(&mut *tx, consumer, id, parts.subject, parts.seq).await? {
                     Claim::Fresh { attempts } => attempts,
                     Claim::Processed => {
                         tx.commit().await?;
@@ -352,7 +359,7 @@ async fn run_handler<H: Handler>(
         }
     } else {
         match persist(shared, "the inbox claim", || {
-            shared.batcher.claim(id, parts.subject)
+            shared.batcher.claim(id, parts.subject, parts.seq)
         })
         .await?
         {
@@ -383,6 +390,13 @@ async fn deliver_pulled<H: Handler>(
     msg: &jetstream::Message,
 ) -> Option<Finished<Instant>> {
     let parts = Parts::pulled(msg);
+    if let Some(durable) = parts.header(wire::REPLAY_FOR) {
+        if durable != shared.cfg.durable {
+            // Another durable's replayed dead letter.
+            count("skipped");
+            return Some(Finished::Done);
+        }
+    }
     let Some(id) = usable_id(shared, &parts).await? else {
         return Some(Finished::Done);
     };

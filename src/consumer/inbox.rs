@@ -42,9 +42,29 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), sqlx::Error> {
                 aggregate_key, stream_seq, parked_until FROM inbox_messages LIMIT 0",
     )
     .execute(pool)
-    .await
-    .map(|_| ())
+    .await?;
+    sqlx::query("SELECT consumer, from_seq, reset_at FROM inbox_resets LIMIT 0")
+        .execute(pool)
+        .await
+        .map(|_| ())
 }
+
+/// On a claim's conflict: one more attempt for a message waiting its turn;
+/// and a processed message goes to the handler once more if an explicit
+/// `consumer reset` from its stream sequence or earlier came after it was
+/// processed (`inbox_resets`), where an ordinary redelivery stays a
+/// duplicate.
+const CLAIM_CONFLICT: &str = "ON CONFLICT (consumer, message_id) DO UPDATE \
+   SET (attempts, processed_at, last_error) = ( \
+     SELECT CASE WHEN r.again THEN 1 \
+                 WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
+                 THEN inbox_messages.attempts + 1 ELSE inbox_messages.attempts END, \
+            CASE WHEN r.again THEN NULL ELSE inbox_messages.processed_at END, \
+            CASE WHEN r.again THEN NULL ELSE inbox_messages.last_error END \
+     FROM (SELECT inbox_messages.processed_at IS NOT NULL AND EXISTS ( \
+             SELECT 1 FROM inbox_resets x WHERE x.consumer = excluded.consumer \
+               AND x.from_seq <= excluded.stream_seq \
+               AND x.reset_at > inbox_messages.processed_at) AS again) r) ";
 
 /// A pulled message: insert its row, or count one more attempt on it.
 pub async fn claim<'c>(
@@ -52,20 +72,21 @@ pub async fn claim<'c>(
     consumer: &str,
     id: Uuid,
     subject: &str,
+    seq: u64,
 ) -> Result<Claim, sqlx::Error> {
-    let (processed, parked, seq, attempts): (bool, bool, Option<i64>, i32) = sqlx::query_as(
-        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts) VALUES ($1, $2, $3, 1) \
-         ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET attempts = inbox_messages.attempts + \
-               CASE WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
-                    THEN 1 ELSE 0 END \
-         RETURNING processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
-    )
-    .bind(consumer)
-    .bind(id)
-    .bind(subject)
-    .fetch_one(e)
-    .await?;
+    let sql = format!(
+        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, stream_seq) \
+         VALUES ($1, $2, $3, 1, $4) {CLAIM_CONFLICT} \
+         RETURNING processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts"
+    );
+    let (processed, parked, seq, attempts): (bool, bool, Option<i64>, i32) =
+        sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(id)
+            .bind(subject)
+            .bind(seq_param(seq))
+            .fetch_one(e)
+            .await?;
     Ok(if processed {
         Claim::Processed
     } else if parked {
@@ -330,10 +351,10 @@ impl Batcher {
         }
     }
 
-    pub async fn claim(&self, id: Uuid, subject: &str) -> Result<Claim, BatchError> {
+    pub async fn claim(&self, id: Uuid, subject: &str, seq: u64) -> Result<Claim, BatchError> {
         let (reply, answer) = oneshot::channel();
         self.claims
-            .send((id, subject.to_owned(), reply))
+            .send((id, subject.to_owned(), seq, reply))
             .await
             .map_err(|_| BatchError("the inbox writer stopped".into()))?;
         answer
@@ -368,7 +389,12 @@ async fn gather<T>(rx: &mut mpsc::Receiver<T>, batch: &mut Vec<T>) -> bool {
     true
 }
 
-type ClaimRequest = (Uuid, String, oneshot::Sender<Result<Claim, BatchError>>);
+type ClaimRequest = (
+    Uuid,
+    String,
+    u64,
+    oneshot::Sender<Result<Claim, BatchError>>,
+);
 
 async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<ClaimRequest>) {
     let inflight = Arc::new(Semaphore::new(STATEMENTS_IN_FLIGHT));
@@ -389,16 +415,18 @@ async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<Cla
             batch.append(&mut later);
         }
         let mut seen = std::collections::HashSet::new();
-        let (now, next): (Vec<_>, Vec<_>) =
-            batch.into_iter().partition(|(id, _, _)| seen.insert(*id));
+        let (now, next): (Vec<_>, Vec<_>) = batch
+            .into_iter()
+            .partition(|(id, _, _, _)| seen.insert(*id));
         later = next;
         let (pool, consumer) = (pool.clone(), consumer.clone());
         tokio::spawn(async move {
-            let ids: Vec<Uuid> = now.iter().map(|(id, _, _)| *id).collect();
-            let subjects: Vec<&str> = now.iter().map(|(_, s, _)| s.as_str()).collect();
-            let result = claim_many(&pool, &consumer, &ids, &subjects).await;
+            let ids: Vec<Uuid> = now.iter().map(|(id, _, _, _)| *id).collect();
+            let subjects: Vec<&str> = now.iter().map(|(_, s, _, _)| s.as_str()).collect();
+            let seqs: Vec<i64> = now.iter().map(|(_, _, q, _)| seq_param(*q)).collect();
+            let result = claim_many(&pool, &consumer, &ids, &subjects, &seqs).await;
             drop(subjects);
-            for (id, _, reply) in now {
+            for (id, _, _, reply) in now {
                 let answer = match &result {
                     Ok(claims) => claims
                         .get(&id)
@@ -457,21 +485,21 @@ async fn claim_many(
     consumer: &str,
     ids: &[Uuid],
     subjects: &[&str],
+    seqs: &[i64],
 ) -> Result<std::collections::HashMap<Uuid, Claim>, sqlx::Error> {
-    let rows: Vec<(Uuid, bool, bool, Option<i64>, i32)> = sqlx::query_as(
-        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts) \
-         SELECT $1, id, subject, 1 FROM unnest($2::uuid[], $3::text[]) AS t(id, subject) \
-         ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET attempts = inbox_messages.attempts + \
-               CASE WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
-                    THEN 1 ELSE 0 END \
-         RETURNING message_id, processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
-    )
-    .bind(consumer)
-    .bind(ids)
-    .bind(subjects)
-    .fetch_all(pool)
-    .await?;
+    let sql = format!(
+        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, stream_seq) \
+         SELECT $1, id, subject, 1, seq FROM unnest($2::uuid[], $3::text[], $4::int8[]) AS t(id, subject, seq) \
+         {CLAIM_CONFLICT} \
+         RETURNING message_id, processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts"
+    );
+    let rows: Vec<(Uuid, bool, bool, Option<i64>, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(consumer)
+        .bind(ids)
+        .bind(subjects)
+        .bind(seqs)
+        .fetch_all(pool)
+        .await?;
     Ok(rows
         .into_iter()
         .map(|(id, processed, parked, seq, attempts)| {

@@ -102,7 +102,7 @@ pub async fn run<H: Handler>(
     ));
     inbox::check_schema(&pool).await.map_err(|e| Error::Setup {
         message: format!(
-            "inbox_messages lacks the consumer's columns ({e}); run `outbox-relay migrate` against this database"
+            "the inbox tables lack what the consumer needs ({e}); run `outbox-relay migrate` against this database"
         ),
         source: Some(Box::new(e)),
     })?;

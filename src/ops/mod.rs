@@ -2,7 +2,9 @@
 //! `pg_replication_slots` monitor ([`slot_monitor`]) and the operator
 //! endpoint ([`endpoint`]: `/metrics`, `/healthz`, `/readyz`).
 
+pub mod dlq;
 pub mod endpoint;
 pub mod metrics;
 pub mod prune;
+pub mod reset;
 pub(crate) mod slot_monitor;

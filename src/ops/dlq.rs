@@ -1,0 +1,352 @@
+//! `outbox-relay dlq list | replay`: dead letters for the person on call.
+//!
+//! **List** reads a dead-letter stream (a consumer's `DLQ_*` stream, or an
+//! events stream for the relay's own `{context}.dlq.relay` letters) with an
+//! ephemeral reader that acks nothing and changes nothing.
+//!
+//! **Replay** sends a consumer's dead letter back through that consumer so
+//! its handler is called once more. For each one, in this order:
+//! 1. it is recorded in `dlq_replays` (the DLQ stream and sequence are the
+//!    key): a dead letter replayed before is reported with who and when, and
+//!    nothing is sent; in the same transaction the durable's inbox row is
+//!    opened again (not processed, no attempts), so the claim lets the
+//!    replay through;
+//! 2. it is published to its original subject (so into the events stream),
+//!    with the original's headers and body, `Outbox-Replay-Of` = the original
+//!    id, `Outbox-Replay-For` = the durable (other durables ack it without a
+//!    call), who and when, and `Nats-Msg-Id` = `replay:{dlq}:{seq}`. The
+//!    relay's position headers are left out: the replay is not one of its
+//!    events, and its restart scan must not take it for one.
+//!
+//! If the publish fails, the record is taken back so the replay can be run
+//! again. The relay's own dead letters (rows it could not publish) are
+//! listed but not replayed: fix the row, then insert it again as a new row.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer};
+use async_nats::HeaderMap;
+use futures::StreamExt;
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::error::{Error, Result};
+use crate::relay::route::subject_matches;
+use crate::wire;
+
+/// One dead letter, as `dlq list` prints it.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeadLetter {
+    /// Its sequence in the dead-letter stream.
+    pub seq: u64,
+    /// The original message id.
+    pub id: String,
+    pub subject: String,
+    /// The durable that dead-lettered it; none for the relay's own.
+    pub consumer: Option<String>,
+    pub reason: String,
+    pub attempts: Option<i64>,
+    /// When the dead letter was stored (RFC 3339).
+    pub time: String,
+    #[serde(skip)]
+    headers: HeaderMap,
+    #[serde(skip)]
+    payload: bytes::Bytes,
+}
+
+/// Which dead letters: all of them, or those matching every given test.
+#[derive(Debug, Default, Clone)]
+pub struct Selection {
+    /// NATS wildcards, matched against the original subject.
+    pub filter: Option<String>,
+    pub ids: Vec<String>,
+    pub since: Option<time::OffsetDateTime>,
+}
+
+impl Selection {
+    fn takes(&self, d: &DeadLetter, stored: time::OffsetDateTime) -> bool {
+        self.filter
+            .as_deref()
+            .is_none_or(|f| subject_matches(f, &d.subject))
+            && (self.ids.is_empty() || self.ids.contains(&d.id))
+            && self.since.is_none_or(|s| stored >= s)
+    }
+}
+
+/// The dead letters in `stream_name` that `sel` takes, oldest first.
+pub async fn list(
+    js: &jetstream::Context,
+    stream_name: &str,
+    sel: &Selection,
+) -> Result<Vec<DeadLetter>> {
+    let stream = js
+        .get_stream(stream_name)
+        .await
+        .map_err(|e| Error::setup(format!("stream {stream_name}: {e} (is --stream right?)")))?;
+    // An events stream holds the relay's dead letters among its events.
+    let filter_subject = if stream
+        .cached_info()
+        .config
+        .subjects
+        .iter()
+        .any(|s| s.ends_with(".>"))
+        && !stream_name.starts_with("DLQ_")
+    {
+        "*.dlq.relay".to_owned()
+    } else {
+        String::new()
+    };
+    let reader = stream
+        .create_consumer(consumer::pull::Config {
+            deliver_policy: consumer::DeliverPolicy::All,
+            ack_policy: consumer::AckPolicy::None,
+            filter_subject,
+            inactive_threshold: Duration::from_secs(10),
+            ..Default::default()
+        })
+        .await
+        .map_err(Error::nats("reading the dead-letter stream"))?;
+    let mut out = Vec::new();
+    loop {
+        let mut batch = reader
+            .fetch()
+            .max_messages(500)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .map_err(Error::nats("reading the dead-letter stream"))?;
+        let mut got = 0;
+        let mut pending = 0;
+        while let Some(m) = batch.next().await {
+            let m = m.map_err(|e| Error::setup(format!("reading the dead-letter stream: {e}")))?;
+            got += 1;
+            let Ok(info) = m.info() else { continue };
+            pending = info.pending;
+            let (seq, stored) = (info.stream_sequence, info.published);
+            let h = m.headers.clone().unwrap_or_default();
+            let get = |k: &str| h.get(k).map(|v| v.as_str().to_owned());
+            let Some(reason) = get(wire::DLQ_REASON) else {
+                continue;
+            };
+            let d = DeadLetter {
+                seq,
+                id: get(wire::DLQ_ORIGINAL_ID)
+                    .or_else(|| get(wire::MSG_ID))
+                    .unwrap_or_default(),
+                subject: get(wire::DLQ_ORIGINAL_SUBJECT).unwrap_or_else(|| m.subject.to_string()),
+                consumer: get(wire::DLQ_CONSUMER),
+                reason,
+                attempts: get(wire::DLQ_ATTEMPTS).and_then(|a| a.parse().ok()),
+                time: stored
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .unwrap_or_default(),
+                headers: h,
+                payload: m.payload.clone(),
+            };
+            if sel.takes(&d, stored) {
+                out.push(d);
+            }
+        }
+        if got == 0 || pending == 0 {
+            return Ok(out);
+        }
+    }
+}
+
+/// What became of one dead letter in a replay.
+#[derive(Debug, Serialize)]
+pub struct Replayed {
+    pub seq: u64,
+    pub id: String,
+    pub consumer: Option<String>,
+    /// `replayed`, `already_replayed` (with who and when), or `not_replayable`.
+    pub result: String,
+    pub detail: String,
+}
+
+pub async fn replay(
+    pool: &PgPool,
+    js: &jetstream::Context,
+    dlq_stream: &str,
+    letters: Vec<DeadLetter>,
+    who: &str,
+) -> Result<Vec<Replayed>> {
+    let mut out = Vec::new();
+    for d in letters {
+        let Some(durable) = d.consumer.clone() else {
+            out.push(Replayed {
+                seq: d.seq,
+                id: d.id,
+                consumer: None,
+                result: "not_replayable".into(),
+                detail:
+                    "the relay's own dead letter: fix the row, then insert it again as a new row"
+                        .into(),
+            });
+            continue;
+        };
+        let (seq, id) = (d.seq, d.id.clone());
+        let entry = |result: &str, detail: String| Replayed {
+            seq,
+            id: id.clone(),
+            consumer: Some(durable.clone()),
+            result: result.into(),
+            detail,
+        };
+        let Ok(uuid) = uuid::Uuid::parse_str(&d.id) else {
+            out.push(entry(
+                "not_replayable",
+                format!("its id {:?} is not a UUID", d.id),
+            ));
+            continue;
+        };
+        if let Some((by, at)) = record(pool, dlq_stream, &d, &durable, uuid, who).await? {
+            out.push(entry("already_replayed", format!("by {by} at {at}")));
+            continue;
+        }
+        if let Err(e) = publish(js, dlq_stream, &d, &durable, who).await {
+            forget(pool, dlq_stream, seq).await?;
+            return Err(e);
+        }
+        tracing::info!(dlq = dlq_stream, seq, id = %id, durable, by = who, "replayed a dead letter");
+        out.push(entry("replayed", format!("to {} for {durable}", d.subject)));
+    }
+    Ok(out)
+}
+
+/// Record the replay and open the inbox row again, in one transaction;
+/// `Some((who, when))` if it was replayed before (then nothing changes).
+async fn record(
+    pool: &PgPool,
+    dlq_stream: &str,
+    d: &DeadLetter,
+    durable: &str,
+    id: uuid::Uuid,
+    who: &str,
+) -> Result<Option<(String, String)>> {
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(Error::pg("recording a replay"))?;
+    let fresh: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO dlq_replays (dlq_stream, dlq_seq, consumer, message_id, replayed_by) \
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (dlq_stream, dlq_seq) DO NOTHING RETURNING dlq_seq",
+    )
+    .bind(dlq_stream)
+    .bind(i64::try_from(d.seq).unwrap_or(i64::MAX))
+    .bind(durable)
+    .bind(id)
+    .bind(who)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(|e| match crate::postgres::db_code(&e).as_deref() {
+        Some("42P01") => Error::setup(
+            "table dlq_replays does not exist: run `outbox-relay migrate` against the consumer's database",
+        ),
+        _ => Error::pg("recording a replay")(e),
+    })?;
+    if fresh.is_none() {
+        let (by, at): (String, String) = sqlx::query_as(
+            "SELECT replayed_by, replayed_at::text FROM dlq_replays WHERE dlq_stream = $1 AND dlq_seq = $2",
+        )
+        .bind(dlq_stream)
+        .bind(i64::try_from(d.seq).unwrap_or(i64::MAX))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(Error::pg("reading an earlier replay"))?;
+        return Ok(Some((by, at)));
+    }
+    sqlx::query(
+        "UPDATE inbox_messages SET processed_at = NULL, attempts = 0, last_error = NULL, parked_until = NULL \
+         WHERE consumer = $1 AND message_id = $2",
+    )
+    .bind(durable)
+    .bind(id)
+    .execute(&mut *tx)
+    .await
+    .map_err(Error::pg("opening the inbox row again"))?;
+    tx.commit().await.map_err(Error::pg("recording a replay"))?;
+    Ok(None)
+}
+
+async fn forget(pool: &PgPool, dlq_stream: &str, seq: u64) -> Result<()> {
+    sqlx::query("DELETE FROM dlq_replays WHERE dlq_stream = $1 AND dlq_seq = $2")
+        .bind(dlq_stream)
+        .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+        .execute(pool)
+        .await
+        .map_err(Error::pg("taking back a failed replay's record"))?;
+    Ok(())
+}
+
+async fn publish(
+    js: &jetstream::Context,
+    dlq_stream: &str,
+    d: &DeadLetter,
+    durable: &str,
+    who: &str,
+) -> Result<()> {
+    let mut headers = HeaderMap::new();
+    for (k, vs) in d.headers.iter() {
+        let name = k.to_string();
+        let lower = name.to_ascii_lowercase();
+        let dropped = lower.starts_with(wire::NATS_HEADER_PREFIX)
+            || lower.starts_with("outbox-dlq-")
+            || lower.starts_with("outbox-replay")
+            || [wire::SOURCE, wire::COMMIT_LSN, wire::TXN_INDEX]
+                .iter()
+                .any(|h| h.eq_ignore_ascii_case(&name));
+        if dropped {
+            continue;
+        }
+        for v in vs {
+            headers.append(name.as_str(), v.as_str());
+        }
+    }
+    let now = time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    headers.insert(
+        wire::MSG_ID,
+        wire::replay_msg_id(dlq_stream, d.seq).as_str(),
+    );
+    headers.insert(wire::REPLAY_OF, d.id.as_str());
+    headers.insert(wire::REPLAY_FOR, durable);
+    headers.insert(wire::REPLAYED_BY, who);
+    headers.insert(wire::REPLAYED_AT, now.as_str());
+    let ack = js
+        .send_publish(
+            d.subject.clone(),
+            jetstream::message::PublishMessage::build()
+                .payload(d.payload.clone())
+                .headers(headers),
+        )
+        .await
+        .map_err(|e| {
+            Error::setup(format!(
+                "publishing the replay of {} to {}: {e}",
+                d.id, d.subject
+            ))
+        })?;
+    ack.await.map_err(|e| {
+        Error::setup(format!(
+            "the replay of {} to {} was not stored: {e} (does a stream capture {}?)",
+            d.id, d.subject, d.subject
+        ))
+    })?;
+    Ok(())
+}
+
+/// `dlq list`'s line for one dead letter.
+pub fn line(d: &DeadLetter) -> String {
+    format!(
+        "{}  {}  {}  {}  consumer={}  attempts={}  reason={}",
+        d.seq,
+        d.time,
+        d.id,
+        d.subject,
+        d.consumer.as_deref().unwrap_or("relay"),
+        d.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
+        d.reason
+    )
+}

@@ -1,0 +1,142 @@
+//! `outbox-relay consumer reset`: a durable starts over from a stream
+//! sequence or time, and its handler sees those messages once more.
+//!
+//! Two steps, in this order. First the reset is recorded in `inbox_resets`
+//! (consumer, from_seq, reset_at, who): a claim of a message at or after
+//! `from_seq` whose inbox row was processed before `reset_at` lets it through
+//! to the handler once (`consumer/inbox.rs`, `CLAIM_CONFLICT`); a later
+//! redelivery of it finds it processed after the reset and stays a
+//! duplicate. Then JetStream is told (ADR-60 consumer reset): the next
+//! message it delivers is `from_seq`. A running `consume` picks the reset up
+//! as it is; one that is stopped starts from there.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures::StreamExt;
+use sqlx::PgPool;
+
+use crate::error::{Error, Result};
+
+/// Where to start over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum From {
+    Seq(u64),
+    /// RFC 3339, not in the future.
+    Time(time::OffsetDateTime),
+}
+
+#[derive(Debug)]
+pub struct Done {
+    pub from_seq: u64,
+    /// Messages the durable will deliver again, from there to the stream's end.
+    pub messages: u64,
+}
+
+pub fn parse_time(t: &str) -> Result<time::OffsetDateTime> {
+    let at = time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+        .map_err(|e| Error::Config(format!("--time {t:?} is not an RFC 3339 time: {e}")))?;
+    if at > time::OffsetDateTime::now_utc() {
+        return Err(Error::Config(format!(
+            "--time {t} is in the future: nothing to start over from"
+        )));
+    }
+    Ok(at)
+}
+
+pub async fn run(
+    pool: &PgPool,
+    js: &jetstream::Context,
+    stream_name: &str,
+    durable: &str,
+    from: &From,
+    who: &str,
+) -> Result<Done> {
+    let mut stream = js
+        .get_stream(stream_name)
+        .await
+        .map_err(|e| Error::setup(format!("stream {stream_name}: {e} (is --stream right?)")))?;
+    let state = stream
+        .info()
+        .await
+        .map_err(Error::nats("reading stream info"))?
+        .state
+        .clone();
+    let mut target: consumer::Consumer<consumer::pull::Config> =
+        stream.get_consumer(durable).await.map_err(|e| {
+            Error::setup(format!(
+                "durable {durable} on stream {stream_name}: {e} (is --durable right?)"
+            ))
+        })?;
+    let seq = match from {
+        From::Seq(n) => {
+            if *n == 0 || *n > state.last_sequence + 1 {
+                return Err(Error::Config(format!(
+                    "--seq {n} is outside stream {stream_name} (sequences {}..={})",
+                    state.first_sequence.max(1),
+                    state.last_sequence
+                )));
+            }
+            (*n).max(state.first_sequence)
+        }
+        From::Time(at) => first_at_or_after(&stream, *at).await?.ok_or_else(|| {
+            Error::Config(format!(
+                "stream {stream_name} holds no message at or after {at}"
+            ))
+        })?,
+    };
+    sqlx::query(
+        "INSERT INTO inbox_resets (consumer, stream, from_seq, reset_by) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(durable)
+    .bind(stream_name)
+    .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+    .bind(who)
+    .execute(pool)
+    .await
+    .map_err(|e| match crate::postgres::db_code(&e).as_deref() {
+        Some("42P01") => Error::setup(
+            "table inbox_resets does not exist: run `outbox-relay migrate` against this database",
+        ),
+        _ => Error::pg("recording the reset")(e),
+    })?;
+    target
+        .reset(Some(seq))
+        .await
+        .map_err(|e| Error::setup(format!("JetStream refused the reset of {durable}: {e}")))?;
+    Ok(Done {
+        from_seq: seq,
+        messages: (state.last_sequence + 1).saturating_sub(seq),
+    })
+}
+
+/// The stream sequence of the first message stored at or after `at`.
+async fn first_at_or_after(
+    stream: &stream::Stream,
+    at: time::OffsetDateTime,
+) -> Result<Option<u64>> {
+    // An ephemeral reader that starts there: the server finds the sequence.
+    let reader = stream
+        .create_consumer(consumer::pull::Config {
+            deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time: at },
+            ack_policy: consumer::AckPolicy::None,
+            inactive_threshold: Duration::from_secs(10),
+            ..Default::default()
+        })
+        .await
+        .map_err(Error::nats("finding the first message at that time"))?;
+    let mut batch = reader
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(1))
+        .messages()
+        .await
+        .map_err(Error::nats("finding the first message at that time"))?;
+    match batch.next().await {
+        Some(Ok(m)) => Ok(m.info().ok().map(|i| i.stream_sequence)),
+        Some(Err(e)) => Err(Error::setup(format!(
+            "finding the first message at that time: {e}"
+        ))),
+        None => Ok(None),
+    }
+}
