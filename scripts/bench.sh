@@ -3,6 +3,7 @@
 #   scripts/bench.sh [relay] [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES]
 #                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
+#   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
 # The relay run measures Postgres alone (raw), the relay (cdc) and a polling
 # relay (poll) under the same load, then writes JSON and an SVG chart.
 # Against your own deployment, run `cargo bench --bench relay_e2e -- …` with
@@ -12,9 +13,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 MODE=relay
-case "${1:-}" in relay|consumer) MODE="$1"; shift ;; esac
+case "${1:-}" in relay|consumer|prune) MODE="$1"; shift ;; esac
 BENCH=relay_e2e
 [ "$MODE" = consumer ] && BENCH=consumer_throughput
+[ "$MODE" = prune ] && BENCH=prune_load
 
 cargo build --release --quiet --bin outbox-relay
 cargo bench --no-run --quiet --bench "$BENCH" 2>/dev/null
@@ -33,4 +35,8 @@ fi
 METRICS_PORT="$(scripts/stack.sh free-port)"
 RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
+if [ "$MODE" = prune ]; then
+  RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 900 cargo bench --quiet --bench prune_load -- "$@"
+  exit
+fi
 timeout 1800 cargo bench --quiet --bench relay_e2e -- "$@"

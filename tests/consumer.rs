@@ -1419,7 +1419,7 @@ async fn the_inbox_finds_a_batch_by_message_id_whatever_the_statistics_say() {
 async fn consumer_reset_replays_from_a_sequence_and_only_then() {
     let stack = stack();
     let window = Duration::from_millis(500);
-    let f = fixture("c_reset", "creset", "creset", window, &[]).await;
+    let mut f = fixture("c_reset", "creset", "creset", window, &[]).await;
     let url = db_url(&stack.admin_url, "c_reset");
     let ids: Vec<Uuid> = (0..10).map(|_| Uuid::new_v4()).collect();
     for (i, id) in ids.iter().enumerate() {
@@ -1452,6 +1452,11 @@ async fn consumer_reset_replays_from_a_sequence_and_only_then() {
             ),
         )
     };
+    // While an instance consumes, a reset would put messages in flight ahead
+    // of earlier ones of their aggregate: refused.
+    let (ok, out) = reset(&["--stream", &f.stream, "--durable", "creset", "--seq", "4"]);
+    assert!(!ok && out.contains("being consumed"), "{out}");
+    f.consumer.term(Duration::from_secs(30));
     for bad in [
         &[
             "--stream",
@@ -1489,6 +1494,7 @@ async fn consumer_reset_replays_from_a_sequence_and_only_then() {
         ok && out.contains("starts over from sequence 4: 7 messages"),
         "{out}"
     );
+    f.consumer.restart();
     eventually(T, "messages 4..=10 handled once more", || async {
         ids[3..]
             .iter()
@@ -1668,4 +1674,63 @@ async fn dlq_list_shows_dead_letters_and_replay_calls_the_handler_once_more() {
     assert_all_acked(&f.js, &f.stream, "cdlqr").await;
     assert_eq!(f.handler.calls_for(bad).len(), 2, "not a third time");
     assert_eq!(f.handler.calls_for(good).len(), 1);
+}
+
+/// Found in review: a message a reset brings back to an aggregate that has a
+/// parked message is parked behind it, and the parking used to skip its
+/// processed row, so it was acked and never handled. It now waits its turn
+/// and is handled once more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_reaches_an_aggregate_that_has_a_parked_message() {
+    let stack = stack();
+    let mut f = fixture(
+        "c_reset_parked",
+        "cresetp",
+        "cresetp",
+        DUP,
+        &["--backoff", "2s"],
+    )
+    .await;
+    let url = db_url(&stack.admin_url, "c_reset_parked");
+    let (done, failing) = (Uuid::new_v4(), Uuid::new_v4());
+    publish(&f.js, "cresetp.e", Some(done), "h", b"{}").await;
+    wait_processed(&f.pool, "cresetp", 1).await;
+    publish(
+        &f.js,
+        "cresetp.e",
+        Some(failing),
+        "h",
+        br#"{"answers": [500, 200]}"#,
+    )
+    .await;
+    eventually(T, "the second message parked", || async {
+        inbox(&f.pool, "cresetp")
+            .await
+            .get(&failing)
+            .is_some_and(|r| r.attempts == 1 && !r.processed)
+    })
+    .await;
+    f.consumer.term(Duration::from_secs(30));
+    let (ok, out) = run_cli(&[
+        "consumer",
+        "reset",
+        "--database-url",
+        &url,
+        "--nats-url",
+        &stack.nats_url,
+        "--stream",
+        &f.stream,
+        "--durable",
+        "cresetp",
+        "--seq",
+        "1",
+    ]);
+    assert!(ok, "{out}");
+    f.consumer.restart();
+    eventually(T, "both handled, the first one once more", || async {
+        f.handler.calls_for(done).len() == 2
+            && f.handler.calls_for(failing).iter().any(|c| c.status == 200)
+    })
+    .await;
+    assert_all_acked(&f.js, &f.stream, "cresetp").await;
 }

@@ -89,6 +89,14 @@ pub(super) async fn run_job<H: Handler>(
     key: &str,
     job: Job<jetstream::Message>,
 ) -> Finished<Instant> {
+    if let Job::Deliver(msg) | Job::ParkBehind(msg) = &job {
+        if header(msg, wire::REPLAY_FOR).is_some_and(|d| d != shared.cfg.durable) {
+            // Another durable's replayed dead letter: not ours to handle,
+            // nor to park.
+            count("skipped");
+            return settle_pulled(msg, Some(Finished::Done)).await;
+        }
+    }
     match job {
         Job::Deliver(msg) => {
             let outcome = keep_alive(shared, &msg, deliver_pulled(shared, key, &msg)).await;
@@ -320,7 +328,16 @@ async fn run_handler<H: Handler>(
                     None => return Ok::<_, sqlx::Error>(Ran::Gone),
                 }
             } else {
-                match inbox::claim(&mut *tx, consumer, id, parts.subject, parts.seq).await? {
+                match inbox::claim(
+                    &mut *tx,
+                    consumer,
+                    id,
+                    parts.subject,
+                    parts.seq,
+                    &cfg.stream,
+                )
+                .await?
+                {
                     Claim::Fresh { attempts } => attempts,
                     Claim::Processed => {
                         tx.commit().await?;
@@ -390,13 +407,6 @@ async fn deliver_pulled<H: Handler>(
     msg: &jetstream::Message,
 ) -> Option<Finished<Instant>> {
     let parts = Parts::pulled(msg);
-    if let Some(durable) = parts.header(wire::REPLAY_FOR) {
-        if durable != shared.cfg.durable {
-            // Another durable's replayed dead letter.
-            count("skipped");
-            return Some(Finished::Done);
-        }
-    }
     let Some(id) = usable_id(shared, &parts).await? else {
         return Some(Finished::Done);
     };
@@ -452,6 +462,7 @@ async fn after_failure<H: Handler>(
             };
             let parking = inbox::Parking {
                 consumer: &cfg.durable,
+                stream: &cfg.stream,
                 id,
                 subject: parts.subject,
                 key,
@@ -533,6 +544,7 @@ async fn park_behind<H>(
     };
     let parking = inbox::Parking {
         consumer: &shared.cfg.durable,
+        stream: &shared.cfg.stream,
         id,
         subject: parts.subject,
         key,

@@ -43,28 +43,57 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), sqlx::Error> {
     )
     .execute(pool)
     .await?;
-    sqlx::query("SELECT consumer, from_seq, reset_at FROM inbox_resets LIMIT 0")
+    sqlx::query("SELECT consumer, stream, from_seq, to_seq, reset_at FROM inbox_resets LIMIT 0")
+        .execute(pool)
+        .await?;
+    sqlx::query("SELECT consumer, message_id, used_at FROM dlq_replays LIMIT 0")
         .execute(pool)
         .await
         .map(|_| ())
 }
 
-/// On a claim's conflict: one more attempt for a message waiting its turn;
-/// and a processed message goes to the handler once more if an explicit
-/// `consumer reset` from its stream sequence or earlier came after it was
-/// processed (`inbox_resets`), where an ordinary redelivery stays a
-/// duplicate.
-const CLAIM_CONFLICT: &str = "ON CONFLICT (consumer, message_id) DO UPDATE \
-   SET (attempts, processed_at, last_error) = ( \
-     SELECT CASE WHEN r.again THEN 1 \
-                 WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
-                 THEN inbox_messages.attempts + 1 ELSE inbox_messages.attempts END, \
-            CASE WHEN r.again THEN NULL ELSE inbox_messages.processed_at END, \
-            CASE WHEN r.again THEN NULL ELSE inbox_messages.last_error END \
-     FROM (SELECT inbox_messages.processed_at IS NOT NULL AND EXISTS ( \
-             SELECT 1 FROM inbox_resets x WHERE x.consumer = excluded.consumer \
-               AND x.from_seq <= excluded.stream_seq \
-               AND x.reset_at > inbox_messages.processed_at) AS again) r) ";
+/// When a processed row is opened again for one more handler call: an
+/// explicit `consumer reset` of this durable on this stream, made after the
+/// row was processed, covers the message's stream sequence (`inbox_resets`);
+/// or a `dlq replay` of the message is pending (`dlq_replays`, marked used
+/// by the same statement). An ordinary redelivery matches neither. Returns
+/// the statement's `WITH` clause (the pending replays it uses up among `ids`)
+/// and the condition on `inbox_messages` (the existing row) and `excluded`.
+fn reopen(ids: &str, stream: &str) -> (String, String) {
+    (
+        format!(
+            "WITH replays AS (UPDATE dlq_replays SET used_at = now() \
+               WHERE consumer = $1 AND message_id = ANY({ids}) AND used_at IS NULL \
+               RETURNING message_id) "
+        ),
+        format!(
+            "(inbox_messages.processed_at IS NOT NULL AND ( \
+               EXISTS (SELECT 1 FROM inbox_resets x WHERE x.consumer = excluded.consumer \
+                 AND x.stream = {stream} \
+                 AND excluded.stream_seq BETWEEN x.from_seq AND x.to_seq \
+                 AND x.reset_at > inbox_messages.processed_at) \
+               OR excluded.message_id IN (SELECT message_id FROM replays)))"
+        ),
+    )
+}
+
+/// A claim's conflict: one more attempt for a message waiting its turn, and
+/// a processed one opened again if [`reopen`] says so.
+fn claim_sql(values: &str, ids: &str, stream: &str, returning: &str) -> String {
+    let (with, again) = reopen(ids, stream);
+    format!(
+        "{with} INSERT INTO inbox_messages (consumer, message_id, subject, attempts, stream_seq) {values} \
+         ON CONFLICT (consumer, message_id) DO UPDATE \
+           SET (attempts, processed_at, last_error) = ( \
+             SELECT CASE WHEN r.again THEN 1 \
+                         WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
+                         THEN inbox_messages.attempts + 1 ELSE inbox_messages.attempts END, \
+                    CASE WHEN r.again THEN NULL ELSE inbox_messages.processed_at END, \
+                    CASE WHEN r.again THEN NULL ELSE inbox_messages.last_error END \
+             FROM (SELECT {again} AS again) r) \
+         RETURNING {returning}"
+    )
+}
 
 /// A pulled message: insert its row, or count one more attempt on it.
 pub async fn claim<'c>(
@@ -73,11 +102,13 @@ pub async fn claim<'c>(
     id: Uuid,
     subject: &str,
     seq: u64,
+    stream: &str,
 ) -> Result<Claim, sqlx::Error> {
-    let sql = format!(
-        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, stream_seq) \
-         VALUES ($1, $2, $3, 1, $4) {CLAIM_CONFLICT} \
-         RETURNING processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts"
+    let sql = claim_sql(
+        "VALUES ($1, $2, $3, 1, $4)",
+        "ARRAY[$2::uuid]",
+        "$5",
+        "processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
     );
     let (processed, parked, seq, attempts): (bool, bool, Option<i64>, i32) =
         sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -85,6 +116,7 @@ pub async fn claim<'c>(
             .bind(id)
             .bind(subject)
             .bind(seq_param(seq))
+            .bind(stream)
             .fetch_one(e)
             .await?;
     Ok(if processed {
@@ -134,6 +166,8 @@ pub async fn complete(
 /// Where a message waits in the inbox.
 pub struct Parking<'a> {
     pub consumer: &'a str,
+    /// The events stream (which resets apply).
+    pub stream: &'a str,
     pub id: Uuid,
     pub subject: &'a str,
     pub key: &'a str,
@@ -150,48 +184,65 @@ pub async fn park(
     error: &str,
     count_attempt: bool,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO inbox_messages \
+    // A row processed meanwhile stays processed, unless it was opened again
+    // (the claim that opened it was rolled back with a Rust handler's
+    // transaction).
+    let (with, again) = reopen("ARRAY[$2::uuid]", "$9");
+    let sql = format!(
+        "{with} INSERT INTO inbox_messages \
            (consumer, message_id, subject, attempts, last_error, aggregate_key, stream_seq, parked_until) \
          VALUES ($1, $2, $3, 1, $4, $5, $6, now() + make_interval(secs => $7)) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET attempts = inbox_messages.attempts + CASE WHEN $8 THEN 1 ELSE 0 END, \
+           SET attempts = CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 1 \
+                               ELSE inbox_messages.attempts + CASE WHEN $8 THEN 1 ELSE 0 END END, \
                last_error = excluded.last_error, aggregate_key = excluded.aggregate_key, \
-               stream_seq = excluded.stream_seq, parked_until = excluded.parked_until \
-         WHERE inbox_messages.processed_at IS NULL",
-    )
-    .bind(p.consumer)
-    .bind(p.id)
-    .bind(p.subject)
-    .bind(error)
-    .bind(p.key)
-    .bind(seq_param(p.seq))
-    .bind(after.as_secs_f64())
-    .bind(count_attempt)
-    .execute(pool)
-    .await?;
+               stream_seq = excluded.stream_seq, parked_until = excluded.parked_until, \
+               processed_at = NULL \
+         WHERE inbox_messages.processed_at IS NULL OR {again}"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(p.consumer)
+        .bind(p.id)
+        .bind(p.subject)
+        .bind(error)
+        .bind(p.key)
+        .bind(seq_param(p.seq))
+        .bind(after.as_secs_f64())
+        .bind(count_attempt)
+        .bind(p.stream)
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
 /// Park a pulled message behind its aggregate's parked ones (due at once:
-/// its turn comes when they are done). A processed row stays processed.
+/// its turn comes when they are done). A processed row stays processed,
+/// unless a reset or replay opens it again.
 pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO inbox_messages \
+    let (with, again) = reopen("ARRAY[$2::uuid]", "$6");
+    let sql = format!(
+        "{with} INSERT INTO inbox_messages \
            (consumer, message_id, subject, aggregate_key, stream_seq, parked_until) \
          VALUES ($1, $2, $3, $4, $5, now()) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
            SET aggregate_key = excluded.aggregate_key, stream_seq = excluded.stream_seq, \
-               parked_until = coalesce(inbox_messages.parked_until, excluded.parked_until) \
-         WHERE inbox_messages.processed_at IS NULL",
-    )
-    .bind(p.consumer)
-    .bind(p.id)
-    .bind(p.subject)
-    .bind(p.key)
-    .bind(seq_param(p.seq))
-    .execute(pool)
-    .await?;
+               parked_until = coalesce(inbox_messages.parked_until, excluded.parked_until), \
+               attempts = CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 0 \
+                               ELSE inbox_messages.attempts END, \
+               last_error = CASE WHEN inbox_messages.processed_at IS NOT NULL THEN NULL \
+                                 ELSE inbox_messages.last_error END, \
+               processed_at = NULL \
+         WHERE inbox_messages.processed_at IS NULL OR {again}"
+    );
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(p.consumer)
+        .bind(p.id)
+        .bind(p.subject)
+        .bind(p.key)
+        .bind(seq_param(p.seq))
+        .bind(p.stream)
+        .execute(pool)
+        .await?;
     Ok(())
 }
 
@@ -333,7 +384,7 @@ impl Batcher {
     /// statement finds rows by key, and a plan cached while the inbox looked
     /// tiny (new, or never analyzed) would otherwise scan the whole table on
     /// every batch once it is large, until the next ANALYZE.
-    pub fn start(pool: PgPool, consumer: String) -> Self {
+    pub fn start(pool: PgPool, consumer: String, stream: String) -> Self {
         let options = (*pool.connect_options())
             .clone()
             .options([("enable_seqscan", "off")]);
@@ -343,7 +394,12 @@ impl Batcher {
             .connect_lazy_with(options);
         let (claims, claim_rx) = mpsc::channel(QUEUE);
         let (completions, complete_rx) = mpsc::channel(QUEUE);
-        tokio::spawn(write_claims(pool.clone(), consumer.clone(), claim_rx));
+        tokio::spawn(write_claims(
+            pool.clone(),
+            consumer.clone(),
+            stream,
+            claim_rx,
+        ));
         tokio::spawn(write_completions(pool, consumer, complete_rx));
         Self {
             claims,
@@ -396,9 +452,15 @@ type ClaimRequest = (
     oneshot::Sender<Result<Claim, BatchError>>,
 );
 
-async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<ClaimRequest>) {
+async fn write_claims(
+    pool: PgPool,
+    consumer: String,
+    stream: String,
+    mut rx: mpsc::Receiver<ClaimRequest>,
+) {
     let inflight = Arc::new(Semaphore::new(STATEMENTS_IN_FLIGHT));
     let consumer: Arc<str> = consumer.into();
+    let stream: Arc<str> = stream.into();
     // A row may be named once per statement (ON CONFLICT); a second claim
     // of the same id waits for the next one.
     let mut later: Vec<ClaimRequest> = Vec::new();
@@ -419,12 +481,12 @@ async fn write_claims(pool: PgPool, consumer: String, mut rx: mpsc::Receiver<Cla
             .into_iter()
             .partition(|(id, _, _, _)| seen.insert(*id));
         later = next;
-        let (pool, consumer) = (pool.clone(), consumer.clone());
+        let (pool, consumer, stream) = (pool.clone(), consumer.clone(), stream.clone());
         tokio::spawn(async move {
             let ids: Vec<Uuid> = now.iter().map(|(id, _, _, _)| *id).collect();
             let subjects: Vec<&str> = now.iter().map(|(_, s, _, _)| s.as_str()).collect();
             let seqs: Vec<i64> = now.iter().map(|(_, _, q, _)| seq_param(*q)).collect();
-            let result = claim_many(&pool, &consumer, &ids, &subjects, &seqs).await;
+            let result = claim_many(&pool, &consumer, &ids, &subjects, &seqs, &stream).await;
             drop(subjects);
             for (id, _, _, reply) in now {
                 let answer = match &result {
@@ -486,18 +548,20 @@ async fn claim_many(
     ids: &[Uuid],
     subjects: &[&str],
     seqs: &[i64],
+    stream: &str,
 ) -> Result<std::collections::HashMap<Uuid, Claim>, sqlx::Error> {
-    let sql = format!(
-        "INSERT INTO inbox_messages (consumer, message_id, subject, attempts, stream_seq) \
-         SELECT $1, id, subject, 1, seq FROM unnest($2::uuid[], $3::text[], $4::int8[]) AS t(id, subject, seq) \
-         {CLAIM_CONFLICT} \
-         RETURNING message_id, processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts"
+    let sql = claim_sql(
+        "SELECT $1, id, subject, 1, seq FROM unnest($2::uuid[], $3::text[], $4::int8[]) AS t(id, subject, seq)",
+        "$2::uuid[]",
+        "$5",
+        "message_id, processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
     );
     let rows: Vec<(Uuid, bool, bool, Option<i64>, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(consumer)
         .bind(ids)
         .bind(subjects)
         .bind(seqs)
+        .bind(stream)
         .fetch_all(pool)
         .await?;
     Ok(rows

@@ -24,7 +24,7 @@ mod dead_letter;
 mod delivery;
 pub mod handler;
 mod inbox;
-mod lease;
+pub(crate) mod lease;
 mod scheduler;
 
 use std::panic::AssertUnwindSafe;
@@ -231,7 +231,11 @@ impl<H: Handler> Active<'_, H> {
             stream: self.stream.clone(),
             stop: stop.clone(),
             dlq_failing: AtomicUsize::new(0),
-            batcher: inbox::Batcher::start(self.pool.clone(), cfg.durable.clone()),
+            batcher: inbox::Batcher::start(
+                self.pool.clone(),
+                cfg.durable.clone(),
+                cfg.stream.clone(),
+            ),
         });
         let mut messages = Some(
             pull_stream(&consumer, cfg)

@@ -6,11 +6,12 @@
 //!
 //! **Replay** sends a consumer's dead letter back through that consumer so
 //! its handler is called once more. For each one, in this order:
-//! 1. it is recorded in `dlq_replays` (the DLQ stream and sequence are the
-//!    key): a dead letter replayed before is reported with who and when, and
-//!    nothing is sent; in the same transaction the durable's inbox row is
-//!    opened again (not processed, no attempts), so the claim lets the
-//!    replay through;
+//! 1. it is recorded in `dlq_replays` (the DLQ stream, its creation time and
+//!    the sequence are the key): a dead letter replayed before is reported
+//!    with who and when, and nothing is sent. The record is pending: the
+//!    durable's next claim of that message id uses it up and opens the inbox
+//!    row for one more handler call (`consumer/inbox.rs`, `reopen`), so
+//!    however many copies arrive, one call is made;
 //! 2. it is published to its original subject (so into the events stream),
 //!    with the original's headers and body, `Outbox-Replay-Of` = the original
 //!    id, `Outbox-Replay-For` = the durable (other durables ack it without a
@@ -18,8 +19,8 @@
 //!    relay's position headers are left out: the replay is not one of its
 //!    events, and its restart scan must not take it for one.
 //!
-//! If the publish fails, the record is taken back so the replay can be run
-//! again. The relay's own dead letters (rows it could not publish) are
+//! If the publish fails, a record still pending is taken back so the replay
+//! can be run again. The relay's own dead letters (rows it could not publish) are
 //! listed but not replayed: fix the row, then insert it again as a new row.
 
 use std::time::Duration;
@@ -171,6 +172,18 @@ pub async fn replay(
     letters: Vec<DeadLetter>,
     who: &str,
 ) -> Result<Vec<Replayed>> {
+    let info = js
+        .get_stream(dlq_stream)
+        .await
+        .map_err(|e| Error::setup(format!("stream {dlq_stream}: {e}")))?;
+    let dlq = Dlq {
+        name: dlq_stream,
+        created: info
+            .cached_info()
+            .created
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
+    };
     let mut out = Vec::new();
     for d in letters {
         let Some(durable) = d.consumer.clone() else {
@@ -200,16 +213,26 @@ pub async fn replay(
             ));
             continue;
         };
-        if let Some((by, at)) = record(pool, dlq_stream, &d, &durable, uuid, who).await? {
+        if let Some((by, at)) = record(pool, &dlq, &d, &durable, uuid, who).await? {
             out.push(entry("already_replayed", format!("by {by} at {at}")));
             continue;
         }
-        if let Err(e) = publish(js, dlq_stream, &d, &durable, who).await {
-            forget(pool, dlq_stream, seq).await?;
-            return Err(e);
-        }
+        let duplicate = match publish(js, dlq_stream, &d, &durable, who).await {
+            Ok(duplicate) => duplicate,
+            Err(e) => {
+                forget(pool, &dlq, seq).await?;
+                return Err(e);
+            }
+        };
         tracing::info!(dlq = dlq_stream, seq, id = %id, durable, by = who, "replayed a dead letter");
-        out.push(entry("replayed", format!("to {} for {durable}", d.subject)));
+        out.push(entry(
+            "replayed",
+            if duplicate {
+                format!("to {} for {durable} (the stream had this replay already: an earlier attempt was stored)", d.subject)
+            } else {
+                format!("to {} for {durable}", d.subject)
+            },
+        ));
     }
     Ok(out)
 }
@@ -218,26 +241,24 @@ pub async fn replay(
 /// `Some((who, when))` if it was replayed before (then nothing changes).
 async fn record(
     pool: &PgPool,
-    dlq_stream: &str,
+    dlq: &Dlq<'_>,
     d: &DeadLetter,
     durable: &str,
     id: uuid::Uuid,
     who: &str,
 ) -> Result<Option<(String, String)>> {
-    let mut tx = pool
-        .begin()
-        .await
-        .map_err(Error::pg("recording a replay"))?;
     let fresh: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO dlq_replays (dlq_stream, dlq_seq, consumer, message_id, replayed_by) \
-         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (dlq_stream, dlq_seq) DO NOTHING RETURNING dlq_seq",
+        "INSERT INTO dlq_replays (dlq_stream, dlq_created, dlq_seq, consumer, message_id, replayed_by) \
+         VALUES ($1, $2::timestamptz, $3, $4, $5, $6) \
+         ON CONFLICT (dlq_stream, dlq_created, dlq_seq) DO NOTHING RETURNING dlq_seq",
     )
-    .bind(dlq_stream)
+    .bind(dlq.name)
+    .bind(&dlq.created)
     .bind(i64::try_from(d.seq).unwrap_or(i64::MAX))
     .bind(durable)
     .bind(id)
     .bind(who)
-    .fetch_optional(&mut *tx)
+    .fetch_optional(pool)
     .await
     .map_err(|e| match crate::postgres::db_code(&e).as_deref() {
         Some("42P01") => Error::setup(
@@ -245,38 +266,42 @@ async fn record(
         ),
         _ => Error::pg("recording a replay")(e),
     })?;
-    if fresh.is_none() {
-        let (by, at): (String, String) = sqlx::query_as(
-            "SELECT replayed_by, replayed_at::text FROM dlq_replays WHERE dlq_stream = $1 AND dlq_seq = $2",
-        )
-        .bind(dlq_stream)
-        .bind(i64::try_from(d.seq).unwrap_or(i64::MAX))
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(Error::pg("reading an earlier replay"))?;
-        return Ok(Some((by, at)));
+    if fresh.is_some() {
+        return Ok(None);
     }
-    sqlx::query(
-        "UPDATE inbox_messages SET processed_at = NULL, attempts = 0, last_error = NULL, parked_until = NULL \
-         WHERE consumer = $1 AND message_id = $2",
+    let (by, at): (String, String) = sqlx::query_as(
+        "SELECT replayed_by, replayed_at::text FROM dlq_replays \
+         WHERE dlq_stream = $1 AND dlq_created = $2::timestamptz AND dlq_seq = $3",
     )
-    .bind(durable)
-    .bind(id)
-    .execute(&mut *tx)
+    .bind(dlq.name)
+    .bind(&dlq.created)
+    .bind(i64::try_from(d.seq).unwrap_or(i64::MAX))
+    .fetch_one(pool)
     .await
-    .map_err(Error::pg("opening the inbox row again"))?;
-    tx.commit().await.map_err(Error::pg("recording a replay"))?;
-    Ok(None)
+    .map_err(Error::pg("reading an earlier replay"))?;
+    Ok(Some((by, at)))
 }
 
-async fn forget(pool: &PgPool, dlq_stream: &str, seq: u64) -> Result<()> {
-    sqlx::query("DELETE FROM dlq_replays WHERE dlq_stream = $1 AND dlq_seq = $2")
-        .bind(dlq_stream)
-        .bind(i64::try_from(seq).unwrap_or(i64::MAX))
-        .execute(pool)
-        .await
-        .map_err(Error::pg("taking back a failed replay's record"))?;
+async fn forget(pool: &PgPool, dlq: &Dlq<'_>, seq: u64) -> Result<()> {
+    sqlx::query(
+        "DELETE FROM dlq_replays WHERE dlq_stream = $1 AND dlq_created = $2::timestamptz \
+         AND dlq_seq = $3 AND used_at IS NULL",
+    )
+    .bind(dlq.name)
+    .bind(&dlq.created)
+    .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+    .execute(pool)
+    .await
+    .map_err(Error::pg("taking back a failed replay's record"))?;
     Ok(())
+}
+
+/// A dead-letter stream, as the replay records know it: a stream deleted
+/// and made again starts its sequences over.
+struct Dlq<'a> {
+    name: &'a str,
+    /// Its creation time, RFC 3339.
+    created: String,
 }
 
 async fn publish(
@@ -285,7 +310,7 @@ async fn publish(
     d: &DeadLetter,
     durable: &str,
     who: &str,
-) -> Result<()> {
+) -> Result<bool> {
     let mut headers = HeaderMap::new();
     for (k, vs) in d.headers.iter() {
         let name = k.to_string();
@@ -328,13 +353,13 @@ async fn publish(
                 d.id, d.subject
             ))
         })?;
-    ack.await.map_err(|e| {
+    let ack = ack.await.map_err(|e| {
         Error::setup(format!(
             "the replay of {} to {} was not stored: {e} (does a stream capture {}?)",
             d.id, d.subject, d.subject
         ))
     })?;
-    Ok(())
+    Ok(ack.duplicate)
 }
 
 /// `dlq list`'s line for one dead letter.

@@ -296,7 +296,7 @@ async fn drop_partition(
     .await;
     match locked {
         Ok(_) => {}
-        Err(e) if db_code(&e).as_deref() == Some("55P03") => {
+        Err(e) if matches!(db_code(&e).as_deref(), Some("55P03" | "40P01")) => {
             return Ok(Err("busy (lock not granted within 2 s)".into()))
         }
         Err(e) => return Err(Error::pg(format!("locking partition {part}"))(e)),
@@ -356,7 +356,8 @@ async fn delete_batches(
             "WITH victims AS ( \
                  SELECT id FROM {table} WHERE occurred_at < $1::timestamptz AND ($2::uuid IS NULL OR id > $2) \
                  ORDER BY id LIMIT $3), \
-             gone AS (DELETE FROM {table} t USING victims v WHERE t.id = v.id RETURNING t.id) \
+             gone AS (DELETE FROM {table} t USING victims v \
+                      WHERE t.id = v.id AND t.occurred_at < $1::timestamptz RETURNING t.id) \
              SELECT (SELECT count(*) FROM gone), (SELECT id FROM victims ORDER BY id DESC LIMIT 1)"
         )))
         .bind(cutoff)
@@ -406,7 +407,7 @@ async fn inbox(pool: &PgPool, age: Duration, batch: i64, dry_run: bool) -> Resul
                      ORDER BY message_id, consumer LIMIT $4), \
                  gone AS (DELETE FROM inbox_messages i USING victims v \
                           WHERE i.message_id = v.message_id AND i.consumer = v.consumer \
-                            AND i.processed_at IS NOT NULL RETURNING 1), \
+                            AND i.processed_at < now() - $1::interval RETURNING 1), \
                  last AS (SELECT message_id, consumer FROM victims \
                           ORDER BY message_id DESC, consumer DESC LIMIT 1) \
                  SELECT (SELECT count(*) FROM gone), (SELECT message_id FROM last), \

@@ -7,8 +7,9 @@
 //! to the handler once (`consumer/inbox.rs`, `CLAIM_CONFLICT`); a later
 //! redelivery of it finds it processed after the reset and stays a
 //! duplicate. Then JetStream is told (ADR-60 consumer reset): the next
-//! message it delivers is `from_seq`. A running `consume` picks the reset up
-//! as it is; one that is stopped starts from there.
+//! message it delivers is `from_seq`. The durable's consumers must be
+//! stopped (their lease free): messages in flight in a running one would
+//! otherwise go ahead of the redelivered earlier ones of their aggregate.
 
 use std::time::Duration;
 
@@ -85,14 +86,26 @@ pub async fn run(
             ))
         })?,
     };
-    sqlx::query(
-        "INSERT INTO inbox_resets (consumer, stream, from_seq, reset_by) VALUES ($1, $2, $3, $4)",
+    // Order within an aggregate holds only if nothing of the durable is in
+    // flight while it starts over: refuse while an instance holds its lease,
+    // and hold the lease ourselves meanwhile.
+    let Some(lease) =
+        crate::consumer::lease::Lease::try_acquire(pool, stream_name, durable).await?
+    else {
+        return Err(Error::setup(format!(
+            "durable {durable} is being consumed (an `outbox-relay consume` instance holds its lease): stop its consumers, reset, then start them again"
+        )));
+    };
+    let reset_id: i64 = sqlx::query_scalar(
+        "INSERT INTO inbox_resets (consumer, stream, from_seq, to_seq, reset_by) \
+         VALUES ($1, $2, $3, $4, $5) RETURNING id",
     )
     .bind(durable)
     .bind(stream_name)
     .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+    .bind(i64::try_from(state.last_sequence).unwrap_or(i64::MAX))
     .bind(who)
-    .execute(pool)
+    .fetch_one(pool)
     .await
     .map_err(|e| match crate::postgres::db_code(&e).as_deref() {
         Some("42P01") => Error::setup(
@@ -100,10 +113,19 @@ pub async fn run(
         ),
         _ => Error::pg("recording the reset")(e),
     })?;
-    target
-        .reset(Some(seq))
-        .await
-        .map_err(|e| Error::setup(format!("JetStream refused the reset of {durable}: {e}")))?;
+    if let Err(e) = target.reset(Some(seq)).await {
+        // Nothing was reset: the record must not open any row.
+        sqlx::query("DELETE FROM inbox_resets WHERE id = $1")
+            .bind(reset_id)
+            .execute(pool)
+            .await
+            .map_err(Error::pg("taking back the reset's record"))?;
+        lease.release().await;
+        return Err(Error::setup(format!(
+            "JetStream refused the reset of {durable} (ADR-60 needs nats-server 2.14 or later): {e}"
+        )));
+    }
+    lease.release().await;
     Ok(Done {
         from_seq: seq,
         messages: (state.last_sequence + 1).saturating_sub(seq),
