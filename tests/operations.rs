@@ -191,3 +191,47 @@ async fn prune_refuses_bad_durations() {
     }
     assert_eq!(ids_in_table(&pool).await.len(), 5);
 }
+
+/// SPEC §9 retention under writes: rows committed after prune took its
+/// snapshot, even dated long ago (old by `--older-than`), are never deleted,
+/// while prune goes on deleting the old rows before them. (A prune by
+/// `occurred_at` alone would take them too.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_never_touches_rows_committed_after_its_snapshot() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "o_prune_busy").await;
+    let _relay = Service::relay(&url, &stack.nats_url, "prunebusy", &[]);
+    let before = rows_aged(&pool, 5000, "10 days").await;
+    read_stream(&stack.nats_url, &wire::stream_name("prunebusy"), 5000, T).await;
+
+    let prune_url = url.clone();
+    let pruning = tokio::task::spawn_blocking(move || {
+        prune(&prune_url, "prunebusy", &["--older-than", "7d", "--batch", "10"])
+    });
+    // Its snapshot is taken once its anchor transaction sits open.
+    eventually(T, "prune holds its snapshot", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = 'o_prune_busy' \
+               AND application_name = 'outbox-relay' AND state = 'idle in transaction')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let mut during = HashSet::new();
+    while !pruning.is_finished() {
+        during.extend(rows_aged(&pool, 5, "10 days").await);
+    }
+    let (ok, out) = pruning.await.unwrap();
+    assert!(ok, "{out}");
+    assert!(!during.is_empty(), "rows were written while prune ran: {out}");
+    let left = ids_in_table(&pool).await;
+    assert!(
+        during.is_subset(&left),
+        "{} of {} rows committed after the snapshot were deleted: {out}",
+        during.difference(&left).count(),
+        during.len()
+    );
+    assert!(before.is_disjoint(&left), "every row before the snapshot went: {out}");
+}
