@@ -133,8 +133,13 @@ async fn run(command: Command) -> Result<(), Error> {
         }
         Command::Prune(args) => {
             let cfg = args.validate()?;
+            let dsn = postgres::Dsn::parse(&args.db.database_url)?;
+            if args.check_config {
+                println!("configuration ok");
+                return Ok(());
+            }
             // The snapshot's anchor, a batch or partition lock, and the slot poll.
-            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(4).await?;
+            let pool = dsn.pool(4).await?;
             let report = crate::ops::prune::run(&pool, &cfg).await?;
             if args.json {
                 let json = serde_json::to_string_pretty(&report).map_err(|e| Error::Setup {

@@ -197,6 +197,9 @@ pub struct PruneArgs {
     /// before keeping every outbox row.
     #[arg(long, env = "OUTBOX_PRUNE_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub wait: Duration,
+    /// Check the configuration and exit without connecting.
+    #[arg(long)]
+    pub check_config: bool,
 }
 
 impl PruneArgs {

@@ -114,7 +114,7 @@ fn every_outbox_service_passes_the_binarys_configuration_check() {
     checked.sort();
     assert_eq!(
         checked,
-        ["consume", "migrate", "relay"],
+        ["consume", "migrate", "prune", "relay"],
         "the services compose must run"
     );
 
@@ -246,4 +246,27 @@ fn configuration_reference_covers_every_flag() {
         }
         assert!(flags > 2, "{title}: parsed no flags from --help");
     }
+}
+
+/// docker-compose.yml runs the NATS and Postgres versions the tests run on
+/// (scripts/stack.sh pins nats-server; the machine's Postgres is 15).
+#[test]
+fn compose_pins_the_versions_the_tests_run_on() {
+    let stack = read("scripts/stack.sh");
+    let nats = stack
+        .lines()
+        .find_map(|l| l.strip_prefix("NATS_VERSION=\"${NATS_SERVER_VERSION:-"))
+        .and_then(|v| v.split('}').next())
+        .expect("NATS_VERSION in stack.sh");
+    let minor: Vec<&str> = nats.split('.').take(2).collect();
+    let compose = read("docker-compose.yml");
+    let tag = format!("image: nats:{}-alpine", minor.join("."));
+    assert!(
+        compose.contains(&tag),
+        "compose should use {tag} (stack.sh: {nats})"
+    );
+    assert!(
+        compose.contains("image: postgres:15"),
+        "compose should use postgres:15"
+    );
 }

@@ -206,7 +206,11 @@ async fn prune_never_touches_rows_committed_after_its_snapshot() {
 
     let prune_url = url.clone();
     let pruning = tokio::task::spawn_blocking(move || {
-        prune(&prune_url, "prunebusy", &["--older-than", "7d", "--batch", "10"])
+        prune(
+            &prune_url,
+            "prunebusy",
+            &["--older-than", "7d", "--batch", "10"],
+        )
     });
     // Its snapshot is taken once its anchor transaction sits open.
     eventually(T, "prune holds its snapshot", || async {
@@ -225,7 +229,10 @@ async fn prune_never_touches_rows_committed_after_its_snapshot() {
     }
     let (ok, out) = pruning.await.unwrap();
     assert!(ok, "{out}");
-    assert!(!during.is_empty(), "rows were written while prune ran: {out}");
+    assert!(
+        !during.is_empty(),
+        "rows were written while prune ran: {out}"
+    );
     let left = ids_in_table(&pool).await;
     assert!(
         during.is_subset(&left),
@@ -233,5 +240,8 @@ async fn prune_never_touches_rows_committed_after_its_snapshot() {
         during.difference(&left).count(),
         during.len()
     );
-    assert!(before.is_disjoint(&left), "every row before the snapshot went: {out}");
+    assert!(
+        before.is_disjoint(&left),
+        "every row before the snapshot went: {out}"
+    );
 }
