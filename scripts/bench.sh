@@ -4,6 +4,7 @@
 #                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
+#   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--out DIR]
 # The relay run measures Postgres alone (raw), the relay (cdc) and a polling
 # relay (poll) under the same load, then writes JSON and an SVG chart.
 # Against your own deployment, run `cargo bench --bench relay_e2e -- …` with
@@ -13,10 +14,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 MODE=relay
-case "${1:-}" in relay|consumer|prune) MODE="$1"; shift ;; esac
+case "${1:-}" in relay|consumer|prune|pipeline) MODE="$1"; shift ;; esac
 BENCH=relay_e2e
 [ "$MODE" = consumer ] && BENCH=consumer_throughput
 [ "$MODE" = prune ] && BENCH=prune_load
+[ "$MODE" = pipeline ] && BENCH=pipeline
 
 cargo build --release --quiet --bin outbox-relay
 cargo bench --no-run --quiet --bench "$BENCH" 2>/dev/null
@@ -35,8 +37,8 @@ fi
 METRICS_PORT="$(scripts/stack.sh free-port)"
 RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
-if [ "$MODE" = prune ]; then
-  RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 900 cargo bench --quiet --bench prune_load -- "$@"
+if [ "$MODE" = prune ] || [ "$MODE" = pipeline ]; then
+  RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 900 cargo bench --quiet --bench "$BENCH" -- "$@"
   exit
 fi
 timeout 1800 cargo bench --quiet --bench relay_e2e -- "$@"
