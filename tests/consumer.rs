@@ -1546,6 +1546,24 @@ async fn consumer_reset_replays_from_a_sequence_and_only_then() {
         2,
         "not called a third time"
     );
+
+    // --time finds the first message stored at or after it.
+    f.consumer.term(Duration::from_secs(30));
+    let at =
+        f.js.get_stream(&f.stream)
+            .await
+            .unwrap()
+            .get_raw_message(7)
+            .await
+            .unwrap()
+            .time
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap();
+    let (ok, out) = reset(&["--stream", &f.stream, "--durable", "creset", "--time", &at]);
+    assert!(
+        ok && out.contains("starts over from sequence 7"),
+        "{at}: {out}"
+    );
 }
 
 /// `outbox-relay …` to its end: (success, stdout + stderr).
