@@ -140,7 +140,23 @@ async fn run(command: Command) -> Result<(), Error> {
             }
             // The snapshot's anchor, a batch or partition lock, and the slot poll.
             let pool = dsn.pool(4).await?;
-            let report = crate::ops::prune::run(&pool, &cfg).await?;
+            let mut report = crate::ops::prune::run(&pool, &cfg).await?;
+            if let (Some(inbox_age), Some(stream)) = (cfg.inbox_older_than, &args.events_stream) {
+                let nats = crate::nats::connect(&args.nats, "outbox-prune".into()).await?;
+                let js = async_nats::jetstream::new(nats);
+                let mut s = js.get_stream(stream).await.map_err(|e| {
+                    Error::setup(format!("stream {stream}: {e} (is --events-stream right?)"))
+                })?;
+                let max_age = s
+                    .info()
+                    .await
+                    .map_err(Error::nats("reading stream info"))?
+                    .config
+                    .max_age;
+                if let Some(w) = crate::ops::prune::inbox_age_warning(inbox_age, max_age, stream) {
+                    report.notes.push(w);
+                }
+            }
             if args.json {
                 let json = serde_json::to_string_pretty(&report).map_err(|e| Error::Setup {
                     message: format!("encoding JSON: {e}"),

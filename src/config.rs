@@ -197,6 +197,13 @@ pub struct PruneArgs {
     /// before keeping every outbox row.
     #[arg(long, env = "OUTBOX_PRUNE_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub wait: Duration,
+    /// The events stream the inbox's messages come from: with
+    /// --inbox-older-than, prune reads its max age and warns when inbox rows
+    /// would go while the stream can still redeliver their messages.
+    #[arg(long, env = "OUTBOX_STREAM")]
+    pub events_stream: Option<String>,
+    #[command(flatten)]
+    pub nats: NatsArgs,
     /// Check the configuration and exit without connecting.
     #[arg(long)]
     pub check_config: bool,

@@ -114,10 +114,19 @@ async fn prune_deletes_exactly_the_old_published_rows() {
             "30d",
             "--batch",
             "7",
+            "--events-stream",
+            &stream,
+            "--nats-url",
+            &stack.nats_url,
         ],
     );
     assert!(
         ok && out.contains("inbox: deleted 30 processed rows"),
+        "{out}"
+    );
+    // The relay made the stream without a max age: it redelivers forever.
+    assert!(
+        out.contains("WARNING: --inbox-older-than 30days is shorter than stream"),
         "{out}"
     );
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages")

@@ -428,6 +428,22 @@ async fn inbox(pool: &PgPool, age: Duration, batch: i64, dry_run: bool) -> Resul
     }
 }
 
+/// Pure: the warning when inbox rows would be pruned younger than the
+/// events stream keeps messages (0 = forever).
+pub fn inbox_age_warning(inbox_age: Duration, max_age: Duration, stream: &str) -> Option<String> {
+    let keeps = if max_age.is_zero() {
+        "forever".to_owned()
+    } else {
+        humantime::format_duration(max_age).to_string()
+    };
+    (max_age.is_zero() || inbox_age < max_age).then(|| {
+        format!(
+            "WARNING: --inbox-older-than {} is shorter than stream {stream} keeps messages ({keeps}): a redelivery, reset or replay of a message whose inbox row was pruned reaches the handler again",
+            humantime::format_duration(inbox_age)
+        )
+    })
+}
+
 impl Report {
     /// The lines `prune` prints without `--json`.
     pub fn lines(&self) -> Vec<String> {
@@ -454,5 +470,22 @@ impl Report {
         ));
         out.extend(self.notes.iter().map(|n| format!("note: {n}")));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::inbox_age_warning;
+    use std::time::Duration;
+
+    #[test]
+    fn inbox_rows_younger_than_the_stream_keeps_messages_are_warned_about() {
+        let day = Duration::from_secs(86_400);
+        assert!(
+            inbox_age_warning(30 * day, Duration::ZERO, "S").is_some_and(|w| w.contains("forever"))
+        );
+        assert!(inbox_age_warning(7 * day, 14 * day, "S").is_some());
+        assert_eq!(inbox_age_warning(30 * day, 14 * day, "S"), None);
+        assert_eq!(inbox_age_warning(14 * day, 14 * day, "S"), None);
     }
 }
