@@ -1844,3 +1844,53 @@ async fn order_holds_across_a_sigterm_restart_under_load() {
     }
     assert_eq!(seen.len(), n);
 }
+
+/// Found in review (last stop, #3): a slow aggregate collected its later
+/// messages in memory until JetStream held back at `max_ack_pending`, and
+/// every other aggregate waited for the slow call. Past the high-water mark
+/// they now go to the inbox (acked), the others flow, and the slow
+/// aggregate goes on in order once its call returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_aggregate_does_not_hold_the_others_back() {
+    let f = fixture(
+        "c_slow_key",
+        "cslow",
+        "cslow",
+        DUP,
+        &["--max-ack-pending", "20", "--concurrency", "4"],
+    )
+    .await;
+    let slow: Vec<Uuid> = (0..40).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in slow.iter().enumerate() {
+        let body = if i == 0 {
+            r#"{"s": 0, "sleep_ms": 8000}"#.to_owned()
+        } else {
+            format!(r#"{{"s": {i}}}"#)
+        };
+        publish(&f.js, "cslow.e", Some(*id), "slow", body.as_bytes()).await;
+    }
+    let cold = Uuid::new_v4();
+    publish(&f.js, "cslow.e", Some(cold), "cold", b"{}").await;
+    eventually(
+        Duration::from_secs(7),
+        "the other aggregate handled while the slow call runs",
+        || async { !f.handler.calls_for(cold).is_empty() },
+    )
+    .await;
+    let first_done = f.handler.calls_for(slow[0]).first().map(|c| c.at);
+    assert!(first_done.is_some(), "the slow call had started");
+    wait_processed(&f.pool, "cslow", 41).await;
+    assert_all_acked(&f.js, &f.stream, "cslow").await;
+    let order: Vec<i64> = f
+        .handler
+        .calls()
+        .iter()
+        .filter(|c| c.id != cold.to_string())
+        .map(|c| c.body["payload"]["s"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        order,
+        (0..40).collect::<Vec<i64>>(),
+        "the slow aggregate in order, once each"
+    );
+}

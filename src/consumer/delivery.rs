@@ -89,22 +89,38 @@ pub(super) async fn run_job<H: Handler>(
     key: &str,
     job: Job<jetstream::Message>,
 ) -> Finished<Instant> {
-    if let Job::Deliver(msg) | Job::ParkBehind(msg) = &job {
+    if let Job::Deliver(msg) | Job::ParkBehind(msg) | Job::Spill(msg) = &job {
         if header(msg, wire::REPLAY_FOR).is_some_and(|d| d != shared.cfg.durable) {
             // Another durable's replayed dead letter: not ours to handle,
             // nor to park.
             count("skipped");
-            return settle_pulled(msg, Some(Finished::Done)).await;
+            let how = match job {
+                Job::Spill(_) => Finished::Spilled { seq: None },
+                _ => Finished::Done,
+            };
+            return settle_pulled(msg, Some(how)).await;
         }
     }
     match job {
+        Job::Spill(msg) => {
+            let outcome = keep_alive(shared, &msg, park_behind(shared, key, &msg)).await;
+            match settle_pulled(&msg, outcome).await {
+                // Parked: the key goes on from it once its running job ends.
+                Finished::Parked { seq, .. } => Finished::Spilled { seq: Some(seq) },
+                _ => Finished::Spilled { seq: None },
+            }
+        }
         Job::Deliver(msg) => {
             let outcome = keep_alive(shared, &msg, deliver_pulled(shared, key, &msg)).await;
             settle_pulled(&msg, outcome).await
         }
         Job::ParkBehind(msg) => {
             let outcome = keep_alive(shared, &msg, park_behind(shared, key, &msg)).await;
-            settle_pulled(&msg, outcome).await
+            // Behind the key's parked head: nothing changes for the key.
+            match settle_pulled(&msg, outcome).await {
+                Finished::Parked { .. } => Finished::Done,
+                how => how,
+            }
         }
         Job::Retry { seq } => retry(shared, key, seq).await.unwrap_or(Finished::Done),
     }
@@ -550,11 +566,19 @@ async fn park_behind<H>(
         key,
         seq: parts.seq,
     };
-    persist(shared, "parking the message", || {
+    let parked = persist(shared, "parking the message", || {
         inbox::park_behind(&shared.pool, &parking)
     })
     .await?;
-    Some(Finished::Done)
+    // Parked (reported with its sequence), or processed already.
+    Some(if parked {
+        Finished::Parked {
+            seq: parts.seq,
+            due: Instant::now(),
+        }
+    } else {
+        Finished::Done
+    })
 }
 
 /// The oldest parked message of `key` comes up: read it back from the stream

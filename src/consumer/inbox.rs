@@ -217,8 +217,8 @@ pub async fn park(
 
 /// Park a pulled message behind its aggregate's parked ones (due at once:
 /// its turn comes when they are done). A processed row stays processed,
-/// unless a reset or replay opens it again.
-pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<(), sqlx::Error> {
+/// unless a reset or replay opens it again. Whether the row is parked now.
+pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<bool, sqlx::Error> {
     let (with, again) = reopen("ARRAY[$2::uuid]", "$6");
     let sql = format!(
         "{with} INSERT INTO inbox_messages \
@@ -234,7 +234,7 @@ pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<(), sqlx::Err
                processed_at = NULL \
          WHERE inbox_messages.processed_at IS NULL OR {again}"
     );
-    sqlx::query(sqlx::AssertSqlSafe(sql))
+    let done = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(p.consumer)
         .bind(p.id)
         .bind(p.subject)
@@ -243,7 +243,7 @@ pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<(), sqlx::Err
         .bind(p.stream)
         .execute(pool)
         .await?;
-    Ok(())
+    Ok(done.rows_affected() > 0)
 }
 
 /// Done with, without success: dead-lettered (the DLQ stored it) or gone

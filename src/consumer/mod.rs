@@ -214,7 +214,14 @@ impl<H: Handler> Active<'_, H> {
         // Whatever a previous holder pulled and did not finish comes again,
         // in stream order, before anything new: order survives its crash.
         reset_to_ack_floor(&mut consumer, "taking over").await;
-        let mut scheduler: Scheduler<jetstream::Message, Instant> = Scheduler::new(cfg.concurrency);
+        // Past half of max_ack_pending waiting in memory, busy keys spill
+        // theirs to the inbox, so JetStream never holds back for them.
+        let high_water = usize::try_from(cfg.max_ack_pending)
+            .ok()
+            .filter(|&m| m > 0)
+            .map_or(10_000, |m| (m / 2).max(1));
+        let mut scheduler: Scheduler<jetstream::Message, Instant> =
+            Scheduler::new(cfg.concurrency, high_water);
         let heads = inbox::parked_heads(self.pool, &cfg.durable)
             .await
             .map_err(Error::pg("reading parked messages"))?;
@@ -275,6 +282,7 @@ impl<H: Handler> Active<'_, H> {
                     Job::Retry { seq } => Some(*seq),
                     _ => None,
                 };
+                let spill = matches!(job, Job::Spill(_));
                 tasks.spawn(async move {
                     // Boxed: the job's state machine is large, and the task's own
                     // stage is copied as it settles.
@@ -293,6 +301,7 @@ impl<H: Handler> Active<'_, H> {
                                     seq,
                                     due: Instant::now() + PANIC_PAUSE,
                                 },
+                                None if spill => Finished::Spilled { seq: None },
                                 None => Finished::Done,
                             };
                             (key, how, retried.is_none())

@@ -13,8 +13,18 @@
 //!   again from the stream). When it finishes, the next parked one (the
 //!   inbox says which) runs at once; when none is left, the key is clear.
 //!
-//! Because a key's jobs run one at a time, parking behind and retrying never
-//! race: a retry that finds no next parked row really is the last.
+//! - when the messages waiting in memory reach the high-water mark (a busy
+//!   key, e.g. a slow handler, collecting its later messages while JetStream
+//!   holds back at `max_ack_pending`), the waiting messages of keys that are
+//!   running are **spilled**: parked behind in the inbox and acked, each a
+//!   short job of its own beside the key's running one. When the running job
+//!   ends and every spill is written, the key goes on from its oldest
+//!   spilled message as from a parked one, so order holds and the ack-pending
+//!   slots go to the other keys.
+//!
+//! Because a key's jobs run one at a time (spills aside, which only write
+//! rows behind), parking behind and retrying never race: a retry that finds
+//! no next parked row really is the last.
 //!
 //! At most `concurrency` jobs run at once; a key with a job to start but no
 //! free slot waits in a FIFO served before anything new is pulled.
@@ -35,6 +45,9 @@ pub enum Job<M> {
     ParkBehind(M),
     /// Run the key's oldest parked message again.
     Retry { seq: u64 },
+    /// Park a waiting message behind, beside the key's running job, to free
+    /// its ack-pending slot; ends with [`Finished::Spilled`].
+    Spill(M),
 }
 
 /// How a job ended, as far as ordering cares.
@@ -48,6 +61,9 @@ pub enum Finished<T> {
     /// A retry is over (processed or dead-lettered); `next` is the key's
     /// next parked message, due at once, if the inbox holds one.
     Retried { next: Option<u64> },
+    /// A spill is written (its stream sequence), or was not needed (`None`:
+    /// a duplicate, or another durable's replay).
+    Spilled { seq: Option<u64> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +78,14 @@ struct Lane<M, T> {
     waiting: VecDeque<M>,
     /// The oldest parked message of the key.
     parked: Option<Head<T>>,
+    /// Spill jobs of the key not finished yet.
+    spilling: usize,
+    /// The oldest message spilled while the key ran (or, while spills are
+    /// in flight, whether any was): the key goes on from it.
+    spilled: Option<u64>,
+    /// Messages of the key go to the inbox behind its spilled ones until
+    /// the key runs from there.
+    spill_mode: bool,
 }
 
 impl<M, T> Default for Lane<M, T> {
@@ -71,13 +95,16 @@ impl<M, T> Default for Lane<M, T> {
             queued: false,
             waiting: VecDeque::new(),
             parked: None,
+            spilling: 0,
+            spilled: None,
+            spill_mode: false,
         }
     }
 }
 
 impl<M, T: Ord + Copy> Lane<M, T> {
     fn next_job(&mut self, now: T) -> Option<Job<M>> {
-        if self.running {
+        if self.running || self.spill_mode {
             return None;
         }
         match self.parked {
@@ -92,6 +119,7 @@ impl<M, T: Ord + Copy> Lane<M, T> {
 
     fn has_job(&self, now: T) -> bool {
         !self.running
+            && !self.spill_mode
             && match self.parked {
                 Some(head) => !self.waiting.is_empty() || head.due <= now,
                 None => !self.waiting.is_empty(),
@@ -99,12 +127,34 @@ impl<M, T: Ord + Copy> Lane<M, T> {
     }
 
     fn idle(&self) -> bool {
-        !self.running && self.waiting.is_empty() && self.parked.is_none()
+        !self.running
+            && self.waiting.is_empty()
+            && self.parked.is_none()
+            && !self.spill_mode
+            && self.spilling == 0
+    }
+
+    /// Once the key's running job and every spill are done, it goes on
+    /// from its oldest spilled message as from a parked one.
+    fn settle_spill(&mut self, now: T) {
+        if !self.spill_mode || self.running || self.spilling > 0 {
+            return;
+        }
+        self.spill_mode = false;
+        if let Some(seq) = self.spilled.take() {
+            // A parked head of the key is older than anything spilled after
+            // it: the inbox leads from there.
+            if self.parked.is_none_or(|h| seq < h.seq) {
+                self.parked = Some(Head { seq, due: now });
+            }
+        }
     }
 }
 
 pub struct Scheduler<M, T> {
     concurrency: usize,
+    /// Messages waiting in memory that start spilling busy keys.
+    high_water: usize,
     running: usize,
     lanes: HashMap<String, Lane<M, T>>,
     /// Keys with a job to start and no free slot, in the order they asked.
@@ -115,9 +165,10 @@ pub struct Scheduler<M, T> {
 }
 
 impl<M, T: Ord + Copy> Scheduler<M, T> {
-    pub fn new(concurrency: usize) -> Self {
+    pub fn new(concurrency: usize, high_water: usize) -> Self {
         Self {
             concurrency: concurrency.max(1),
+            high_water: high_water.max(1),
             running: 0,
             lanes: HashMap::new(),
             ready: VecDeque::new(),
@@ -150,24 +201,59 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
 
     /// A message of `key` was pulled. Returns the jobs to start now.
     pub fn arrive(&mut self, key: String, msg: M, now: T) -> Vec<(String, Job<M>)> {
-        self.lanes
-            .entry(key.clone())
-            .or_default()
-            .waiting
-            .push_back(msg);
+        let lane = self.lanes.entry(key.clone()).or_default();
+        if lane.spill_mode {
+            // Behind its key's spilled messages.
+            lane.spilling += 1;
+            return vec![(key, Job::Spill(msg))];
+        }
+        lane.waiting.push_back(msg);
         let mut started = Vec::new();
+        self.spill(&mut started);
         self.offer(key, now, &mut started);
         started
     }
 
+    /// At the high-water mark, spill what waits behind running keys.
+    fn spill(&mut self, started: &mut Vec<(String, Job<M>)>) {
+        if self.lanes.values().map(|l| l.waiting.len()).sum::<usize>() < self.high_water {
+            return;
+        }
+        for (key, lane) in &mut self.lanes {
+            if !lane.running || lane.waiting.is_empty() {
+                continue;
+            }
+            lane.spill_mode = true;
+            for msg in lane.waiting.drain(..) {
+                lane.spilling += 1;
+                started.push((key.clone(), Job::Spill(msg)));
+            }
+        }
+    }
+
     /// A job of `key` finished. Returns the jobs to start now.
     pub fn finish(&mut self, key: &str, how: Finished<T>, now: T) -> Vec<(String, Job<M>)> {
-        self.running = self.running.saturating_sub(1);
         let mut started = Vec::new();
+        if let Finished::Spilled { seq } = how {
+            if let Some(lane) = self.lanes.get_mut(key) {
+                lane.spilling = lane.spilling.saturating_sub(1);
+                if let Some(seq) = seq {
+                    lane.spilled = Some(lane.spilled.map_or(seq, |s| s.min(seq)));
+                }
+                lane.settle_spill(now);
+                if lane.idle() {
+                    self.lanes.remove(key);
+                } else {
+                    self.offer(key.to_owned(), now, &mut started);
+                }
+            }
+            return started;
+        }
+        self.running = self.running.saturating_sub(1);
         if let Some(lane) = self.lanes.get_mut(key) {
             lane.running = false;
             match how {
-                Finished::Done => {}
+                Finished::Done | Finished::Spilled { .. } => {}
                 Finished::Parked { seq, due } => {
                     // The oldest parked message leads; a later one never
                     // replaces it.
@@ -180,6 +266,7 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
                     lane.parked = next.map(|seq| Head { seq, due: now });
                 }
             }
+            lane.settle_spill(now);
             if lane.idle() {
                 self.lanes.remove(key);
             } else {
@@ -294,8 +381,39 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_key_spills_what_waits_at_the_high_water_mark_and_goes_on_in_order() {
+        // High water 2: a slow key `a` collects its later messages.
+        let mut s = S::new(4, 2);
+        assert_eq!(arrive(&mut s, "a", 1), vec![deliver("a", 1)]);
+        assert_eq!(arrive(&mut s, "a", 2), vec![]);
+        assert_eq!(
+            arrive(&mut s, "a", 3),
+            vec![
+                ("a".into(), Job::Spill(m("a", 2))),
+                ("a".into(), Job::Spill(m("a", 3)))
+            ]
+        );
+        assert_eq!(s.waiting().count(), 0, "their ack-pending slots are free");
+        // Later messages of `a` go behind them; other keys flow.
+        assert_eq!(
+            arrive(&mut s, "a", 4),
+            vec![("a".into(), Job::Spill(m("a", 4)))]
+        );
+        assert_eq!(arrive(&mut s, "b", 5), vec![deliver("b", 5)]);
+        assert_eq!(s.finish("a", Finished::Spilled { seq: Some(3) }, 0), vec![]);
+        assert_eq!(s.finish("a", Finished::Spilled { seq: Some(2) }, 0), vec![]);
+        // The slow job ends; one spill is still being written: wait.
+        assert_eq!(s.finish("a", Finished::Done, 0), vec![]);
+        assert_eq!(
+            s.finish("a", Finished::Spilled { seq: Some(4) }, 1),
+            vec![("a".into(), Job::Retry { seq: 2 })],
+            "the key goes on from its oldest spilled message"
+        );
+    }
+
+    #[test]
     fn one_at_a_time_per_key_in_order() {
-        let mut s = S::new(4);
+        let mut s = S::new(4, 1000);
         assert_eq!(arrive(&mut s, "a", 1), vec![deliver("a", 1)]);
         assert_eq!(arrive(&mut s, "a", 2), vec![]);
         assert_eq!(arrive(&mut s, "b", 3), vec![deliver("b", 3)]);
@@ -307,7 +425,7 @@ mod tests {
 
     #[test]
     fn a_failed_key_parks_what_follows_and_retries_in_order_while_others_flow() {
-        let mut s = S::new(4);
+        let mut s = S::new(4, 1000);
         arrive(&mut s, "a", 1);
         arrive(&mut s, "a", 2);
         // 1 fails: parked until t=10. 2 waited in memory: it is parked behind.
@@ -344,7 +462,7 @@ mod tests {
 
     #[test]
     fn full_slots_queue_ready_keys_fifo_and_stop_pulling() {
-        let mut s = S::new(1);
+        let mut s = S::new(1, 1000);
         arrive(&mut s, "a", 1);
         assert!(!s.can_pull());
         assert_eq!(arrive(&mut s, "b", 2), vec![]);
@@ -358,7 +476,7 @@ mod tests {
 
     #[test]
     fn keys_parked_at_start_park_what_arrives_and_retry_when_due() {
-        let mut s = S::new(2);
+        let mut s = S::new(2, 1000);
         s.load_parked("a".into(), 7, 5);
         assert_eq!(
             arrive(&mut s, "a", 9),
@@ -370,7 +488,7 @@ mod tests {
 
     #[test]
     fn shutdown_takes_what_waits() {
-        let mut s = S::new(1);
+        let mut s = S::new(1, 1000);
         arrive(&mut s, "a", 1);
         arrive(&mut s, "a", 2);
         arrive(&mut s, "b", 3);
@@ -383,7 +501,7 @@ mod tests {
 
     #[test]
     fn a_parked_key_waiting_for_a_slot_keeps_its_turn_after_take_waiting() {
-        let mut s = S::new(1);
+        let mut s = S::new(1, 1000);
         s.load_parked("a".into(), 7, 0);
         arrive(&mut s, "b", 1);
         assert_eq!(s.wake(1), vec![], "no slot: a waits in the ready queue");
@@ -427,10 +545,24 @@ mod tests {
     }
 
     impl World {
+        /// Jobs that hold a slot (spills run beside them).
+        fn main_jobs(&self) -> usize {
+            self.running
+                .iter()
+                .filter(|(_, j)| !matches!(j, Job::Spill(_)))
+                .count()
+        }
+
         fn start(&mut self, jobs: Vec<(String, Job<Msg>)>) {
             for (key, job) in jobs {
+                if matches!(job, Job::Spill(_)) {
+                    self.running.push((key, job));
+                    continue;
+                }
                 assert!(
-                    self.running.iter().all(|(k, _)| *k != key),
+                    self.running
+                        .iter()
+                        .all(|(k, j)| *k != key || matches!(j, Job::Spill(_))),
                     "key {key} runs two jobs"
                 );
                 if let Job::Retry { seq } = job {
@@ -461,6 +593,10 @@ mod tests {
                     self.parked.entry(key.clone()).or_default().insert(seq);
                     Finished::Done
                 }
+                Job::Spill((_, seq)) => {
+                    self.parked.entry(key.clone()).or_default().insert(seq);
+                    Finished::Spilled { seq: Some(seq) }
+                }
                 Job::Retry { seq } if fail => Finished::Parked { seq, due: now + 2 },
                 Job::Retry { seq } => {
                     let rows = self.parked.get_mut(&key).unwrap();
@@ -481,8 +617,12 @@ mod tests {
         /// messages succeed in stream order, and once everything succeeds
         /// nothing is left waiting or parked.
         #[test]
-        fn invariants_hold(concurrency in 1usize..4, ops in prop::collection::vec(op(), 1..300)) {
-            let mut s = S::new(concurrency);
+        fn invariants_hold(
+            concurrency in 1usize..4,
+            high_water in 1usize..8,
+            ops in prop::collection::vec(op(), 1..300),
+        ) {
+            let mut s = S::new(concurrency, high_water);
             let mut w = World::default();
             let mut arrived: HashMap<String, Vec<u64>> = HashMap::new();
             let mut seq = 0u64;
@@ -515,7 +655,7 @@ mod tests {
                     }
                 }
                 prop_assert!(s.running() <= concurrency);
-                prop_assert_eq!(s.running(), w.running.len());
+                prop_assert_eq!(s.running(), w.main_jobs());
             }
             // Liveness: everything succeeds from here on, time passes.
             for _ in 0..10_000 {
