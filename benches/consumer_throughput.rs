@@ -6,7 +6,9 @@
 //! scripts/bench.sh consumer --messages 80000 --concurrency 128 --out docs/bench
 //! ```
 //! Writes `consumer-c{N}.json` and `.svg` under `--out` (default
-//! `target/bench`).
+//! `target/bench`). `--rust` runs the consumer in this process with a Rust
+//! handler (inside the inbox transaction) instead of the binary with an
+//! HTTP one (`consumer-rust-c{N}.*`).
 //! Needs DATABASE_URL (migrated), NATS_URL and RELAY_BIN (the binary to run).
 
 use std::process::{Command, Stdio};
@@ -88,37 +90,71 @@ async fn main() {
         a.await.unwrap();
     }
 
-    let durable = format!("ctp_c{concurrency}");
+    let rust = std::env::args().any(|a| a == "--rust");
+    let durable = format!("ctp_{}c{concurrency}", if rust { "rust_" } else { "" });
     let log_path = std::env::temp_dir().join(format!("consumer-bench-{concurrency}.log"));
     let log = std::fs::File::create(&log_path).unwrap();
-    let mut child = Command::new(&bin)
-        .args([
-            "consume",
-            "--database-url",
-            &db,
-            "--nats-url",
-            &nats,
-            "--context",
-            "ctp",
-        ])
-        .args([
-            "--stream",
-            "CTP_EVENTS",
-            "--durable",
-            &durable,
-            "--handler-url",
-            &handler_url,
-        ])
-        .args([
-            "--concurrency",
-            &concurrency.to_string(),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ])
-        .args(["--max-ack-pending", &(concurrency * 4).max(50).to_string()])
-        .stderr(Stdio::from(log))
-        .spawn()
-        .expect("start the consumer");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let mut child = if rust {
+        // In process: the Rust trait, inside the inbox transaction.
+        let cfg = outbox_relay::ConsumeConfig {
+            stream: "CTP_EVENTS".into(),
+            durable: durable.clone(),
+            filter: None,
+            ack_wait: Duration::from_secs(120),
+            max_deliver: 20,
+            max_ack_pending: (concurrency * 4).max(50) as i64,
+            concurrency: concurrency as usize,
+            backoff: vec![Duration::from_secs(1)],
+            dlq_prefix: "dlq.ctp".into(),
+            dlq_replicas: 1,
+            shutdown_timeout: Duration::from_secs(5),
+        };
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(concurrency as u32 + 2)
+            .connect(&db)
+            .await
+            .unwrap();
+        let js = jetstream::new(async_nats::connect(&nats).await.unwrap());
+        let handler = Counting(calls.clone());
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let ready = outbox_relay::ops::endpoint::Readiness::default();
+            outbox_relay::consumer::run(cfg, pool, js, handler, ready, stop).await
+        });
+        None
+    } else {
+        Some(
+            Command::new(&bin)
+                .args([
+                    "consume",
+                    "--database-url",
+                    &db,
+                    "--nats-url",
+                    &nats,
+                    "--context",
+                    "ctp",
+                ])
+                .args([
+                    "--stream",
+                    "CTP_EVENTS",
+                    "--durable",
+                    &durable,
+                    "--handler-url",
+                    &handler_url,
+                ])
+                .args([
+                    "--concurrency",
+                    &concurrency.to_string(),
+                    "--metrics-addr",
+                    "127.0.0.1:0",
+                ])
+                .args(["--max-ack-pending", &(concurrency * 4).max(50).to_string()])
+                .stderr(Stdio::from(log))
+                .spawn()
+                .expect("start the consumer"),
+        )
+    };
 
     let pool = sqlx::PgPool::connect(&db).await.unwrap();
     let processed = || async {
@@ -133,7 +169,7 @@ async fn main() {
     // Time from the first handler call, so start-up is not counted.
     let deadline = Instant::now() + Duration::from_secs(300);
     while calls.load(Ordering::Relaxed) == 0 && Instant::now() < deadline {
-        if let Ok(Some(st)) = child.try_wait() {
+        if let Some(Ok(Some(st))) = child.as_mut().map(|c| c.try_wait()) {
             let text = std::fs::read_to_string(&log_path).unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(5).collect();
             panic!(
@@ -170,8 +206,11 @@ async fn main() {
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let _ = child.kill();
-    let _ = child.wait();
+    shutdown.cancel();
+    if let Some(c) = child.as_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
     let handler_calls = calls.load(Ordering::Relaxed);
     println!(
         "consumer --concurrency {concurrency}: {n} messages; handler called {handler_calls} times in {called:.2} s = {:.0} calls/s; {done} recorded processed after {elapsed:.2} s = {:.0} messages/s",
@@ -196,6 +235,7 @@ async fn main() {
         "command": format!("scripts/bench.sh consumer --messages {n} --concurrency {concurrency} --aggregates {aggregates}"),
         "messages": n,
         "concurrency": concurrency,
+        "handler": if rust { "rust" } else { "http" },
         "aggregates": aggregates,
         "handler_calls": handler_calls,
         "recorded_processed": done,
@@ -210,7 +250,10 @@ async fn main() {
         .map(|w| w[1].clone())
         .unwrap_or_else(|| "target/bench".into());
     std::fs::create_dir_all(&out).expect("create the output dir");
-    let base = format!("{out}/consumer-c{concurrency}");
+    let base = format!(
+        "{out}/consumer-{}c{concurrency}",
+        if rust { "rust-" } else { "" }
+    );
     std::fs::write(
         format!("{base}.json"),
         serde_json::to_string_pretty(&report).unwrap(),
@@ -218,7 +261,13 @@ async fn main() {
     .expect("write JSON");
     std::fs::write(
         format!("{base}.svg"),
-        chart(&rates, &format!("outbox-relay consume, HTTP handler, concurrency {concurrency}: handler calls/s ({date})")),
+        chart(
+            &rates,
+            &format!(
+                "outbox-relay consume, {} handler, concurrency {concurrency}: handler calls/s ({date})",
+                if rust { "Rust" } else { "HTTP" }
+            ),
+        ),
     )
     .expect("write SVG");
     println!("wrote {base}.json and {base}.svg");
@@ -259,4 +308,19 @@ fn chart(rates: &[(f64, f64)], title: &str) -> String {
     );
     svg.push_str("</svg>\n");
     svg
+}
+
+/// A Rust handler that writes nothing: what the consumer and its inbox
+/// transaction cost alone.
+struct Counting(Arc<AtomicU64>);
+
+impl outbox_relay::Handler for Counting {
+    async fn handle(
+        &self,
+        _tx: &mut sqlx::PgConnection,
+        _d: &outbox_relay::Delivery,
+    ) -> outbox_relay::Outcome {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        outbox_relay::Outcome::Processed
+    }
 }
