@@ -11,6 +11,9 @@
 //! HTTP one (`consumer-rust-c{N}.*`).
 //! Needs DATABASE_URL (migrated), NATS_URL and RELAY_BIN (the binary to run).
 
+mod common;
+use common::{arg, env, flag, out_dir};
+
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,29 +22,16 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, stream};
 use outbox_relay::wire;
 
-fn arg(name: &str, default: u64) -> u64 {
-    let argv: Vec<String> = std::env::args().collect();
-    argv.iter()
-        .position(|a| a == name)
-        .and_then(|i| argv.get(i + 1))
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{name} takes a number"))
-        })
-        .unwrap_or(default)
-}
-
-fn env(k: &str) -> String {
-    std::env::var(k)
-        .unwrap_or_else(|_| panic!("{k} not set: run through scripts/bench.sh consumer"))
-}
-
 #[tokio::main]
 async fn main() {
     let n = arg("--messages", 5000);
     let concurrency = arg("--concurrency", 1);
     let aggregates = arg("--aggregates", 1000);
-    let (db, nats, bin) = (env("DATABASE_URL"), env("NATS_URL"), env("RELAY_BIN"));
+    let (db, nats, bin) = (
+        env("DATABASE_URL", "consumer"),
+        env("NATS_URL", "consumer"),
+        env("RELAY_BIN", "consumer"),
+    );
 
     // The handler: 200 at once, counting calls.
     let calls = Arc::new(AtomicU64::new(0));
@@ -90,7 +80,7 @@ async fn main() {
         a.await.unwrap();
     }
 
-    let rust = std::env::args().any(|a| a == "--rust");
+    let rust = flag("--rust");
     let durable = format!("ctp_{}c{concurrency}", if rust { "rust_" } else { "" });
     let log_path = std::env::temp_dir().join(format!("consumer-bench-{concurrency}.log"));
     let log = std::fs::File::create(&log_path).unwrap();
@@ -243,13 +233,7 @@ async fn main() {
         "messages_per_second": done as f64 / elapsed,
         "per_second": rates.iter().map(|(t, r)| serde_json::json!({"t": t, "calls_per_second": r})).collect::<Vec<_>>(),
     });
-    let out = std::env::args()
-        .collect::<Vec<_>>()
-        .windows(2)
-        .find(|w| w[0] == "--out")
-        .map(|w| w[1].clone())
-        .unwrap_or_else(|| "target/bench".into());
-    std::fs::create_dir_all(&out).expect("create the output dir");
+    let out = out_dir();
     let base = format!(
         "{out}/consumer-{}c{concurrency}",
         if rust { "rust-" } else { "" }

@@ -11,6 +11,9 @@
 //! Needs DATABASE_URL, NATS_URL, RELAY_BIN and the relay running with
 //! `--context bench`.
 
+mod common;
+use common::{arg, env, out_dir};
+
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -19,23 +22,6 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use sqlx::postgres::PgPoolOptions;
 use uuid::Uuid;
-
-fn arg(name: &str, default: u64) -> u64 {
-    let argv: Vec<String> = std::env::args().collect();
-    argv.iter()
-        .position(|a| a == name)
-        .and_then(|i| argv.get(i + 1))
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{name} takes a number"))
-        })
-        .unwrap_or(default)
-}
-
-fn env(k: &str) -> String {
-    std::env::var(k)
-        .unwrap_or_else(|_| panic!("{k} not set: run through scripts/bench.sh pipeline"))
-}
 
 /// Per event: when its commit returned, and each time the handler got it.
 #[derive(Default)]
@@ -51,7 +37,11 @@ async fn main() {
     let producers = arg("--producers", 2).max(1);
     let txn = arg("--txn-size", 10).max(1);
     let concurrency = arg("--concurrency", 128);
-    let (db, nats, bin) = (env("DATABASE_URL"), env("NATS_URL"), env("RELAY_BIN"));
+    let (db, nats, bin) = (
+        env("DATABASE_URL", "pipeline"),
+        env("NATS_URL", "pipeline"),
+        env("RELAY_BIN", "pipeline"),
+    );
     let book = Arc::new(Mutex::new(Book::default()));
 
     let handler_book = book.clone();
@@ -203,13 +193,7 @@ async fn main() {
         "events_per_second": reached as f64 / secs,
         "commit_to_handler_ms": {"p50": ms(0.5), "p90": ms(0.9), "p99": ms(0.99), "max": hist.max() as f64 / 1000.0},
     });
-    let out = std::env::args()
-        .collect::<Vec<_>>()
-        .windows(2)
-        .find(|w| w[0] == "--out")
-        .map(|w| w[1].clone())
-        .unwrap_or_else(|| "target/bench".into());
-    std::fs::create_dir_all(&out).unwrap();
+    let out = out_dir();
     let path = format!("{out}/pipeline-rate{rate}.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).unwrap();
     println!("  wrote {path}");

@@ -12,28 +12,15 @@
 //! ```
 //! Needs DATABASE_URL, RELAY_BIN, and the relay running with `--context bench`.
 
+mod common;
+use common::{arg, env};
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use sqlx::postgres::PgPoolOptions;
-
-fn arg(name: &str, default: u64) -> u64 {
-    let argv: Vec<String> = std::env::args().collect();
-    argv.iter()
-        .position(|a| a == name)
-        .and_then(|i| argv.get(i + 1))
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{name} takes a number"))
-        })
-        .unwrap_or(default)
-}
-
-fn env(k: &str) -> String {
-    std::env::var(k).unwrap_or_else(|_| panic!("{k} not set: run through scripts/bench.sh prune"))
-}
 
 /// Commit times (µs) of a producer at `rate` events/s until `stop`.
 async fn produce(pool: sqlx::PgPool, rate: u64, stop: Arc<AtomicBool>) -> Histogram<u64> {
@@ -71,7 +58,7 @@ async fn main() {
     let rows = arg("--rows", 1_000_000);
     let rate = arg("--rate", 2000);
     let seconds = arg("--seconds", 20);
-    let (db, bin) = (env("DATABASE_URL"), env("RELAY_BIN"));
+    let (db, bin) = (env("DATABASE_URL", "prune"), env("RELAY_BIN", "prune"));
     let pool = PgPoolOptions::new()
         .max_connections(4)
         .connect(&db)

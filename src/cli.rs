@@ -231,8 +231,10 @@ async fn run(command: Command) -> Result<(), Error> {
             command: ConsumerCommand::Reset(args),
         } => {
             let from = match (&args.seq, &args.time) {
-                (Some(n), _) => crate::ops::reset::From::Seq(*n),
-                (None, Some(t)) => crate::ops::reset::From::Time(crate::ops::reset::parse_time(t)?),
+                (Some(n), _) => crate::ops::reset::StartAt::Seq(*n),
+                (None, Some(t)) => {
+                    crate::ops::reset::StartAt::Time(crate::ops::reset::parse_time(t)?)
+                }
                 (None, None) => return Err(Error::Config("give --seq or --time".into())),
             };
             let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;

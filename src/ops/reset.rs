@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 
 /// Where to start over.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum From {
+pub enum StartAt {
     Seq(u64),
     /// RFC 3339, not in the future.
     Time(time::OffsetDateTime),
@@ -50,7 +50,7 @@ pub async fn run(
     js: &jetstream::Context,
     stream_name: &str,
     durable: &str,
-    from: &From,
+    from: &StartAt,
     who: &str,
 ) -> Result<Done> {
     let mut stream = js
@@ -70,7 +70,7 @@ pub async fn run(
             ))
         })?;
     let seq = match from {
-        From::Seq(n) => {
+        StartAt::Seq(n) => {
             if *n == 0 || *n > state.last_sequence + 1 {
                 return Err(Error::Config(format!(
                     "--seq {n} is outside stream {stream_name} (sequences {}..={})",
@@ -80,7 +80,7 @@ pub async fn run(
             }
             (*n).max(state.first_sequence)
         }
-        From::Time(at) => first_at_or_after(&stream, *at).await?.ok_or_else(|| {
+        StartAt::Time(at) => first_at_or_after(&stream, *at).await?.ok_or_else(|| {
             Error::Config(format!(
                 "stream {stream_name} holds no message at or after {at}"
             ))

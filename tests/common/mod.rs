@@ -763,6 +763,37 @@ impl Drop for OwnNats {
     }
 }
 
+/// `stack.sh {up} DIR` on a fresh DIR (what an earlier run left there is
+/// stopped with `{down}` and removed), with `env` set; then DIR/env's exports.
+fn stack_sh_up(
+    up: &str,
+    down: &str,
+    dir: &std::path::Path,
+    env: &[(&str, String)],
+) -> HashMap<String, String> {
+    let _ = Command::new(STACK_SH).arg(down).arg(dir).status();
+    let _ = std::fs::remove_dir_all(dir);
+    let out = Command::new(STACK_SH)
+        .arg(up)
+        .arg(dir)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stack.sh {up} {} failed: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(dir.join("env"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.trim_matches('\'').to_owned()))
+        .collect()
+}
+
 /// A Postgres + NATS stack of the test's own from `scripts/stack.sh up`
 /// (with `tls`, `STACK_TLS=1`), for tests that restart or reconfigure it.
 /// Stopped on drop.
@@ -776,28 +807,16 @@ impl OwnStack {
         // Outside the checkout: run as root, Postgres runs as an unprivileged
         // user, who cannot enter a private (0700) checkout.
         let dir = std::env::temp_dir().join(format!("outbox-relay-{name}-{}", std::process::id()));
-        let _ = Command::new(STACK_SH).arg("down").arg(&dir).status();
-        let _ = std::fs::remove_dir_all(&dir);
-        let out = Command::new(STACK_SH)
-            .arg("up")
-            .arg(&dir)
-            .env("STACK_TLS", if tls { "1" } else { "0" })
-            // The main stack's nats-server, already installed.
-            .env("NATS_SERVER_BIN", stack().nats_bin)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "stack {name} did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let env = stack_sh_up(
+            "up",
+            "down",
+            &dir,
+            &[
+                ("STACK_TLS", if tls { "1" } else { "0" }.to_owned()),
+                // The main stack's nats-server, already installed.
+                ("NATS_SERVER_BIN", stack().nats_bin),
+            ],
         );
-        let env = std::fs::read_to_string(dir.join("env"))
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.strip_prefix("export "))
-            .filter_map(|l| l.split_once('='))
-            .map(|(k, v)| (k.to_owned(), v.trim_matches('\'').to_owned()))
-            .collect();
         OwnStack { dir, env }
     }
 
@@ -835,31 +854,10 @@ pub struct OwnPgPair {
 impl OwnPgPair {
     pub fn up(name: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("outbox-relay-{name}-{}", std::process::id()));
-        let _ = Command::new(STACK_SH)
-            .arg("pg17-pair-down")
-            .arg(&dir)
-            .status();
-        let _ = std::fs::remove_dir_all(&dir);
-        let out = Command::new(STACK_SH)
-            .arg("pg17-pair-up")
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "PostgreSQL 17 pair {name} did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let get = |k: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
-                .unwrap_or_else(|| panic!("no {k} in: {text}"))
-                .to_owned()
-        };
+        let env = stack_sh_up("pg17-pair-up", "pg17-pair-down", &dir, &[]);
         OwnPgPair {
-            primary_url: get("PRIMARY_URL"),
-            standby_url: get("STANDBY_URL"),
+            primary_url: env["PRIMARY_URL"].clone(),
+            standby_url: env["STANDBY_URL"].clone(),
             dir,
         }
     }
@@ -932,28 +930,13 @@ pub struct OwnCluster {
 impl OwnCluster {
     pub fn up(name: &str) -> Self {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-        let _ = Command::new(STACK_SH)
-            .arg("nats-cluster-down")
-            .arg(&dir)
-            .status();
-        let _ = std::fs::remove_dir_all(&dir);
-        let out = Command::new(STACK_SH)
-            .arg("nats-cluster-up")
-            .arg(&dir)
-            .env("NATS_SERVER_BIN", stack().nats_bin)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "cluster {name} did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let env = stack_sh_up(
+            "nats-cluster-up",
+            "nats-cluster-down",
+            &dir,
+            &[("NATS_SERVER_BIN", stack().nats_bin)],
         );
-        let url = std::fs::read_to_string(dir.join("env"))
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("export NATS_CLUSTER_URL="))
-            .unwrap()
-            .to_owned();
+        let url = env["NATS_CLUSTER_URL"].clone();
         OwnCluster {
             dir,
             url,
