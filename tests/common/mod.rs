@@ -589,6 +589,53 @@ pub fn spawn_producer(
     })
 }
 
+/// The stream's first `total` messages, read one by one by sequence, each
+/// read retried until `timeout` (a cluster still settling after a node
+/// restart, where an ordered consumer can stall for good).
+pub async fn read_stream_by_seq(
+    js: &jetstream::Context,
+    stream: &str,
+    total: u64,
+    timeout: Duration,
+) -> Vec<Got> {
+    let deadline = Instant::now() + timeout;
+    let mut got = Vec::with_capacity(total as usize);
+    for seq in 1..=total {
+        let m = loop {
+            let read = async {
+                js.get_stream(stream)
+                    .await
+                    .ok()?
+                    .get_raw_message(seq)
+                    .await
+                    .ok()
+            };
+            match read.await {
+                Some(m) => break m,
+                None if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                None => panic!("message {seq} of {stream} not readable within {timeout:?}"),
+            }
+        };
+        got.push(Got {
+            subject: m.subject.to_string(),
+            headers: m
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.to_string(),
+                        v.first().map(|v| v.to_string()).unwrap_or_default(),
+                    )
+                })
+                .collect(),
+            payload: m.payload.to_vec(),
+        });
+    }
+    got
+}
+
 /// Every id exactly once, commit order (LSN non-decreasing, index 0.. in a
 /// transaction) and per-producer sequence increasing.
 pub fn assert_exactly_once_in_order(got: &[Got], sent: &HashSet<uuid::Uuid>) {
