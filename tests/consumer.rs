@@ -1895,3 +1895,136 @@ async fn a_slow_aggregate_does_not_hold_the_others_back() {
         "the slow aggregate in order, once each"
     );
 }
+
+/// A Rust handler whose messages share group transactions: the payload says
+/// how its first delivery goes (`ok`, `fail` after writing, or `panic` after
+/// writing); every call is counted.
+#[derive(Clone, Default)]
+struct Grouped {
+    calls: Arc<Mutex<HashMap<Uuid, usize>>>,
+}
+
+impl outbox_relay::consumer::Handler for Grouped {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        d: &outbox_relay::consumer::Delivery,
+    ) -> outbox_relay::consumer::Outcome {
+        use outbox_relay::consumer::Outcome;
+        *self.calls.lock().unwrap().entry(d.message_id).or_default() += 1;
+        let body: serde_json::Value = serde_json::from_slice(&d.payload).unwrap();
+        if let Err(e) = sqlx::query(
+            "INSERT INTO effects (message_id, aggregate, n, delivered) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(d.message_id)
+        .bind(body["aggregate"].as_str().unwrap_or_default())
+        .bind(body["n"].as_i64().unwrap_or_default())
+        .bind(d.delivered)
+        .execute(&mut *tx)
+        .await
+        {
+            return Outcome::Retry(e.to_string());
+        }
+        match (body["first"].as_str(), d.delivered) {
+            (Some("fail"), 1) => Outcome::Retry("first delivery fails after writing".into()),
+            (Some("panic"), 1) => panic!("first delivery panics after writing ({})", body["n"]),
+            _ => Outcome::Processed,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_alone() {
+    let stack = stack();
+    let (_url, pool) = fresh_db(&stack, "c_group").await;
+    sqlx::query(
+        "CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id uuid NOT NULL, \
+         aggregate text NOT NULL, n int8 NOT NULL, delivered int8 NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cgroup", Duration::from_secs(120)).await;
+    let cfg = outbox_relay::consumer::ConsumeConfig {
+        stream: stream.clone(),
+        durable: "group".into(),
+        filter: None,
+        ack_wait: Duration::from_secs(10),
+        max_deliver: 5,
+        max_ack_pending: 1000,
+        concurrency: 64,
+        backoff: vec![Duration::from_millis(100)],
+        dlq_prefix: wire::consumer_dlq_prefix("cgroup"),
+        dlq_replicas: 1,
+        shutdown_timeout: Duration::from_secs(5),
+    };
+    // Published before the consumer starts, so its first pulls are full and
+    // its transactions hold many messages each.
+    const AGGREGATES: usize = 40;
+    const N: usize = 400;
+    let mut sent = Vec::new();
+    for n in 0..N {
+        let id = Uuid::new_v4();
+        let aggregate = format!("g{}", n % AGGREGATES);
+        let first = match n {
+            n if n % 53 == 0 => "panic",
+            n if n % 7 == 0 => "fail",
+            _ => "ok",
+        };
+        let body = serde_json::json!({"aggregate": aggregate, "n": n, "first": first});
+        publish(&js, "cgroup.e", Some(id), &aggregate, body.to_string().as_bytes()).await;
+        sent.push((id, aggregate, n as i64, first));
+    }
+    let handler = Grouped::default();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(outbox_relay::consumer::run(
+        cfg,
+        pool.clone(),
+        js.clone(),
+        handler.clone(),
+        outbox_relay::ops::endpoint::Readiness::default(),
+        shutdown.clone(),
+    ));
+    wait_processed(&pool, "group", N).await;
+    let effects: Vec<(Uuid, String, i64, i64)> =
+        sqlx::query_as("SELECT message_id, aggregate, n, delivered FROM effects ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let rows = inbox(&pool, "group").await;
+    let calls = handler.calls.lock().unwrap().clone();
+    for (id, _, n, first) in &sent {
+        let kept: Vec<i64> = effects
+            .iter()
+            .filter(|e| e.0 == *id)
+            .map(|e| e.3)
+            .collect();
+        let expected = if *first == "ok" { 1 } else { 2 };
+        assert_eq!(
+            kept,
+            vec![expected],
+            "message {n} ({first}): only the successful attempt's write is kept"
+        );
+        assert_eq!(calls[id], expected as usize, "message {n} ({first}): handler calls");
+        assert_eq!(rows[id].attempts, expected as i32, "message {n}: inbox attempts");
+        assert!(rows[id].processed);
+    }
+    for g in 0..AGGREGATES {
+        let aggregate = format!("g{g}");
+        let order: Vec<i64> = effects
+            .iter()
+            .filter(|e| e.1 == aggregate)
+            .map(|e| e.2)
+            .collect();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert_eq!(order, sorted, "aggregate {aggregate} committed in stream order");
+    }
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

@@ -15,9 +15,10 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::dead_letter::{self, DeadLetters};
-use super::handler::{Delivery, Handler, Outcome};
+use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, Claim};
 use super::scheduler::{Finished, Job};
+use super::transaction::{Done, Transactions};
 use super::ConsumeConfig;
 use crate::ops::metrics as m;
 use crate::wire;
@@ -64,6 +65,8 @@ pub(super) struct Shared<H> {
     pub dlq_failing: AtomicUsize,
     /// Claims and completions of detached (HTTP) calls, batched.
     pub batcher: inbox::Batcher,
+    /// Group transactions for a handler that runs inside one.
+    pub transactions: Option<Transactions>,
 }
 
 pub(super) fn header(msg: &jetstream::Message, name: &str) -> Option<String> {
@@ -318,8 +321,13 @@ enum Ran {
     Processed { duplicate: bool },
     /// Parked already (a redelivery after a reset).
     Parked { seq: Option<i64> },
-    /// The handler did not succeed.
-    Failed { outcome: Outcome, attempts: i32 },
+    /// The handler did not succeed. `counted`: the attempt is in the inbox
+    /// row (its claim committed).
+    Failed {
+        outcome: Outcome,
+        attempts: i32,
+        counted: bool,
+    },
     /// Processed meanwhile, or gone (a retry only).
     Gone,
 }
@@ -335,6 +343,22 @@ async fn run_handler<H: Handler>(
 ) -> Option<Ran> {
     let cfg = &shared.cfg;
     let consumer = cfg.durable.as_str();
+    if let (Some(group), false) = (&shared.transactions, parked) {
+        let delivery = parts.delivery(id, 0);
+        return persist(shared, "the inbox transaction", || {
+            group.run(delivery.clone(), parts.seq)
+        })
+        .await
+        .map(|done| match done {
+            Done::Processed { duplicate } => Ran::Processed { duplicate },
+            Done::Parked { seq } => Ran::Parked { seq },
+            Done::Failed { outcome, attempts } => Ran::Failed {
+                outcome,
+                attempts,
+                counted: true,
+            },
+        });
+    }
     if shared.handler.in_transaction() {
         return persist(shared, "the inbox transaction", || async {
             let mut tx = shared.pool.begin().await?;
@@ -366,17 +390,18 @@ async fn run_handler<H: Handler>(
                 }
             };
             let delivery = parts.delivery(id, attempts);
-            let started = Instant::now();
-            let outcome = shared.handler.handle(&mut tx, &delivery).await;
-            metrics::histogram!(m::CONSUMER_HANDLER_SECONDS)
-                .record(started.elapsed().as_secs_f64());
+            let outcome = handler::call(shared.handler.handle(&mut tx, &delivery)).await;
             if outcome == Outcome::Processed {
                 inbox::complete(&mut tx, consumer, id).await?;
                 tx.commit().await?;
                 Ok(Ran::Processed { duplicate: false })
             } else {
                 tx.rollback().await?;
-                Ok(Ran::Failed { outcome, attempts })
+                Ok(Ran::Failed {
+                    outcome,
+                    attempts,
+                    counted: false,
+                })
             }
         })
         .await;
@@ -402,11 +427,13 @@ async fn run_handler<H: Handler>(
         }
     };
     let delivery = parts.delivery(id, attempts);
-    let started = Instant::now();
-    let outcome = shared.handler.handle_detached(&delivery).await;
-    metrics::histogram!(m::CONSUMER_HANDLER_SECONDS).record(started.elapsed().as_secs_f64());
+    let outcome = handler::call(shared.handler.handle_detached(&delivery)).await;
     if outcome != Outcome::Processed {
-        return Some(Ran::Failed { outcome, attempts });
+        return Some(Ran::Failed {
+            outcome,
+            attempts,
+            counted: true,
+        });
     }
     // The handler succeeded: never call it again for a failed commit.
     persist(shared, "the inbox completion", || {
@@ -436,9 +463,11 @@ async fn deliver_pulled<H: Handler>(
             due: Instant::now(),
         }),
         Ran::Gone => Some(Finished::Done),
-        Ran::Failed { outcome, attempts } => {
-            after_failure(shared, key, &parts, id, outcome, attempts).await
-        }
+        Ran::Failed {
+            outcome,
+            attempts,
+            counted,
+        } => after_failure(shared, key, &parts, id, outcome, attempts, counted).await,
     }
 }
 
@@ -451,13 +480,14 @@ async fn after_failure<H: Handler>(
     id: Uuid,
     outcome: Outcome,
     attempts: i32,
+    counted: bool,
 ) -> Option<Finished<Instant>> {
     let cfg = &shared.cfg;
+    let count_attempt = !counted;
     match decide(&outcome, i64::from(attempts), cfg.max_deliver, &cfg.backoff) {
         Action::Ack => Some(Finished::Done),
         Action::DeadLetter(reason) => {
             dead_letter(shared, parts, &id.to_string(), &reason, attempts).await?;
-            let count_attempt = shared.handler.in_transaction();
             persist(shared, "recording the dead letter", || {
                 inbox::finish_failed(
                     &shared.pool,
@@ -484,8 +514,6 @@ async fn after_failure<H: Handler>(
                 key,
                 seq: parts.seq,
             };
-            // The claim a Rust handler's transaction made was rolled back.
-            let count_attempt = shared.handler.in_transaction();
             persist(shared, "parking the message", || {
                 inbox::park(&shared.pool, &parking, delay, reason, count_attempt)
             })
@@ -644,9 +672,13 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
             count(if duplicate { "duplicate" } else { "processed" });
         }
         Ran::Parked { .. } | Ran::Gone => {}
-        Ran::Failed { outcome, attempts } => {
+        Ran::Failed {
+            outcome,
+            attempts,
+            counted,
+        } => {
             if let Some(parked @ Finished::Parked { .. }) =
-                after_failure(shared, key, &parts, id, outcome, attempts).await
+                after_failure(shared, key, &parts, id, outcome, attempts, counted).await
             {
                 return Some(parked);
             }

@@ -43,6 +43,14 @@ pub enum Outcome {
 /// A handler runs inside the inbox transaction: what it writes through `tx`
 /// commits with the inbox row on [`Outcome::Processed`] and rolls back
 /// otherwise, so a Rust service gets exactly-once effects.
+///
+/// Up to 32 messages of different aggregates share one transaction, each
+/// call in a savepoint of its own: a failure (or a panic) rolls back that
+/// call's writes alone. What a call leaves in the transaction beyond its
+/// writes (row locks, `SET LOCAL`, temporary tables) lasts until the group
+/// commits, and a group that fails to commit (a deadlock, a lost
+/// connection) runs its messages again, their writes having been rolled
+/// back.
 pub trait Handler: Send + Sync + 'static {
     fn handle(
         &self,
@@ -64,6 +72,29 @@ pub trait Handler: Send + Sync + 'static {
         let _ = delivery;
         async { Outcome::Retry("this handler runs only inside the inbox transaction".into()) }
     }
+}
+
+/// Run one handler call, timed. A panic is an attempt that failed, counted
+/// like any other: left to unwind, it would roll back the claim that counts
+/// it, and the message would come back forever, never reaching
+/// `--max-deliver` and the DLQ.
+pub(super) async fn call(work: impl Future<Output = Outcome>) -> Outcome {
+    use futures::FutureExt;
+    let started = std::time::Instant::now();
+    let outcome = std::panic::AssertUnwindSafe(work)
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Outcome::Retry(format!("the handler panicked: {what}"))
+        });
+    metrics::histogram!(crate::ops::metrics::CONSUMER_HANDLER_SECONDS)
+        .record(started.elapsed().as_secs_f64());
+    outcome
 }
 
 /// `POST` the SPEC §6 JSON to a URL and map the status code.

@@ -26,6 +26,7 @@ pub mod handler;
 mod inbox;
 pub(crate) mod lease;
 mod scheduler;
+mod transaction;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -243,6 +244,18 @@ impl<H: Handler> Active<'_, H> {
                 cfg.durable.clone(),
                 cfg.stream.clone(),
             ),
+            transactions: self.handler.in_transaction().then(|| {
+                // Half the pool, so parking, retries and the lease check
+                // still find a connection.
+                let workers = (self.pool.options().get_max_connections() / 2).clamp(1, 4);
+                transaction::Transactions::start(
+                    self.pool.clone(),
+                    self.handler.clone(),
+                    cfg.durable.clone(),
+                    cfg.stream.clone(),
+                    workers as usize,
+                )
+            }),
         });
         let mut messages = Some(
             pull_stream(&consumer, cfg)
