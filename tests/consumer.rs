@@ -1973,7 +1973,14 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
             _ => "ok",
         };
         let body = serde_json::json!({"aggregate": aggregate, "n": n, "first": first});
-        publish(&js, "cgroup.e", Some(id), &aggregate, body.to_string().as_bytes()).await;
+        publish(
+            &js,
+            "cgroup.e",
+            Some(id),
+            &aggregate,
+            body.to_string().as_bytes(),
+        )
+        .await;
         sent.push((id, aggregate, n as i64, first));
     }
     let handler = Grouped::default();
@@ -1995,19 +2002,21 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
     let rows = inbox(&pool, "group").await;
     let calls = handler.calls.lock().unwrap().clone();
     for (id, _, n, first) in &sent {
-        let kept: Vec<i64> = effects
-            .iter()
-            .filter(|e| e.0 == *id)
-            .map(|e| e.3)
-            .collect();
+        let kept: Vec<i64> = effects.iter().filter(|e| e.0 == *id).map(|e| e.3).collect();
         let expected = if *first == "ok" { 1 } else { 2 };
         assert_eq!(
             kept,
             vec![expected],
             "message {n} ({first}): only the successful attempt's write is kept"
         );
-        assert_eq!(calls[id], expected as usize, "message {n} ({first}): handler calls");
-        assert_eq!(rows[id].attempts, expected as i32, "message {n}: inbox attempts");
+        assert_eq!(
+            calls[id], expected as usize,
+            "message {n} ({first}): handler calls"
+        );
+        assert_eq!(
+            rows[id].attempts, expected as i32,
+            "message {n}: inbox attempts"
+        );
         assert!(rows[id].processed);
     }
     for g in 0..AGGREGATES {
@@ -2019,7 +2028,10 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
             .collect();
         let mut sorted = order.clone();
         sorted.sort_unstable();
-        assert_eq!(order, sorted, "aggregate {aggregate} committed in stream order");
+        assert_eq!(
+            order, sorted,
+            "aggregate {aggregate} committed in stream order"
+        );
     }
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(20), task)

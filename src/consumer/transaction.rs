@@ -14,9 +14,9 @@
 //! every message in it, and each is run again, its effects having been
 //! rolled back with the group.
 
+use sqlx::PgPool;
 use std::collections::HashSet;
 use std::sync::Arc;
-use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use uuid::Uuid;
 
