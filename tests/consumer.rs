@@ -1753,10 +1753,10 @@ async fn a_reset_reaches_an_aggregate_that_has_a_parked_message() {
     assert_all_acked(&f.js, &f.stream, "cresetp").await;
 }
 
-/// Issue 12, defect 1: with `--backoff 0s` a failed message's redelivery
-/// came back at once, possibly to nobody waiting for it, and its aggregate
-/// stayed blocked. Retries are now the consumer's own (parked in the inbox),
-/// so the aggregate goes on, in order, whatever the backoff.
+/// `--backoff 0s`, one of issue 12's causes of defect 1: the aggregate goes
+/// on, in order. The old consumer passed this one too (its redelivery came
+/// back here in time); `a_failed_message_deleted_during_its_backoff…` is
+/// the defect's failing test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zero_backoff_retry_unblocks_its_aggregate_in_order() {
     let f = fixture(
@@ -2039,4 +2039,44 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
         .unwrap()
         .unwrap()
         .unwrap();
+}
+
+/// Issue 12, defect 1: an aggregate waited for its failed message's
+/// redelivery, which never comes when the stream deleted the message during
+/// the backoff; its later messages got progress acks forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_message_deleted_during_its_backoff_does_not_block_its_aggregate() {
+    let f = fixture(
+        "c_deleted",
+        "cdeleted",
+        "cdeleted",
+        DUP,
+        &["--backoff", "3s"],
+    )
+    .await;
+    let (first, second) = (Uuid::new_v4(), Uuid::new_v4());
+    publish(
+        &f.js,
+        "cdeleted.e",
+        Some(first),
+        "z",
+        br#"{"answers": [500, 200]}"#,
+    )
+    .await;
+    publish(&f.js, "cdeleted.e", Some(second), "z", b"{}").await;
+    eventually(T, "the first message failed once", || async {
+        !f.handler.calls_for(first).is_empty()
+    })
+    .await;
+    f.js.get_stream(&f.stream)
+        .await
+        .unwrap()
+        .delete_message(1)
+        .await
+        .unwrap();
+    eventually(T, "the aggregate's next message handled", || async {
+        f.handler.calls_for(second).iter().any(|c| c.status == 200)
+    })
+    .await;
+    assert_eq!(f.handler.calls_for(second).len(), 1);
 }
