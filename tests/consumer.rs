@@ -935,7 +935,7 @@ async fn a_failing_aggregate_never_holds_up_the_others() {
     .await;
     // The first hot message fails three times, then everything passes.
     let mut hot = Vec::new();
-    for i in 0..60 {
+    for i in 0..120 {
         let id = Uuid::new_v4();
         let answers = if i == 0 {
             "[500, 500, 500, 200]"
@@ -954,6 +954,7 @@ async fn a_failing_aggregate_never_holds_up_the_others() {
         hot.push(id);
     }
     let cold = Uuid::new_v4();
+    let published = Instant::now();
     publish(&js, "chol.event.placed.v2", Some(cold), "cold", b"{}").await;
     eventually(
         T,
@@ -961,11 +962,14 @@ async fn a_failing_aggregate_never_holds_up_the_others() {
         || async { !handler.calls_for(cold).is_empty() },
     )
     .await;
+    // Issue 12's figure (< 1 s with 120 queued); a figure, not an assert.
+    let delay = handler.calls_for(cold)[0].at.duration_since(published);
+    eprintln!("cold handled {delay:?} after its publish, behind 120 failing hot messages");
     assert!(
         handler.calls_for(hot[1]).is_empty(),
         "a later message of the failing aggregate ran before its predecessor"
     );
-    wait_processed(&pool, "hol", 61).await;
+    wait_processed(&pool, "hol", 121).await;
     assert_all_acked(&js, &stream, "hol").await;
     let order: Vec<String> = handler
         .calls()
