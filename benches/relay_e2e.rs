@@ -21,7 +21,7 @@
 //! ```
 //!
 //! Against any deployment: `cargo bench --bench relay_e2e -- <flags>` with
-//! DATABASE_URL, NATS_URL, RELAY_PID (for CPU and memory) and the relay
+//! DATABASE_URL, NATS_URL, RELAY_PID (for CPU and memory), NATS_PID (nats-server CPU) and the relay
 //! running with `--context bench`.
 
 use std::collections::HashMap;
@@ -333,6 +333,9 @@ struct PhaseResult {
     latency_ms: Option<serde_json::Value>,
     wal_bytes_per_event: f64,
     relay_cpu_us_per_event: Option<f64>,
+    /// nats-server's CPU per event of the phase (NATS_PID): it stores and
+    /// acks every publish, so it is the relay's other cost.
+    nats_cpu_us_per_event: Option<f64>,
     relay_peak_rss_mib: Option<f64>,
     samples: Vec<Sample>,
     /// (receive second, p50 ms, p99 ms)
@@ -345,6 +348,7 @@ async fn run_phase(
     pool: &PgPool,
     client: &async_nats::Client,
     relay_pid: Option<&str>,
+    nats_pid: Option<&str>,
 ) -> PhaseResult {
     let subject = match phase {
         "cdc" => Some("bench.>"),
@@ -370,6 +374,7 @@ async fn run_phase(
     let expected = a.events / a.producers / a.txn_size * a.txn_size * a.producers;
     let wal0 = wal_lsn(pool).await;
     let cpu0 = relay_pid.map(cpu_seconds);
+    let nats_cpu0 = nats_pid.map(cpu_seconds);
     let committed = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let producers = tokio::spawn(produce(
@@ -467,6 +472,10 @@ async fn run_phase(
         (Some(c), Some(c0)) if phase == "cdc" => Some((c - c0) * 1e6 / expected.max(1) as f64),
         _ => None,
     };
+    let nats_cpu = match (nats_pid.map(cpu_seconds), nats_cpu0) {
+        (Some(c), Some(c0)) => Some((c - c0) * 1e6 / expected.max(1) as f64),
+        _ => None,
+    };
 
     let received = received_at.lock().unwrap().clone();
     let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3).expect("histogram");
@@ -527,6 +536,7 @@ async fn run_phase(
         }),
         wal_bytes_per_event: (wal1 - wal0) as f64 / expected.max(1) as f64,
         relay_cpu_us_per_event: relay_cpu,
+        nats_cpu_us_per_event: nats_cpu,
         relay_peak_rss_mib: relay_pid.filter(|_| phase == "cdc").map(|p| rss_mib(p).1),
         samples,
         latency_by_second,
@@ -608,14 +618,14 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
     );
     let _ = writeln!(
         s,
-        "| phase | events/s | vs raw | p50 ms | p99 ms | p99.9 ms | max ms | WAL B/event | extra WAL B/event | relay CPU µs/event | relay peak RSS MiB | once |"
+        "| phase | events/s | vs raw | p50 ms | p99 ms | p99.9 ms | max ms | WAL B/event | extra WAL B/event | relay CPU µs/event | nats-server CPU µs/event | relay peak RSS MiB | once |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in results {
         let l = |k: &str| r.latency_ms.as_ref().and_then(|v| v[k].as_f64());
         let _ = writeln!(
             s,
-            "| {} | {:.0} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} |",
+            "| {} | {:.0} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} |",
             r.phase,
             r.events_per_s,
             raw.map_or("-".into(), |raw| format!("{:.2}", r.events_per_s / raw)),
@@ -626,6 +636,7 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
             r.wal_bytes_per_event,
             raw_wal.map_or("-".into(), |w| format!("{:.0}", r.wal_bytes_per_event - w)),
             fmt_opt(r.relay_cpu_us_per_event, 1),
+            fmt_opt(r.nats_cpu_us_per_event, 1),
             fmt_opt(r.relay_peak_rss_mib, 1),
             if r.phase == "raw" {
                 "-".to_owned()
@@ -799,6 +810,7 @@ async fn main() {
     let db = env("DATABASE_URL");
     let nats = env("NATS_URL");
     let relay_pid = std::env::var("RELAY_PID").ok();
+    let nats_pid = std::env::var("NATS_PID").ok();
     let pool = PgPoolOptions::new()
         .max_connections(a.producers as u32 + 2)
         .connect(&db)
@@ -812,7 +824,15 @@ async fn main() {
     let mut results = Vec::new();
     for phase in a.phases.clone() {
         eprintln!("== phase {phase}");
-        let r = run_phase(&a, &phase, &pool, &client, relay_pid.as_deref()).await;
+        let r = run_phase(
+            &a,
+            &phase,
+            &pool,
+            &client,
+            relay_pid.as_deref(),
+            nats_pid.as_deref(),
+        )
+        .await;
         results.push(r);
     }
     let big = match (&relay_pid, a.big_txn) {
