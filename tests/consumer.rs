@@ -1901,8 +1901,10 @@ async fn a_slow_aggregate_does_not_hold_the_others_back() {
 }
 
 /// A Rust handler whose messages share group transactions: the payload says
-/// how its first delivery goes (`ok`, `fail` after writing, or `panic` after
-/// writing); every call is counted.
+/// how its first delivery goes (`ok`, `fail` after writing, `panic` after
+/// writing, or `abort`: a failed statement it ignores, answering processed;
+/// `abort2` does that on its retry too, which runs alone); every call is
+/// counted.
 #[derive(Clone, Default)]
 struct Grouped {
     calls: Arc<Mutex<HashMap<Uuid, usize>>>,
@@ -1931,6 +1933,11 @@ impl outbox_relay::consumer::Handler for Grouped {
         }
         match (body["first"].as_str(), d.delivered) {
             (Some("fail"), 1) => Outcome::Retry("first delivery fails after writing".into()),
+            (Some("abort"), 1) | (Some("abort2"), 1 | 2) => {
+                // An error the handler swallows: its transaction is failed.
+                let _ = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+                Outcome::Processed
+            }
             (Some("panic"), 1) => panic!("first delivery panics after writing ({})", body["n"]),
             _ => Outcome::Processed,
         }
@@ -1973,6 +1980,8 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
         let aggregate = format!("g{}", n % AGGREGATES);
         let first = match n {
             n if n % 53 == 0 => "panic",
+            n if n % 31 == 0 => "abort2",
+            n if n % 29 == 0 => "abort",
             n if n % 7 == 0 => "fail",
             _ => "ok",
         };
@@ -2007,7 +2016,11 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
     let calls = handler.calls.lock().unwrap().clone();
     for (id, _, n, first) in &sent {
         let kept: Vec<i64> = effects.iter().filter(|e| e.0 == *id).map(|e| e.3).collect();
-        let expected = if *first == "ok" { 1 } else { 2 };
+        let expected = match *first {
+            "ok" => 1,
+            "abort2" => 3,
+            _ => 2,
+        };
         assert_eq!(
             kept,
             vec![expected],

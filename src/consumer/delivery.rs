@@ -18,7 +18,7 @@ use super::dead_letter::{self, DeadLetters};
 use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, Claim};
 use super::scheduler::{Finished, Job};
-use super::transaction::{Done, Transactions};
+use super::transaction::{self, Done, Transactions};
 use super::ConsumeConfig;
 use crate::ops::metrics as m;
 use crate::wire;
@@ -391,18 +391,28 @@ async fn run_handler<H: Handler>(
             };
             let delivery = parts.delivery(id, attempts);
             let outcome = handler::call(shared.handler.handle(&mut tx, &delivery)).await;
-            if outcome == Outcome::Processed {
-                inbox::complete(&mut tx, consumer, id).await?;
-                tx.commit().await?;
-                Ok(Ran::Processed { duplicate: false })
-            } else {
-                tx.rollback().await?;
-                Ok(Ran::Failed {
-                    outcome,
-                    attempts,
-                    counted: false,
-                })
-            }
+            let outcome = match outcome {
+                Outcome::Processed => match inbox::complete(&mut tx, consumer, id).await {
+                    Ok(()) => {
+                        tx.commit().await?;
+                        return Ok(Ran::Processed { duplicate: false });
+                    }
+                    // The handler swallowed an error of its transaction: its
+                    // attempt failed, and counts (retrying the statement
+                    // would fail the same way forever).
+                    Err(e) if transaction::aborted(&e) => Outcome::Retry(format!(
+                        "the handler answered processed but left its transaction failed: {e}"
+                    )),
+                    Err(e) => return Err(e),
+                },
+                other => other,
+            };
+            tx.rollback().await?;
+            Ok(Ran::Failed {
+                outcome,
+                attempts,
+                counted: false,
+            })
         })
         .await;
     }

@@ -154,8 +154,11 @@ async fn run_group<H: Handler>(
         .collect();
     let claims =
         inbox::claim_many(&mut *tx, &ctx.consumer, &ids, &subjects, &seqs, &ctx.stream).await?;
-    let mut done = Vec::with_capacity(group.len());
-    let mut processed = Vec::with_capacity(group.len());
+    let mut books = Books {
+        done: Vec::with_capacity(group.len()),
+        processed: Vec::with_capacity(group.len()),
+        last_call: None,
+    };
     for r in group {
         let id = r.delivery.message_id;
         let attempts = match claims.get(&id) {
@@ -165,11 +168,11 @@ async fn run_group<H: Handler>(
                 )))
             }
             Some(Claim::Processed) => {
-                done.push(Done::Processed { duplicate: true });
+                books.done.push(Done::Processed { duplicate: true });
                 continue;
             }
             Some(Claim::Parked { seq }) => {
-                done.push(Done::Parked { seq: *seq });
+                books.done.push(Done::Parked { seq: *seq });
                 continue;
             }
             Some(Claim::Fresh { attempts }) => *attempts,
@@ -180,24 +183,77 @@ async fn run_group<H: Handler>(
         // nests the next message's inside it, where rolling back to the
         // newest of this name undoes that message alone. One round trip a
         // message, not two; round trips are most of Postgres's CPU here.
-        sqlx::raw_sql("SAVEPOINT outbox_relay_message")
-            .execute(&mut *tx)
-            .await?;
+        loop {
+            match sqlx::raw_sql(SAVEPOINT).execute(&mut *tx).await {
+                Ok(_) => break,
+                Err(e) => books.blame_last_call(&mut tx, e).await?,
+            }
+        }
         // A panic is this message's failure, not the group's.
         let outcome = handler::call(ctx.handler.handle(&mut tx, &delivery)).await;
         if outcome == Outcome::Processed {
-            processed.push(id);
-            done.push(Done::Processed { duplicate: false });
+            books.processed.push(id);
+            books.last_call = Some((books.done.len(), attempts));
+            books.done.push(Done::Processed { duplicate: false });
         } else {
-            sqlx::raw_sql("ROLLBACK TO SAVEPOINT outbox_relay_message")
-                .execute(&mut *tx)
-                .await?;
-            done.push(Done::Failed { outcome, attempts });
+            sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await?;
+            books.last_call = None;
+            books.done.push(Done::Failed { outcome, attempts });
         }
     }
-    if !processed.is_empty() {
-        inbox::complete_many(&mut *tx, &ctx.consumer, &processed).await?;
+    while !books.processed.is_empty() {
+        match inbox::complete_many(&mut *tx, &ctx.consumer, &books.processed).await {
+            Ok(()) => break,
+            Err(e) => books.blame_last_call(&mut tx, e).await?,
+        }
     }
     tx.commit().await?;
-    Ok(done)
+    Ok(books.done)
+}
+
+/// The transaction is failed (SQLSTATE 25P02): an earlier statement in it
+/// failed and nothing but a rollback runs.
+pub fn aborted(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("25P02"))
+}
+
+const SAVEPOINT: &str = "SAVEPOINT outbox_relay_message";
+const ROLLBACK_TO: &str = "ROLLBACK TO SAVEPOINT outbox_relay_message";
+
+/// A group's outcomes so far.
+struct Books {
+    done: Vec<Done>,
+    processed: Vec<Uuid>,
+    /// The newest call (its index in `done`, its attempts), while it stands
+    /// as processed.
+    last_call: Option<(usize, i32)>,
+}
+
+impl Books {
+    /// The statement after a handler call failed. If the call left the
+    /// transaction failed (an error it swallowed, answering `Processed`),
+    /// that call failed, not the group: roll it back to its savepoint and
+    /// count it failed, and the caller runs the statement again. Anything
+    /// else fails the group.
+    async fn blame_last_call(
+        &mut self,
+        tx: &mut sqlx::PgConnection,
+        e: sqlx::Error,
+    ) -> Result<(), sqlx::Error> {
+        let Some((i, attempts)) = self.last_call.take().filter(|_| aborted(&e)) else {
+            return Err(e);
+        };
+        sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await?;
+        self.processed.pop();
+        let Some(Done::Processed { .. }) = self.done.get(i) else {
+            return Err(e);
+        };
+        self.done[i] = Done::Failed {
+            outcome: Outcome::Retry(format!(
+                "the handler answered processed but left its transaction failed: {e}"
+            )),
+            attempts,
+        };
+        Ok(())
+    }
 }
