@@ -2097,3 +2097,122 @@ async fn a_failed_message_deleted_during_its_backoff_does_not_block_its_aggregat
     .await;
     assert_eq!(f.handler.calls_for(second).len(), 1);
 }
+
+/// A Rust handler that, on the first `orphan` deliveries of a message,
+/// writes a row whose deferred foreign key fails only at COMMIT.
+struct Deferring;
+
+impl outbox_relay::consumer::Handler for Deferring {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        d: &outbox_relay::consumer::Delivery,
+    ) -> outbox_relay::consumer::Outcome {
+        use outbox_relay::consumer::Outcome;
+        let orphan = serde_json::from_slice::<serde_json::Value>(&d.payload)
+            .ok()
+            .and_then(|b| b["orphan"].as_i64())
+            .unwrap_or(0);
+        let write = async {
+            sqlx::query("INSERT INTO effects (message_id, delivered) VALUES ($1, $2)")
+                .bind(d.message_id)
+                .bind(d.delivered)
+                .execute(&mut *tx)
+                .await?;
+            if d.delivered <= orphan {
+                sqlx::query("INSERT INTO children (parent) VALUES (999)")
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            Ok::<_, sqlx::Error>(())
+        };
+        match write.await {
+            Ok(()) => Outcome::Processed,
+            Err(e) => Outcome::Retry(e.to_string()),
+        }
+    }
+}
+
+/// Found in review: a handler whose writes Postgres refuses only at COMMIT
+/// failed its whole group, every time, and its attempt was never counted:
+/// its aggregate stalled and its group's other messages with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_refused_at_commit_fails_only_its_own_message() {
+    let stack = stack();
+    let (_url, pool) = fresh_db(&stack, "c_deferred").await;
+    for ddl in [
+        "CREATE TABLE effects (message_id uuid NOT NULL, delivered int8 NOT NULL)",
+        "CREATE TABLE parents (id int PRIMARY KEY)",
+        "CREATE TABLE children (parent int REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)",
+    ] {
+        sqlx::query(ddl).execute(&pool).await.unwrap();
+    }
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cdefer", Duration::from_secs(120)).await;
+    let mut sent = Vec::new();
+    // Refused at the first commit, in a group; `2`: at the retry's too,
+    // which runs in a transaction of its own.
+    for n in 0..60 {
+        let id = Uuid::new_v4();
+        let orphan = match n % 20 {
+            7 => 1,
+            13 => 2,
+            _ => 0,
+        };
+        let body = format!(r#"{{"orphan": {orphan}}}"#);
+        publish(
+            &js,
+            "cdefer.e",
+            Some(id),
+            &format!("d{}", n % 12),
+            body.as_bytes(),
+        )
+        .await;
+        sent.push((id, orphan));
+    }
+    let cfg = outbox_relay::consumer::ConsumeConfig {
+        stream: stream.clone(),
+        durable: "defer".into(),
+        filter: None,
+        ack_wait: Duration::from_secs(10),
+        max_deliver: 5,
+        max_ack_pending: 1000,
+        concurrency: 32,
+        backoff: vec![Duration::from_millis(100)],
+        dlq_prefix: wire::consumer_dlq_prefix("cdefer"),
+        dlq_replicas: 1,
+        shutdown_timeout: Duration::from_secs(5),
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(outbox_relay::consumer::run(
+        cfg,
+        pool.clone(),
+        js.clone(),
+        Deferring,
+        outbox_relay::ops::endpoint::Readiness::default(),
+        shutdown.clone(),
+    ));
+    wait_processed(&pool, "defer", sent.len()).await;
+    let rows = inbox(&pool, "defer").await;
+    let effects: Vec<(Uuid, i64)> = sqlx::query_as("SELECT message_id, delivered FROM effects")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    for (id, orphan) in &sent {
+        let kept: Vec<i64> = effects.iter().filter(|e| e.0 == *id).map(|e| e.1).collect();
+        let attempts = *orphan + 1;
+        assert_eq!(kept, vec![i64::from(attempts)], "{id} (orphan: {orphan})");
+        assert_eq!(rows[id].attempts, attempts, "{id} (orphan: {orphan})");
+    }
+    let children: i64 = sqlx::query_scalar("SELECT count(*) FROM children")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(children, 0);
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

@@ -352,10 +352,14 @@ async fn run_handler<H: Handler>(
         .map(|done| match done {
             Done::Processed { duplicate } => Ran::Processed { duplicate },
             Done::Parked { seq } => Ran::Parked { seq },
-            Done::Failed { outcome, attempts } => Ran::Failed {
+            Done::Failed {
                 outcome,
                 attempts,
-                counted: true,
+                counted,
+            } => Ran::Failed {
+                outcome,
+                attempts,
+                counted,
             },
         });
     }
@@ -390,12 +394,24 @@ async fn run_handler<H: Handler>(
                 }
             };
             let delivery = parts.delivery(id, attempts);
-            let outcome = handler::call(shared.handler.handle(&mut tx, &delivery)).await;
+            let outcome = handler::call(|| shared.handler.handle(&mut tx, &delivery)).await;
             let outcome = match outcome {
                 Outcome::Processed => match inbox::complete(&mut tx, consumer, id).await {
                     Ok(()) => {
-                        tx.commit().await?;
-                        return Ok(Ran::Processed { duplicate: false });
+                        return match tx.commit().await {
+                            Ok(()) => Ok(Ran::Processed { duplicate: false }),
+                            // Refused at the end (a deferred constraint the
+                            // handler broke): a failed attempt, or the
+                            // message would come back uncounted forever.
+                            Err(e @ sqlx::Error::Database(_)) => Ok(Ran::Failed {
+                                outcome: Outcome::Retry(format!(
+                                    "its transaction failed to commit: {e}"
+                                )),
+                                attempts,
+                                counted: false,
+                            }),
+                            Err(e) => Err(e),
+                        };
                     }
                     // The handler swallowed an error of its transaction: its
                     // attempt failed, and counts (retrying the statement
@@ -437,7 +453,7 @@ async fn run_handler<H: Handler>(
         }
     };
     let delivery = parts.delivery(id, attempts);
-    let outcome = handler::call(shared.handler.handle_detached(&delivery)).await;
+    let outcome = handler::call(|| shared.handler.handle_detached(&delivery)).await;
     if outcome != Outcome::Processed {
         return Some(Ran::Failed {
             outcome,

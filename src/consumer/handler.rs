@@ -45,12 +45,20 @@ pub enum Outcome {
 /// otherwise, so a Rust service gets exactly-once effects.
 ///
 /// Up to 32 messages of different aggregates share one transaction, each
-/// call in a savepoint of its own: a failure (or a panic) rolls back that
-/// call's writes alone. What a call leaves in the transaction beyond its
-/// writes (row locks, `SET LOCAL`, temporary tables) lasts until the group
-/// commits, and a group that fails to commit (a deadlock, a lost
-/// connection) runs its messages again, their writes having been rolled
-/// back.
+/// call in a savepoint of its own: a failure (or a panic, or a statement
+/// error the call swallowed) rolls back that call's writes alone and counts
+/// as a failed attempt. Keep in mind:
+/// - the calls of a group run one after another, so a slow call delays the
+///   rest of its group (up to four groups run at once);
+/// - what a call leaves in the transaction beyond its writes (row locks,
+///   `SET LOCAL`, `set_config(…, true)`, temporary tables) lasts until the
+///   group commits and is seen by the next calls: set what you rely on in
+///   every call;
+/// - locks held to the group's commit can deadlock two groups; the call
+///   that gets the deadlock error fails its attempt and is retried;
+/// - a group Postgres refuses (a deferred constraint at commit) runs again
+///   one message per transaction, so the others' calls are repeated, their
+///   writes having been rolled back.
 pub trait Handler: Send + Sync + 'static {
     fn handle(
         &self,
@@ -77,24 +85,30 @@ pub trait Handler: Send + Sync + 'static {
 /// Run one handler call, timed. A panic is an attempt that failed, counted
 /// like any other: left to unwind, it would roll back the claim that counts
 /// it, and the message would come back forever, never reaching
-/// `--max-deliver` and the DLQ.
-pub(super) async fn call(work: impl Future<Output = Outcome>) -> Outcome {
+/// `--max-deliver` and the DLQ. `make` is called inside the guard too: a
+/// handler's `handle` may panic before its future exists.
+pub(super) async fn call<F: Future<Output = Outcome>>(make: impl FnOnce() -> F) -> Outcome {
     use futures::FutureExt;
     let started = std::time::Instant::now();
-    let outcome = std::panic::AssertUnwindSafe(work)
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            Outcome::Retry(format!("the handler panicked: {what}"))
-        });
+    let outcome = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(make)) {
+        Ok(work) => std::panic::AssertUnwindSafe(work)
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| panicked(&*panic)),
+        Err(panic) => panicked(&*panic),
+    };
     metrics::histogram!(crate::ops::metrics::CONSUMER_HANDLER_SECONDS)
         .record(started.elapsed().as_secs_f64());
     outcome
+}
+
+fn panicked(panic: &(dyn std::any::Any + Send)) -> Outcome {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    Outcome::Retry(format!("the handler panicked: {what}"))
 }
 
 /// `POST` the SPEC §6 JSON to a URL and map the status code.
@@ -220,5 +234,25 @@ mod tests {
         assert!(HttpHandler::new("http://127.0.0.1:1/h", Duration::from_secs(1)).is_ok());
         assert!(HttpHandler::new("ftp://x", Duration::from_secs(1)).is_err());
         assert!(HttpHandler::new("not a url", Duration::from_secs(1)).is_err());
+    }
+
+    /// Found in review: a `handle` that panics before its future exists
+    /// killed the group writer that called it.
+    #[tokio::test]
+    async fn a_panic_before_or_inside_the_call_is_a_failed_attempt() {
+        let before = call(|| -> std::future::Ready<Outcome> { panic!("before the future") }).await;
+        assert_eq!(
+            before,
+            Outcome::Retry("the handler panicked: before the future".into())
+        );
+        let inside = call(|| async { panic!("inside the future") }).await;
+        assert_eq!(
+            inside,
+            Outcome::Retry("the handler panicked: inside the future".into())
+        );
+        assert_eq!(
+            call(|| async { Outcome::Processed }).await,
+            Outcome::Processed
+        );
     }
 }

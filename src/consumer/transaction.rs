@@ -8,15 +8,23 @@
 //! pays for the claim, the completion and the commit once.
 //!
 //! What a message gets is unchanged: its claim, its handler's writes and its
-//! completion commit together or not at all. A handler that fails rolls back
-//! to its savepoint, so only its writes are undone; its claim (the attempt
-//! it counted) commits with the group. A group that fails to commit fails
-//! every message in it, and each is run again, its effects having been
-//! rolled back with the group.
+//! completion commit together or not at all. A handler that fails (or
+//! panics, or answers processed on a failed transaction) rolls back to its
+//! savepoint, so only its writes are undone; its claim (the attempt it
+//! counted) commits with the group. A group Postgres refuses (a deferred
+//! constraint at commit, a deadlock between groups) runs again one message
+//! per transaction, so the message at fault fails its own attempt and the
+//! others go through; a group cut off (a lost connection) fails every
+//! message in it, and each is run again, nothing of it having committed.
+//!
+//! The calls of a group run one after another: a slow call delays the
+//! others in its group, and what a call leaves in the transaction beyond
+//! its writes (row locks, `SET LOCAL`) lasts until the group commits.
 
-use sqlx::PgPool;
 use std::collections::HashSet;
 use std::sync::Arc;
+
+use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use uuid::Uuid;
 
@@ -38,8 +46,14 @@ pub enum Done {
     Processed { duplicate: bool },
     /// Parked already (a redelivery after a reset): it waits its turn.
     Parked { seq: Option<i64> },
-    /// The handler did not succeed; its claim counted the attempt.
-    Failed { outcome: Outcome, attempts: i32 },
+    /// The handler did not succeed. `counted`: its claim committed, and
+    /// counted the attempt; else the transaction failed to commit and
+    /// nothing of it stands.
+    Failed {
+        outcome: Outcome,
+        attempts: i32,
+        counted: bool,
+    },
 }
 
 struct Request {
@@ -108,16 +122,22 @@ async fn work<H: Handler>(ctx: Arc<Context<H>>, rx: Arc<Mutex<mpsc::Receiver<Req
     let mut later: Vec<Request> = Vec::new();
     loop {
         let mut group = std::mem::take(&mut later);
-        {
-            let mut rx = rx.lock().await;
+        // With requests held back, never wait for the queue: an idle
+        // worker may hold it, waiting for a message that does not come.
+        let queue = if group.is_empty() {
+            Some(rx.lock().await)
+        } else {
+            rx.try_lock().ok()
+        };
+        if let Some(mut queue) = queue {
             if group.is_empty() {
-                match rx.recv().await {
+                match queue.recv().await {
                     Some(first) => group.push(first),
                     None => return,
                 }
             }
             while group.len() < MAX_GROUP {
-                match rx.try_recv() {
+                match queue.try_recv() {
                     Ok(next) => group.push(next),
                     Err(_) => break,
                 }
@@ -128,8 +148,28 @@ async fn work<H: Handler>(ctx: Arc<Context<H>>, rx: Arc<Mutex<mpsc::Receiver<Req
             .into_iter()
             .partition(|r| seen.insert(r.delivery.message_id));
         later = next;
-        let answers = match run_group(&ctx, &now).await {
+        let answers = match guarded(&ctx, &now).await {
             Ok(done) => done.into_iter().map(Ok).collect(),
+            // Postgres refused the group: run each message alone, so the
+            // one it refuses fails its own attempt, counted, and the others
+            // go through (their calls are repeated; their writes were rolled
+            // back with the group).
+            Err(sqlx::Error::Database(_)) if now.len() > 1 => {
+                let mut answers = Vec::with_capacity(now.len());
+                for request in &now {
+                    answers.push(
+                        guarded(&ctx, std::slice::from_ref(request))
+                            .await
+                            .map_err(|e| BatchError(e.to_string()))
+                            .and_then(|mut done| {
+                                done.pop().ok_or_else(|| {
+                                    BatchError("a group of one came back empty".into())
+                                })
+                            }),
+                    );
+                }
+                answers
+            }
             Err(e) => {
                 let e = BatchError(e.to_string());
                 now.iter().map(|_| Err(e.clone())).collect::<Vec<_>>()
@@ -139,6 +179,23 @@ async fn work<H: Handler>(ctx: Arc<Context<H>>, rx: Arc<Mutex<mpsc::Receiver<Req
             let _ = request.reply.send(answer);
         }
     }
+}
+
+/// [`run_group`], with a panic of ours a failed group rather than a dead
+/// writer (the handler's own panics are caught per call).
+async fn guarded<H: Handler>(
+    ctx: &Context<H>,
+    group: &[Request],
+) -> Result<Vec<Done>, sqlx::Error> {
+    use futures::FutureExt;
+    std::panic::AssertUnwindSafe(run_group(ctx, group))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| {
+            Err(sqlx::Error::Protocol(
+                "the group transaction panicked".into(),
+            ))
+        })
 }
 
 async fn run_group<H: Handler>(
@@ -190,7 +247,7 @@ async fn run_group<H: Handler>(
             }
         }
         // A panic is this message's failure, not the group's.
-        let outcome = handler::call(ctx.handler.handle(&mut tx, &delivery)).await;
+        let outcome = handler::call(|| ctx.handler.handle(&mut tx, &delivery)).await;
         if outcome == Outcome::Processed {
             books.processed.push(id);
             books.last_call = Some((books.done.len(), attempts));
@@ -198,17 +255,39 @@ async fn run_group<H: Handler>(
         } else {
             sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await?;
             books.last_call = None;
-            books.done.push(Done::Failed { outcome, attempts });
+            books.done.push(Done::Failed {
+                outcome,
+                attempts,
+                counted: true,
+            });
         }
     }
-    while !books.processed.is_empty() {
-        match inbox::complete_many(&mut *tx, &ctx.consumer, &books.processed).await {
-            Ok(()) => break,
-            Err(e) => books.blame_last_call(&mut tx, e).await?,
+    let finished = async {
+        while !books.processed.is_empty() {
+            match inbox::complete_many(&mut *tx, &ctx.consumer, &books.processed).await {
+                Ok(()) => break,
+                Err(e) => books.blame_last_call(&mut tx, e).await?,
+            }
         }
+        tx.commit().await
     }
-    tx.commit().await?;
-    Ok(books.done)
+    .await;
+    match finished {
+        Ok(()) => Ok(books.done),
+        // Postgres refused a lone message's transaction at the end (a
+        // deferred constraint its handler broke, a setting it changed): its
+        // attempt failed, counted when it is parked, or it would come back
+        // uncounted forever.
+        Err(e @ sqlx::Error::Database(_)) if group.len() == 1 => match books.last_call {
+            Some((_, attempts)) => Ok(vec![Done::Failed {
+                outcome: Outcome::Retry(format!("its transaction failed to commit: {e}")),
+                attempts,
+                counted: false,
+            }]),
+            None => Err(e),
+        },
+        Err(e) => Err(e),
+    }
 }
 
 /// The transaction is failed (SQLSTATE 25P02): an earlier statement in it
@@ -253,6 +332,7 @@ impl Books {
                 "the handler answered processed but left its transaction failed: {e}"
             )),
             attempts,
+            counted: true,
         };
         Ok(())
     }
