@@ -656,10 +656,15 @@ async fn kill_9_mid_batch_then_restart_processes_each_once() {
 }
 
 /// A Rust handler writing its own effect in the inbox transaction; the
-/// first delivery of each message fails after writing.
+/// first delivery of each message fails after writing. It asks for a
+/// transaction per message (`max_group` 1).
 struct Effects;
 
 impl outbox_relay::consumer::Handler for Effects {
+    fn max_group(&self) -> usize {
+        1
+    }
+
     async fn handle(
         &self,
         tx: &mut sqlx::PgConnection,
@@ -686,10 +691,13 @@ impl outbox_relay::consumer::Handler for Effects {
 async fn rust_handler_writes_roll_back_with_the_inbox_row() {
     let stack = stack();
     let (_url, pool) = fresh_db(&stack, "c_rust").await;
-    sqlx::query("CREATE TABLE effects (message_id uuid NOT NULL, delivered int8 NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "CREATE TABLE effects (message_id uuid NOT NULL, delivered int8 NOT NULL, \
+         txid int8 NOT NULL DEFAULT txid_current())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "crust", Duration::from_secs(120)).await;
     let cfg = outbox_relay::consumer::ConsumeConfig {
@@ -699,12 +707,17 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
         ack_wait: Duration::from_secs(5),
         max_deliver: 5,
         max_ack_pending: 50,
-        concurrency: 2,
+        concurrency: 8,
         backoff: vec![Duration::from_millis(200)],
         dlq_prefix: wire::consumer_dlq_prefix("crust"),
         dlq_replicas: 1,
         shutdown_timeout: Duration::from_secs(5),
     };
+    // Published first: with sharing, the first pulls would form groups.
+    let ids: Vec<Uuid> = (0..24).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        publish(&js, "crust.e", Some(*id), &format!("a{i}"), b"{}").await;
+    }
     let shutdown = tokio_util::sync::CancellationToken::new();
     let task = tokio::spawn(outbox_relay::consumer::run(
         cfg,
@@ -714,11 +727,7 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
         outbox_relay::ops::endpoint::Readiness::default(),
         shutdown.clone(),
     ));
-    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
-    for (i, id) in ids.iter().enumerate() {
-        publish(&js, "crust.e", Some(*id), &format!("a{i}"), b"{}").await;
-    }
-    wait_processed(&pool, "rust", 3).await;
+    wait_processed(&pool, "rust", ids.len()).await;
     for id in &ids {
         let kept: Vec<i64> =
             sqlx::query_scalar("SELECT delivered FROM effects WHERE message_id = $1")
@@ -1950,7 +1959,8 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
     let (_url, pool) = fresh_db(&stack, "c_group").await;
     sqlx::query(
         "CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id uuid NOT NULL, \
-         aggregate text NOT NULL, n int8 NOT NULL, delivered int8 NOT NULL)",
+         aggregate text NOT NULL, n int8 NOT NULL, delivered int8 NOT NULL, \
+         txid int8 NOT NULL DEFAULT txid_current())",
     )
     .execute(&pool)
     .await
@@ -2036,6 +2046,15 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
         );
         assert!(rows[id].processed);
     }
+    let (kept, transactions): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT txid) FROM effects")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        transactions < kept,
+        "messages shared transactions ({kept} effects in {transactions})"
+    );
     for g in 0..AGGREGATES {
         let aggregate = format!("g{g}");
         let order: Vec<i64> = effects
@@ -2209,6 +2228,90 @@ async fn a_transaction_refused_at_commit_fails_only_its_own_message() {
         .await
         .unwrap();
     assert_eq!(children, 0);
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+/// A Rust handler that records the transaction each call ran in.
+struct Solo;
+
+impl outbox_relay::consumer::Handler for Solo {
+    fn max_group(&self) -> usize {
+        1
+    }
+
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        d: &outbox_relay::consumer::Delivery,
+    ) -> outbox_relay::consumer::Outcome {
+        use outbox_relay::consumer::Outcome;
+        match sqlx::query("INSERT INTO calls (message_id, txid) VALUES ($1, txid_current())")
+            .bind(d.message_id)
+            .execute(&mut *tx)
+            .await
+        {
+            Ok(_) => Outcome::Processed,
+            Err(e) => Outcome::Retry(e.to_string()),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_with_max_group_1_gets_a_transaction_per_message() {
+    let stack = stack();
+    let (_url, pool) = fresh_db(&stack, "c_solo").await;
+    sqlx::query("CREATE TABLE calls (message_id uuid NOT NULL, txid int8 NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "csolo", Duration::from_secs(120)).await;
+    // Published first, so that sharing would form groups at once.
+    const N: usize = 120;
+    for n in 0..N {
+        publish(
+            &js,
+            "csolo.e",
+            Some(Uuid::new_v4()),
+            &format!("s{n}"),
+            b"{}",
+        )
+        .await;
+    }
+    let cfg = outbox_relay::consumer::ConsumeConfig {
+        stream,
+        durable: "solo".into(),
+        filter: None,
+        ack_wait: Duration::from_secs(10),
+        max_deliver: 5,
+        max_ack_pending: 1000,
+        concurrency: 32,
+        backoff: vec![Duration::from_millis(100)],
+        dlq_prefix: wire::consumer_dlq_prefix("csolo"),
+        dlq_replicas: 1,
+        shutdown_timeout: Duration::from_secs(5),
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(outbox_relay::consumer::run(
+        cfg,
+        pool.clone(),
+        js.clone(),
+        Solo,
+        outbox_relay::ops::endpoint::Readiness::default(),
+        shutdown.clone(),
+    ));
+    wait_processed(&pool, "solo", N).await;
+    let (calls, transactions): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT txid) FROM calls")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((calls, transactions), (N as i64, N as i64));
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(20), task)
         .await

@@ -75,6 +75,14 @@ pub trait Handler: Send + Sync + 'static {
         true
     }
 
+    /// Messages per shared transaction at most (1 to 32). A handler whose
+    /// calls are slow, or that needs a transaction of its own, says 1: each
+    /// message then gets its own transaction, and up to half the pool run at
+    /// once (with sharing, up to four groups do).
+    fn max_group(&self) -> usize {
+        super::transaction::MAX_GROUP
+    }
+
     /// The call for a handler that is not [`in_transaction`](Self::in_transaction).
     fn handle_detached(&self, delivery: &Delivery) -> impl Future<Output = Outcome> + Send {
         let _ = delivery;

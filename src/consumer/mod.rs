@@ -246,14 +246,24 @@ impl<H: Handler> Active<'_, H> {
             ),
             transactions: self.handler.in_transaction().then(|| {
                 // Half the pool, so parking, retries and the lease check
-                // still find a connection.
-                let workers = (self.pool.options().get_max_connections() / 2).clamp(1, 4);
+                // still find a connection; four shared groups are enough to
+                // keep Postgres busy, one message each is not.
+                let max_group = self.handler.max_group().clamp(1, transaction::MAX_GROUP);
+                let half_pool = (self.pool.options().get_max_connections() / 2).max(1) as usize;
+                let workers = if max_group == 1 {
+                    half_pool
+                } else {
+                    half_pool.min(4)
+                };
                 transaction::Transactions::start(
                     self.pool.clone(),
                     self.handler.clone(),
-                    cfg.durable.clone(),
-                    cfg.stream.clone(),
-                    workers as usize,
+                    transaction::Settings {
+                        consumer: cfg.durable.clone(),
+                        stream: cfg.stream.clone(),
+                        workers,
+                        max_group,
+                    },
                 )
             }),
         });

@@ -69,22 +69,18 @@ pub struct Transactions {
 
 impl Transactions {
     /// `workers` transactions run at once, each on a connection of `pool`.
-    pub fn start<H: Handler>(
-        pool: PgPool,
-        handler: Arc<H>,
-        consumer: String,
-        stream: String,
-        workers: usize,
-    ) -> Self {
+    pub fn start<H: Handler>(pool: PgPool, handler: Arc<H>, settings: Settings) -> Self {
         let (requests, rx) = mpsc::channel(QUEUE);
         let rx = Arc::new(Mutex::new(rx));
+        let workers = settings.workers.max(1);
         let ctx = Arc::new(Context {
             pool,
             handler,
-            consumer,
-            stream,
+            consumer: settings.consumer,
+            stream: settings.stream,
+            max_group: settings.max_group.clamp(1, MAX_GROUP),
         });
-        for _ in 0..workers.max(1) {
+        for _ in 0..workers {
             tokio::spawn(work(ctx.clone(), rx.clone()));
         }
         Self { requests }
@@ -107,11 +103,21 @@ impl Transactions {
     }
 }
 
+/// Who the transactions are for, and how many run at once.
+pub struct Settings {
+    pub consumer: String,
+    pub stream: String,
+    pub workers: usize,
+    /// Messages per transaction at most ([`Handler::max_group`]).
+    pub max_group: usize,
+}
+
 struct Context<H> {
     pool: PgPool,
     handler: Arc<H>,
     consumer: String,
     stream: String,
+    max_group: usize,
 }
 
 /// One writer: take what is queued (a group forms while the others run),
@@ -136,7 +142,7 @@ async fn work<H: Handler>(ctx: Arc<Context<H>>, rx: Arc<Mutex<mpsc::Receiver<Req
                     None => return,
                 }
             }
-            while group.len() < MAX_GROUP {
+            while group.len() < ctx.max_group {
                 match queue.try_recv() {
                     Ok(next) => group.push(next),
                     Err(_) => break,
