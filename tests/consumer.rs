@@ -701,32 +701,18 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "crust", Duration::from_secs(120)).await;
     let cfg = outbox_relay::consumer::ConsumeConfig {
-        stream: stream.clone(),
-        durable: "rust".into(),
-        filter: None,
         ack_wait: Duration::from_secs(5),
-        max_deliver: 5,
         max_ack_pending: 50,
         concurrency: 8,
         backoff: vec![Duration::from_millis(200)],
-        dlq_prefix: wire::consumer_dlq_prefix("crust"),
-        dlq_replicas: 1,
-        shutdown_timeout: Duration::from_secs(5),
+        ..rust_cfg(&stream, "rust", "crust")
     };
     // Published first: with sharing, the first pulls would form groups.
     let ids: Vec<Uuid> = (0..24).map(|_| Uuid::new_v4()).collect();
     for (i, id) in ids.iter().enumerate() {
         publish(&js, "crust.e", Some(*id), &format!("a{i}"), b"{}").await;
     }
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(outbox_relay::consumer::run(
-        cfg,
-        pool.clone(),
-        js.clone(),
-        Effects,
-        outbox_relay::ops::endpoint::Readiness::default(),
-        shutdown.clone(),
-    ));
+    let consumer = RustConsumer::start(cfg, &pool, &js, Effects);
     wait_processed(&pool, "rust", ids.len()).await;
     for id in &ids {
         let kept: Vec<i64> =
@@ -745,12 +731,7 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
     assert!(ids
         .iter()
         .all(|id| rows[id].attempts == 2 && rows[id].processed));
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    consumer.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1968,17 +1949,8 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "cgroup", Duration::from_secs(120)).await;
     let cfg = outbox_relay::consumer::ConsumeConfig {
-        stream: stream.clone(),
-        durable: "group".into(),
-        filter: None,
-        ack_wait: Duration::from_secs(10),
-        max_deliver: 5,
-        max_ack_pending: 1000,
         concurrency: 64,
-        backoff: vec![Duration::from_millis(100)],
-        dlq_prefix: wire::consumer_dlq_prefix("cgroup"),
-        dlq_replicas: 1,
-        shutdown_timeout: Duration::from_secs(5),
+        ..rust_cfg(&stream, "group", "cgroup")
     };
     // Published before the consumer starts, so its first pulls are full and
     // its transactions hold many messages each.
@@ -2007,15 +1979,7 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
         sent.push((id, aggregate, n as i64, first));
     }
     let handler = Grouped::default();
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(outbox_relay::consumer::run(
-        cfg,
-        pool.clone(),
-        js.clone(),
-        handler.clone(),
-        outbox_relay::ops::endpoint::Readiness::default(),
-        shutdown.clone(),
-    ));
+    let consumer = RustConsumer::start(cfg, &pool, &js, handler.clone());
     wait_processed(&pool, "group", N).await;
     let effects: Vec<(Uuid, String, i64, i64)> =
         sqlx::query_as("SELECT message_id, aggregate, n, delivered FROM effects ORDER BY seq")
@@ -2069,12 +2033,7 @@ async fn rust_handler_messages_sharing_a_transaction_each_commit_or_roll_back_al
             "aggregate {aggregate} committed in stream order"
         );
     }
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    consumer.stop().await;
 }
 
 /// Issue 12, defect 1: an aggregate waited for its failed message's
@@ -2189,28 +2148,8 @@ async fn a_transaction_refused_at_commit_fails_only_its_own_message() {
         .await;
         sent.push((id, orphan));
     }
-    let cfg = outbox_relay::consumer::ConsumeConfig {
-        stream: stream.clone(),
-        durable: "defer".into(),
-        filter: None,
-        ack_wait: Duration::from_secs(10),
-        max_deliver: 5,
-        max_ack_pending: 1000,
-        concurrency: 32,
-        backoff: vec![Duration::from_millis(100)],
-        dlq_prefix: wire::consumer_dlq_prefix("cdefer"),
-        dlq_replicas: 1,
-        shutdown_timeout: Duration::from_secs(5),
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(outbox_relay::consumer::run(
-        cfg,
-        pool.clone(),
-        js.clone(),
-        Deferring,
-        outbox_relay::ops::endpoint::Readiness::default(),
-        shutdown.clone(),
-    ));
+    let cfg = rust_cfg(&stream, "defer", "cdefer");
+    let consumer = RustConsumer::start(cfg, &pool, &js, Deferring);
     wait_processed(&pool, "defer", sent.len()).await;
     let rows = inbox(&pool, "defer").await;
     let effects: Vec<(Uuid, i64)> = sqlx::query_as("SELECT message_id, delivered FROM effects")
@@ -2228,12 +2167,7 @@ async fn a_transaction_refused_at_commit_fails_only_its_own_message() {
         .await
         .unwrap();
     assert_eq!(children, 0);
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    consumer.stop().await;
 }
 
 /// A Rust handler that records the transaction each call ran in.
@@ -2283,28 +2217,8 @@ async fn a_handler_with_max_group_1_gets_a_transaction_per_message() {
         )
         .await;
     }
-    let cfg = outbox_relay::consumer::ConsumeConfig {
-        stream,
-        durable: "solo".into(),
-        filter: None,
-        ack_wait: Duration::from_secs(10),
-        max_deliver: 5,
-        max_ack_pending: 1000,
-        concurrency: 32,
-        backoff: vec![Duration::from_millis(100)],
-        dlq_prefix: wire::consumer_dlq_prefix("csolo"),
-        dlq_replicas: 1,
-        shutdown_timeout: Duration::from_secs(5),
-    };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let task = tokio::spawn(outbox_relay::consumer::run(
-        cfg,
-        pool.clone(),
-        js.clone(),
-        Solo,
-        outbox_relay::ops::endpoint::Readiness::default(),
-        shutdown.clone(),
-    ));
+    let cfg = rust_cfg(&stream, "solo", "csolo");
+    let consumer = RustConsumer::start(cfg, &pool, &js, Solo);
     wait_processed(&pool, "solo", N).await;
     let (calls, transactions): (i64, i64) =
         sqlx::query_as("SELECT count(*), count(DISTINCT txid) FROM calls")
@@ -2312,10 +2226,59 @@ async fn a_handler_with_max_group_1_gets_a_transaction_per_message() {
             .await
             .unwrap();
     assert_eq!((calls, transactions), (N as i64, N as i64));
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(20), task)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    consumer.stop().await;
+}
+
+/// A Rust-handler consumer's settings for a test (`ctx`: the stream's
+/// context, for the DLQ prefix).
+fn rust_cfg(stream: &str, durable: &str, ctx: &str) -> outbox_relay::consumer::ConsumeConfig {
+    outbox_relay::consumer::ConsumeConfig {
+        stream: stream.to_owned(),
+        durable: durable.into(),
+        filter: None,
+        ack_wait: Duration::from_secs(10),
+        max_deliver: 5,
+        max_ack_pending: 1000,
+        concurrency: 32,
+        backoff: vec![Duration::from_millis(100)],
+        dlq_prefix: wire::consumer_dlq_prefix(ctx),
+        dlq_replicas: 1,
+        shutdown_timeout: Duration::from_secs(5),
+    }
+}
+
+/// A consumer running a Rust handler in this process.
+struct RustConsumer {
+    shutdown: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<outbox_relay::Result<()>>,
+}
+
+impl RustConsumer {
+    fn start<H: outbox_relay::consumer::Handler>(
+        cfg: outbox_relay::consumer::ConsumeConfig,
+        pool: &sqlx::PgPool,
+        js: &jetstream::Context,
+        handler: H,
+    ) -> Self {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(outbox_relay::consumer::run(
+            cfg,
+            pool.clone(),
+            js.clone(),
+            handler,
+            outbox_relay::ops::endpoint::Readiness::default(),
+            shutdown.clone(),
+        ));
+        Self { shutdown, task }
+    }
+
+    /// Shut down, and the consumer ends cleanly within 20 s.
+    async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
 }

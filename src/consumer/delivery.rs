@@ -18,7 +18,7 @@ use super::dead_letter::{self, DeadLetters};
 use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, Claim};
 use super::scheduler::{Finished, Job};
-use super::transaction::{self, Done, Transactions};
+use super::transaction::{self, Transactions};
 use super::ConsumeConfig;
 use crate::ops::metrics as m;
 use crate::wire;
@@ -316,7 +316,8 @@ async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Opti
 }
 
 /// What running the handler came to, before it is settled.
-enum Ran {
+#[derive(Debug)]
+pub(super) enum Ran {
     /// Processed (by this call, or before: `duplicate`).
     Processed { duplicate: bool },
     /// Parked already (a redelivery after a reset).
@@ -348,20 +349,7 @@ async fn run_handler<H: Handler>(
         return persist(shared, "the inbox transaction", || {
             group.run(delivery.clone(), parts.seq)
         })
-        .await
-        .map(|done| match done {
-            Done::Processed { duplicate } => Ran::Processed { duplicate },
-            Done::Parked { seq } => Ran::Parked { seq },
-            Done::Failed {
-                outcome,
-                attempts,
-                counted,
-            } => Ran::Failed {
-                outcome,
-                attempts,
-                counted,
-            },
-        });
+        .await;
     }
     if shared.handler.in_transaction() {
         return persist(shared, "the inbox transaction", || async {

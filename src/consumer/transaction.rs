@@ -28,6 +28,7 @@ use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use uuid::Uuid;
 
+use super::delivery::Ran;
 use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, BatchError, Claim};
 
@@ -39,27 +40,10 @@ pub const MAX_GROUP: usize = 32;
 /// it in practice; each holds one message's delivery.
 const QUEUE: usize = 256;
 
-/// What a message's transaction came to.
-#[derive(Debug)]
-pub enum Done {
-    /// Processed by this call, or before (`duplicate`).
-    Processed { duplicate: bool },
-    /// Parked already (a redelivery after a reset): it waits its turn.
-    Parked { seq: Option<i64> },
-    /// The handler did not succeed. `counted`: its claim committed, and
-    /// counted the attempt; else the transaction failed to commit and
-    /// nothing of it stands.
-    Failed {
-        outcome: Outcome,
-        attempts: i32,
-        counted: bool,
-    },
-}
-
 struct Request {
     delivery: Delivery,
     seq: u64,
-    reply: oneshot::Sender<Result<Done, BatchError>>,
+    reply: oneshot::Sender<Result<Ran, BatchError>>,
 }
 
 /// Handle on the group writers; they end when it is dropped.
@@ -88,7 +72,7 @@ impl Transactions {
 
     /// Claim, handle and complete `delivery` (its `delivered` is set from
     /// the claim) in the next group transaction.
-    pub async fn run(&self, delivery: Delivery, seq: u64) -> Result<Done, BatchError> {
+    pub async fn run(&self, delivery: Delivery, seq: u64) -> Result<Ran, BatchError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || BatchError("the inbox transaction writer stopped".into());
         self.requests
@@ -189,10 +173,7 @@ async fn work<H: Handler>(ctx: Arc<Context<H>>, rx: Arc<Mutex<mpsc::Receiver<Req
 
 /// [`run_group`], with a panic of ours a failed group rather than a dead
 /// writer (the handler's own panics are caught per call).
-async fn guarded<H: Handler>(
-    ctx: &Context<H>,
-    group: &[Request],
-) -> Result<Vec<Done>, sqlx::Error> {
+async fn guarded<H: Handler>(ctx: &Context<H>, group: &[Request]) -> Result<Vec<Ran>, sqlx::Error> {
     use futures::FutureExt;
     std::panic::AssertUnwindSafe(run_group(ctx, group))
         .catch_unwind()
@@ -207,7 +188,7 @@ async fn guarded<H: Handler>(
 async fn run_group<H: Handler>(
     ctx: &Context<H>,
     group: &[Request],
-) -> Result<Vec<Done>, sqlx::Error> {
+) -> Result<Vec<Ran>, sqlx::Error> {
     let mut tx = ctx.pool.begin().await?;
     let ids: Vec<Uuid> = group.iter().map(|r| r.delivery.message_id).collect();
     let subjects: Vec<&str> = group.iter().map(|r| r.delivery.subject.as_str()).collect();
@@ -231,11 +212,11 @@ async fn run_group<H: Handler>(
                 )))
             }
             Some(Claim::Processed) => {
-                books.done.push(Done::Processed { duplicate: true });
+                books.done.push(Ran::Processed { duplicate: true });
                 continue;
             }
             Some(Claim::Parked { seq }) => {
-                books.done.push(Done::Parked { seq: *seq });
+                books.done.push(Ran::Parked { seq: *seq });
                 continue;
             }
             Some(Claim::Fresh { attempts }) => *attempts,
@@ -257,11 +238,11 @@ async fn run_group<H: Handler>(
         if outcome == Outcome::Processed {
             books.processed.push(id);
             books.last_call = Some((books.done.len(), attempts));
-            books.done.push(Done::Processed { duplicate: false });
+            books.done.push(Ran::Processed { duplicate: false });
         } else {
             sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await?;
             books.last_call = None;
-            books.done.push(Done::Failed {
+            books.done.push(Ran::Failed {
                 outcome,
                 attempts,
                 counted: true,
@@ -285,7 +266,7 @@ async fn run_group<H: Handler>(
         // attempt failed, counted when it is parked, or it would come back
         // uncounted forever.
         Err(e @ sqlx::Error::Database(_)) if group.len() == 1 => match books.last_call {
-            Some((_, attempts)) => Ok(vec![Done::Failed {
+            Some((_, attempts)) => Ok(vec![Ran::Failed {
                 outcome: Outcome::Retry(format!("its transaction failed to commit: {e}")),
                 attempts,
                 counted: false,
@@ -307,7 +288,7 @@ const ROLLBACK_TO: &str = "ROLLBACK TO SAVEPOINT outbox_relay_message";
 
 /// A group's outcomes so far.
 struct Books {
-    done: Vec<Done>,
+    done: Vec<Ran>,
     processed: Vec<Uuid>,
     /// The newest call (its index in `done`, its attempts), while it stands
     /// as processed.
@@ -330,10 +311,10 @@ impl Books {
         };
         sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await?;
         self.processed.pop();
-        let Some(Done::Processed { .. }) = self.done.get(i) else {
+        let Some(Ran::Processed { .. }) = self.done.get(i) else {
             return Err(e);
         };
-        self.done[i] = Done::Failed {
+        self.done[i] = Ran::Failed {
             outcome: Outcome::Retry(format!(
                 "the handler answered processed but left its transaction failed: {e}"
             )),
