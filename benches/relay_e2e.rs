@@ -593,6 +593,11 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
+/// The relay's `--publish-mode`, as `scripts/bench.sh` started it.
+fn publish_mode() -> String {
+    std::env::var("OUTBOX_PUBLISH_MODE").unwrap_or_else(|_| "auto".into())
+}
+
 fn summary(a: &Args, results: &[PhaseResult]) -> String {
     let mut s = String::new();
     let raw = results
@@ -605,7 +610,7 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
         .map(|r| r.wal_bytes_per_event);
     let _ = writeln!(
         s,
-        "\n{} events, txn {}, payload {} B, {} producers, rate {}",
+        "\n{} events, txn {}, payload {} B, {} producers, rate {}, publish mode {}",
         a.events,
         a.txn_size,
         a.payload,
@@ -614,7 +619,8 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
             "flat out".to_owned()
         } else {
             format!("{}/s", a.rate)
-        }
+        },
+        publish_mode()
     );
     let _ = writeln!(
         s,
@@ -874,6 +880,7 @@ async fn main() {
         "args": {
             "events": a.events, "rate": a.rate, "txn_size": a.txn_size, "payload": a.payload,
             "producers": a.producers, "poll_batch": a.poll_batch,
+            "publish_mode": publish_mode(),
             "poll_interval_ms": a.poll_interval.as_millis() as u64,
         },
         "phases": results,

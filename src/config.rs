@@ -538,6 +538,13 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_FAILOVER_SLOT", default_value = "auto", value_parser = ["auto", "off"])]
     pub failover_slot: String,
 
+    /// How events go to JetStream: `batch` publishes each transaction as
+    /// one atomic batch (nats-server 2.12.1+, stream `allow_atomic`; an
+    /// existing stream is switched on), `event` one publish per event, and
+    /// `auto` batches where the server and stream allow it.
+    #[arg(long, env = "OUTBOX_PUBLISH_MODE", default_value = "auto", value_parser = ["auto", "batch", "event"])]
+    pub publish_mode: String,
+
     /// Tuple format requested from pgoutput (binary needs PostgreSQL 14+).
     #[arg(long, env = "OUTBOX_TUPLE_FORMAT", default_value = "binary", value_parser = ["binary", "text"])]
     pub tuple_format: String,
@@ -730,6 +737,18 @@ pub struct RelayConfig {
     pub resync_since: Option<Backfill>,
     /// Whether the slot should be a failover slot where the server has them.
     pub failover_slot: bool,
+    pub publish_mode: PublishMode,
+}
+
+/// `--publish-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishMode {
+    /// Atomic batches where the server and the stream support them.
+    Auto,
+    /// Atomic batches, or refuse to start.
+    Batch,
+    /// One publish per event.
+    Event,
 }
 
 /// Which rows the relay reads from its new slot's snapshot before streaming.
@@ -822,6 +841,11 @@ impl RelayArgs {
             },
             resync_since,
             failover_slot: self.failover_slot == "auto",
+            publish_mode: match self.publish_mode.as_str() {
+                "batch" => PublishMode::Batch,
+                "event" => PublishMode::Event,
+                _ => PublishMode::Auto,
+            },
         })
     }
 }

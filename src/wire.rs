@@ -33,6 +33,16 @@ pub const SOURCE: &str = "Outbox-Source";
 pub const BACKFILL: &str = "Outbox-Backfill";
 pub const BACKFILL_UNPUBLISHED: &str = "unpublished";
 pub const BACKFILL_SINCE: &str = "since ";
+/// On every message of a transaction too large for one atomic batch: which
+/// of its batches (from 1) carried it. The messages of its last batch also
+/// carry [`TXN_BATCHES`], the count, so a consumer that reassembles knows the
+/// transaction is whole. A transaction that fits one batch has neither.
+pub const TXN_BATCH: &str = "Outbox-Txn-Batch";
+pub const TXN_BATCHES: &str = "Outbox-Txn-Batches";
+/// JetStream atomic batch publish (ADR-50, nats-server 2.12+).
+pub const BATCH_ID: &str = "Nats-Batch-Id";
+pub const BATCH_SEQUENCE: &str = "Nats-Batch-Sequence";
+pub const BATCH_COMMIT: &str = "Nats-Batch-Commit";
 
 /// NATS's own headers (lower-cased prefix): publish expectations, dedupe.
 pub const NATS_HEADER_PREFIX: &str = "nats-";

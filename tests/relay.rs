@@ -168,6 +168,26 @@ async fn large_transaction_streams_with_bounded_memory() {
         got.iter().all(|g| g.h(wire::COMMIT_LSN) == Some(commit)),
         "one transaction"
     );
+    // Over the batch limit: consecutive batches, numbered from 1, the last
+    // saying how many there are.
+    let number = |g: &Got| g.h(wire::TXN_BATCH).and_then(|k| k.parse::<u64>().ok());
+    let last = number(&got[got.len() - 1]).expect("split into batches");
+    assert!(
+        last >= N / 1000,
+        "at most 1,000 events a batch: {last} batches"
+    );
+    let mut prev = 1;
+    for g in &got {
+        let k = number(g).expect("every event says its batch");
+        assert!(k == prev || k == prev + 1, "batch {k} after {prev}");
+        prev = k;
+        let count = (k == last).then(|| last.to_string());
+        assert_eq!(
+            g.h(wire::TXN_BATCHES),
+            count.as_deref(),
+            "only the last batch says the count"
+        );
+    }
     // Timing belongs to the bench; memory has a bound: the publish window
     // and the replication buffer, not the transaction, decide it.
     let peak = peak.expect("the relay's VmHWM");
@@ -230,6 +250,184 @@ async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
         relay.log_text().contains("relay stopped"),
         "reports the final LSN"
     );
+}
+
+/// SPEC §5: with atomic batch publish, a transaction is in the stream all
+/// or nothing, even when the relay dies in the middle of it. Each round
+/// kills the relay at a random point under a load of multi-row
+/// transactions, then, while nothing writes, reads the whole stream: every
+/// transaction in it must be whole (the one-event-at-a-time path fails
+/// this: a kill between two events of a transaction leaves its first part
+/// visible until a restart completes it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_is_in_the_stream_whole_or_not_at_all_across_kill_9() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_atomic").await;
+    let mut relay = Service::relay(&url, &stack.nats_url, "atomic", &[]);
+    let seed = std::env::var("TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("kill schedule seed: TEST_SEED={seed}");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let stop = Arc::new(AtomicBool::new(false));
+    // Transactions of 1 to 300 rows, each row saying its transaction's size.
+    let producer = {
+        let (pool, stop) = (pool.clone(), stop.clone());
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        tokio::spawn(async move {
+            let mut sent = HashSet::new();
+            let mut txn = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let n: u64 = [1, 2, 17, 60, 300][rng.gen_range(0..5)];
+                let mut q = sqlx::QueryBuilder::new(
+                    "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) ",
+                );
+                let ids: Vec<uuid::Uuid> = (0..n).map(|_| uuid::Uuid::new_v4()).collect();
+                q.push_values(ids.iter(), |mut b, id| {
+                    b.push_bind(*id)
+                        .push_bind("order")
+                        .push_bind(format!("a{}", txn % 7))
+                        .push_bind("placed")
+                        .push_bind(serde_json::json!({"txn": txn, "rows": n}));
+                });
+                q.build().execute(&pool).await.unwrap();
+                sent.extend(ids);
+                txn += 1;
+                tokio::time::sleep(Duration::from_millis(rng.gen_range(0..4))).await;
+            }
+            sent
+        })
+    };
+    let stream = wire::stream_name("atomic");
+    let whole = |got: &[Got]| {
+        let mut seen: std::collections::BTreeMap<u64, (u64, u64)> = Default::default();
+        for g in got {
+            let j = g.json();
+            let (txn, rows) = (j["txn"].as_u64().unwrap(), j["rows"].as_u64().unwrap());
+            seen.entry(txn).or_insert((0, rows)).0 += 1;
+        }
+        let partial: Vec<_> = seen.iter().filter(|(_, (n, rows))| n != rows).collect();
+        assert!(
+            partial.is_empty(),
+            "transactions visible in part (txn: (seen, rows)): {partial:?}"
+        );
+        seen.len()
+    };
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1500))).await;
+        relay.kill9();
+        let held = stream_messages(&stack.nats_url, &stream).await;
+        let got = read_stream(&stack.nats_url, &stream, held, T).await;
+        let txns = whole(&got);
+        println!(
+            "killed with {} events of {txns} transactions in the stream, all whole",
+            got.len()
+        );
+        relay.restart();
+    }
+    stop.store(true, Ordering::Relaxed);
+    let sent = producer.await.unwrap();
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    whole(&got);
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_publish_batches"),
+        Some(1.0),
+        "publishes in batches"
+    );
+}
+
+/// The last release before atomic batch publish.
+const NATS_WITHOUT_BATCHES: &str = "2.11.11";
+
+/// A server older than 2.12.1 gets today's path: one publish per event,
+/// chained, in order; and `--publish-mode batch` refuses to start there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_atomic_batches_gets_one_publish_per_event() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_oldnats").await;
+    let nats = OwnNats::start_version(&stack, "oldnats", NATS_WITHOUT_BATCHES);
+    let (code, err) = run_relay_bounded(&url, &nats.url, "oldnats", &["--publish-mode", "batch"]);
+    assert_eq!(code, Some(1), "refused at start: {err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("error:") && l.contains("2.12.1")),
+        "one line naming the release it needs: {err}"
+    );
+
+    let relay = Service::relay(&url, &nats.url, "oldnats", &[]);
+    let mut sent = HashSet::new();
+    for (i, n) in [1u64, 40, 3, 120, 7].into_iter().enumerate() {
+        sent.extend(insert_txn(&pool, 0, i as u64 * 1000, n, 8).await);
+    }
+    let got = read_stream(
+        &nats.url,
+        &wire::stream_name("oldnats"),
+        sent.len() as u64,
+        T,
+    )
+    .await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_publish_batches"), Some(0.0));
+    assert_eq!(
+        m.value("outbox_relay_batches_total{result=\"committed\"}"),
+        Some(0.0)
+    );
+}
+
+/// An existing stream is used as it is: without `allow_atomic` the relay
+/// publishes event by event (and says how to change that); asked for
+/// batches in so many words, it allows them on the stream and batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_stream_without_atomic_publish_gets_batches_only_when_asked() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_noatomic").await;
+    let stream = wire::stream_name("noatomic");
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec!["noatomic.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut sent: HashSet<uuid::Uuid> = HashSet::new();
+    let relay = Service::relay(&url, &stack.nats_url, "noatomic", &[]);
+    sent.extend(insert_txn(&pool, 0, 0, 30, 8).await);
+    read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_publish_batches"),
+        Some(0.0),
+        "auto: the stream says no"
+    );
+    assert!(
+        relay.log_text().contains("allow_atomic"),
+        "the log says how to change it"
+    );
+    drop(relay);
+
+    let relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "noatomic",
+        &["--publish-mode", "batch"],
+    );
+    sent.extend(insert_txn(&pool, 0, 100, 30, 8).await);
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_publish_batches"), Some(1.0));
+    assert!(
+        m.value("outbox_relay_batches_total{result=\"committed\"}")
+            .unwrap()
+            >= 1.0
+    );
+    let mut s = js.get_stream(&stream).await.unwrap();
+    assert!(s.info().await.unwrap().config.allow_atomic_publish);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

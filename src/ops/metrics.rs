@@ -21,6 +21,11 @@ pub const PUBLISH_ERRORS: &str = "outbox_relay_publish_errors_total";
 /// Publishes sent again because another writer appended to the stream
 /// between two of the relay's (the order chain refused them).
 pub const PUBLISH_RESENDS: &str = "outbox_relay_publish_resends_total";
+/// 1 while the relay publishes whole transactions as atomic batches.
+pub const PUBLISH_BATCHES: &str = "outbox_relay_publish_batches";
+/// Atomic batches by `result`: committed, retried (the server lost one),
+/// unbatched (refused, sent again event by event).
+pub const BATCHES: &str = "outbox_relay_batches_total";
 /// Bytes of the events published and not yet acked.
 pub const INFLIGHT_BYTES: &str = "outbox_relay_inflight_bytes";
 pub const INFLIGHT_EVENTS: &str = "outbox_relay_inflight_events";
@@ -75,6 +80,8 @@ pub const ALL: &[&str] = &[
     EVENTS_DEAD_LETTERED,
     PUBLISH_ERRORS,
     PUBLISH_RESENDS,
+    PUBLISH_BATCHES,
+    BATCHES,
     INFLIGHT_BYTES,
     INFLIGHT_EVENTS,
     COMMIT_TO_ACK_SECONDS,
@@ -161,6 +168,14 @@ pub fn register_relay() {
         "Publishes sent again: another writer appended to the stream, or no stream leader answered"
     );
     describe_gauge!(
+        PUBLISH_BATCHES,
+        "1 while whole transactions go out as atomic batches"
+    );
+    describe_counter!(
+        BATCHES,
+        "Atomic batches by result: committed, retried, unbatched (sent again event by event)"
+    );
+    describe_gauge!(
         INFLIGHT_BYTES,
         "Bytes of events published and not yet acked"
     );
@@ -196,6 +211,10 @@ pub fn register_relay() {
     }
     metrics::counter!(PUBLISH_ERRORS).increment(0);
     metrics::counter!(PUBLISH_RESENDS).increment(0);
+    metrics::gauge!(PUBLISH_BATCHES).set(0.0);
+    for result in ["committed", "retried", "unbatched"] {
+        metrics::counter!(BATCHES, "result" => result).increment(0);
+    }
     metrics::gauge!(INFLIGHT_BYTES).set(0.0);
     metrics::counter!(EVENTS_SKIPPED).increment(0);
     metrics::counter!(SESSION_RESTARTS).increment(0);

@@ -24,11 +24,16 @@ pub enum Step {
     Nothing,
     /// Confirm this LSN to the slot.
     Confirm(Lsn),
+    /// A transaction ended (the publisher may close its batch); confirm
+    /// the LSN if one is given.
+    Commit(Option<Lsn>),
     /// Publish; ack the watermark with `ticket` once JetStream acks it.
     Publish {
         ticket: Ticket,
         /// Postgres commit time (µs since 2000-01-01), for the latency metric.
         commit_micros: i64,
+        /// Where the row is in the WAL.
+        pos: Position,
         msg: OutMessage,
     },
 }
@@ -99,7 +104,7 @@ impl Stage {
             }
             ReplicationEvent::Commit { end_lsn, .. } => {
                 self.txn = None;
-                confirm(wm.commit(end_lsn))
+                Ok(Step::Commit(wm.commit(end_lsn)))
             }
             ReplicationEvent::KeepAlive { wal_end, .. } => confirm(wm.keepalive(wal_end)),
             ReplicationEvent::XLogData { data, .. } => match pgoutput::decode(&data)? {
@@ -183,6 +188,7 @@ impl Stage {
         Ok(Step::Publish {
             ticket,
             commit_micros: txn.commit_time_micros,
+            pos,
             msg,
         })
     }
@@ -302,7 +308,7 @@ mod tests {
         assert_eq!(b.header(wire::COMMIT_LSN), Some("0/64"));
         assert!(matches!(
             s.on_event(commit(100), &mut wm).unwrap(),
-            Step::Nothing
+            Step::Commit(None)
         ));
         assert_eq!(wm.in_flight(), 2, "commit waits for both acks");
     }
@@ -338,7 +344,7 @@ mod tests {
         s.on_event(insert(7, ID1), &mut wm).unwrap();
         assert!(matches!(
             s.on_event(commit(100), &mut wm).unwrap(),
-            Step::Confirm(Lsn(108))
+            Step::Commit(Some(Lsn(108)))
         ));
     }
 

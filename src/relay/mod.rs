@@ -19,6 +19,7 @@
 //! so the path is exercised, not hoped for.
 
 mod backfill;
+pub(crate) mod batch;
 pub(crate) mod decode;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;

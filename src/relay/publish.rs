@@ -35,6 +35,7 @@ use tokio::sync::Notify;
 
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
+use crate::config::PublishMode;
 use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
 use crate::wire::{self, DlqReason, Position};
@@ -56,6 +57,24 @@ pub struct StreamSettings<'a> {
     pub max_age: Duration,
     pub max_bytes: i64,
     pub duplicate_window: Duration,
+    pub mode: PublishMode,
+    /// The server takes atomic batches ([`server_batches`]).
+    pub server_batches: bool,
+}
+
+/// Whether a server of this version (INFO `version`) takes atomic batches
+/// whose messages carry `Nats-Msg-Id`: 2.12.0 added atomic batches but
+/// refused any message id in them; 2.12.1 allowed them.
+pub fn server_batches(version: &str) -> bool {
+    let mut parts = version
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let v = (
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+        parts.next().unwrap_or(0),
+    );
+    v >= (2, 12, 1)
 }
 
 /// Create the stream when missing; an existing stream is used as it is.
@@ -74,6 +93,8 @@ pub struct StreamShape {
     pub subjects: Vec<String>,
     /// `max_msg_size`, when the stream sets one.
     pub max_msg_size: Option<usize>,
+    /// The stream takes atomic batches: publish in them.
+    pub batches: bool,
 }
 
 /// Create the stream when missing; an existing stream is used as it is, but
@@ -81,7 +102,13 @@ pub struct StreamShape {
 /// the relay's dead letters is refused here, in one line, instead of
 /// wedging the relay on the first bad row.
 pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<StreamShape> {
-    let config = match js.get_stream(s.name).await {
+    let want_batches = s.mode != PublishMode::Event && s.server_batches;
+    if s.mode == PublishMode::Batch && !s.server_batches {
+        return Err(Error::setup(
+            "--publish-mode batch needs nats-server 2.12.1 or later (atomic batch publish); upgrade the server, or use --publish-mode auto or event",
+        ));
+    }
+    let mut config = match js.get_stream(s.name).await {
         Ok(mut stream) => stream
             .info()
             .await
@@ -97,6 +124,7 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
                 max_age: s.max_age,
                 max_bytes: s.max_bytes,
                 duplicate_window: s.duplicate_window,
+                allow_atomic_publish: want_batches,
                 ..Default::default()
             };
             js.create_stream(config.clone())
@@ -109,7 +137,16 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
                     source: Some(Box::new(e)),
                 })?;
             tracing::info!(stream = s.name, subjects = %s.subjects, "created stream");
-            config
+            // What the server made of it: one that does not know the
+            // setting leaves it out.
+            js.get_stream(s.name)
+                .await
+                .map_err(Error::nats(format!("reading stream {}", s.name)))?
+                .info()
+                .await
+                .map_err(Error::nats(format!("reading stream {}", s.name)))?
+                .config
+                .clone()
         }
         Err(e) => return Err(Error::nats(format!("looking up stream {}", s.name))(e)),
     };
@@ -128,7 +165,32 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
             s.subjects,
         )));
     }
+    if s.mode == PublishMode::Batch && !config.allow_atomic_publish {
+        // Asked for in so many words: switch the stream on (an additive
+        // setting; other writers are unaffected).
+        config.allow_atomic_publish = true;
+        let info = js.update_stream(&config).await.map_err(|e| Error::Setup {
+            message: format!(
+                "--publish-mode batch: cannot allow atomic publish on stream {}: {e}; set allow_atomic on it yourself, or use --publish-mode auto",
+                s.name
+            ),
+            source: Some(Box::new(e)),
+        })?;
+        config = info.config;
+        tracing::info!(
+            stream = s.name,
+            "allowed atomic batch publish on the stream"
+        );
+    }
+    let batches = want_batches && config.allow_atomic_publish;
+    if want_batches && !batches {
+        tracing::info!(
+            stream = s.name,
+            "the stream does not allow atomic batch publish: publishing event by event; set allow_atomic on it (or run once with --publish-mode batch) to publish whole transactions"
+        );
+    }
     Ok(StreamShape {
+        batches,
         subjects: config.subjects,
         max_msg_size: usize::try_from(config.max_message_size)
             .ok()
@@ -136,19 +198,31 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
     })
 }
 
-/// The position of the last message this source stored in the stream, if any.
+/// The last message this source stored in the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tail {
+    pub at: Position,
+    /// Its `Outbox-Txn-Batch`: it belongs to a transaction split into
+    /// batches, this one of them.
+    pub txn_batch: Option<u32>,
+}
+
+/// The last message this source stored in the stream, if any.
 pub async fn stored_tail(
     js: &Context,
     stream_name: &str,
     lineage: &wire::Lineage,
-) -> Result<Option<Position>> {
+) -> Result<Option<Tail>> {
     let found = scan_tail(js, stream_name, |h| {
         let get = |name: &str| h.get(name).map(|v| v.as_str());
         if get(wire::DLQ_CONSUMER).is_some() {
             return None;
         }
         let at = Position::from_headers(get)?;
-        lineage.holds(get(wire::SOURCE)?, at).then_some(at)
+        lineage.holds(get(wire::SOURCE)?, at).then(|| Tail {
+            at,
+            txn_batch: get(wire::TXN_BATCH).and_then(|k| k.parse().ok()),
+        })
     })
     .await?;
     if found.is_none() {
@@ -379,6 +453,17 @@ impl Publisher {
             trouble: Arc::new(Notify::new()),
             outage: None,
         }
+    }
+
+    /// What the batch path shares: the context, the window (count and
+    /// bytes) and the stall clock.
+    pub(super) fn settings(&self) -> (Context, usize, usize, Duration) {
+        (
+            self.js.clone(),
+            self.max_inflight,
+            self.max_bytes,
+            self.stall,
+        )
     }
 
     /// Whether another message may be handed over. One message is always
@@ -745,5 +830,26 @@ fn refused(id: String, e: PublishError) -> Error {
         id,
         failure,
         source: Box::new(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::server_batches;
+
+    #[test]
+    fn atomic_batches_with_message_ids_from_2_12_1() {
+        for (v, ok) in [
+            ("2.11.10", false),
+            ("2.12.0", false),
+            ("2.12.1", true),
+            ("2.12.0-RC.3", false),
+            ("2.14.0-RC.1", true),
+            ("2.15.1", true),
+            ("3.0.0", true),
+            ("", false),
+        ] {
+            assert_eq!(server_batches(v), ok, "{v}");
+        }
     }
 }

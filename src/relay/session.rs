@@ -15,6 +15,7 @@ use pgwire_replication::{Lsn, ReplicationClient};
 use tokio_util::sync::CancellationToken;
 
 use super::backfill;
+use super::batch::Batcher;
 use super::decode::{Stage, Step};
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
@@ -60,7 +61,7 @@ pub(super) struct Session<'a> {
 struct Open {
     client: ReplicationClient,
     stage: Stage,
-    publisher: Publisher,
+    publisher: Batcher,
     status_interval: Duration,
 }
 
@@ -152,6 +153,8 @@ impl<'a> Session<'a> {
                 max_age: cfg.stream_max_age,
                 max_bytes: cfg.stream_max_bytes,
                 duplicate_window: cfg.duplicate_window,
+                mode: cfg.publish_mode,
+                server_batches: publish::server_batches(&nats.server_info().version),
             },
         )
         .await?;
@@ -173,15 +176,20 @@ impl<'a> Session<'a> {
             .server_info()
             .max_payload
             .min(shape.max_msg_size.unwrap_or(usize::MAX));
-        let mut publisher = Publisher::new(
-            js.clone(),
-            cfg.max_inflight,
-            cfg.max_inflight_bytes,
-            cfg.publish_timeout,
-            Refusals {
-                dlq_subject,
-                max_message: max_payload,
-            },
+        let mut publisher = Batcher::new(
+            Publisher::new(
+                js.clone(),
+                cfg.max_inflight,
+                cfg.max_inflight_bytes,
+                cfg.publish_timeout,
+                Refusals {
+                    dlq_subject,
+                    max_message: max_payload,
+                },
+            ),
+            shape.batches,
+            nats.clone(),
+            cfg.stream.clone(),
         );
         let router = |source: &str| {
             Router::new(
@@ -195,7 +203,9 @@ impl<'a> Session<'a> {
         };
         let confirmed = match prepared.slot {
             Some(slot) => slot.confirmed,
-            None => backfill::first_start(self.env, &mut publisher, router, max_payload).await?,
+            None => {
+                backfill::first_start(self.env, publisher.per_event(), router, max_payload).await?
+            }
         };
         self.watermark = Watermark::new(confirmed);
 
@@ -229,7 +239,9 @@ impl<'a> Session<'a> {
             &history,
         );
         let source = lineage.source.clone();
-        let resume = publish::stored_tail(js, &cfg.stream, &lineage).await?;
+        let tail = publish::stored_tail(js, &cfg.stream, &lineage).await?;
+        let resume = tail.map(|t| t.at);
+        publisher.streaming(lineage, tail);
         self.set_failover(&mut client).await?;
         client.start().await?;
         client.wait_started().await?;
@@ -239,6 +251,7 @@ impl<'a> Session<'a> {
         metrics::gauge!(m::STREAMING).set(1.0);
         tracing::info!(
             slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
+            batches = publisher.batches(),
             resume_after = ?resume.map(|p| format!("{}#{}", p.commit_lsn, p.index)),
             "streaming"
         );
@@ -313,8 +326,14 @@ impl<'a> Session<'a> {
                     match stage.on_event(event, &mut self.watermark)? {
                         Step::Nothing => {}
                         Step::Confirm(lsn) => self.confirm(client, lsn),
-                        Step::Publish { ticket, commit_micros, msg } => {
-                            publisher.publish(ticket, commit_micros, msg).await?;
+                        Step::Commit(lsn) => {
+                            publisher.end_transaction();
+                            if let Some(lsn) = lsn {
+                                self.confirm(client, lsn);
+                            }
+                        }
+                        Step::Publish { ticket, commit_micros, pos, msg } => {
+                            publisher.publish(ticket, commit_micros, pos, msg).await?;
                             self.metrics.inflight.set(publisher.in_flight() as f64);
                             self.metrics.inflight_bytes.set(publisher.in_flight_bytes() as f64);
                         }
@@ -335,8 +354,13 @@ impl<'a> Session<'a> {
             in_flight = open.publisher.in_flight(),
             "stopping: waiting for in-flight acks"
         );
+        // An open transaction will not complete now: it is read again.
+        open.publisher.close();
         let drain = async {
-            while let Some(ack) = open.publisher.next_ack().await {
+            while open.publisher.in_flight() > 0 {
+                let Some(ack) = open.publisher.next_ack().await else {
+                    break;
+                };
                 if let Err(e) = self.on_ack(&open.client, &open.publisher, ack) {
                     tracing::warn!(error = %e, "publish failed during shutdown; it will be replayed");
                     break;
@@ -358,12 +382,7 @@ impl<'a> Session<'a> {
     }
 
     /// The one place an ack is accounted: metrics, watermark, slot.
-    fn on_ack(
-        &mut self,
-        client: &ReplicationClient,
-        publisher: &Publisher,
-        ack: Ack,
-    ) -> Result<()> {
+    fn on_ack(&mut self, client: &ReplicationClient, publisher: &Batcher, ack: Ack) -> Result<()> {
         ack.result?;
         self.metrics.published.increment(1);
         self.metrics.inflight.set(publisher.in_flight() as f64);

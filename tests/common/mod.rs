@@ -456,6 +456,13 @@ impl Got {
     }
 }
 
+/// How many messages the stream holds now.
+pub async fn stream_messages(nats_url: &str, stream: &str) -> u64 {
+    let js = jetstream::new(async_nats::connect(nats_url).await.unwrap());
+    let mut s = js.get_stream(stream).await.unwrap();
+    s.info().await.unwrap().state.messages
+}
+
 /// Wait until the stream holds `expected` messages (or `timeout`) and its
 /// count has stopped changing (so duplicates would show), then read it in order.
 pub async fn read_stream(
@@ -750,6 +757,28 @@ pub struct OwnNats {
 impl OwnNats {
     pub fn start(stack: &Stack, name: &str) -> OwnNats {
         Self::start_with(stack, name, &[])
+    }
+
+    /// A nats-server of release `version`, installed by `stack.sh nats-bin`
+    /// like the stack's own.
+    pub fn start_version(stack: &Stack, name: &str, version: &str) -> OwnNats {
+        let out = Command::new(STACK_SH)
+            .arg("nats-bin")
+            .env("NATS_SERVER_VERSION", version)
+            .env_remove("NATS_SERVER_BIN")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "stack.sh nats-bin {version}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bin = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        let mut n = Self::start_with(stack, name, &[]);
+        n.down();
+        n.bin = bin;
+        n.up();
+        n
     }
 
     /// With extra nats-server arguments (authentication, say).
