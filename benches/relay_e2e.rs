@@ -337,6 +337,8 @@ struct PhaseResult {
     /// acks every publish, so it is the relay's other cost.
     nats_cpu_us_per_event: Option<f64>,
     relay_peak_rss_mib: Option<f64>,
+    /// Mean events per atomic batch (`--publish-mode batch`).
+    events_per_batch: Option<f64>,
     samples: Vec<Sample>,
     /// (receive second, p50 ms, p99 ms)
     latency_by_second: Vec<(f64, f64, f64)>,
@@ -375,6 +377,7 @@ async fn run_phase(
     let wal0 = wal_lsn(pool).await;
     let cpu0 = relay_pid.map(cpu_seconds);
     let nats_cpu0 = nats_pid.map(cpu_seconds);
+    let batches0 = committed_batches();
     let committed = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let producers = tokio::spawn(produce(
@@ -472,6 +475,10 @@ async fn run_phase(
         (Some(c), Some(c0)) if phase == "cdc" => Some((c - c0) * 1e6 / expected.max(1) as f64),
         _ => None,
     };
+    let events_per_batch = match (committed_batches(), batches0) {
+        (Some(b), Some(b0)) if phase == "cdc" && b > b0 => Some(expected as f64 / (b - b0)),
+        _ => None,
+    };
     let nats_cpu = match (nats_pid.map(cpu_seconds), nats_cpu0) {
         (Some(c), Some(c0)) => Some((c - c0) * 1e6 / expected.max(1) as f64),
         _ => None,
@@ -538,6 +545,7 @@ async fn run_phase(
         relay_cpu_us_per_event: relay_cpu,
         nats_cpu_us_per_event: nats_cpu,
         relay_peak_rss_mib: relay_pid.filter(|_| phase == "cdc").map(|p| rss_mib(p).1),
+        events_per_batch,
         samples,
         latency_by_second,
     }
@@ -593,6 +601,25 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
+/// `outbox_relay_batches_total{result="committed"}` from the relay's
+/// `/metrics` (`RELAY_METRICS`, host:port), if it answers.
+fn committed_batches() -> Option<f64> {
+    use std::io::{Read, Write};
+    let addr = std::env::var("RELAY_METRICS").ok()?;
+    let mut conn = std::net::TcpStream::connect(&addr).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        conn,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("outbox_relay_batches_total{result=\"committed\"} "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// The relay's `--publish-mode`, as `scripts/bench.sh` started it.
 fn publish_mode() -> String {
     std::env::var("OUTBOX_PUBLISH_MODE").unwrap_or_else(|_| "auto".into())
@@ -624,14 +651,17 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
     );
     let _ = writeln!(
         s,
-        "| phase | events/s | vs raw | p50 ms | p99 ms | p99.9 ms | max ms | WAL B/event | extra WAL B/event | relay CPU µs/event | nats-server CPU µs/event | relay peak RSS MiB | once |"
+        "| phase | events/s | vs raw | p50 ms | p99 ms | p99.9 ms | max ms | WAL B/event | extra WAL B/event | relay CPU µs/event | nats-server CPU µs/event | relay peak RSS MiB | events/batch | once |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for r in results {
         let l = |k: &str| r.latency_ms.as_ref().and_then(|v| v[k].as_f64());
         let _ = writeln!(
             s,
-            "| {} | {:.0} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} |",
+            "| {} | {:.0} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
             r.phase,
             r.events_per_s,
             raw.map_or("-".into(), |raw| format!("{:.2}", r.events_per_s / raw)),
@@ -644,6 +674,7 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
             fmt_opt(r.relay_cpu_us_per_event, 1),
             fmt_opt(r.nats_cpu_us_per_event, 1),
             fmt_opt(r.relay_peak_rss_mib, 1),
+            fmt_opt(r.events_per_batch, 0),
             if r.phase == "raw" {
                 "-".to_owned()
             } else if r.duplicates == 0 && r.missing == 0 && r.received == r.events {

@@ -63,6 +63,12 @@ pub const MAX_BATCH: usize = 1000;
 /// Between lookups while the stream does not answer.
 const FIRST_PAUSE: Duration = Duration::from_millis(50);
 const MAX_PAUSE: Duration = Duration::from_millis(500);
+/// The first wait for one look-up of the stream's tail; it doubles after
+/// each that goes unanswered, up to the maximum (a scan past many other
+/// writers' messages takes longer; one that never fits ends the session
+/// after the outage budget, and the next session's scan is unbounded).
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+const MAX_LOOKUP_TIMEOUT: Duration = Duration::from_secs(4);
 /// How long the stream may stay unanswering before the session ends.
 const OUTAGE_BUDGET: Duration = Duration::from_secs(60);
 /// Times a batch the server lost track of goes again as a batch before it
@@ -612,6 +618,9 @@ impl Batcher {
             .as_ref()
             .map_or_else(Instant::now, |c| c.committed_at);
         let mut pause = FIRST_PAUSE;
+        // One look-up may wait on a stream with no leader: bounded, so a
+        // new leader is asked within about a second of answering.
+        let mut wait = LOOKUP_TIMEOUT;
         let tail = loop {
             let Some(lineage) = self.lineage.as_ref() else {
                 break Err(Error::Publish {
@@ -620,12 +629,23 @@ impl Batcher {
                     source: "a batch went unanswered before streaming began".into(),
                 });
             };
-            match publish::stored_tail(&self.js, &self.stream, lineage).await {
+            let lookup = publish::stored_tail(&self.js, &self.stream, lineage);
+            let answer = tokio::time::timeout(wait, lookup)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::Publish {
+                        id: String::new(),
+                        failure: PublishFailure::TimedOut,
+                        source: format!("no answer from the stream in {wait:?}").into(),
+                    })
+                });
+            match answer {
                 Ok(t) => break Ok(t),
                 Err(e) if since.elapsed() < OUTAGE_BUDGET => {
                     tracing::debug!(error = %e, "the stream does not answer yet");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(MAX_PAUSE);
+                    wait = (wait * 2).min(MAX_LOOKUP_TIMEOUT);
                 }
                 Err(e) => break Err(e),
             }
