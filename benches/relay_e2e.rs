@@ -620,6 +620,15 @@ fn committed_batches() -> Option<f64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// Which NATS `scripts/bench.sh` started (`BENCH_NATS_CLUSTER`).
+fn nats_setup() -> &'static str {
+    if std::env::var("BENCH_NATS_CLUSTER").is_ok_and(|v| v == "1") {
+        "3-node NATS cluster, R3 stream"
+    } else {
+        "one nats-server, R1 stream"
+    }
+}
+
 /// The relay's `--publish-mode`, as `scripts/bench.sh` started it.
 fn publish_mode() -> String {
     std::env::var("OUTBOX_PUBLISH_MODE").unwrap_or_else(|_| "auto".into())
@@ -637,7 +646,7 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
         .map(|r| r.wal_bytes_per_event);
     let _ = writeln!(
         s,
-        "\n{} events, txn {}, payload {} B, {} producers, rate {}, publish mode {}",
+        "\n{} events, txn {}, payload {} B, {} producers, rate {}, publish mode {}, {}",
         a.events,
         a.txn_size,
         a.payload,
@@ -647,7 +656,8 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
         } else {
             format!("{}/s", a.rate)
         },
-        publish_mode()
+        publish_mode(),
+        nats_setup()
     );
     let _ = writeln!(
         s,
@@ -912,6 +922,7 @@ async fn main() {
             "events": a.events, "rate": a.rate, "txn_size": a.txn_size, "payload": a.payload,
             "producers": a.producers, "poll_batch": a.poll_batch,
             "publish_mode": publish_mode(),
+            "nats": nats_setup(),
             "poll_interval_ms": a.poll_interval.as_millis() as u64,
         },
         "phases": results,

@@ -6,6 +6,7 @@
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
 #   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--out DIR]
 # Relay runs publish as OUTBOX_PUBLISH_MODE says (auto, batch or event; default auto).
+# BENCH_NATS_CLUSTER=1: against an R3 stream on a local 3-node NATS cluster.
 # The relay run measures Postgres alone (raw), the relay (cdc) and a polling
 # relay (poll) under the same load, then writes JSON and an SVG chart.
 # Against your own deployment, run `cargo bench --bench relay_e2e -- …` with
@@ -24,19 +25,36 @@ BENCH=relay_e2e
 cargo build --release --quiet --bin outbox-relay
 cargo bench --no-run --quiet --bench "$BENCH" 2>/dev/null
 STACK_DIR="$(mktemp -d -t outbox-relay-bench.XXXXXX)"
-cleanup() { scripts/stack.sh down "$STACK_DIR" || true; rm -rf "$STACK_DIR"; }
+CLUSTER_DIR="$STACK_DIR/cluster"
+cleanup() {
+  [ -d "$CLUSTER_DIR" ] && { scripts/stack.sh nats-cluster-down "$CLUSTER_DIR" || true; }
+  scripts/stack.sh down "$STACK_DIR" || true
+  rm -rf "$STACK_DIR"
+}
 trap cleanup EXIT INT TERM
 
 scripts/stack.sh up "$STACK_DIR" >/dev/null
 # shellcheck disable=SC1091
 . "$STACK_DIR/env"
+RELAY_ARGS=()
+if [ "${BENCH_NATS_CLUSTER:-0}" = 1 ]; then
+  # The relay publishes to an R3 stream on a 3-node cluster; the harness
+  # reads from the first node. nats-server CPU is then not sampled.
+  scripts/stack.sh nats-cluster-up "$CLUSTER_DIR" >/dev/null
+  # shellcheck disable=SC1091
+  . "$CLUSTER_DIR/env"
+  echo "export NATS_URL=$NATS_CLUSTER_URL" >>"$STACK_DIR/env"
+  NATS_URL="${NATS_CLUSTER_URL%%,*}"
+  unset NATS_PID
+  RELAY_ARGS=(--stream-replicas 3)
+fi
 target/release/outbox-relay migrate 2>/dev/null
 if [ "$MODE" = consumer ]; then
   RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 600 cargo bench --quiet --bench "$BENCH" -- "$@"
   exit
 fi
 METRICS_PORT="$(scripts/stack.sh free-port)"
-RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT")"
+RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
 if [ "$MODE" = prune ] || [ "$MODE" = pipeline ]; then
   RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 900 cargo bench --quiet --bench "$BENCH" -- "$@"
