@@ -722,6 +722,13 @@ fn plan(
             last: true,
         });
     }
+    // An open transaction is cut only when it must be: a full batch, or
+    // the byte window. (Checked first: this runs on every poll while a
+    // large transaction is read.)
+    let must = head.complete || head.len > max_batch || head.bytes >= max_batch_bytes;
+    if !must {
+        return None;
+    }
     // A part: as many as fit, and of an open transaction never all
     // (its last batch must be the one sent at its commit).
     let keep = usize::from(!head.complete);
@@ -733,10 +740,7 @@ fn plan(
         len += 1;
         bytes += size;
     }
-    // An open transaction is cut only when it must be: a full batch,
-    // or the byte window.
-    let must = head.complete || head.len > max_batch || head.bytes >= max_batch_bytes;
-    if len == 0 || !must {
+    if len == 0 {
         return None;
     }
     if head.batches_sent == 0 && head.complete && len == head.len {
