@@ -339,6 +339,123 @@ async fn a_transaction_is_in_the_stream_whole_or_not_at_all_across_kill_9() {
     );
 }
 
+/// Review of the batch publisher, defect 3: routing let through a row whose
+/// message fits the server's `max_payload` only without the headers the
+/// publisher adds (the batch headers, the order chain). In batches the
+/// client then refused it at every send, the session ended, and the relay
+/// looped on that row forever. Now such a row is too large at routing: it
+/// is dead-lettered and what follows flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_fits_only_without_the_publishers_headers_is_dead_lettered() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_nearmax").await;
+    let conf =
+        std::env::temp_dir().join(format!("outbox-relay-nearmax-{}.conf", std::process::id()));
+    std::fs::write(&conf, "max_payload: 4096\n").unwrap();
+    let nats = OwnNats::start_with(&stack, "nearmax", &["-c", conf.to_str().unwrap()]);
+    let relay = Service::relay(&url, &nats.url, "nearmax", &[]);
+    let stream = wire::stream_name("nearmax");
+    let insert = |pad: usize| {
+        let pool = pool.clone();
+        async move {
+            let id = uuid::Uuid::new_v4();
+            sqlx::query(
+                "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1, 'order', 'a1', 'placed', jsonb_build_object('pad', repeat('x', $2)))",
+            )
+            .bind(id)
+            .bind(pad as i32)
+            .execute(&pool)
+            .await
+            .unwrap();
+            id
+        }
+    };
+    // A probe shows the size of the header block and body of such a row.
+    let probe = insert(1).await;
+    let got = read_stream(&nats.url, &stream, 1, T).await;
+    let headers: usize = got[0]
+        .headers
+        .iter()
+        .map(|(k, v)| k.len() + v.len() + 4)
+        .sum::<usize>()
+        + 12;
+    let fixed = headers + got[0].payload.len() - 1;
+    // 60 bytes under the limit: it fits alone, not with ~150 bytes of
+    // batch headers.
+    let near = 4096 - 60 - fixed;
+    let mut tx = pool.begin().await.unwrap();
+    let big = uuid::Uuid::new_v4();
+    let small = uuid::Uuid::new_v4();
+    for (id, pad) in [(big, near), (small, 1)] {
+        sqlx::query(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ($1, 'order', 'a1', 'placed', jsonb_build_object('pad', repeat('x', $2)))",
+        )
+        .bind(id)
+        .bind(pad as i32)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let after = insert(1).await;
+    let got = read_stream(&nats.url, &stream, 4, T).await;
+    let ids: Vec<&str> = got.iter().map(|g| g.h(wire::MSG_ID).unwrap()).collect();
+    assert_eq!(
+        ids,
+        [probe, big, small, after].map(|u| u.to_string()),
+        "every row, in order"
+    );
+    assert_eq!(got[1].subject, wire::relay_dlq_subject("nearmax"));
+    assert_eq!(got[1].h(wire::DLQ_REASON), Some("too_large"));
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_session_restarts_total"), Some(0.0));
+    let _ = std::fs::remove_file(conf);
+}
+
+/// Review of the batch publisher, defect 1: a stream that stops capturing
+/// the relay's subjects answers every commit at once with "no responders".
+/// Each answer started a look-up and a resend with a fresh clock, so the
+/// session never ended and the relay stayed ready, resending forever. Now
+/// the session ends after the outage budget (60 s), as event by event, and
+/// once the stream captures the subjects again every row arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_a_stream_never_answers_end_the_session_after_the_outage_budget() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_uncapt").await;
+    let relay = Service::relay(&url, &stack.nats_url, "uncapt", &[]);
+    let stream = wire::stream_name("uncapt");
+    let mut sent: HashSet<uuid::Uuid> = insert_txn(&pool, 0, 0, 2, 0).await.into_iter().collect();
+    read_stream(&stack.nats_url, &stream, 2, T).await;
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let mut config = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    let subjects = config.subjects.clone();
+    config.subjects = vec!["uncapt.dlq.>".into()];
+    js.update_stream(&config).await.unwrap();
+    sent.extend(insert_txn(&pool, 0, 2, 2, 0).await);
+    eventually(Duration::from_secs(100), "the session ends", || async {
+        relay
+            .scrape()
+            .await
+            .value("outbox_relay_session_restarts_total")
+            .is_some_and(|r| r >= 1.0)
+    })
+    .await;
+    config.subjects = subjects;
+    js.update_stream(&config).await.unwrap();
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+}
+
 /// The last release before atomic batch publish.
 const NATS_WITHOUT_BATCHES: &str = "2.11.11";
 

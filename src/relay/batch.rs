@@ -120,6 +120,8 @@ struct InFlight {
     commit: Option<CommitFuture>,
     /// When the commit was handed over: the stall clock.
     committed_at: Instant,
+    /// Not sent before this (a pause after a refusal that may pass).
+    not_before: Option<Instant>,
     /// Sent again one event at a time from `next` on.
     unbatched: bool,
     /// The commit went unanswered: its fate is looked up in the stream
@@ -154,6 +156,12 @@ pub struct Batcher {
     /// How long a commit may go unanswered before the batch's fate is
     /// looked up in the stream.
     stall: Duration,
+    /// Since when no batch got a definite answer (a commit ack or a
+    /// refusal): the session ends past [`OUTAGE_BUDGET`], as the per-event
+    /// path's does, however many look-ups and resends happened meanwhile.
+    unanswered_since: Option<Instant>,
+    /// The pause before the next resend while unanswered; grows.
+    pause: Duration,
     /// Unique per process and session, so batch ids never meet an old one.
     prefix: String,
     counter: u64,
@@ -193,6 +201,8 @@ impl Batcher {
             max_bytes,
             max_count: max_count.clamp(1, 2 * MAX_BATCH),
             stall,
+            unanswered_since: None,
+            pause: FIRST_PAUSE,
             prefix: uuid::Uuid::new_v4().simple().to_string(),
             counter: 0,
         }
@@ -218,7 +228,7 @@ impl Batcher {
         if !self.batches {
             return self.per_event.has_room();
         }
-        let bytes = self.queued_bytes + self.current_bytes;
+        let bytes = self.in_flight_bytes();
         let count = self.in_flight();
         (bytes < self.max_bytes && count < self.max_count)
             // Nothing could go out without another message (an open
@@ -359,6 +369,7 @@ impl Batcher {
             next: 0,
             commit: None,
             committed_at: Instant::now(),
+            not_before: None,
             unbatched: false,
             lookup: false,
             retries: 0,
@@ -395,6 +406,13 @@ impl Batcher {
             let Some(cur) = self.current.as_mut() else {
                 continue;
             };
+            if let Some(at) = cur.not_before.take() {
+                if at > Instant::now() {
+                    cur.not_before = Some(at);
+                    tokio::time::sleep_until(at.into()).await;
+                    continue;
+                }
+            }
             if cur.lookup {
                 self.look_up().await;
                 continue;
@@ -407,6 +425,7 @@ impl Batcher {
             };
             let stall_at = cur.committed_at + self.stall;
             let answer = tokio::select! {
+                biased;
                 r = commit => Some(r),
                 _ = tokio::time::sleep_until(stall_at.into()) => None,
             };
@@ -487,6 +506,37 @@ impl Batcher {
             return;
         };
         let n = cur.msgs.len();
+        let code = match &answer {
+            Some(Err(e)) => api_code(e),
+            _ => None,
+        };
+        let definite = match &answer {
+            Some(Ok(_)) => true,
+            Some(Err(e)) => !uncertain(e) && !matches!(code, Some(10158 | 10210)),
+            None => false,
+        };
+        if definite {
+            self.unanswered_since = None;
+            self.pause = FIRST_PAUSE;
+        } else if self
+            .unanswered_since
+            .get_or_insert_with(Instant::now)
+            .elapsed()
+            > OUTAGE_BUDGET
+        {
+            let e = Error::Publish {
+                id: cur
+                    .msgs
+                    .first()
+                    .map(|q| q.msg.msg_id.clone())
+                    .unwrap_or_default(),
+                failure: PublishFailure::NoStream,
+                source: format!("no batch was answered for {OUTAGE_BUDGET:?}").into(),
+            };
+            let a = self.failed(e);
+            self.ready.push_back(a);
+            return;
+        }
         match answer {
             Some(Ok(ack)) if n == 1 || ack.batch_id.as_deref() == Some(cur.id.as_str()) => {
                 metrics::counter!(m::BATCHES, "result" => "committed").increment(1);
@@ -513,13 +563,28 @@ impl Batcher {
             Some(Err(e)) if uncertain(&e) => self.start_look_up(&e.to_string()),
             None => self.start_look_up("no commit ack in time"),
             Some(Err(e)) => {
-                let code = api_code(&e);
                 match code {
+                    // The ids are "in process": an earlier copy of this
+                    // batch is being committed. Its outcome shows in the
+                    // tail once it lands.
+                    Some(10158) => self.start_look_up(&e.to_string()),
+                    // Others' batches (or this relay's abandoned ones, for
+                    // up to 10 s) fill the server's slots: wait, not
+                    // unbatch.
+                    Some(10210) => {
+                        tracing::debug!(error = %e, "too many batches in flight on the server; waiting");
+                        metrics::counter!(m::BATCHES, "result" => "retried").increment(1);
+                        let pause = self.next_pause();
+                        self.again();
+                        if let Some(cur) = self.current.as_mut() {
+                            cur.not_before = Some(Instant::now() + pause);
+                        }
+                    }
                     Some(10174) => {
                         tracing::warn!(stream = %self.stream, "atomic publish was disabled on the stream; publishing event by event from now on");
                         self.batches_off();
                     }
-                    Some(10176 | 10210) if cur.retries < BATCH_RETRIES => {
+                    Some(10176) if cur.retries < BATCH_RETRIES => {
                         tracing::debug!(error = %e, "batch lost on the server; sending it again");
                         metrics::counter!(m::BATCHES, "result" => "retried").increment(1);
                         self.again();
@@ -572,6 +637,8 @@ impl Batcher {
     /// queue) to the per-event path, in order. Resumable: each message
     /// leaves the books once the connection took it.
     async fn hand_to_per_event(&mut self) -> Result<()> {
+        // Batches went since its last chained message, if any.
+        self.per_event.unchain();
         if let Some(cur) = self.current.as_mut().filter(|c| c.unbatched) {
             while cur.next < cur.msgs.len() {
                 let q = &cur.msgs[cur.next];
@@ -605,10 +672,21 @@ impl Batcher {
     fn start_look_up(&mut self, why: &str) {
         metrics::counter!(m::PUBLISH_RESENDS).increment(1);
         tracing::warn!(reason = why, stream = %self.stream, "a batch's commit went unanswered; looking it up in the stream");
+        let pause = self.next_pause();
         if let Some(cur) = self.current.as_mut() {
             cur.lookup = true;
             cur.committed_at = Instant::now();
+            cur.not_before = Some(Instant::now() + pause);
         }
+    }
+
+    /// The pause before the next try while the stream gives no definite
+    /// answer: it grows, so a stream that answers at once with "no
+    /// responders" is not asked in a tight loop.
+    fn next_pause(&mut self) -> Duration {
+        let p = self.pause;
+        self.pause = (self.pause * 2).min(MAX_PAUSE);
+        p
     }
 
     /// Cancel-safe: nothing changes until the tail is read.
@@ -725,7 +803,7 @@ fn plan(
     // An open transaction is cut only when it must be: a full batch, or
     // the byte window. (Checked first: this runs on every poll while a
     // large transaction is read.)
-    let must = head.complete || head.len > max_batch || head.bytes >= max_batch_bytes;
+    let must = head.complete || head.len > max_batch || head.bytes > max_batch_bytes;
     if !must {
         return None;
     }
@@ -815,12 +893,14 @@ mod tests {
 
     #[test]
     fn an_open_transaction_over_the_limit_is_cut_and_keeps_one_back() {
-        // 10 messages fill the byte bound: cut, but its last message stays
-        // for the batch that will know it is the last.
+        // Exactly a batch's worth still fits whole: it waits for its commit.
+        assert_eq!(plan_of(&[run(10, false, 0)]), None);
+        // Over the limit: cut, but its last message stays for the batch
+        // that will know it is the last.
         assert_eq!(
-            plan_of(&[run(10, false, 0)]),
+            plan_of(&[run(11, false, 0)]),
             Some(Plan::Part {
-                len: 9,
+                len: 10,
                 number: 1,
                 last: false
             })

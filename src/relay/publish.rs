@@ -77,6 +77,13 @@ pub fn server_batches(version: &str) -> bool {
     v >= (2, 12, 1)
 }
 
+/// Bytes kept free in every message for the headers the publisher adds
+/// after routing: `Nats-Expected-Last-Msg-Id` event by event;
+/// `Nats-Batch-Id`, `-Sequence`, `-Commit` and `Outbox-Txn-Batch(es)` in
+/// batches (about 150 bytes). Without it a row just under the limit passes
+/// routing and is refused at publish.
+pub const HEADER_RESERVE: usize = 256;
+
 /// Create the stream when missing; an existing stream is used as it is.
 fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
     matches!(
@@ -457,6 +464,15 @@ impl Publisher {
 
     /// What the batch path shares: the context, the window (count and
     /// bytes) and the stall clock.
+    /// Messages handed over from now on go alone first: the last message
+    /// chained to may no longer be the stream's last (batches went since).
+    pub(super) fn unchain(&mut self) {
+        if self.sent.is_empty() && self.parked.is_empty() {
+            self.chain = None;
+            self.solo_pending = false;
+        }
+    }
+
     pub(super) fn settings(&self) -> (Context, usize, usize, Duration) {
         (
             self.js.clone(),

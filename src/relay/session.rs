@@ -175,7 +175,10 @@ impl<'a> Session<'a> {
         let max_payload = nats
             .server_info()
             .max_payload
-            .min(shape.max_msg_size.unwrap_or(usize::MAX));
+            .min(shape.max_msg_size.unwrap_or(usize::MAX))
+            // What the publisher adds (the order chain, the batch headers)
+            // must fit too: a row that only fits without them is too large.
+            .saturating_sub(publish::HEADER_RESERVE);
         let mut publisher = Batcher::new(
             Publisher::new(
                 js.clone(),
