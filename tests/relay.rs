@@ -208,6 +208,17 @@ async fn large_transaction_streams_with_bounded_memory() {
 /// would cross it.
 const PEAK_RSS_BOUND_KIB: u64 = 48 * 1024;
 
+/// A random schedule, seeded, and the seed printed, so a failing one can be
+/// replayed with TEST_SEED.
+fn kill_schedule() -> (u64, StdRng) {
+    let seed = std::env::var("TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("kill schedule seed: TEST_SEED={seed}");
+    (seed, StdRng::seed_from_u64(seed))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
     let stack = stack();
@@ -215,14 +226,7 @@ async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
     let mut relay = Service::relay(&url, &stack.nats_url, "kill", &[]);
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(pool.clone(), 12_000, 1500, stop.clone());
-    // Seeded, and the seed printed, so a failing schedule can be replayed
-    // with TEST_SEED.
-    let seed = std::env::var("TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    println!("kill schedule seed: TEST_SEED={seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
+    let (_, mut rng) = kill_schedule();
     for round in 0..4 {
         tokio::time::sleep(Duration::from_millis(rng.gen_range(700..1800))).await;
         relay.kill9();
@@ -264,12 +268,7 @@ async fn a_transaction_is_in_the_stream_whole_or_not_at_all_across_kill_9() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_atomic").await;
     let mut relay = Service::relay(&url, &stack.nats_url, "atomic", &[]);
-    let seed = std::env::var("TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    println!("kill schedule seed: TEST_SEED={seed}");
-    let mut rng = StdRng::seed_from_u64(seed);
+    let (seed, mut rng) = kill_schedule();
     let stop = Arc::new(AtomicBool::new(false));
     // Transactions of 1 to 300 rows, each row saying its transaction's size.
     let producer = {
