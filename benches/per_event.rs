@@ -1,6 +1,7 @@
 //! Per-event CPU of the relay's pure stages: pgoutput decode, row extraction,
-//! routing (subject, headers, body), and the NATS header map the publisher
-//! builds from it. `cargo bench --bench per_event`.
+//! routing (subject, headers, body), the schema check (`--schemas`), and
+//! the NATS header map the publisher builds from it.
+//! `cargo bench --bench per_event`.
 
 use std::hint::black_box;
 
@@ -77,6 +78,28 @@ fn per_event(c: &mut Criterion) {
             |msg| header_map(msg.headers, Some(msg.msg_id)),
             criterion::BatchSize::SmallInput,
         )
+    });
+    // `--schemas`: the payload parsed and checked against a schema of its
+    // shape (three typed properties, one pattern), on top of `route`.
+    let dir =
+        std::env::temp_dir().join(format!("outbox-relay-bench-schemas-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("order_placed")).expect("schema dir");
+    std::fs::write(
+        dir.join("order_placed/v2.json"),
+        r#"{"type":"object","required":["p","s","pad"],"properties":{"p":{"type":"integer"},"s":{"type":"integer","minimum":0},"pad":{"type":"string","pattern":"^x*$"}}}"#,
+    )
+    .expect("schema file");
+    let registry = std::sync::Arc::new(
+        outbox_relay::schema::Registry::load(&dir, outbox_relay::schema::Missing::Allow)
+            .expect("schemas"),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let checked = router.clone().with_schemas(Some(registry.clone()));
+    g.bench_function("schema_check", |b| {
+        b.iter(|| registry.check(black_box("order_placed"), 2, black_box(&row.payload)))
+    });
+    g.bench_function("route_with_schema", |b| {
+        b.iter(|| checked.route(black_box(&row), pos, 1 << 20))
     });
     g.bench_function("decode_row_route", |b| {
         b.iter(|| {

@@ -545,6 +545,16 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_PUBLISH_MODE", default_value = "auto", value_parser = ["auto", "batch", "event"])]
     pub publish_mode: String,
 
+    /// A folder of JSON Schemas, `DIR/a/b/c/vN.json` for event type `a.b.c`
+    /// version N: payloads are checked before publishing, and one that
+    /// fails is dead-lettered (`schema_invalid`).
+    #[arg(long, env = "OUTBOX_SCHEMAS")]
+    pub schemas: Option<std::path::PathBuf>,
+
+    /// With `--schemas`: what an event type without a schema gets.
+    #[arg(long, env = "OUTBOX_SCHEMA_MISSING", default_value = "allow", value_parser = ["allow", "dead-letter"])]
+    pub schema_missing: String,
+
     /// Tuple format requested from pgoutput (binary needs PostgreSQL 14+).
     #[arg(long, env = "OUTBOX_TUPLE_FORMAT", default_value = "binary", value_parser = ["binary", "text"])]
     pub tuple_format: String,
@@ -738,6 +748,8 @@ pub struct RelayConfig {
     /// Whether the slot should be a failover slot where the server has them.
     pub failover_slot: bool,
     pub publish_mode: PublishMode,
+    /// `--schemas`, compiled (with `--schema-missing`).
+    pub schemas: Option<std::sync::Arc<crate::schema::Registry>>,
 }
 
 /// `--publish-mode`.
@@ -841,6 +853,19 @@ impl RelayArgs {
             },
             resync_since,
             failover_slot: self.failover_slot == "auto",
+            schemas: match &self.schemas {
+                Some(dir) => {
+                    let missing = if self.schema_missing == "dead-letter" {
+                        crate::schema::Missing::DeadLetter
+                    } else {
+                        crate::schema::Missing::Allow
+                    };
+                    Some(std::sync::Arc::new(crate::schema::Registry::load(
+                        dir, missing,
+                    )?))
+                }
+                None => None,
+            },
             publish_mode: match self.publish_mode.as_str() {
                 "batch" => PublishMode::Batch,
                 "event" => PublishMode::Event,

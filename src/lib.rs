@@ -6,6 +6,7 @@
 //! - [`consumer`]: pull → inbox (dedupe) → handler (HTTP or Rust, in the
 //!   inbox transaction) → ack, NAK or dead letter;
 //! - [`ops`]: metrics, the slot monitor and the operator endpoint;
+//! - [`schema`]: the event schemas both paths check payloads against;
 //! - [`wire`]: the contract both paths share (headers, names, positions).
 //!
 //! A Rust service embeds the consumer with its own [`Handler`]:
@@ -20,6 +21,7 @@ pub(crate) mod nats;
 pub mod ops;
 pub(crate) mod postgres;
 pub mod relay;
+pub mod schema;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod wire;

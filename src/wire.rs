@@ -39,6 +39,9 @@ pub const BACKFILL_SINCE: &str = "since ";
 /// transaction is whole. A transaction that fits one batch has neither.
 pub const TXN_BATCH: &str = "Outbox-Txn-Batch";
 pub const TXN_BATCHES: &str = "Outbox-Txn-Batches";
+/// The schema the payload passed: its path in `--schemas` and
+/// `#sha256-` + the file's digest.
+pub const SCHEMA: &str = "Outbox-Schema";
 /// JetStream atomic batch publish (ADR-50, nats-server 2.12+).
 pub const BATCH_ID: &str = "Nats-Batch-Id";
 pub const BATCH_SEQUENCE: &str = "Nats-Batch-Sequence";
@@ -110,10 +113,15 @@ pub enum DlqReason {
     /// Refused by the server at publish for a reason of its own (the detail
     /// header has its words).
     Refused,
+    /// The payload fails its event type's JSON Schema (the detail header
+    /// has where and why).
+    SchemaInvalid,
+    /// The event type has no schema, and `--schema-missing dead-letter`.
+    SchemaMissing,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 8] = [
+    pub const ALL: [DlqReason; 10] = [
         Self::InvalidSubject,
         Self::SubjectOutsideStream,
         Self::SubjectTooLong,
@@ -122,6 +130,8 @@ impl DlqReason {
         Self::TooLarge,
         Self::BadRow,
         Self::Refused,
+        Self::SchemaInvalid,
+        Self::SchemaMissing,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -133,6 +143,8 @@ impl DlqReason {
             Self::HeadersTooLarge => "headers_too_large",
             Self::TooLarge => "too_large",
             Self::BadRow => "bad_row",
+            Self::SchemaInvalid => "schema_invalid",
+            Self::SchemaMissing => "schema_missing",
             Self::Refused => "refused",
         }
     }

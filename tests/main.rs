@@ -9,4 +9,5 @@ mod lifecycle;
 mod observability;
 mod operations;
 mod relay;
+mod schemas;
 mod secure;

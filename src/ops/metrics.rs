@@ -45,6 +45,11 @@ pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
 /// 1 while the relay publishes a new slot's snapshot.
 pub const BACKFILLING: &str = "outbox_relay_backfilling";
 
+// Schemas (SPEC §10).
+/// Payloads that failed their schema (or had none, with
+/// `--schema-missing dead-letter`), by `stage` (relay, consume) and `event_type`.
+pub const SCHEMA_FAILURES: &str = "outbox_schema_validation_failures_total";
+
 // Slots (SPEC §7), rendered by `super::slot_monitor`.
 pub const SLOT_LAG_BYTES: &str = "pg_replication_slot_lag_bytes";
 pub const SLOT_RETAINED_WAL_BYTES: &str = "pg_replication_slot_retained_wal_bytes";
@@ -82,6 +87,7 @@ pub const ALL: &[&str] = &[
     PUBLISH_RESENDS,
     PUBLISH_BATCHES,
     BATCHES,
+    SCHEMA_FAILURES,
     INFLIGHT_BYTES,
     INFLIGHT_EVENTS,
     COMMIT_TO_ACK_SECONDS,

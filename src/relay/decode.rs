@@ -16,7 +16,7 @@ use super::route::{OutMessage, Router};
 use super::watermark::{Ticket, Watermark};
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;
-use crate::wire::{DlqReason, Position};
+use crate::wire::{self, DlqReason, Position};
 
 /// What the loop must do after one event.
 #[derive(Debug)]
@@ -208,6 +208,15 @@ impl Stage {
 pub(super) fn log_dead_letter(msg: &OutMessage, reason: DlqReason) {
     tracing::warn!(id = %msg.msg_id, reason = reason.as_str(), "dead-lettering row");
     metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(1);
+    if matches!(reason, DlqReason::SchemaInvalid | DlqReason::SchemaMissing) {
+        let event_type = msg.headers.iter().find(|(k, _)| k == wire::EVENT_TYPE);
+        metrics::counter!(
+            m::SCHEMA_FAILURES,
+            "stage" => "relay",
+            "event_type" => event_type.map_or_else(String::new, |(_, v)| v.clone())
+        )
+        .increment(1);
+    }
 }
 
 #[cfg(test)]

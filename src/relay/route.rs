@@ -6,11 +6,13 @@
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
 use super::outbox_row::OutboxRow;
 use crate::json::JsonObject;
+use crate::schema::{Registry, Verdict};
 use crate::wire::{self, DlqReason, Position};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -183,6 +185,8 @@ pub struct Router {
     dlq_prefix: String,
     dlq_subject: String,
     source: String,
+    /// `--schemas`: payloads are checked against their type's schema.
+    schemas: Option<Arc<Registry>>,
 }
 
 impl Router {
@@ -202,7 +206,14 @@ impl Router {
             dlq_prefix: wire::relay_dlq_prefix(context),
             dlq_subject: wire::relay_dlq_subject(context),
             source,
+            schemas: None,
         }
+    }
+
+    /// Check every payload against `--schemas`.
+    pub fn with_schemas(mut self, schemas: Option<Arc<Registry>>) -> Self {
+        self.schemas = schemas;
+        self
     }
 
     /// Route a row. `max_payload` is the server's limit; an oversized message
@@ -241,6 +252,26 @@ impl Router {
                 }
             }
         }
+        let mut schema_problem = None;
+        if let Some(schemas) = &self.schemas {
+            match schemas.check(&row.event_type, row.event_version, &row.payload) {
+                Verdict::Valid(id) => headers.push((Cow::Borrowed(wire::SCHEMA), id.to_owned())),
+                Verdict::Invalid(id, detail) => {
+                    headers.push((Cow::Borrowed(wire::SCHEMA), id.to_owned()));
+                    schema_problem = Some((DlqReason::SchemaInvalid, detail));
+                }
+                Verdict::Missing => {
+                    schema_problem = Some((
+                        DlqReason::SchemaMissing,
+                        format!(
+                            "no schema for {} version {}",
+                            row.event_type, row.event_version
+                        ),
+                    ));
+                }
+                Verdict::Unchecked => {}
+            }
+        }
         let msg = OutMessage {
             subject,
             msg_id,
@@ -248,6 +279,9 @@ impl Router {
             body,
             dlq_reason: None,
         };
+        if let (None, Some((r, detail))) = (reason, schema_problem) {
+            return dead_letter(msg, &self.dlq_subject, r, Some(&detail), max_payload);
+        }
         match reason {
             None if msg.header_size() > MAX_HEADER_BYTES => {
                 self.dead_letter(msg, DlqReason::HeadersTooLarge, max_payload)

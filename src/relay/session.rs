@@ -203,6 +203,7 @@ impl<'a> Session<'a> {
                 source.to_owned(),
                 shape.subjects.clone(),
             )
+            .with_schemas(cfg.schemas.clone())
         };
         let confirmed = match prepared.slot {
             Some(slot) => slot.confirmed,

@@ -1,0 +1,167 @@
+//! Event schemas (SPEC §10), against the real stack.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::common::*;
+use outbox_relay::wire;
+
+const T: Duration = Duration::from_secs(60);
+
+const PLACED_V1: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["amount"],
+  "properties": { "amount": { "type": "integer", "minimum": 0 } }
+}"#;
+
+/// A schema folder of the test's own: `files` are (path, text).
+fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-relay-schemas-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (path, text) in files {
+        let p = dir.join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+    dir
+}
+
+async fn insert(pool: &sqlx::PgPool, event_type: &str, payload: serde_json::Value) -> String {
+    let id = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'o1', $2, $3)",
+    )
+    .bind(id)
+    .bind(event_type)
+    .bind(payload)
+    .execute(pool)
+    .await
+    .unwrap();
+    id.to_string()
+}
+
+fn sha256_hex(path: &Path) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(std::fs::read(path).unwrap());
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The relay checks each payload against its type's schema: a valid one
+/// carries `Outbox-Schema` (path and digest), an invalid one is
+/// dead-lettered with reason `schema_invalid` and where and why in the
+/// detail, and a type without a schema passes under `allow`, unmarked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_publishes_valid_payloads_and_dead_letters_invalid_ones() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_schema").await;
+    let dir = schema_dir("relay", &[("shop/order/placed/v1.json", PLACED_V1)]);
+    let relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "schema",
+        &["--schemas", dir.to_str().unwrap()],
+    );
+    let good = insert(&pool, "shop.order.placed", serde_json::json!({"amount": 3})).await;
+    let bad = insert(
+        &pool,
+        "shop.order.placed",
+        serde_json::json!({"amount": -1}),
+    )
+    .await;
+    let other = insert(&pool, "shop.order.shipped", serde_json::json!({"x": 1})).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("schema"), 3, T).await;
+    let ids: Vec<&str> = got.iter().map(|g| g.h(wire::MSG_ID).unwrap()).collect();
+    assert_eq!(ids, [good.as_str(), bad.as_str(), other.as_str()]);
+
+    let schema_id = format!(
+        "shop/order/placed/v1.json#sha256-{}",
+        sha256_hex(&dir.join("shop/order/placed/v1.json"))
+    );
+    assert_eq!(got[0].h(wire::SCHEMA), Some(schema_id.as_str()));
+    assert_ne!(got[0].subject, wire::relay_dlq_subject("schema"));
+
+    assert_eq!(got[1].subject, wire::relay_dlq_subject("schema"));
+    assert_eq!(got[1].h(wire::DLQ_REASON), Some("schema_invalid"));
+    let detail = got[1].h(wire::DLQ_DETAIL).unwrap();
+    assert!(detail.starts_with("/amount: minimum: "), "{detail}");
+    assert_eq!(
+        got[1].payload, br#"{"amount": -1}"#,
+        "the payload, as it was"
+    );
+
+    assert_eq!(got[2].h(wire::SCHEMA), None, "no schema, no header");
+    assert_ne!(got[2].subject, wire::relay_dlq_subject("schema"));
+
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value(r#"outbox_schema_validation_failures_total{stage="relay",event_type="shop.order.placed"}"#),
+        Some(1.0)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `--schema-missing dead-letter`: a type without a schema is dead-lettered
+/// with reason `schema_missing`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_type_without_a_schema_is_dead_lettered_when_asked() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_schemamiss").await;
+    let dir = schema_dir("missing", &[("shop/order/placed/v1.json", PLACED_V1)]);
+    let _relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "schemamiss",
+        &[
+            "--schemas",
+            dir.to_str().unwrap(),
+            "--schema-missing",
+            "dead-letter",
+        ],
+    );
+    let ok = insert(&pool, "shop.order.placed", serde_json::json!({"amount": 1})).await;
+    let missing = insert(&pool, "shop.order.shipped", serde_json::json!({"x": 1})).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("schemamiss"), 2, T).await;
+    assert_eq!(got[0].h(wire::MSG_ID), Some(ok.as_str()));
+    assert_eq!(got[1].h(wire::MSG_ID), Some(missing.as_str()));
+    assert_eq!(got[1].subject, wire::relay_dlq_subject("schemamiss"));
+    assert_eq!(got[1].h(wire::DLQ_REASON), Some("schema_missing"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A schema file that is not JSON, or not a schema, stops the relay at
+/// start with one line naming the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_schema_file_stops_the_relay_at_start_naming_it() {
+    let stack = stack();
+    let (url, _pool) = fresh_db(&stack, "t_schemabroken").await;
+    for (case, text, why) in [
+        ("json", "{\"type\": ", "not valid JSON"),
+        ("schema", r#"{"type": "nope"}"#, "not a valid JSON Schema"),
+    ] {
+        let dir = schema_dir(
+            &format!("broken-{case}"),
+            &[
+                ("shop/order/placed/v1.json", PLACED_V1),
+                ("shop/order/paid/v2.json", text),
+            ],
+        );
+        let (code, err) = run_relay_bounded(
+            &url,
+            &stack.nats_url,
+            "schemabroken",
+            &["--schemas", dir.to_str().unwrap()],
+        );
+        assert_ne!(code, Some(0), "{err}");
+        assert!(code.is_some(), "exits: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{err}");
+        assert!(lines[0].contains("shop/order/paid/v2.json"), "{err}");
+        assert!(lines[0].contains(why), "{err}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
