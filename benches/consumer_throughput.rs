@@ -99,6 +99,7 @@ async fn main() {
             dlq_prefix: "dlq.ctp".into(),
             dlq_replicas: 1,
             shutdown_timeout: Duration::from_secs(5),
+            schemas: None,
         };
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(concurrency as u32 + 2)

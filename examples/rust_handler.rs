@@ -59,6 +59,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         dlq_prefix: "dlq.outbox".into(),
         dlq_replicas: 1,
         shutdown_timeout: Duration::from_secs(30),
+        // Or `Some(Arc::new(Registry::load(dir, Missing::Allow)?))`: payloads
+        // that fail their JSON Schema are dead-lettered before `handle`.
+        schemas: None,
     };
     let shutdown = CancellationToken::new();
     let stop = shutdown.clone();

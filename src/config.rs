@@ -545,15 +545,8 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_PUBLISH_MODE", default_value = "auto", value_parser = ["auto", "batch", "event"])]
     pub publish_mode: String,
 
-    /// A folder of JSON Schemas, `DIR/a/b/c/vN.json` for event type `a.b.c`
-    /// version N: payloads are checked before publishing, and one that
-    /// fails is dead-lettered (`schema_invalid`).
-    #[arg(long, env = "OUTBOX_SCHEMAS")]
-    pub schemas: Option<std::path::PathBuf>,
-
-    /// With `--schemas`: what an event type without a schema gets.
-    #[arg(long, env = "OUTBOX_SCHEMA_MISSING", default_value = "allow", value_parser = ["allow", "dead-letter"])]
-    pub schema_missing: String,
+    #[command(flatten)]
+    pub schemas: SchemaArgs,
 
     /// Tuple format requested from pgoutput (binary needs PostgreSQL 14+).
     #[arg(long, env = "OUTBOX_TUPLE_FORMAT", default_value = "binary", value_parser = ["binary", "text"])]
@@ -583,6 +576,9 @@ pub struct ConsumeArgs {
 
     #[command(flatten)]
     pub nats: NatsArgs,
+
+    #[command(flatten)]
+    pub schemas: SchemaArgs,
 
     /// Context; names the default stream and dead-letter prefix.
     #[arg(long, env = "OUTBOX_CONTEXT", default_value = "outbox")]
@@ -713,7 +709,39 @@ impl ConsumeArgs {
             dlq_prefix,
             dlq_replicas: self.dlq_replicas,
             shutdown_timeout: self.shutdown_timeout,
+            schemas: self.schemas.registry()?,
         })
+    }
+}
+
+/// Event schemas (SPEC §10), for `relay` and `consume`.
+#[derive(Debug, Clone, Args)]
+pub struct SchemaArgs {
+    /// A folder of JSON Schemas, `DIR/a/b/c/vN.json` for event type `a.b.c`
+    /// version N: a payload that fails its schema is dead-lettered
+    /// (`schema_invalid`), by the relay before publishing, by the consumer
+    /// before the handler.
+    #[arg(long, env = "OUTBOX_SCHEMAS")]
+    pub schemas: Option<std::path::PathBuf>,
+
+    /// With `--schemas`: what an event type without a schema gets.
+    #[arg(long, env = "OUTBOX_SCHEMA_MISSING", default_value = "allow", value_parser = ["allow", "dead-letter"])]
+    pub schema_missing: String,
+}
+
+impl SchemaArgs {
+    /// The compiled schemas, if `--schemas` is given: a broken file is a
+    /// configuration error naming it.
+    pub fn registry(&self) -> Result<Option<std::sync::Arc<crate::schema::Registry>>> {
+        let Some(dir) = &self.schemas else {
+            return Ok(None);
+        };
+        let missing = if self.schema_missing == "dead-letter" {
+            crate::schema::Missing::DeadLetter
+        } else {
+            crate::schema::Missing::Allow
+        };
+        crate::schema::Registry::load(dir, missing).map(|r| Some(std::sync::Arc::new(r)))
     }
 }
 
@@ -853,19 +881,7 @@ impl RelayArgs {
             },
             resync_since,
             failover_slot: self.failover_slot == "auto",
-            schemas: match &self.schemas {
-                Some(dir) => {
-                    let missing = if self.schema_missing == "dead-letter" {
-                        crate::schema::Missing::DeadLetter
-                    } else {
-                        crate::schema::Missing::Allow
-                    };
-                    Some(std::sync::Arc::new(crate::schema::Registry::load(
-                        dir, missing,
-                    )?))
-                }
-                None => None,
-            },
+            schemas: self.schemas.registry()?,
             publish_mode: match self.publish_mode.as_str() {
                 "batch" => PublishMode::Batch,
                 "event" => PublishMode::Event,

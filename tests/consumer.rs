@@ -2244,6 +2244,7 @@ fn rust_cfg(stream: &str, durable: &str, ctx: &str) -> outbox_relay::consumer::C
         dlq_prefix: wire::consumer_dlq_prefix(ctx),
         dlq_replicas: 1,
         shutdown_timeout: Duration::from_secs(5),
+        schemas: None,
     }
 }
 
@@ -2281,4 +2282,59 @@ impl RustConsumer {
             .unwrap()
             .unwrap();
     }
+}
+
+/// SPEC §10: with `--schemas`, the consumer checks a payload against its
+/// type's schema before calling the handler; one that fails is
+/// dead-lettered (reason starting `schema_invalid`, then where and why)
+/// and the handler never sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_that_fails_its_schema_is_dead_lettered_without_a_handler_call() {
+    let dir = std::env::temp_dir().join(format!("outbox-relay-cschema-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("placed")).unwrap();
+    std::fs::write(
+        dir.join("placed/v2.json"),
+        r#"{"type":"object","required":["amount"],"properties":{"amount":{"type":"integer","minimum":0}}}"#,
+    )
+    .unwrap();
+    let f = fixture(
+        "t_cschema",
+        "cschema",
+        "cschema",
+        DUP,
+        &["--schemas", dir.to_str().unwrap()],
+    )
+    .await;
+    let (good, bad) = (Uuid::new_v4(), Uuid::new_v4());
+    let subject = "cschema.event.placed.v2";
+    publish(&f.js, subject, Some(bad), "a1", br#"{"amount": -5}"#).await;
+    publish(&f.js, subject, Some(good), "a1", br#"{"amount": 5}"#).await;
+    eventually(T, "the valid message handled", || async {
+        f.handler.calls_for(good).len() == 1
+    })
+    .await;
+    let dlq = read_stream(
+        &stack().nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("cschema")),
+        1,
+        T,
+    )
+    .await;
+    assert_eq!(
+        dlq[0].h(wire::DLQ_ORIGINAL_ID),
+        Some(bad.to_string().as_str())
+    );
+    let reason = dlq[0].h(wire::DLQ_REASON).unwrap();
+    assert!(
+        reason.starts_with("schema_invalid: /amount: minimum: "),
+        "{reason}"
+    );
+    assert!(f.handler.calls_for(bad).is_empty(), "no handler call");
+    let m = f.consumer.scrape().await;
+    assert_eq!(
+        m.value(r#"outbox_schema_validation_failures_total{stage="consume",event_type="placed"}"#),
+        Some(1.0)
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

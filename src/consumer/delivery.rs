@@ -21,7 +21,8 @@ use super::scheduler::{Finished, Job};
 use super::transaction::{self, Transactions};
 use super::ConsumeConfig;
 use crate::ops::metrics as m;
-use crate::wire;
+use crate::schema::{Registry, Verdict};
+use crate::wire::{self, DlqReason};
 
 /// What to do with a delivery once the handler answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -249,7 +250,7 @@ struct Unusable {
 }
 
 /// The id, or why the message cannot be handled at all.
-fn check(parts: &Parts<'_>) -> std::result::Result<Uuid, Unusable> {
+fn check(parts: &Parts<'_>, schemas: Option<&Registry>) -> std::result::Result<Uuid, Unusable> {
     // A replayed dead letter carries its own Nats-Msg-Id; the inbox and the
     // handler know it by the original's.
     let key = if parts.header(wire::REPLAY_FOR).is_some() {
@@ -275,13 +276,38 @@ fn check(parts: &Parts<'_>) -> std::result::Result<Uuid, Unusable> {
             id: Some(id),
         });
     }
+    if let Some(schemas) = schemas {
+        let event_type = parts.header(wire::EVENT_TYPE).unwrap_or_default();
+        let version = parts
+            .header(wire::EVENT_VERSION)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        let reason = match schemas.check(&event_type, version, parts.payload) {
+            Verdict::Valid(_) | Verdict::Unchecked => None,
+            Verdict::Invalid(_, detail) => {
+                Some(format!("{}: {detail}", DlqReason::SchemaInvalid.as_str()))
+            }
+            Verdict::Missing => Some(format!(
+                "{}: no schema for {event_type} version {version}",
+                DlqReason::SchemaMissing.as_str()
+            )),
+        };
+        if let Some(reason) = reason {
+            metrics::counter!(m::SCHEMA_FAILURES, "stage" => "consume", "event_type" => event_type)
+                .increment(1);
+            return Err(Unusable {
+                reason,
+                id: Some(id),
+            });
+        }
+    }
     Ok(id)
 }
 
 /// The id of a pulled message; one that cannot be handled is dead-lettered
 /// here (`Some(None)`). `None` once the consumer stops.
 async fn usable_id<H>(shared: &Shared<H>, parts: &Parts<'_>) -> Option<Option<Uuid>> {
-    match check(parts) {
+    match check(parts, shared.cfg.schemas.as_deref()) {
         Ok(id) => Some(Some(id)),
         Err(u) => {
             unusable(shared, parts, u).await?;
@@ -662,7 +688,8 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
     });
     // The stream must still hold this very message: it may have aged out,
     // or the stream been recreated with other messages at that sequence.
-    let id = match parts.as_ref().map(check) {
+    // It passed its schema when first delivered: only its id is checked.
+    let id = match parts.as_ref().map(|p| check(p, None)) {
         Some(Ok(id)) if id == row_id => id,
         found => {
             let why = match found {

@@ -64,6 +64,9 @@ pub struct ConsumeConfig {
     pub dlq_prefix: String,
     pub dlq_replicas: u8,
     pub shutdown_timeout: Duration,
+    /// `--schemas`: payloads are checked before the handler is called; one
+    /// that fails is dead-lettered without a call.
+    pub schemas: Option<std::sync::Arc<crate::schema::Registry>>,
 }
 
 /// The longest pause between attempts to rebuild a failed pull stream.
