@@ -923,6 +923,7 @@ async fn main() {
             "producers": a.producers, "poll_batch": a.poll_batch,
             "publish_mode": publish_mode(),
             "nats": nats_setup(),
+            "schemas": std::env::var("OUTBOX_SCHEMAS").ok(),
             "poll_interval_ms": a.poll_interval.as_millis() as u64,
         },
         "phases": results,

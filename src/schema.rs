@@ -232,6 +232,19 @@ mod tests {
         assert_eq!(r.check("shop.order.shipped", 1, b"{}"), Verdict::Missing);
     }
 
+    /// The relay bench's schema folder takes the bench's payloads (else a
+    /// run with `OUTBOX_SCHEMAS=benches/schemas` would measure dead letters).
+    #[test]
+    fn the_bench_schemas_take_the_bench_payloads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/schemas");
+        let r = Registry::load(&dir, Missing::DeadLetter).unwrap();
+        let payload = serde_json::json!({"p": 1, "s": 42, "pad": "x".repeat(216)}).to_string();
+        assert!(matches!(
+            r.check("tick", 1, payload.as_bytes()),
+            Verdict::Valid(_)
+        ));
+    }
+
     #[test]
     fn a_broken_schema_file_is_refused_naming_it() {
         let e = registry(&[("a/b/v1.json", "{not json")], Missing::Allow)
