@@ -25,14 +25,15 @@ struct Schema {
 
 /// The compiled schemas of one folder.
 pub struct Registry {
-    schemas: HashMap<(String, i64), Schema>,
+    /// By event type, then version: a lookup borrows the row's type.
+    schemas: HashMap<String, HashMap<i64, Schema>>,
     missing: Missing,
 }
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry")
-            .field("schemas", &self.schemas.len())
+            .field("schemas", &self.len())
             .field("missing", &self.missing)
             .finish()
     }
@@ -82,14 +83,18 @@ impl Registry {
             let digest = Sha256::digest(&text);
             let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
             let id = format!("{}#sha256-{hex}", slash_path(rel));
-            schemas.insert((event_type, version), Schema { id, validator });
+            schemas
+                .entry(event_type)
+                .or_insert_with(HashMap::new)
+                .insert(version, Schema { id, validator });
         }
-        tracing::info!(dir = %dir.display(), schemas = schemas.len(), "loaded event schemas");
-        Ok(Registry { schemas, missing })
+        let registry = Registry { schemas, missing };
+        tracing::info!(dir = %dir.display(), schemas = registry.len(), "loaded event schemas");
+        Ok(registry)
     }
 
     pub fn len(&self) -> usize {
-        self.schemas.len()
+        self.schemas.values().map(HashMap::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -98,7 +103,7 @@ impl Registry {
 
     /// Check a payload (JSON text) against its type's schema.
     pub fn check(&self, event_type: &str, version: i64, payload: &[u8]) -> Verdict<'_> {
-        let Some(schema) = self.schemas.get(&(event_type.to_owned(), version)) else {
+        let Some(schema) = self.schemas.get(event_type).and_then(|v| v.get(&version)) else {
             return match self.missing {
                 Missing::Allow => Verdict::Unchecked,
                 Missing::DeadLetter => Verdict::Missing,

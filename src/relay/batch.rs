@@ -675,7 +675,6 @@ impl Batcher {
         let pause = self.next_pause();
         if let Some(cur) = self.current.as_mut() {
             cur.lookup = true;
-            cur.committed_at = Instant::now();
             cur.not_before = Some(Instant::now() + pause);
         }
     }
@@ -691,10 +690,9 @@ impl Batcher {
 
     /// Cancel-safe: nothing changes until the tail is read.
     async fn look_up(&mut self) {
-        let since = self
-            .current
-            .as_ref()
-            .map_or_else(Instant::now, |c| c.committed_at);
+        // The outage clock that `settle` keeps: look-ups and resends share
+        // one budget.
+        let since = *self.unanswered_since.get_or_insert_with(Instant::now);
         let mut pause = FIRST_PAUSE;
         // One look-up may wait on a stream with no leader: bounded, so a
         // new leader is asked within about a second of answering.

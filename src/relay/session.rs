@@ -141,6 +141,8 @@ impl<'a> Session<'a> {
                 pid: Some(pid),
             });
         }
+        // Read once per session: server_info() clones the whole INFO block.
+        let info = nats.server_info();
         let dlq_subject = wire::relay_dlq_subject(&cfg.context);
         let shape = publish::ensure_stream(
             js,
@@ -154,7 +156,7 @@ impl<'a> Session<'a> {
                 max_bytes: cfg.stream_max_bytes,
                 duplicate_window: cfg.duplicate_window,
                 mode: cfg.publish_mode,
-                server_batches: publish::server_batches(&nats.server_info().version),
+                server_batches: publish::server_batches(&info.version),
             },
         )
         .await?;
@@ -170,10 +172,8 @@ impl<'a> Session<'a> {
                 (t / 4).min(Duration::from_secs(1))
             });
 
-        // Read once per session: server_info() clones the whole INFO block.
         // A message must fit the server and the stream.
-        let max_payload = nats
-            .server_info()
+        let max_payload = info
             .max_payload
             .min(shape.max_msg_size.unwrap_or(usize::MAX))
             // What the publisher adds (the order chain, the batch headers)
