@@ -89,12 +89,13 @@ fn per_event(c: &mut Criterion) {
         r#"{"type":"object","required":["p","s","pad"],"properties":{"p":{"type":"integer"},"s":{"type":"integer","minimum":0},"pad":{"type":"string","pattern":"^x*$"}}}"#,
     )
     .expect("schema file");
-    let registry = std::sync::Arc::new(
-        outbox_relay::schema::Registry::load(&dir, outbox_relay::schema::Missing::Allow)
+    let schemas = std::sync::Arc::new(
+        outbox_relay::schema::Schemas::load(&dir, outbox_relay::schema::Missing::Allow)
             .expect("schemas"),
     );
     let _ = std::fs::remove_dir_all(&dir);
-    let checked = router.clone().with_schemas(Some(registry.clone()));
+    let checked = router.clone().with_schemas(Some(schemas.clone()));
+    let registry = schemas.current();
     g.bench_function("schema_check", |b| {
         b.iter(|| registry.check(black_box("order_placed"), 2, black_box(&row.payload)))
     });

@@ -102,6 +102,7 @@ async fn run(command: Command) -> Result<(), Error> {
                 Endpoint::start(args.metrics_addr, handle, Some(slots), ready.clone()).await?;
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
+            tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
             let stopped = relay::run(cfg, ready, shutdown).await?;
             endpoint.stop();
             tracing::info!(confirmed_lsn = %stopped.confirmed, "relay stopped");
@@ -126,6 +127,7 @@ async fn run(command: Command) -> Result<(), Error> {
             let js = async_nats::jetstream::new(nats.clone());
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
+            tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
             crate::consumer::run(cfg, pool, js, handler, ready, shutdown).await?;
             nats.flush().await.ok();
             endpoint.stop();
@@ -223,6 +225,35 @@ async fn run(command: Command) -> Result<(), Error> {
                         r.result,
                         r.detail
                     );
+                }
+            }
+            Ok(())
+        }
+        Command::Dlq {
+            command: DlqCommand::Delete(args),
+        } => {
+            let sel = args.select.selection()?;
+            if !args.all && !args.select.narrows() {
+                return Err(Error::Config(
+                    "say which dead letters: --id, --filter or --since, or --all for every one"
+                        .into(),
+                ));
+            }
+            let nats = crate::nats::connect(&args.nats, "outbox-dlq-delete".into()).await?;
+            let js = async_nats::jetstream::new(nats);
+            let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;
+            if letters.is_empty() {
+                return Err(Error::Config(format!(
+                    "no dead letter in {} matches",
+                    args.select.stream
+                )));
+            }
+            let done = crate::ops::dlq::delete(&js, &args.select.stream, letters).await?;
+            if args.json {
+                println!("{}", to_json(&done)?);
+            } else {
+                for d in &done {
+                    println!("{}  {}  {}", d.seq, d.id, d.result);
                 }
             }
             Ok(())
@@ -355,6 +386,36 @@ fn human_bytes(b: i64) -> String {
         format!("{b} bytes")
     } else {
         format!("{b} bytes ({v:.1} {unit})")
+    }
+}
+
+/// SIGHUP compiles `--schemas` again; a broken file keeps the set in force
+/// (logged, and counted in `outbox_schema_reloads_total{result="failed"}`).
+async fn reload_on_sighup(
+    schemas: Option<std::sync::Arc<crate::schema::Schemas>>,
+    stop: CancellationToken,
+) {
+    use tokio::signal::unix::{signal, SignalKind};
+    if schemas.is_some() {
+        crate::ops::metrics::register_schemas();
+    }
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot install a SIGHUP handler; schemas are not reloadable");
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            got = hup.recv() => if got.is_none() { return },
+        }
+        match &schemas {
+            Some(schemas) => {
+                // Compiling a folder is blocking file I/O and CPU.
+                let schemas = schemas.clone();
+                let _ = tokio::task::spawn_blocking(move || schemas.reload()).await;
+            }
+            None => tracing::info!("SIGHUP: nothing to reload (no --schemas)"),
+        }
     }
 }
 

@@ -63,6 +63,25 @@ pub enum DlqCommand {
     /// once more for each; a dead letter replayed before is reported, not
     /// sent again.
     Replay(DlqReplayArgs),
+    /// Remove dead letters that are dealt with (replayed, or not wanted)
+    /// from their stream, so its depth (`outbox_dlq_messages`) counts only
+    /// what still needs someone.
+    Delete(DlqDeleteArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DlqDeleteArgs {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub select: DlqSelectArgs,
+    /// Delete every dead letter in the stream (without --id, --filter or
+    /// --since, this must be said).
+    #[arg(long)]
+    pub all: bool,
+    /// Print JSON instead of lines.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -709,7 +728,7 @@ impl ConsumeArgs {
             dlq_prefix,
             dlq_replicas: self.dlq_replicas,
             shutdown_timeout: self.shutdown_timeout,
-            schemas: self.schemas.registry()?,
+            schemas: self.schemas.load()?,
         })
     }
 }
@@ -732,7 +751,7 @@ pub struct SchemaArgs {
 impl SchemaArgs {
     /// The compiled schemas, if `--schemas` is given: a broken file is a
     /// configuration error naming it.
-    pub fn registry(&self) -> Result<Option<std::sync::Arc<crate::schema::Registry>>> {
+    pub fn load(&self) -> Result<Option<std::sync::Arc<crate::schema::Schemas>>> {
         let Some(dir) = &self.schemas else {
             return Ok(None);
         };
@@ -741,7 +760,7 @@ impl SchemaArgs {
         } else {
             crate::schema::Missing::Allow
         };
-        crate::schema::Registry::load(dir, missing).map(|r| Some(std::sync::Arc::new(r)))
+        crate::schema::Schemas::load(dir, missing).map(|r| Some(std::sync::Arc::new(r)))
     }
 }
 
@@ -776,8 +795,8 @@ pub struct RelayConfig {
     /// Whether the slot should be a failover slot where the server has them.
     pub failover_slot: bool,
     pub publish_mode: PublishMode,
-    /// `--schemas`, compiled (with `--schema-missing`).
-    pub schemas: Option<std::sync::Arc<crate::schema::Registry>>,
+    /// `--schemas`, compiled (with `--schema-missing`); SIGHUP reloads them.
+    pub schemas: Option<std::sync::Arc<crate::schema::Schemas>>,
 }
 
 /// `--publish-mode`.
@@ -881,7 +900,7 @@ impl RelayArgs {
             },
             resync_since,
             failover_slot: self.failover_slot == "auto",
-            schemas: self.schemas.registry()?,
+            schemas: self.schemas.load()?,
             publish_mode: match self.publish_mode.as_str() {
                 "batch" => PublishMode::Batch,
                 "event" => PublishMode::Event,

@@ -2,13 +2,20 @@
 //! N is the file `DIR/a/b/c/vN.json`. Every file is compiled once, at
 //! start; a file that is not JSON or not a valid schema stops the process
 //! with one line naming it, before anything is published.
+//!
+//! SIGHUP compiles the folder again ([`Schemas::reload`]) and swaps the new
+//! set in whole, so an event is checked against one consistent set. A
+//! reload that finds a broken file keeps the set in force and says which
+//! file: a typo in a new version must not stop a running relay.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::ops::metrics as m;
 
 /// What a type without a schema gets (`--schema-missing`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,7 +60,107 @@ pub enum Verdict<'a> {
     Missing,
 }
 
+impl Schemas {
+    /// Whether this is the first word about `event_type` `version` lacking
+    /// a schema (a warning at start counts).
+    pub fn first_note(&self, event_type: &str, version: i64) -> bool {
+        let Ok(mut seen) = self.unchecked.lock() else {
+            return false;
+        };
+        seen.len() < MAX_NOTED && seen.insert((event_type.to_owned(), version))
+    }
+
+    pub fn missing(&self) -> Missing {
+        self.missing
+    }
+}
+
+/// Types without a schema remembered for [`Schemas::note_unchecked`]: a
+/// bound, so a writer inventing types cannot grow the set without end.
+const MAX_NOTED: usize = 1024;
+
+/// The schemas in force, swapped whole by a reload.
+#[derive(Debug)]
+pub struct Schemas {
+    dir: PathBuf,
+    missing: Missing,
+    current: RwLock<Arc<Registry>>,
+    /// Types seen without a schema, each logged once.
+    unchecked: std::sync::Mutex<std::collections::HashSet<(String, i64)>>,
+}
+
+impl Schemas {
+    /// Compile `dir`; a broken file is a configuration error naming it.
+    pub fn load(dir: &Path, missing: Missing) -> Result<Schemas> {
+        let registry = Registry::load(dir, missing)?;
+        tracing::info!(dir = %dir.display(), schemas = registry.len(), "loaded event schemas");
+        Ok(Schemas {
+            dir: dir.to_owned(),
+            missing,
+            current: RwLock::new(Arc::new(registry)),
+            unchecked: Default::default(),
+        })
+    }
+
+    /// Say once per type and version that events of it pass unchecked
+    /// (`--schema-missing allow`): a schema that was meant to exist and
+    /// does not should not go unnoticed.
+    pub fn note_unchecked(&self, stage: &str, event_type: &str, version: i64) {
+        if self.first_note(event_type, version) {
+            tracing::warn!(
+                stage,
+                event_type,
+                version,
+                dir = %self.dir.display(),
+                "no schema for this event type and version: its events pass unchecked (--schema-missing allow)"
+            );
+        }
+    }
+
+    /// The set in force. Cheap (a read lock and a reference count): the
+    /// hot paths call it per event, so a reload takes effect at the next one.
+    pub fn current(&self) -> Arc<Registry> {
+        match self.current.read() {
+            Ok(r) => Arc::clone(&r),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        }
+    }
+
+    /// Compile the folder again and put it in force; on an error the set in
+    /// force stays, and the error names the file. Counted in
+    /// `outbox_schema_reloads_total{result}`.
+    pub fn reload(&self) -> Result<usize> {
+        match Registry::load(&self.dir, self.missing) {
+            Ok(registry) => {
+                let n = registry.len();
+                let was = {
+                    let mut cur = match self.current.write() {
+                        Ok(c) => c,
+                        Err(poisoned) => poisoned.into_inner(),
+                    };
+                    std::mem::replace(&mut *cur, Arc::new(registry)).len()
+                };
+                tracing::info!(dir = %self.dir.display(), schemas = n, was, "reloaded event schemas");
+                metrics::counter!(m::SCHEMA_RELOADS, "result" => "ok").increment(1);
+                Ok(n)
+            }
+            Err(e) => {
+                tracing::error!(dir = %self.dir.display(), error = %e, "schema reload failed; the schemas in force stay");
+                metrics::counter!(m::SCHEMA_RELOADS, "result" => "failed").increment(1);
+                Err(e)
+            }
+        }
+    }
+}
+
 impl Registry {
+    /// Whether `event_type` version `version` has a schema.
+    pub fn has(&self, event_type: &str, version: i64) -> bool {
+        self.schemas
+            .get(event_type)
+            .is_some_and(|v| v.contains_key(&version))
+    }
+
     /// Compile every `vN.json` under `dir`.
     pub fn load(dir: &Path, missing: Missing) -> Result<Registry> {
         let mut files = Vec::new();
@@ -88,9 +195,7 @@ impl Registry {
                 .or_insert_with(HashMap::new)
                 .insert(version, Schema { id, validator });
         }
-        let registry = Registry { schemas, missing };
-        tracing::info!(dir = %dir.display(), schemas = registry.len(), "loaded event schemas");
-        Ok(registry)
+        Ok(Registry { schemas, missing })
     }
 
     pub fn len(&self) -> usize {
@@ -248,6 +353,44 @@ mod tests {
             r.check("tick", 1, payload.as_bytes()),
             Verdict::Valid(_)
         ));
+    }
+
+    #[test]
+    fn a_reload_puts_a_new_version_in_force_and_a_broken_one_keeps_the_old() {
+        let dir = std::env::temp_dir().join(format!(
+            "outbox-relay-schemas-reload-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(dir.join("shop/order/placed")).unwrap();
+        std::fs::write(dir.join("shop/order/placed/v1.json"), ORDER).unwrap();
+        let s = Schemas::load(&dir, Missing::DeadLetter).unwrap();
+        let before = s.current();
+        assert_eq!(
+            before.check("shop.order.placed", 2, b"{}"),
+            Verdict::Missing
+        );
+
+        std::fs::write(dir.join("shop/order/placed/v2.json"), "{}").unwrap();
+        assert_eq!(s.reload().unwrap(), 2);
+        assert!(matches!(
+            s.current().check("shop.order.placed", 2, b"{}"),
+            Verdict::Valid(_)
+        ));
+        assert_eq!(
+            before.check("shop.order.placed", 2, b"{}"),
+            Verdict::Missing,
+            "a check already under way keeps the set it started with"
+        );
+
+        std::fs::write(dir.join("shop/order/placed/v3.json"), "{").unwrap();
+        let e = s.reload().unwrap_err().to_string();
+        assert!(e.contains("shop/order/placed/v3.json"), "{e}");
+        assert!(
+            s.current().has("shop.order.placed", 2),
+            "the set in force stays"
+        );
+        assert!(!s.current().has("shop.order.placed", 3));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -1686,6 +1686,51 @@ async fn dlq_list_shows_dead_letters_and_replay_calls_the_handler_once_more() {
     assert_all_acked(&f.js, &f.stream, "cdlqr").await;
     assert_eq!(f.handler.calls_for(bad).len(), 2, "not a third time");
     assert_eq!(f.handler.calls_for(good).len(), 1);
+
+    // The DLQ's depth, from the running consumer, until the dealt-with
+    // dead letter is deleted.
+    let depth = format!("outbox_dlq_messages{{stream=\"{dlq}\",subject=\"dlq.cdlqr.>\"}}");
+    eventually(T, "the consumer reports one dead letter", || async {
+        f.consumer.scrape().await.value(&depth) == Some(1.0)
+    })
+    .await;
+    let delete = ["dlq", "delete", "--nats-url", nats, "--stream", &dlq];
+    let (ok, out) = run_cli(&delete);
+    assert!(
+        !ok && out.contains("--all"),
+        "a delete must say which: {out}"
+    );
+    let (ok, out) = run_cli(&[&delete[..], &["--id", id.as_str()]].concat());
+    assert!(ok && out.contains(&format!("{id}  deleted")), "{out}");
+    eventually(T, "the depth falls to 0", || async {
+        f.consumer.scrape().await.value(&depth) == Some(0.0)
+    })
+    .await;
+    let (ok, out) = run_cli(&["dlq", "list", "--nats-url", nats, "--stream", &dlq]);
+    assert!(ok && out.contains("0 dead letters"), "{out}");
+}
+
+/// Issue 15's consumer signals, scraped from the running consumer: while a
+/// handler call runs long, the durable's oldest unacked message ages
+/// (`outbox_consumer_lag_seconds`) and is counted in
+/// `outbox_consumer_ack_pending_messages`; once it is acked both are 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_durables_lag_grows_while_a_handler_is_slow_and_clears_after() {
+    let f = fixture("c_lag", "clag", "clag", DUP, &["--handler-timeout", "60s"]).await;
+    let lag = |m: &Scrape| m.value("outbox_consumer_lag_seconds");
+    let slow = Uuid::new_v4();
+    publish(&f.js, "clag.e", Some(slow), "a", br#"{"sleep_ms": 12000}"#).await;
+    eventually(T, "lag past 4 s with the message ack-pending", || async {
+        let m = f.consumer.scrape().await;
+        lag(&m).unwrap_or(0.0) > 4.0 && m.value("outbox_consumer_ack_pending_messages") == Some(1.0)
+    })
+    .await;
+    wait_processed(&f.pool, "clag", 1).await;
+    eventually(T, "lag and ack-pending back to 0", || async {
+        let m = f.consumer.scrape().await;
+        lag(&m) == Some(0.0) && m.value("outbox_consumer_ack_pending_messages") == Some(0.0)
+    })
+    .await;
 }
 
 /// Found in review: a message a reset brings back to an aggregate that has a
@@ -2335,6 +2380,70 @@ async fn a_payload_that_fails_its_schema_is_dead_lettered_without_a_handler_call
     assert_eq!(
         m.value(r#"outbox_schema_validation_failures_total{stage="consume",event_type="placed"}"#),
         Some(1.0)
+    );
+
+    // A type without a schema (`--schema-missing allow`): the running
+    // consumer delivers it and says so on its first delivery; a consumer
+    // started later says so at start, naming the type and its subject.
+    let shipped = Uuid::new_v4();
+    let mut h = async_nats::HeaderMap::new();
+    h.insert(wire::MSG_ID, shipped.to_string().as_str());
+    h.insert(wire::AGGREGATE_ID, "a2");
+    h.insert(wire::EVENT_TYPE, "shipped");
+    h.insert(wire::EVENT_VERSION, "1");
+    f.js.send_publish(
+        "cschema.event.shipped.v1",
+        jetstream::message::PublishMessage::build()
+            .payload(b"{}".to_vec().into())
+            .headers(h),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    eventually(T, "the unchecked message handled", || async {
+        f.handler.calls_for(shipped).len() == 1
+    })
+    .await;
+    const NO_SCHEMA: &str = "no schema for this event type";
+    let log = f.consumer.log_text();
+    let noted: Vec<&str> = log.lines().filter(|l| l.contains(NO_SCHEMA)).collect();
+    assert_eq!(noted.len(), 1, "said once: {log}");
+    assert!(noted[0].contains("shipped"), "{}", noted[0]);
+
+    let stack = stack();
+    let handler_url = f.handler.serve().await;
+    let _late = Service::consumer_named(
+        &db_url(&stack.admin_url, "t_cschema"),
+        &stack.nats_url,
+        &f.stream,
+        "cschema_late",
+        "cschema_late",
+        &handler_url,
+        &[
+            "--context",
+            "cschema",
+            "--filter",
+            "cschema.event.>",
+            "--schemas",
+            dir.to_str().unwrap(),
+        ],
+    );
+    let path = log_dir().join("cschema_late.log");
+    eventually(T, "the later consumer warns at start", || async {
+        std::fs::read_to_string(&path).is_ok_and(|l| l.contains("no schema for an event type"))
+    })
+    .await;
+    let log = std::fs::read_to_string(&path).unwrap();
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("no schema for an event type"))
+        .collect();
+    assert_eq!(warned.len(), 1, "only the type without one: {log}");
+    assert!(
+        warned[0].contains("shipped") && warned[0].contains("cschema.event.shipped.v1"),
+        "{}",
+        warned[0]
     );
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -235,3 +235,94 @@ async fn slot_lag_rises_while_a_relay_is_down_and_falls_after_it_catches_up() {
     .await;
     assert_exactly_once_in_order(&got, &sent);
 }
+
+/// Issue 15's relay signals, scraped from the running relay:
+/// `outbox_relay_lag_seconds` (now − commit time of the oldest event read
+/// and not acked) grows while NATS is gone, so a stalled relay shows, and
+/// falls to 0 once everything is acked; `outbox_dlq_messages` counts the
+/// relay's own dead letters, and `dlq delete` takes a dealt-with one away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_lag_grows_while_nats_is_gone_and_its_dead_letters_are_counted() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "obs_rlag").await;
+    let mut nats = OwnNats::start(&stack, "rlag");
+    let relay = Service::relay(&url, &nats.url, "obsrlag", &["--publish-timeout", "1s"]);
+    let lag = |m: &Scrape| m.value("outbox_relay_lag_seconds");
+    let depth_series = format!(
+        "outbox_dlq_messages{{stream=\"{}\",subject=\"{}\"}}",
+        wire::stream_name("obsrlag"),
+        wire::relay_dlq_subject("obsrlag")
+    );
+
+    let mut sent = HashSet::new();
+    sent.extend(insert_txn(&pool, 1, 0, 5, 64).await);
+    let bad = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, subject) \
+         VALUES ($1, 'order', 'o1', 'placed', '{}', 'obsrlag.bad subject')",
+    )
+    .bind(bad)
+    .execute(&pool)
+    .await
+    .unwrap();
+    eventually(T, "published, the dead letter counted, no lag", || async {
+        let m = relay.scrape().await;
+        m.value("outbox_relay_events_published_total") == Some(6.0)
+            && m.value(&depth_series) == Some(1.0)
+            && lag(&m) == Some(0.0)
+    })
+    .await;
+
+    nats.down();
+    sent.extend(insert_txn(&pool, 1, 5, 3, 64).await);
+    eventually(T, "lag grows past 3 s while NATS is gone", || async {
+        lag(&relay.scrape().await).unwrap_or(0.0) > 3.0
+    })
+    .await;
+    nats.up();
+    eventually(T, "lag back to 0 once NATS takes the events", || async {
+        lag(&relay.scrape().await) == Some(0.0)
+    })
+    .await;
+    let got = read_stream(&nats.url, &wire::stream_name("obsrlag"), 9, T).await;
+    let events: Vec<Got> = got
+        .into_iter()
+        .filter(|g| g.subject != wire::relay_dlq_subject("obsrlag"))
+        .collect();
+    assert_exactly_once_in_order(&events, &sent);
+
+    let stream = wire::stream_name("obsrlag");
+    let (code, out) = run_output_bounded(
+        &[
+            "dlq",
+            "delete",
+            "--nats-url",
+            &nats.url,
+            "--stream",
+            &stream,
+            "--id",
+            &bad.to_string(),
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains(&format!("{bad}  deleted")), "{out}");
+    eventually(T, "the depth falls to 0", || async {
+        relay.scrape().await.value(&depth_series) == Some(0.0)
+    })
+    .await;
+    let (code, out) = run_output_bounded(
+        &[
+            "dlq",
+            "delete",
+            "--nats-url",
+            &nats.url,
+            "--stream",
+            &stream,
+            "--all",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_ne!(code, Some(0), "nothing left to delete: {out}");
+    assert!(out.contains("no dead letter"), "{out}");
+}

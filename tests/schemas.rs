@@ -31,13 +31,23 @@ fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
 }
 
 async fn insert(pool: &sqlx::PgPool, event_type: &str, payload: serde_json::Value) -> String {
+    insert_version(pool, event_type, 1, payload).await
+}
+
+async fn insert_version(
+    pool: &sqlx::PgPool,
+    event_type: &str,
+    version: i32,
+    payload: serde_json::Value,
+) -> String {
     let id = uuid::Uuid::new_v4();
     sqlx::query(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ($1, 'order', 'o1', $2, $3)",
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, event_version, payload) \
+         VALUES ($1, 'order', 'o1', $2, $3, $4)",
     )
     .bind(id)
     .bind(event_type)
+    .bind(version)
     .bind(payload)
     .execute(pool)
     .await
@@ -164,4 +174,105 @@ async fn a_broken_schema_file_stops_the_relay_at_start_naming_it() {
         assert!(lines[0].contains(why), "{err}");
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// SIGHUP compiles the folder again: a version added since start is
+/// checked from then on, and a broken file on reload keeps the schemas in
+/// force (the relay goes on; the failure is counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_schemas_and_a_broken_reload_keeps_them() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_schemahup").await;
+    let dir = schema_dir("hup", &[("shop/order/placed/v1.json", PLACED_V1)]);
+    let relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "schemahup",
+        &[
+            "--schemas",
+            dir.to_str().unwrap(),
+            "--schema-missing",
+            "dead-letter",
+        ],
+    );
+    let stream = wire::stream_name("schemahup");
+    let before = insert_version(
+        &pool,
+        "shop.order.placed",
+        2,
+        serde_json::json!({"amount": 1}),
+    )
+    .await;
+    let got = read_stream(&stack.nats_url, &stream, 1, T).await;
+    assert_eq!(got[0].h(wire::MSG_ID), Some(before.as_str()));
+    assert_eq!(
+        got[0].h(wire::DLQ_REASON),
+        Some("schema_missing"),
+        "no v2 yet"
+    );
+
+    let v2 = r#"{"type": "object", "required": ["amount", "currency"]}"#;
+    std::fs::write(dir.join("shop/order/placed/v2.json"), v2).unwrap();
+    let reloads = |result: &str| format!("outbox_schema_reloads_total{{result=\"{result}\"}}");
+    assert_eq!(relay.scrape().await.value(&reloads("ok")), Some(0.0));
+    signal(relay.pid(), "HUP");
+    eventually(T, "the reload counted", || async {
+        relay.scrape().await.value(&reloads("ok")) == Some(1.0)
+    })
+    .await;
+    let valid = insert_version(
+        &pool,
+        "shop.order.placed",
+        2,
+        serde_json::json!({"amount": 1, "currency": "EUR"}),
+    )
+    .await;
+    let invalid = insert_version(
+        &pool,
+        "shop.order.placed",
+        2,
+        serde_json::json!({"amount": 1}),
+    )
+    .await;
+    let got = read_stream(&stack.nats_url, &stream, 3, T).await;
+    assert_eq!(got[1].h(wire::MSG_ID), Some(valid.as_str()));
+    let v2_id = format!(
+        "shop/order/placed/v2.json#sha256-{}",
+        sha256_hex(&dir.join("shop/order/placed/v2.json"))
+    );
+    assert_eq!(got[1].h(wire::SCHEMA), Some(v2_id.as_str()));
+    assert_eq!(got[1].h(wire::DLQ_REASON), None);
+    assert_eq!(got[2].h(wire::MSG_ID), Some(invalid.as_str()));
+    assert_eq!(got[2].h(wire::DLQ_REASON), Some("schema_invalid"));
+    assert!(
+        got[2].h(wire::DLQ_DETAIL).unwrap().contains("currency"),
+        "{:?}",
+        got[2].h(wire::DLQ_DETAIL)
+    );
+
+    std::fs::write(dir.join("shop/order/placed/v3.json"), "{ broken").unwrap();
+    signal(relay.pid(), "HUP");
+    eventually(T, "the failed reload counted", || async {
+        relay.scrape().await.value(&reloads("failed")) == Some(1.0)
+    })
+    .await;
+    assert!(
+        relay.log_text().contains("shop/order/placed/v3.json"),
+        "the log names the broken file"
+    );
+    let still = insert_version(
+        &pool,
+        "shop.order.placed",
+        2,
+        serde_json::json!({"amount": 2, "currency": "EUR"}),
+    )
+    .await;
+    let got = read_stream(&stack.nats_url, &stream, 4, T).await;
+    assert_eq!(got[3].h(wire::MSG_ID), Some(still.as_str()));
+    assert_eq!(
+        got[3].h(wire::SCHEMA),
+        Some(v2_id.as_str()),
+        "v2 stays in force"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

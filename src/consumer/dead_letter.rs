@@ -17,15 +17,18 @@ pub struct DeadLetters {
     js: Context,
     prefix: String,
     consumer: String,
+    /// The stream that captures `{prefix}.>`.
+    stream: String,
 }
 
 impl DeadLetters {
     /// Make sure a stream captures `{prefix}.>`, creating one when none does.
     pub async fn new(js: Context, prefix: &str, consumer: &str, replicas: u8) -> Result<Self> {
         let probe = format!("{prefix}.probe");
-        match js.stream_by_subject(&probe).await {
+        let stream = match js.stream_by_subject(&probe).await {
             Ok(name) => {
-                tracing::info!(stream = %name, prefix, "dead letters go to an existing stream")
+                tracing::info!(stream = %name, prefix, "dead letters go to an existing stream");
+                name
             }
             Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
                 let name = wire::dlq_stream_name(prefix);
@@ -44,14 +47,21 @@ impl DeadLetters {
                     source: Some(Box::new(e)),
                 })?;
                 tracing::info!(stream = %name, prefix, "created dead-letter stream");
+                name
             }
             Err(e) => return Err(Error::nats("looking up the dead-letter stream")(e)),
-        }
+        };
         Ok(Self {
             js,
             prefix: prefix.to_owned(),
             consumer: consumer.to_owned(),
+            stream,
         })
+    }
+
+    /// The dead-letter stream, and the filter its dead letters are on.
+    pub fn stream(&self) -> (&str, String) {
+        (&self.stream, format!("{}.>", self.prefix))
     }
 
     /// Publish and wait for JetStream's ack: only then may the original be acked.

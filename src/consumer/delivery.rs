@@ -21,7 +21,7 @@ use super::scheduler::{Finished, Job};
 use super::transaction::{self, Transactions};
 use super::ConsumeConfig;
 use crate::ops::metrics as m;
-use crate::schema::{Registry, Verdict};
+use crate::schema::{Schemas, Verdict};
 use crate::wire::{self, DlqReason};
 
 /// What to do with a delivery once the handler answered.
@@ -250,7 +250,7 @@ struct Unusable {
 }
 
 /// The id, or why the message cannot be handled at all.
-fn check(parts: &Parts<'_>, schemas: Option<&Registry>) -> std::result::Result<Uuid, Unusable> {
+fn check(parts: &Parts<'_>, schemas: Option<&Schemas>) -> std::result::Result<Uuid, Unusable> {
     // A replayed dead letter carries its own Nats-Msg-Id; the inbox and the
     // handler know it by the original's.
     let key = if parts.header(wire::REPLAY_FOR).is_some() {
@@ -276,14 +276,19 @@ fn check(parts: &Parts<'_>, schemas: Option<&Registry>) -> std::result::Result<U
             id: Some(id),
         });
     }
-    if let Some(schemas) = schemas {
+    if let Some(live) = schemas {
+        let schemas = live.current();
         let event_type = parts.header(wire::EVENT_TYPE).unwrap_or_default();
         let version = parts
             .header(wire::EVENT_VERSION)
             .and_then(|v| v.parse().ok())
             .unwrap_or(1);
         let reason = match schemas.check(&event_type, version, parts.payload) {
-            Verdict::Valid(_) | Verdict::Unchecked => None,
+            Verdict::Valid(_) => None,
+            Verdict::Unchecked => {
+                live.note_unchecked("consume", &event_type, version);
+                None
+            }
             Verdict::Invalid(_, detail) => {
                 Some(format!("{}: {detail}", DlqReason::SchemaInvalid.as_str()))
             }

@@ -65,8 +65,8 @@ pub struct ConsumeConfig {
     pub dlq_replicas: u8,
     pub shutdown_timeout: Duration,
     /// `--schemas`: payloads are checked before the handler is called; one
-    /// that fails is dead-lettered without a call.
-    pub schemas: Option<std::sync::Arc<crate::schema::Registry>>,
+    /// that fails is dead-lettered without a call. SIGHUP reloads them.
+    pub schemas: Option<std::sync::Arc<crate::schema::Schemas>>,
 }
 
 /// The longest pause between attempts to rebuild a failed pull stream.
@@ -123,6 +123,10 @@ pub async fn run<H: Handler>(
             cfg.stream
         )));
     }
+    if let Some(schemas) = &cfg.schemas {
+        let filter = cfg.filter.as_deref().unwrap_or(">");
+        warn_unschematized(&stream, filter, schemas).await;
+    }
     let consumer = stream
         .create_consumer(pull::Config {
             durable_name: Some(cfg.durable.clone()),
@@ -139,6 +143,23 @@ pub async fn run<H: Handler>(
         .await
         .map_err(Error::nats(format!("creating consumer {}", cfg.durable)))?;
     let dlq = DeadLetters::new(js.clone(), &cfg.dlq_prefix, &cfg.durable, cfg.dlq_replicas).await?;
+    // Figures of the durable, not of this instance: every instance, active
+    // or standby, reports them.
+    let watchers = CancellationToken::new();
+    let _watchers = watchers.clone().drop_guard();
+    let (dlq_stream, dlq_subjects) = dlq.stream();
+    tokio::spawn(crate::ops::dlq::watch_depth(
+        js.clone(),
+        dlq_stream.to_owned(),
+        dlq_subjects,
+        watchers.clone(),
+    ));
+    tokio::spawn(watch_lag(
+        consumer.clone(),
+        stream.clone(),
+        cfg.filter.clone().unwrap_or_else(|| ">".to_owned()),
+        watchers,
+    ));
     let handler = Arc::new(handler);
     let standby = metrics::gauge!(m::CONSUMER_STANDBY);
     let mut standby_logged = false;
@@ -575,6 +596,114 @@ async fn watch_pending(
                 limit > 0 && info.num_ack_pending as i64 >= limit,
                 Ordering::Relaxed,
             );
+        }
+    }
+}
+
+/// Distinct subjects, and last messages read, when looking for event
+/// types without a schema at start: a bound on the start's cost.
+const SCHEMA_SCAN_SUBJECTS: usize = 1000;
+const SCHEMA_SCAN_READS: usize = 200;
+
+/// Warn, at start, for each event type the stream holds on `filter` that has
+/// no schema: it would reach the handler unchecked (or be dead-lettered,
+/// with `--schema-missing dead-letter`). Types are read from the last
+/// message of each stored subject, so any subject template works; a type
+/// first seen later is warned about on its first delivery.
+async fn warn_unschematized(
+    stream: &jetstream::stream::Stream,
+    filter: &str,
+    schemas: &crate::schema::Schemas,
+) {
+    let scan = async {
+        let mut counts = stream.info_with_subjects(filter).await.ok()?;
+        let mut subjects = Vec::new();
+        while let Some(Ok((subject, _))) = counts.next().await {
+            subjects.push(subject);
+            if subjects.len() >= SCHEMA_SCAN_SUBJECTS {
+                break;
+            }
+        }
+        subjects.sort();
+        let mut types = std::collections::BTreeMap::new();
+        for subject in subjects.iter().take(SCHEMA_SCAN_READS) {
+            let Ok(last) = stream.get_last_raw_message_by_subject(subject).await else {
+                continue;
+            };
+            let header = |k: &str| last.headers.get(k).map(|v| v.as_str().to_owned());
+            let Some(event_type) = header(wire::EVENT_TYPE) else {
+                continue;
+            };
+            let version = header(wire::EVENT_VERSION)
+                .and_then(|v| v.parse::<i64>().ok())
+                .unwrap_or(1);
+            types
+                .entry((event_type, version))
+                .or_insert_with(|| subject.clone());
+        }
+        Some(types)
+    };
+    let Ok(Some(types)) = tokio::time::timeout(Duration::from_secs(10), scan).await else {
+        tracing::warn!(filter, "cannot list the event types the stream holds; types without a schema are reported on first delivery");
+        return;
+    };
+    let current = schemas.current();
+    for ((event_type, version), subject) in types {
+        if current.has(&event_type, version) || !schemas.first_note(&event_type, version) {
+            continue;
+        }
+        let fate = match schemas.missing() {
+            crate::schema::Missing::Allow => "reach the handler unchecked (--schema-missing allow)",
+            crate::schema::Missing::DeadLetter => {
+                "are dead-lettered as schema_missing (--schema-missing dead-letter)"
+            }
+        };
+        tracing::warn!(
+            filter,
+            subject,
+            event_type,
+            version,
+            "no schema for an event type this consumer receives: its messages {fate}"
+        );
+    }
+}
+
+/// How often the durable's lag is measured.
+const LAG_TICK: Duration = Duration::from_secs(5);
+
+/// `outbox_consumer_ack_pending_messages` and `outbox_consumer_lag_seconds`:
+/// the age of the oldest message the durable has not acked is the stream
+/// time of the first message on its filter past its ack floor.
+async fn watch_lag(
+    mut consumer: Consumer,
+    stream: jetstream::stream::Stream,
+    filter: String,
+    stop: CancellationToken,
+) {
+    let ack_pending = metrics::gauge!(m::CONSUMER_ACK_PENDING);
+    let lag = metrics::gauge!(m::CONSUMER_LAG_SECONDS);
+    let mut tick = tokio::time::interval(LAG_TICK);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await else {
+            continue;
+        };
+        ack_pending.set(info.num_ack_pending as f64);
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            lag.set(0.0);
+            continue;
+        }
+        let oldest = stream
+            .raw_message_builder()
+            .sequence(info.ack_floor.stream_sequence + 1)
+            .next_by_subject(filter.clone())
+            .send();
+        if let Ok(Ok(msg)) = tokio::time::timeout(JS_REQUEST, oldest).await {
+            let age = time::OffsetDateTime::now_utc() - msg.time;
+            lag.set(age.as_seconds_f64().max(0.0));
         }
     }
 }

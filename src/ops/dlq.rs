@@ -375,3 +375,106 @@ pub fn line(d: &DeadLetter) -> String {
         d.reason
     )
 }
+
+/// What became of one dead letter in a delete.
+#[derive(Debug, Serialize)]
+pub struct Deleted {
+    pub seq: u64,
+    pub id: String,
+    /// `deleted`, or `gone` (someone else removed it meanwhile).
+    pub result: &'static str,
+}
+
+/// Remove `letters` from `dlq_stream`, by sequence.
+pub async fn delete(
+    js: &jetstream::Context,
+    dlq_stream: &str,
+    letters: Vec<DeadLetter>,
+) -> Result<Vec<Deleted>> {
+    let stream = js
+        .get_stream_no_info(dlq_stream)
+        .await
+        .map_err(|e| Error::setup(format!("stream {dlq_stream}: {e}")))?;
+    let mut out = Vec::with_capacity(letters.len());
+    for d in letters {
+        let result = match stream.delete_message(d.seq).await {
+            Ok(_) => "deleted",
+            Err(e) if e.to_string().contains("no message found") => "gone",
+            Err(e) => {
+                return Err(Error::setup(format!(
+                    "deleting dead letter {} (seq {}) from {dlq_stream}: {e}",
+                    d.id, d.seq
+                )))
+            }
+        };
+        tracing::info!(dlq = dlq_stream, seq = d.seq, id = %d.id, result, "deleted a dead letter");
+        out.push(Deleted {
+            seq: d.seq,
+            id: d.id,
+            result,
+        });
+    }
+    Ok(out)
+}
+
+/// How many messages `stream` holds on `subjects` (a filter): a dead-letter
+/// stream's depth. A stream made for the filter alone answers from its
+/// state; one that captures more counts the filter's subjects.
+pub async fn depth(js: &jetstream::Context, stream: &str, subjects: &str) -> Result<u64> {
+    let s = js
+        .get_stream(stream)
+        .await
+        .map_err(Error::nats(format!("looking up stream {stream}")))?;
+    let info = s.cached_info();
+    if info.config.subjects.len() == 1 && info.config.subjects[0] == subjects {
+        return Ok(info.state.messages);
+    }
+    let mut counts = s
+        .info_with_subjects(subjects)
+        .await
+        .map_err(Error::nats(format!("counting {subjects} in {stream}")))?;
+    let mut n = 0u64;
+    while let Some(c) = counts.next().await {
+        let (_, count) = c.map_err(Error::nats(format!("counting {subjects} in {stream}")))?;
+        n += count as u64;
+    }
+    Ok(n)
+}
+
+/// How often a dead-letter stream's depth is counted.
+const DEPTH_TICK: Duration = Duration::from_secs(5);
+
+/// Keep `outbox_dlq_messages{stream, subject}` current until `stop`. A
+/// failed count leaves the last figure (the gauge says what was last
+/// known; `up` and the process's own alerts say it is unreachable).
+pub async fn watch_depth(
+    js: jetstream::Context,
+    stream: String,
+    subjects: String,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let gauge = metrics::gauge!(
+        crate::ops::metrics::DLQ_MESSAGES,
+        "stream" => stream.clone(),
+        "subject" => subjects.clone()
+    );
+    let mut tick = tokio::time::interval(DEPTH_TICK);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match tokio::time::timeout(Duration::from_secs(5), depth(&js, &stream, &subjects)).await {
+            Ok(Ok(n)) => {
+                gauge.set(n as f64);
+                failing = false;
+            }
+            Ok(Err(e)) if !failing => {
+                tracing::warn!(%stream, %subjects, error = %e, "cannot count dead letters");
+                failing = true;
+            }
+            _ => {}
+        }
+    }
+}

@@ -31,6 +31,10 @@ pub const INFLIGHT_BYTES: &str = "outbox_relay_inflight_bytes";
 pub const INFLIGHT_EVENTS: &str = "outbox_relay_inflight_events";
 pub const COMMIT_TO_ACK_SECONDS: &str = "outbox_relay_commit_to_ack_seconds";
 pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
+// Relay, beyond SPEC §7 (issue 15's operational signals).
+/// Now − commit time of the oldest event read from the slot and not yet
+/// acked; 0 when everything read is acked.
+pub const RELAY_LAG_SECONDS: &str = "outbox_relay_lag_seconds";
 // Relay, beyond SPEC §7.
 /// Replayed events found already in the stream after a restart (not republished).
 pub const EVENTS_SKIPPED: &str = "outbox_relay_events_skipped_total";
@@ -49,6 +53,8 @@ pub const BACKFILLING: &str = "outbox_relay_backfilling";
 /// Payloads that failed their schema (or had none, with
 /// `--schema-missing dead-letter`), by `stage` (relay, consume) and `event_type`.
 pub const SCHEMA_FAILURES: &str = "outbox_schema_validation_failures_total";
+/// SIGHUP reloads of `--schemas`, by `result` (ok, failed: the set in force stays).
+pub const SCHEMA_RELOADS: &str = "outbox_schema_reloads_total";
 
 // Slots (SPEC §7), rendered by `super::slot_monitor`.
 pub const SLOT_LAG_BYTES: &str = "pg_replication_slot_lag_bytes";
@@ -68,6 +74,14 @@ pub const CONSUMER_PENDING: &str = "outbox_consumer_pending_messages";
 pub const CONSUMER_PARKED_AGGREGATES: &str = "outbox_consumer_parked_aggregates";
 pub const CONSUMER_STANDBY: &str = "outbox_consumer_standby";
 pub const CONSUMER_DLQ_FAILING: &str = "outbox_consumer_dead_letters_failing";
+/// Delivered to the durable and not yet acked (JetStream's `num_ack_pending`).
+pub const CONSUMER_ACK_PENDING: &str = "outbox_consumer_ack_pending_messages";
+/// Now − the stream time of the oldest message the durable has not acked;
+/// 0 when it has acked everything.
+pub const CONSUMER_LAG_SECONDS: &str = "outbox_consumer_lag_seconds";
+/// Dead letters held in a dead-letter stream and not yet replayed, by
+/// `stream` and `subject` (the filter they are counted on).
+pub const DLQ_MESSAGES: &str = "outbox_dlq_messages";
 
 /// `result` label values of [`CONSUMER_MESSAGES`].
 pub const CONSUMER_RESULTS: [&str; 5] = [
@@ -88,6 +102,8 @@ pub const ALL: &[&str] = &[
     PUBLISH_BATCHES,
     BATCHES,
     SCHEMA_FAILURES,
+    SCHEMA_RELOADS,
+    RELAY_LAG_SECONDS,
     INFLIGHT_BYTES,
     INFLIGHT_EVENTS,
     COMMIT_TO_ACK_SECONDS,
@@ -110,6 +126,9 @@ pub const ALL: &[&str] = &[
     CONSUMER_PARKED_AGGREGATES,
     CONSUMER_STANDBY,
     CONSUMER_DLQ_FAILING,
+    CONSUMER_ACK_PENDING,
+    CONSUMER_LAG_SECONDS,
+    DLQ_MESSAGES,
 ];
 
 /// Buckets for commit→ack: a healthy relay lives in the low milliseconds, a
@@ -192,6 +211,11 @@ pub fn register_relay() {
         "Postgres commit time to JetStream ack"
     );
     describe_gauge!(CONFIRMED_LSN, "Last LSN confirmed to the slot");
+    describe_gauge!(
+        RELAY_LAG_SECONDS,
+        Unit::Seconds,
+        "Now minus the commit time of the oldest event read and not yet acked (0 when none)"
+    );
     describe_counter!(EVENTS_SKIPPED, "Replayed events already in the stream");
     describe_counter!(
         SESSION_RESTARTS,
@@ -229,6 +253,23 @@ pub fn register_relay() {
     metrics::gauge!(STANDBY).set(0.0);
     metrics::counter!(BACKFILL_ROWS).increment(0);
     metrics::gauge!(BACKFILLING).set(0.0);
+    metrics::gauge!(RELAY_LAG_SECONDS).set(0.0);
+}
+
+/// Metrics both `relay` and `consume` export when given `--schemas`.
+pub fn register_schemas() {
+    use metrics::describe_counter;
+    describe_counter!(
+        SCHEMA_FAILURES,
+        "Payloads that failed their schema (or had none, with --schema-missing dead-letter), by stage and event_type"
+    );
+    describe_counter!(
+        SCHEMA_RELOADS,
+        "SIGHUP reloads of --schemas by result: ok, failed (the schemas in force stay)"
+    );
+    for result in ["ok", "failed"] {
+        metrics::counter!(SCHEMA_RELOADS, "result" => result).increment(0);
+    }
 }
 
 /// The consumer's counterpart of [`register_relay`].
@@ -254,6 +295,19 @@ pub fn register_consumer() {
     describe_gauge!(
         CONSUMER_DLQ_FAILING,
         "Dead letters the DLQ stream has not stored yet (retried until it does)"
+    );
+    describe_gauge!(
+        CONSUMER_ACK_PENDING,
+        "Messages delivered to the durable and not yet acked"
+    );
+    describe_gauge!(
+        CONSUMER_LAG_SECONDS,
+        Unit::Seconds,
+        "Now minus the stream time of the oldest message the durable has not acked (0 when none)"
+    );
+    describe_gauge!(
+        DLQ_MESSAGES,
+        "Dead letters held in a dead-letter stream and not yet replayed, by stream and subject"
     );
     metrics::gauge!(CONSUMER_STANDBY).set(0.0);
     metrics::gauge!(CONSUMER_PARKED_AGGREGATES).set(0.0);

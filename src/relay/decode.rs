@@ -94,7 +94,7 @@ impl Stage {
                 commit_time_micros,
                 ..
             } => {
-                wm.begin();
+                wm.begin(commit_time_micros);
                 self.txn = Some(Txn {
                     commit_lsn: final_lsn,
                     commit_time_micros,

@@ -28,6 +28,8 @@ pub(crate) mod route;
 mod session;
 pub(crate) mod watermark;
 
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -47,6 +49,50 @@ const HEALTHY_SESSION: Duration = Duration::from_secs(30);
 /// How often a standby asks for the slot: a takeover comes within about
 /// this long of the active relay's walsender going away.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
+
+/// The commit time of the oldest event read and not yet acked, shared by
+/// every session of the process: a session that ends with events unacked
+/// leaves it in place, so the lag keeps growing until a later session
+/// publishes them (it reads them again) or finds nothing to publish.
+#[derive(Debug, Default)]
+pub(crate) struct LagClock {
+    /// Postgres-epoch microseconds; 0 when nothing is unacked.
+    oldest: AtomicI64,
+}
+
+impl LagClock {
+    pub(crate) fn set(&self, oldest_pg_micros: Option<i64>) {
+        self.oldest
+            .store(oldest_pg_micros.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Seconds from the oldest unacked commit to `now_unix_micros`; 0 when
+    /// nothing is unacked.
+    pub(crate) fn seconds_at(&self, now_unix_micros: i64) -> f64 {
+        match self.oldest.load(Ordering::Relaxed) {
+            0 => 0.0,
+            pg => {
+                let commit = pg.saturating_add(outbox_row::PG_EPOCH_UNIX_MICROS);
+                (now_unix_micros - commit).max(0) as f64 / 1e6
+            }
+        }
+    }
+}
+
+/// How often `outbox_relay_lag_seconds` is brought up to date.
+const LAG_TICK: Duration = Duration::from_secs(1);
+
+/// Keep `outbox_relay_lag_seconds` current, also while no session runs.
+async fn lag_gauge(clock: Arc<LagClock>, stop: CancellationToken) {
+    let gauge = metrics::gauge!(m::RELAY_LAG_SECONDS);
+    let mut tick = tokio::time::interval(LAG_TICK);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => gauge.set(clock.seconds_at(session::unix_micros_now())),
+        }
+    }
+}
 
 /// What the process reports when it stops.
 #[derive(Debug, Clone, Copy)]
@@ -84,6 +130,17 @@ pub async fn run(
         .max_ack_inflight(cfg.max_inflight * 2 + 16)
         .backpressure_on_inflight(true)
         .build(nats.clone());
+    let lag = Arc::new(LagClock::default());
+    // Stops the process-wide watchers (lag, dead-letter depth) on return.
+    let lag_stop = CancellationToken::new();
+    tokio::spawn(lag_gauge(lag.clone(), lag_stop.clone()));
+    tokio::spawn(crate::ops::dlq::watch_depth(
+        js.clone(),
+        cfg.stream.clone(),
+        crate::wire::relay_dlq_subject(&cfg.context),
+        lag_stop.clone(),
+    ));
+    let _lag_stop = lag_stop.drop_guard();
     let env = Env {
         cfg: &cfg,
         dsn: &dsn,
@@ -91,6 +148,7 @@ pub async fn run(
         js: &js,
         nats: &nats,
         ready: &ready,
+        lag: &lag,
     };
 
     let mut backoff = Duration::from_millis(100);
@@ -114,6 +172,8 @@ pub async fn run(
             }
             Err(e) if e.is_slot_busy() => {
                 metrics::gauge!(m::STANDBY).set(1.0);
+                // The relay holding the slot publishes (and reports) them.
+                lag.set(None);
                 if !standby_logged {
                     tracing::info!(reason = %e, "standby: waiting for the slot");
                     standby_logged = true;

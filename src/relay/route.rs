@@ -12,7 +12,7 @@ use bytes::Bytes;
 
 use super::outbox_row::OutboxRow;
 use crate::json::JsonObject;
-use crate::schema::{Registry, Verdict};
+use crate::schema::{Schemas, Verdict};
 use crate::wire::{self, DlqReason, Position};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,7 +186,7 @@ pub struct Router {
     dlq_subject: String,
     source: String,
     /// `--schemas`: payloads are checked against their type's schema.
-    schemas: Option<Arc<Registry>>,
+    schemas: Option<Arc<Schemas>>,
 }
 
 impl Router {
@@ -211,7 +211,7 @@ impl Router {
     }
 
     /// Check every payload against `--schemas`.
-    pub fn with_schemas(mut self, schemas: Option<Arc<Registry>>) -> Self {
+    pub fn with_schemas(mut self, schemas: Option<Arc<Schemas>>) -> Self {
         self.schemas = schemas;
         self
     }
@@ -253,7 +253,8 @@ impl Router {
             }
         }
         let mut schema_problem = None;
-        if let Some(schemas) = &self.schemas {
+        if let Some(live) = &self.schemas {
+            let schemas = live.current();
             match schemas.check(&row.event_type, row.event_version, &row.payload) {
                 Verdict::Valid(id) => headers.push((Cow::Borrowed(wire::SCHEMA), id.to_owned())),
                 Verdict::Invalid(id, detail) => {
@@ -269,7 +270,9 @@ impl Router {
                         ),
                     ));
                 }
-                Verdict::Unchecked => {}
+                Verdict::Unchecked => {
+                    live.note_unchecked("relay", &row.event_type, row.event_version)
+                }
             }
         }
         let msg = OutMessage {

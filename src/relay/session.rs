@@ -48,6 +48,7 @@ pub(super) struct Env<'a> {
     pub js: &'a jetstream::Context,
     pub nats: &'a async_nats::Client,
     pub ready: &'a Readiness,
+    pub lag: &'a super::LagClock,
 }
 
 pub(super) struct Session<'a> {
@@ -117,6 +118,7 @@ impl<'a> Session<'a> {
             js,
             nats,
             ready,
+            ..
         } = *self.env;
         ready.not_ready(format!(
             "not streaming yet: preparing slot {} and publication {}",
@@ -327,7 +329,9 @@ impl<'a> Session<'a> {
                         Ok(None) => return Err(Error::StreamEnded),
                         Err(e) => return Err(e.into()),
                     };
-                    match stage.on_event(event, &mut self.watermark)? {
+                    let step = stage.on_event(event, &mut self.watermark)?;
+                    self.env.lag.set(self.watermark.oldest_unacked());
+                    match step {
                         Step::Nothing => {}
                         Step::Confirm(lsn) => self.confirm(client, lsn),
                         Step::Commit(lsn) => {
@@ -398,6 +402,7 @@ impl<'a> Session<'a> {
         if let Some(lsn) = self.watermark.ack(ack.ticket) {
             self.confirm(client, lsn);
         }
+        self.env.lag.set(self.watermark.oldest_unacked());
         Ok(())
     }
 
@@ -411,7 +416,7 @@ fn pg_to_unix_micros(pg: i64) -> i64 {
     pg.saturating_add(super::outbox_row::PG_EPOCH_UNIX_MICROS)
 }
 
-fn unix_micros_now() -> i64 {
+pub(super) fn unix_micros_now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64)

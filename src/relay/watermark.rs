@@ -14,6 +14,10 @@
 //!
 //! Events are numbered in the order they were handed to the publisher;
 //! acks may arrive in any order.
+//!
+//! It also knows the commit time of the oldest transaction not wholly
+//! acked: `outbox_relay_lag_seconds` is now minus that time, so a relay that
+//! reads but cannot publish shows lag that grows.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -25,14 +29,17 @@ pub type Ticket = u64;
 #[derive(Debug)]
 pub struct Watermark {
     /// Commits whose events are not all acked yet: (events registered up to
-    /// and including this commit, its end LSN). In commit order.
-    pending_commits: VecDeque<(u64, Lsn)>,
+    /// and including this commit, its end LSN, its commit time). In commit
+    /// order.
+    pending_commits: VecDeque<(u64, Lsn, i64)>,
     registered: u64,
     /// Every ticket below this is acked.
     acked_prefix: u64,
     /// Acked tickets above the prefix (out-of-order acks).
     acked_ahead: BTreeSet<Ticket>,
     in_transaction: bool,
+    /// The open transaction's commit time (pgoutput's Begin carries it).
+    open_commit_micros: i64,
     confirmed: Lsn,
 }
 
@@ -45,12 +52,16 @@ impl Watermark {
             acked_prefix: 0,
             acked_ahead: BTreeSet::new(),
             in_transaction: false,
+            open_commit_micros: 0,
             confirmed,
         }
     }
 
-    pub fn begin(&mut self) {
+    /// A transaction that committed at `commit_micros` (any clock; the
+    /// caller's) begins.
+    pub fn begin(&mut self, commit_micros: i64) {
         self.in_transaction = true;
+        self.open_commit_micros = commit_micros;
     }
 
     /// Register an event of the current transaction; ack it later with the ticket.
@@ -63,7 +74,8 @@ impl Watermark {
     /// The transaction ended at `end_lsn`. Returns the new confirmed LSN if it moved.
     pub fn commit(&mut self, end_lsn: Lsn) -> Option<Lsn> {
         self.in_transaction = false;
-        self.pending_commits.push_back((self.registered, end_lsn));
+        self.pending_commits
+            .push_back((self.registered, end_lsn, self.open_commit_micros));
         self.release()
     }
 
@@ -109,9 +121,25 @@ impl Watermark {
         self.confirmed
     }
 
+    /// The commit time of the oldest transaction with an event not acked
+    /// yet, if any.
+    pub fn oldest_unacked(&self) -> Option<i64> {
+        if self.in_flight() == 0 {
+            return None;
+        }
+        // `release` pops every commit whose events are all acked, so the
+        // front one has an unacked event; with none pending, the unacked
+        // events are the open transaction's.
+        Some(
+            self.pending_commits
+                .front()
+                .map_or(self.open_commit_micros, |&(_, _, t)| t),
+        )
+    }
+
     fn release(&mut self) -> Option<Lsn> {
         let mut newest = None;
-        while let Some(&(through, lsn)) = self.pending_commits.front() {
+        while let Some(&(through, lsn, _)) = self.pending_commits.front() {
             if through > self.acked_prefix {
                 break;
             }
@@ -139,7 +167,7 @@ mod tests {
     #[test]
     fn commit_confirmed_only_after_its_events() {
         let mut w = Watermark::new(Lsn(10));
-        w.begin();
+        w.begin(0);
         let a = w.register();
         let b = w.register();
         assert_eq!(w.commit(Lsn(100)), None);
@@ -151,10 +179,10 @@ mod tests {
     #[test]
     fn later_commit_waits_for_earlier() {
         let mut w = Watermark::new(Lsn(0));
-        w.begin();
+        w.begin(0);
         let a = w.register();
         w.commit(Lsn(100));
-        w.begin();
+        w.begin(0);
         let b = w.register();
         w.commit(Lsn(200));
         assert_eq!(w.ack(b), None);
@@ -162,9 +190,27 @@ mod tests {
     }
 
     #[test]
+    fn the_oldest_unacked_commit_time_includes_the_open_transaction() {
+        let mut w = Watermark::new(Lsn(0));
+        assert_eq!(w.oldest_unacked(), None);
+        w.begin(1_000);
+        let a = w.register();
+        assert_eq!(w.oldest_unacked(), Some(1_000), "open, unacked");
+        w.commit(Lsn(100));
+        w.begin(2_000);
+        let b = w.register();
+        assert_eq!(w.oldest_unacked(), Some(1_000));
+        w.ack(a);
+        assert_eq!(w.oldest_unacked(), Some(2_000), "the open one is next");
+        w.commit(Lsn(200));
+        w.ack(b);
+        assert_eq!(w.oldest_unacked(), None);
+    }
+
+    #[test]
     fn empty_transaction_confirms_at_once_when_idle() {
         let mut w = Watermark::new(Lsn(0));
-        w.begin();
+        w.begin(0);
         assert_eq!(w.commit(Lsn(50)), Some(Lsn(50)));
     }
 
@@ -172,7 +218,7 @@ mod tests {
     fn keepalive_only_between_transactions_with_nothing_in_flight() {
         let mut w = Watermark::new(Lsn(0));
         assert_eq!(w.keepalive(Lsn(5)), Some(Lsn(5)));
-        w.begin();
+        w.begin(0);
         assert_eq!(w.keepalive(Lsn(500)), None, "mid-transaction");
         let a = w.register();
         w.commit(Lsn(100));
@@ -218,9 +264,10 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Txn(n) => {
-                        w.begin();
-                        let tickets: Vec<_> = (0..n).map(|_| w.register()).collect();
+                        // Commit times rise with commits: use the end LSN.
                         lsn += 100;
+                        w.begin(lsn as i64);
+                        let tickets: Vec<_> = (0..n).map(|_| w.register()).collect();
                         for t in tickets {
                             events.push((t, lsn));
                             unacked.push(t);
@@ -249,6 +296,12 @@ mod tests {
                         prop_assert!(c.0 < commit, "confirmed {} past unacked event of commit {}", c.0, commit);
                     }
                 }
+                let oldest = events
+                    .iter()
+                    .filter(|(t, _)| !acked.contains(t))
+                    .map(|&(_, commit)| commit as i64)
+                    .min();
+                prop_assert_eq!(w.oldest_unacked(), oldest, "the oldest unacked commit time");
             }
             for t in unacked.drain(..) {
                 w.ack(t);

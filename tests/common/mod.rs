@@ -369,6 +369,38 @@ pub fn run_bounded(args: &[&str], timeout: Duration) -> (Option<i32>, String) {
     (code, err)
 }
 
+/// `outbox-relay ARGS`, bounded in time: exit code, then stdout and stderr
+/// together (for commands whose answer is on stdout; keep it small).
+pub fn run_output_bounded(args: &[&str], timeout: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + timeout;
+    let code = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut text = String::new();
+    use std::io::Read;
+    if let Some(mut o) = child.stdout.take() {
+        let _ = o.read_to_string(&mut text);
+    }
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut text);
+    }
+    (code, text)
+}
+
 pub fn signal(pid: u32, sig: &str) {
     let st = Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])
