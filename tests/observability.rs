@@ -326,3 +326,101 @@ async fn relay_lag_grows_while_nats_is_gone_and_its_dead_letters_are_counted() {
     assert_ne!(code, Some(0), "nothing left to delete: {out}");
     assert!(out.contains("no dead letter"), "{out}");
 }
+
+/// Every series the alert and recording rules read (deploy/prometheus) is
+/// exported by a running relay or consumer once each has had work: the
+/// rules cannot wait on a metric no process sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_the_rules_read_is_scraped_from_the_running_processes() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "obs_rules").await;
+    let dir = std::env::temp_dir().join(format!("outbox-relay-obsrules-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("placed")).unwrap();
+    std::fs::write(
+        dir.join("placed/v1.json"),
+        r#"{"type":"object","required":["p"]}"#,
+    )
+    .unwrap();
+    let schemas = ["--schemas", dir.to_str().unwrap()];
+    let relay = Service::relay(&url, &stack.nats_url, "obsrules", &schemas);
+    let app = axum::Router::new().route("/h", axum::routing::post(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let stream = wire::stream_name("obsrules");
+    let consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "obsrules",
+        &handler_url,
+        &[
+            &["--context", "obsrules", "--filter", "obsrules.event.>"][..],
+            &schemas,
+        ]
+        .concat(),
+    );
+
+    // A valid event (published, handled), and one the relay's schema
+    // check dead-letters.
+    insert_txn(&pool, 1, 0, 1, 8).await;
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'o1', 'placed', '{}')",
+    )
+    .bind(uuid::Uuid::new_v4())
+    .execute(&pool)
+    .await
+    .unwrap();
+    // One the consumer's check dead-letters (another writer's message).
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let mut h = async_nats::HeaderMap::new();
+    h.insert(wire::MSG_ID, uuid::Uuid::new_v4().to_string().as_str());
+    h.insert(wire::EVENT_TYPE, "placed");
+    h.insert(wire::AGGREGATE_ID, "o2");
+    js.send_publish(
+        "obsrules.event.placed.v1",
+        async_nats::jetstream::message::PublishMessage::build()
+            .payload(b"{}".to_vec().into())
+            .headers(h),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+
+    let rules_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus");
+    let mut wanted = std::collections::BTreeSet::new();
+    for file in ["alerts.yml", "rules.yml"] {
+        let text = std::fs::read_to_string(format!("{rules_dir}/{file}")).unwrap();
+        for expr in text.lines().filter_map(|l| l.trim().strip_prefix("expr:")) {
+            for w in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if w.starts_with("outbox_") || w.starts_with("pg_replication_slot") {
+                    wanted.insert(w.to_owned());
+                }
+            }
+        }
+    }
+    assert!(wanted.len() > 15, "{wanted:?}");
+    eventually(T, "every series the rules read is exported", || async {
+        let (r, c) = (relay.scrape().await, consumer.scrape().await);
+        // A slot that has never been near its limit has no safe-size figure
+        // unless max_slot_wal_keep_size is set; the slot tests cover it.
+        wanted
+            .iter()
+            .filter(|n| n.as_str() != "pg_replication_slot_safe_wal_size_bytes")
+            .all(|n| r.has(n) || c.has(n))
+    })
+    .await;
+    let (r, c) = (relay.scrape().await, consumer.scrape().await);
+    assert_eq!(
+        r.value(r#"outbox_schema_validation_failures_total{stage="relay",event_type="placed"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        c.value(r#"outbox_schema_validation_failures_total{stage="consume",event_type="placed"}"#),
+        Some(1.0)
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -322,6 +322,7 @@ mod tests {
     use super::*;
 
     const ALERTS: &str = include_str!("../../deploy/prometheus/alerts.yml");
+    const RULES: &str = include_str!("../../deploy/prometheus/rules.yml");
     const DASHBOARD: &str = include_str!("../../deploy/grafana/outbox-relay.json");
 
     /// Our metric names in a PromQL expression (histogram series by base name).
@@ -339,8 +340,11 @@ mod tests {
     }
 
     fn alert_exprs() -> Vec<String> {
-        ALERTS
-            .lines()
+        exprs(ALERTS)
+    }
+
+    fn exprs(file: &str) -> Vec<String> {
+        file.lines()
             .filter_map(|l| l.trim().strip_prefix("expr:"))
             .map(|e| e.trim().to_owned())
             .collect()
@@ -363,7 +367,9 @@ mod tests {
         assert_eq!(alerts.len(), rules, "every alert has a one-line expr");
         let dash = dashboard_exprs();
         assert!(dash.len() > 10);
-        for expr in alerts.iter().chain(&dash) {
+        let recorded = exprs(RULES);
+        assert_eq!(recorded.len(), RULES.matches("- record:").count());
+        for expr in alerts.iter().chain(&dash).chain(&recorded) {
             let names = names_in(expr);
             assert!(!names.is_empty(), "{expr} names none of our metrics");
             for n in names {
@@ -385,6 +391,13 @@ mod tests {
             "outbox_relay_events_dead_lettered_total",
             "result=\"dead_lettered\"",
             "outbox_consumer_pending_messages",
+            "max by (job) (outbox_relay_lag_seconds) > 60",
+            "max by (job) (outbox_consumer_lag_seconds) > 60",
+            "max by (job) (outbox_consumer_lag_seconds) > 300",
+            "max by (job) (outbox_consumer_lag_seconds) > 1800",
+            "max by (stream, subject) (outbox_dlq_messages) > 0",
+            "outbox_schema_validation_failures_total",
+            "outbox_schema_reloads_total{result=\"failed\"}",
         ] {
             assert!(covered(needle), "no alert on {needle}");
         }
@@ -405,8 +418,8 @@ mod tests {
         };
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus");
         for args in [
-            ["check", "rules", "alerts.yml"],
-            ["test", "rules", "alerts_test.yml"],
+            &["check", "rules", "rules.yml", "alerts.yml"][..],
+            &["test", "rules", "alerts_test.yml"],
         ] {
             let out = std::process::Command::new(&promtool)
                 .args(args)
