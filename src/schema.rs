@@ -208,15 +208,40 @@ impl Registry {
 
     /// Check a payload (JSON text) against its type's schema.
     pub fn check(&self, event_type: &str, version: i64, payload: &[u8]) -> Verdict<'_> {
+        self.check_with(event_type, version, || {
+            serde_json::from_slice(payload).map_err(|e| format!("not JSON: {e}"))
+        })
+    }
+
+    /// [`Self::check`] for a message whose body is the `--envelope` JSON:
+    /// the schema is the payload's, so its `payload` field is checked.
+    pub fn check_enveloped(&self, event_type: &str, version: i64, body: &[u8]) -> Verdict<'_> {
+        self.check_with(event_type, version, || {
+            let mut envelope: serde_json::Value =
+                serde_json::from_slice(body).map_err(|e| format!("envelope not JSON: {e}"))?;
+            match envelope.get_mut("payload") {
+                Some(p) => Ok(p.take()),
+                None => Err("envelope without a payload field".to_owned()),
+            }
+        })
+    }
+
+    /// Parsing is left to `instance`, so a type without a schema costs no parse.
+    fn check_with(
+        &self,
+        event_type: &str,
+        version: i64,
+        instance: impl FnOnce() -> std::result::Result<serde_json::Value, String>,
+    ) -> Verdict<'_> {
         let Some(schema) = self.schemas.get(event_type).and_then(|v| v.get(&version)) else {
             return match self.missing {
                 Missing::Allow => Verdict::Unchecked,
                 Missing::DeadLetter => Verdict::Missing,
             };
         };
-        let instance: serde_json::Value = match serde_json::from_slice(payload) {
+        let instance = match instance() {
             Ok(v) => v,
-            Err(e) => return Verdict::Invalid(&schema.id, format!("not JSON: {e}")),
+            Err(e) => return Verdict::Invalid(&schema.id, e),
         };
         if schema.validator.is_valid(&instance) {
             return Verdict::Valid(&schema.id);

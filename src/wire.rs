@@ -42,6 +42,9 @@ pub const TXN_BATCHES: &str = "Outbox-Txn-Batches";
 /// The schema the payload passed: its path in `--schemas` and
 /// `#sha256-` + the file's digest.
 pub const SCHEMA: &str = "Outbox-Schema";
+/// `1` when the body is the `--envelope` JSON (the payload is its
+/// `payload` field), so a consumer checks the payload, not the envelope.
+pub const ENVELOPE: &str = "Outbox-Envelope";
 /// JetStream atomic batch publish (ADR-50, nats-server 2.12+).
 pub const BATCH_ID: &str = "Nats-Batch-Id";
 pub const BATCH_SEQUENCE: &str = "Nats-Batch-Sequence";

@@ -276,3 +276,126 @@ async fn sighup_reloads_the_schemas_and_a_broken_reload_keeps_them() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--envelope` carries the seeds' fields (`schemaUri` is the schema the
+/// payload passed, `ingestedAt` the commit time), and a consumer with
+/// `--schemas` checks the envelope's payload, not the envelope.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_envelope_carries_the_seeds_fields_and_the_consumer_checks_its_payload() {
+    use std::sync::{Arc, Mutex};
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_schemaenv").await;
+    let dir = schema_dir("env", &[("shop/order/placed/v1.json", PLACED_V1)]);
+    let schemas = ["--schemas", dir.to_str().unwrap()];
+    let _relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "schemaenv",
+        &[&["--envelope"][..], &schemas].concat(),
+    );
+    let stream = wire::stream_name("schemaenv");
+    let before = time::OffsetDateTime::now_utc();
+    let good = insert(&pool, "shop.order.placed", serde_json::json!({"amount": 3})).await;
+    let got = read_stream(&stack.nats_url, &stream, 1, T).await;
+    let v = got[0].json();
+    assert_eq!(got[0].h(wire::ENVELOPE), Some("1"));
+    assert_eq!(v["eventId"], good.as_str());
+    assert_eq!(v["outboxId"], good.as_str());
+    assert_eq!(v["eventType"], "shop.order.placed");
+    assert_eq!(v["eventVersion"], 1);
+    assert_eq!(v["schemaUri"].as_str(), got[0].h(wire::SCHEMA));
+    assert!(v["schemaUri"]
+        .as_str()
+        .unwrap()
+        .starts_with("shop/order/placed/v1.json#sha256-"));
+    assert_eq!(v["aggregateType"], "order");
+    assert_eq!(v["aggregateId"], "o1");
+    assert_eq!(v["partitionKey"], "o1");
+    assert_eq!(v["sourceContext"], "schemaenv");
+    assert!(v["correlationId"].is_null() && v["causationId"].is_null());
+    assert_eq!(v["payload"], serde_json::json!({"amount": 3}));
+    let at = |k: &str| {
+        time::OffsetDateTime::parse(
+            v[k].as_str().unwrap_or_else(|| panic!("{k}: {v}")),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap()
+    };
+    let (occurred, ingested) = (at("occurredAt"), at("ingestedAt"));
+    assert!(occurred <= ingested, "committed after it occurred: {v}");
+    assert!(
+        ingested >= before - Duration::from_secs(5)
+            && ingested <= time::OffsetDateTime::now_utc() + Duration::from_secs(5),
+        "ingestedAt is the commit time: {v}"
+    );
+
+    // The consumer: the relay's valid envelope reaches the handler; an
+    // envelope whose payload fails the schema (another writer's) does not.
+    let calls = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen = calls.clone();
+    let app = axum::Router::new().route(
+        "/h",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let seen = seen.clone();
+            async move {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                seen.lock()
+                    .unwrap()
+                    .push(v["message_id"].as_str().unwrap().to_owned());
+                "ok"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "schemaenv",
+        &handler_url,
+        &[
+            &["--context", "schemaenv", "--filter", "schemaenv.event.>"][..],
+            &schemas,
+        ]
+        .concat(),
+    );
+    let bad = uuid::Uuid::new_v4().to_string();
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let mut h = async_nats::HeaderMap::new();
+    h.insert(wire::MSG_ID, bad.as_str());
+    h.insert(wire::EVENT_TYPE, "shop.order.placed");
+    h.insert(wire::AGGREGATE_ID, "o2");
+    h.insert(wire::ENVELOPE, "1");
+    let body = serde_json::json!({"eventId": bad, "payload": {"amount": -1}}).to_string();
+    js.send_publish(
+        "schemaenv.event.shop.order.placed.v1",
+        async_nats::jetstream::message::PublishMessage::build()
+            .payload(body.into_bytes().into())
+            .headers(h),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let dlq = read_stream(
+        &stack.nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("schemaenv")),
+        1,
+        T,
+    )
+    .await;
+    assert_eq!(dlq[0].h(wire::DLQ_ORIGINAL_ID), Some(bad.as_str()));
+    let reason = dlq[0].h(wire::DLQ_REASON).unwrap();
+    assert!(
+        reason.starts_with("schema_invalid: /amount: minimum: "),
+        "the payload's pointer, not the envelope's: {reason}"
+    );
+    eventually(T, "the valid envelope handled", || async {
+        calls.lock().unwrap().contains(&good)
+    })
+    .await;
+    assert!(!calls.lock().unwrap().contains(&bad), "no handler call");
+    let _ = std::fs::remove_dir_all(dir);
+}

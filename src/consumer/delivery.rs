@@ -283,7 +283,12 @@ fn check(parts: &Parts<'_>, schemas: Option<&Schemas>) -> std::result::Result<Uu
             .header(wire::EVENT_VERSION)
             .and_then(|v| v.parse().ok())
             .unwrap_or(1);
-        let reason = match schemas.check(&event_type, version, parts.payload) {
+        let verdict = if parts.header(wire::ENVELOPE).is_some() {
+            schemas.check_enveloped(&event_type, version, parts.payload)
+        } else {
+            schemas.check(&event_type, version, parts.payload)
+        };
+        let reason = match verdict {
             Verdict::Valid(_) => None,
             Verdict::Unchecked => {
                 live.note_unchecked("consume", &event_type, version);

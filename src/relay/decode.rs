@@ -174,7 +174,12 @@ impl Stage {
         self.resume = None;
         let msg = match layout {
             Ok(l) => match l.row(&ins.values) {
-                Ok(row) => self.router.route(&row, pos, self.max_payload),
+                Ok(row) => self.router.route_committed(
+                    &row,
+                    pos,
+                    Some(txn.commit_time_micros),
+                    self.max_payload,
+                ),
                 Err(e) => {
                     let id = l.id(&ins.values).map(|u| u.to_string());
                     self.router.bad_row(id, pos, &e.to_string())

@@ -184,6 +184,8 @@ pub struct Router {
     /// `{context}.dlq.`: inside the stream's subjects but reserved for dead letters.
     dlq_prefix: String,
     dlq_subject: String,
+    /// `--context`, the envelope's `sourceContext`.
+    context: String,
     source: String,
     /// `--schemas`: payloads are checked against their type's schema.
     schemas: Option<Arc<Schemas>>,
@@ -205,6 +207,7 @@ impl Router {
             captures,
             dlq_prefix: wire::relay_dlq_prefix(context),
             dlq_subject: wire::relay_dlq_subject(context),
+            context: context.to_owned(),
             source,
             schemas: None,
         }
@@ -219,17 +222,25 @@ impl Router {
     /// Route a row. `max_payload` is the server's limit; an oversized message
     /// is dead-lettered with an empty body.
     pub fn route(&self, row: &OutboxRow, pos: Position, max_payload: usize) -> OutMessage {
+        self.route_committed(row, pos, None, max_payload)
+    }
+
+    /// [`Self::route`] for a row read from the WAL, whose transaction
+    /// committed at `commit_micros` (Postgres epoch): the envelope's
+    /// `ingestedAt`.
+    pub fn route_committed(
+        &self,
+        row: &OutboxRow,
+        pos: Position,
+        commit_micros: Option<i64>,
+        max_payload: usize,
+    ) -> OutMessage {
         let subject = match &row.subject {
             Some(s) => s.clone(),
             None => self.template.render(row, self.partitions),
         };
         let msg_id = row.id.to_string();
         let mut headers = self.standard_headers(row, &msg_id, pos);
-        let body = if self.envelope {
-            envelope(row)
-        } else {
-            row.payload.clone()
-        };
         let mut reason = if subject_problem(&subject).is_some() {
             Some(DlqReason::InvalidSubject)
         } else if subject.len() > MAX_SUBJECT_BYTES {
@@ -275,6 +286,24 @@ impl Router {
                 }
             }
         }
+        let body = if self.envelope {
+            let schema_uri = headers
+                .iter()
+                .rev()
+                .find(|(k, _)| k == wire::SCHEMA)
+                .map(|(_, v)| v.as_str());
+            let ingested_at = commit_micros.and_then(super::outbox_row::micros_to_rfc3339);
+            envelope(
+                row,
+                &Provenance {
+                    context: &self.context,
+                    schema_uri,
+                    ingested_at: ingested_at.as_deref(),
+                },
+            )
+        } else {
+            row.payload.clone()
+        };
         let msg = OutMessage {
             subject,
             msg_id,
@@ -344,6 +373,9 @@ impl Router {
         }
         if let Some(c) = row.causation_id {
             push(wire::CAUSATION_ID, c.to_string());
+        }
+        if self.envelope {
+            push(wire::ENVELOPE, "1".to_owned());
         }
         self.position_headers(&mut h, pos);
         h
@@ -456,19 +488,38 @@ fn is_reserved(name: &str) -> bool {
 
 /// `--envelope`: the payload wrapped with the event's metadata. The payload is
 /// embedded as Postgres rendered it (already valid JSON), not re-serialised.
-pub fn envelope(row: &OutboxRow) -> Bytes {
+/// What the envelope says about where an event comes from, beyond its row.
+pub struct Provenance<'a> {
+    /// `--context`.
+    pub context: &'a str,
+    /// The schema the payload passed (`Outbox-Schema`), with `--schemas`.
+    pub schema_uri: Option<&'a str>,
+    /// The transaction's commit time, RFC 3339; none for a row read from a
+    /// snapshot (backfill, resync), whose commit time the snapshot does not
+    /// carry.
+    pub ingested_at: Option<&'a str>,
+}
+
+/// `--envelope`: the seeds' envelope fields the row supports, in the order
+/// the README lists them. Unknown values are null, as the first envelope had them.
+pub fn envelope(row: &OutboxRow, from: &Provenance<'_>) -> Bytes {
     let id = row.id.to_string();
     let correlation = row.correlation_id.map(|u| u.to_string());
     let causation = row.causation_id.map(|u| u.to_string());
-    JsonObject::with_capacity(row.payload.len() + 320)
+    JsonObject::with_capacity(row.payload.len() + 480)
         .str("eventId", &id)
         .str("eventType", &row.event_type)
         .int("eventVersion", row.event_version)
+        .opt_str("schemaUri", from.schema_uri)
         .str("aggregateType", &row.aggregate_type)
         .str("aggregateId", &row.aggregate_id)
+        .str("partitionKey", &row.aggregate_id)
         .opt_str("occurredAt", row.occurred_at.as_deref())
+        .opt_str("ingestedAt", from.ingested_at)
         .opt_str("correlationId", correlation.as_deref())
         .opt_str("causationId", causation.as_deref())
+        .str("outboxId", &id)
+        .str("sourceContext", from.context)
         .raw("payload", &row.payload)
         .finish()
         .into()
@@ -665,11 +716,44 @@ mod tests {
     fn envelope_is_valid_json_with_raw_payload() {
         let mut r = row();
         r.aggregate_id = "a\"b".into();
-        let v: serde_json::Value = serde_json::from_slice(&envelope(&r)).unwrap();
+        let from = Provenance {
+            context: "shop",
+            schema_uri: None,
+            ingested_at: None,
+        };
+        let v: serde_json::Value = serde_json::from_slice(&envelope(&r, &from)).unwrap();
         assert_eq!(v["aggregateId"], "a\"b");
+        assert_eq!(v["partitionKey"], "a\"b");
         assert_eq!(v["eventVersion"], 2);
         assert_eq!(v["payload"]["total"], 10);
-        assert!(v["correlationId"].is_null());
+        assert_eq!(v["sourceContext"], "shop");
+        for unknown in ["correlationId", "causationId", "schemaUri", "ingestedAt"] {
+            assert!(v[unknown].is_null(), "{unknown} is null when unknown");
+        }
+    }
+
+    #[test]
+    fn the_envelope_carries_the_commit_time_and_the_source_context() {
+        let r = row();
+        let mut router = router("{context}.event.{event_type}.v{event_version}");
+        router.envelope = true;
+        let pos = POS;
+        // 2026-11-21T21:31:43.5Z in Postgres-epoch microseconds.
+        let commit = 1_795_296_703_500_000 - super::super::outbox_row::PG_EPOCH_UNIX_MICROS;
+        let msg = router.route_committed(&r, pos, Some(commit), 1 << 20);
+        assert!(msg
+            .headers
+            .iter()
+            .any(|(k, v)| k == wire::ENVELOPE && v == "1"));
+        let v: serde_json::Value = serde_json::from_slice(&msg.body).unwrap();
+        assert_eq!(v["eventId"], r.id.to_string());
+        assert_eq!(v["outboxId"], r.id.to_string());
+        assert_eq!(v["occurredAt"], "2026-11-21T21:31:42Z");
+        assert_eq!(v["ingestedAt"], "2026-11-21T21:31:43.5Z");
+        assert_eq!(v["sourceContext"], "shop");
+        let from_snapshot = router.route(&r, pos, 1 << 20);
+        let v: serde_json::Value = serde_json::from_slice(&from_snapshot.body).unwrap();
+        assert!(v["ingestedAt"].is_null());
     }
 
     #[test]
