@@ -2413,7 +2413,7 @@ async fn a_payload_that_fails_its_schema_is_dead_lettered_without_a_handler_call
 
     let stack = stack();
     let handler_url = f.handler.serve().await;
-    let _late = Service::consumer_named(
+    let late = Service::consumer_named(
         &db_url(&stack.admin_url, "t_cschema"),
         &stack.nats_url,
         &f.stream,
@@ -2445,5 +2445,56 @@ async fn a_payload_that_fails_its_schema_is_dead_lettered_without_a_handler_call
         "{}",
         warned[0]
     );
+
+    // SIGHUP: the consumer takes up a schema added since start. (The later
+    // consumer, not signalled, would hand the next message over unchecked.)
+    drop(late);
+    let dlq_stream = wire::dlq_stream_name(&wire::consumer_dlq_prefix("cschema"));
+    let stored = stream_messages(&stack.nats_url, &dlq_stream).await;
+    std::fs::create_dir_all(dir.join("shipped")).unwrap();
+    std::fs::write(
+        dir.join("shipped/v1.json"),
+        r#"{"type":"object","required":["carrier"]}"#,
+    )
+    .unwrap();
+    signal(f.consumer.pid(), "HUP");
+    eventually(T, "the consumer reloaded", || async {
+        f.consumer
+            .scrape()
+            .await
+            .value(r#"outbox_schema_reloads_total{result="ok"}"#)
+            == Some(1.0)
+    })
+    .await;
+    let unshipped = Uuid::new_v4();
+    let mut h = async_nats::HeaderMap::new();
+    h.insert(wire::MSG_ID, unshipped.to_string().as_str());
+    h.insert(wire::AGGREGATE_ID, "a3");
+    h.insert(wire::EVENT_TYPE, "shipped");
+    h.insert(wire::EVENT_VERSION, "1");
+    f.js.send_publish(
+        "cschema.event.shipped.v1",
+        jetstream::message::PublishMessage::build()
+            .payload(b"{}".to_vec().into())
+            .headers(h),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let dlq = read_stream(&stack.nats_url, &dlq_stream, stored + 1, T).await;
+    let letter = dlq
+        .iter()
+        .find(|d| d.h(wire::DLQ_ORIGINAL_ID) == Some(unshipped.to_string().as_str()))
+        .expect("dead-lettered after the reload");
+    assert!(
+        letter
+            .h(wire::DLQ_REASON)
+            .unwrap()
+            .starts_with("schema_invalid: /: required: "),
+        "{:?}",
+        letter.h(wire::DLQ_REASON)
+    );
+    assert!(f.handler.calls_for(unshipped).is_empty(), "no handler call");
     let _ = std::fs::remove_dir_all(dir);
 }

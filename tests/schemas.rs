@@ -143,10 +143,10 @@ async fn a_type_without_a_schema_is_dead_lettered_when_asked() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A schema file that is not JSON, or not a schema, stops the relay at
-/// start with one line naming the file.
+/// A schema file that is not JSON, or not a schema, stops the relay and
+/// the consumer at start with one line naming the file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broken_schema_file_stops_the_relay_at_start_naming_it() {
+async fn a_broken_schema_file_stops_relay_and_consume_at_start_naming_it() {
     let stack = stack();
     let (url, _pool) = fresh_db(&stack, "t_schemabroken").await;
     for (case, text, why) in [
@@ -172,6 +172,37 @@ async fn a_broken_schema_file_stops_the_relay_at_start_naming_it() {
         assert_eq!(lines.len(), 1, "{err}");
         assert!(lines[0].contains("shop/order/paid/v2.json"), "{err}");
         assert!(lines[0].contains(why), "{err}");
+
+        // `consume` refuses it the same way, before connecting anywhere.
+        let port = free_port().to_string();
+        let metrics = format!("127.0.0.1:{port}");
+        let (code, err) = run_bounded(
+            &[
+                "consume",
+                "--database-url",
+                &url,
+                "--nats-url",
+                &stack.nats_url,
+                "--stream",
+                "SCHEMABROKEN_EVENTS",
+                "--durable",
+                "schemabroken",
+                "--handler-url",
+                "http://127.0.0.1:9/h",
+                "--metrics-addr",
+                &metrics,
+                "--schemas",
+                dir.to_str().unwrap(),
+            ],
+            Duration::from_secs(30),
+        );
+        assert!(code.is_some() && code != Some(0), "{err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{err}");
+        assert!(
+            lines[0].contains("shop/order/paid/v2.json") && lines[0].contains(why),
+            "{err}"
+        );
         let _ = std::fs::remove_dir_all(dir);
     }
 }
