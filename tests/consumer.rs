@@ -133,15 +133,27 @@ async fn fixture(
     dup_window: Duration,
     extra: &[&str],
 ) -> Fixture {
+    fixture_on(&stack().nats_url, db, ctx, durable, dup_window, extra).await
+}
+
+/// [`fixture`] against a NATS of the test's own, which it may stop.
+async fn fixture_on(
+    nats_url: &str,
+    db: &str,
+    ctx: &str,
+    durable: &str,
+    dup_window: Duration,
+    extra: &[&str],
+) -> Fixture {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, db).await;
-    let js = js(&stack.nats_url).await;
+    let js = js(nats_url).await;
     let stream = fresh_stream(&js, ctx, dup_window).await;
     let handler = Handler::default();
     let handler_url = handler.serve().await;
     let mut args = vec!["--context", ctx];
     args.extend_from_slice(extra);
-    let consumer = Service::consumer(&url, &stack.nats_url, &stream, durable, &handler_url, &args);
+    let consumer = Service::consumer(&url, nats_url, &stream, durable, &handler_url, &args);
     Fixture {
         pool,
         js,
@@ -1714,17 +1726,36 @@ async fn dlq_list_shows_dead_letters_and_replay_calls_the_handler_once_more() {
 /// handler call runs long, the durable's oldest unacked message ages
 /// (`outbox_consumer_lag_seconds`) and is counted in
 /// `outbox_consumer_ack_pending_messages`; once it is acked both are 0.
+/// Found in review: while NATS is gone the consumer cannot ask for the
+/// durable's state, and the lag froze at its last figure, so the 5 and 30
+/// minute alerts never came; it now goes on ageing the oldest message seen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_durables_lag_grows_while_a_handler_is_slow_and_clears_after() {
-    let f = fixture("c_lag", "clag", "clag", DUP, &["--handler-timeout", "60s"]).await;
+async fn the_durables_lag_grows_while_a_handler_is_slow_or_nats_is_gone_and_clears_after() {
+    let mut nats = OwnNats::start(&stack(), "clag");
+    let f = fixture_on(
+        &nats.url,
+        "c_lag",
+        "clag",
+        "clag",
+        DUP,
+        &["--handler-timeout", "90s"],
+    )
+    .await;
     let lag = |m: &Scrape| m.value("outbox_consumer_lag_seconds");
     let slow = Uuid::new_v4();
-    publish(&f.js, "clag.e", Some(slow), "a", br#"{"sleep_ms": 12000}"#).await;
+    publish(&f.js, "clag.e", Some(slow), "a", br#"{"sleep_ms": 30000}"#).await;
     eventually(T, "lag past 4 s with the message ack-pending", || async {
         let m = f.consumer.scrape().await;
         lag(&m).unwrap_or(0.0) > 4.0 && m.value("outbox_consumer_ack_pending_messages") == Some(1.0)
     })
     .await;
+    nats.down();
+    let at_down = lag(&f.consumer.scrape().await).unwrap_or(0.0);
+    eventually(T, "lag goes on growing while NATS is gone", || async {
+        lag(&f.consumer.scrape().await).unwrap_or(0.0) > at_down + 7.0
+    })
+    .await;
+    nats.up();
     wait_processed(&f.pool, "clag", 1).await;
     eventually(T, "lag and ack-pending back to 0", || async {
         let m = f.consumer.scrape().await;

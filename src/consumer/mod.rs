@@ -683,27 +683,42 @@ async fn watch_lag(
     let ack_pending = metrics::gauge!(m::CONSUMER_ACK_PENDING);
     let lag = metrics::gauge!(m::CONSUMER_LAG_SECONDS);
     let mut tick = tokio::time::interval(LAG_TICK);
+    // The oldest unacked message last seen. While NATS cannot answer,
+    // nothing can be acked either, so that message only ages: the lag goes
+    // on growing from it instead of freezing, and the lag alerts escalate.
+    let mut oldest: Option<time::OffsetDateTime> = None;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await else {
-            continue;
+        let now = time::OffsetDateTime::now_utc();
+        let age = |t: time::OffsetDateTime| (now - t).as_seconds_f64().max(0.0);
+        let info = match tokio::time::timeout(JS_REQUEST, consumer.info()).await {
+            Ok(Ok(info)) => info,
+            _ => {
+                if let Some(t) = oldest {
+                    lag.set(age(t));
+                }
+                continue;
+            }
         };
         ack_pending.set(info.num_ack_pending as f64);
         if info.num_pending == 0 && info.num_ack_pending == 0 {
+            oldest = None;
             lag.set(0.0);
             continue;
         }
-        let oldest = stream
+        let first = stream
             .raw_message_builder()
             .sequence(info.ack_floor.stream_sequence + 1)
             .next_by_subject(filter.clone())
             .send();
-        if let Ok(Ok(msg)) = tokio::time::timeout(JS_REQUEST, oldest).await {
-            let age = time::OffsetDateTime::now_utc() - msg.time;
-            lag.set(age.as_seconds_f64().max(0.0));
+        if let Ok(Ok(msg)) = tokio::time::timeout(JS_REQUEST, first).await {
+            oldest = Some(msg.time);
+        }
+        if let Some(t) = oldest {
+            lag.set(age(t));
         }
     }
 }
