@@ -192,13 +192,7 @@ async fn run(command: Command) -> Result<(), Error> {
         Command::Dlq {
             command: DlqCommand::Replay(args),
         } => {
-            let sel = args.select.selection()?;
-            if !args.all && !args.select.narrows() {
-                return Err(Error::Config(
-                    "say which dead letters: --id, --filter or --since, or --all for every one"
-                        .into(),
-                ));
-            }
+            let sel = args.select.chosen(args.all)?;
             let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(2).await?;
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-replay".into()).await?;
             let js = async_nats::jetstream::new(nats.clone());
@@ -232,13 +226,7 @@ async fn run(command: Command) -> Result<(), Error> {
         Command::Dlq {
             command: DlqCommand::Delete(args),
         } => {
-            let sel = args.select.selection()?;
-            if !args.all && !args.select.narrows() {
-                return Err(Error::Config(
-                    "say which dead letters: --id, --filter or --since, or --all for every one"
-                        .into(),
-                ));
-            }
+            let sel = args.select.chosen(args.all)?;
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-delete".into()).await?;
             let js = async_nats::jetstream::new(nats);
             let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;

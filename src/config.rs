@@ -153,7 +153,19 @@ impl DlqSelectArgs {
         })
     }
 
-    pub fn narrows(&self) -> bool {
+    /// The selection of a command that acts on dead letters (replay,
+    /// delete): all of them only when `--all` says so.
+    pub fn chosen(&self, all: bool) -> Result<crate::ops::dlq::Selection> {
+        let sel = self.selection()?;
+        if !all && !self.narrows() {
+            return Err(Error::Config(
+                "say which dead letters: --id, --filter or --since, or --all for every one".into(),
+            ));
+        }
+        Ok(sel)
+    }
+
+    fn narrows(&self) -> bool {
         self.filter.is_some() || !self.ids.is_empty() || self.since.is_some()
     }
 }

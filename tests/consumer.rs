@@ -2417,21 +2417,14 @@ async fn a_payload_that_fails_its_schema_is_dead_lettered_without_a_handler_call
     // consumer delivers it and says so on its first delivery; a consumer
     // started later says so at start, naming the type and its subject.
     let shipped = Uuid::new_v4();
-    let mut h = async_nats::HeaderMap::new();
-    h.insert(wire::MSG_ID, shipped.to_string().as_str());
-    h.insert(wire::AGGREGATE_ID, "a2");
-    h.insert(wire::EVENT_TYPE, "shipped");
-    h.insert(wire::EVENT_VERSION, "1");
-    f.js.send_publish(
-        "cschema.event.shipped.v1",
-        jetstream::message::PublishMessage::build()
-            .payload(b"{}".to_vec().into())
-            .headers(h),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    let id = shipped.to_string();
+    let headers = [
+        (wire::MSG_ID, id.as_str()),
+        (wire::AGGREGATE_ID, "a2"),
+        (wire::EVENT_TYPE, "shipped"),
+        (wire::EVENT_VERSION, "1"),
+    ];
+    publish_with(&f.js, "cschema.event.shipped.v1", &headers, b"{}").await;
     eventually(T, "the unchecked message handled", || async {
         f.handler.calls_for(shipped).len() == 1
     })
@@ -2498,21 +2491,14 @@ async fn a_payload_that_fails_its_schema_is_dead_lettered_without_a_handler_call
     })
     .await;
     let unshipped = Uuid::new_v4();
-    let mut h = async_nats::HeaderMap::new();
-    h.insert(wire::MSG_ID, unshipped.to_string().as_str());
-    h.insert(wire::AGGREGATE_ID, "a3");
-    h.insert(wire::EVENT_TYPE, "shipped");
-    h.insert(wire::EVENT_VERSION, "1");
-    f.js.send_publish(
-        "cschema.event.shipped.v1",
-        jetstream::message::PublishMessage::build()
-            .payload(b"{}".to_vec().into())
-            .headers(h),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    let id = unshipped.to_string();
+    let headers = [
+        (wire::MSG_ID, id.as_str()),
+        (wire::AGGREGATE_ID, "a3"),
+        (wire::EVENT_TYPE, "shipped"),
+        (wire::EVENT_VERSION, "1"),
+    ];
+    publish_with(&f.js, "cschema.event.shipped.v1", &headers, b"{}").await;
     let dlq = read_stream(&stack.nats_url, &dlq_stream, stored + 1, T).await;
     let letter = dlq
         .iter()

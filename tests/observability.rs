@@ -375,20 +375,13 @@ async fn every_metric_the_rules_read_is_scraped_from_the_running_processes() {
     .unwrap();
     // One the consumer's check dead-letters (another writer's message).
     let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
-    let mut h = async_nats::HeaderMap::new();
-    h.insert(wire::MSG_ID, uuid::Uuid::new_v4().to_string().as_str());
-    h.insert(wire::EVENT_TYPE, "placed");
-    h.insert(wire::AGGREGATE_ID, "o2");
-    js.send_publish(
-        "obsrules.event.placed.v1",
-        async_nats::jetstream::message::PublishMessage::build()
-            .payload(b"{}".to_vec().into())
-            .headers(h),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    let id = uuid::Uuid::new_v4().to_string();
+    let headers = [
+        (wire::MSG_ID, id.as_str()),
+        (wire::EVENT_TYPE, "placed"),
+        (wire::AGGREGATE_ID, "o2"),
+    ];
+    publish_with(&js, "obsrules.event.placed.v1", &headers, b"{}").await;
 
     let rules_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/prometheus");
     let mut wanted = std::collections::BTreeSet::new();

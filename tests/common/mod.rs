@@ -343,38 +343,23 @@ pub fn run_relay_bounded(
 /// A command that does not exit by then is killed and reported as `None`,
 /// so a test of "refuses at start" cannot hang on a relay that streams.
 pub fn run_bounded(args: &[&str], timeout: Duration) -> (Option<i32>, String) {
-    let mut child = Command::new(BIN)
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + timeout;
-    let code = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st.code();
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut err = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        use std::io::Read;
-        let _ = e.read_to_string(&mut err);
-    }
-    (code, err)
+    run_capped(args, timeout, false)
 }
 
 /// `outbox-relay ARGS`, bounded in time: exit code, then stdout and stderr
 /// together (for commands whose answer is on stdout; keep it small).
 pub fn run_output_bounded(args: &[&str], timeout: Duration) -> (Option<i32>, String) {
+    run_capped(args, timeout, true)
+}
+
+fn run_capped(args: &[&str], timeout: Duration, stdout: bool) -> (Option<i32>, String) {
     let mut child = Command::new(BIN)
         .args(args)
-        .stdout(Stdio::piped())
+        .stdout(if stdout {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -1178,4 +1163,28 @@ impl Drop for OwnCluster {
             .arg(&self.dir)
             .status();
     }
+}
+
+/// Publish `payload` to `subject` with these headers and wait for the ack,
+/// as another writer (or the relay) would.
+pub async fn publish_with(
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    headers: &[(&str, &str)],
+    payload: &[u8],
+) {
+    let mut h = async_nats::HeaderMap::new();
+    for (k, v) in headers {
+        h.insert(*k, *v);
+    }
+    js.send_publish(
+        subject.to_owned(),
+        async_nats::jetstream::message::PublishMessage::build()
+            .payload(payload.to_vec().into())
+            .headers(h),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
 }
