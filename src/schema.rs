@@ -437,4 +437,35 @@ mod tests {
             "{e}"
         );
     }
+
+    /// A schema stands alone: a `$ref` inside the file resolves, while one
+    /// to another file or a URL is not fetched (no file or network access
+    /// from a schema, and the digest covers one file), so the schema is
+    /// refused at start naming the file, not accepted and failed later.
+    #[test]
+    fn a_reference_outside_the_file_is_refused_naming_it() {
+        let inside = r##"{"$defs":{"money":{"type":"integer","minimum":0}},
+            "properties":{"amount":{"$ref":"#/$defs/money"}}}"##;
+        let r = registry(&[("a/b/v1.json", inside)], Missing::Allow).unwrap();
+        assert!(matches!(
+            r.check("a.b", 1, br#"{"amount":3}"#),
+            Verdict::Valid(_)
+        ));
+        match r.check("a.b", 1, br#"{"amount":-3}"#) {
+            Verdict::Invalid(_, detail) => {
+                assert!(detail.starts_with("/amount: minimum"), "{detail}")
+            }
+            v => panic!("{v:?}"),
+        }
+        for target in ["../common/money.json", "https://example.com/money.json"] {
+            let text = format!(r#"{{"properties":{{"amount":{{"$ref":"{target}"}}}}}}"#);
+            let e = registry(&[("a/b/v1.json", &text)], Missing::Allow)
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains("a/b/v1.json")),
+                "{target}: {e:?}"
+            );
+        }
+    }
 }
