@@ -2515,3 +2515,59 @@ async fn a_payload_that_fails_its_schema_is_dead_lettered_without_a_handler_call
     assert!(f.handler.calls_for(unshipped).is_empty(), "no handler call");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A delivery that never reaches the consumer (its pull subscription was
+/// renewed while the message was on the way) leaves no gap to notice when
+/// it is the last in the stream, and nothing is pending: it used to wait
+/// out `--ack-wait` before coming back. A second client taking one
+/// delivery and never acking it stands in for the loss, deterministically.
+/// The consumer now notices that the server counts a delivery unacked
+/// while it holds none, and resets to the ack floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_last_delivery_comes_back_without_waiting_out_ack_wait() {
+    use futures::StreamExt;
+    let stack = stack();
+    let f = fixture("c_lostlast", "clost", "clost", DUP, &["--ack-wait", "300s"]).await;
+    publish(&f.js, "clost.e", Some(Uuid::new_v4()), "a0", b"{}").await;
+    wait_processed(&f.pool, "clost", 1).await;
+
+    let thief = async_nats::connect(&stack.nats_url).await.unwrap();
+    let inbox = thief.new_inbox();
+    let mut taken = thief.subscribe(inbox.clone()).await.unwrap();
+    thief
+        .publish_with_reply(
+            format!("$JS.API.CONSUMER.MSG.NEXT.{}.clost", f.stream),
+            inbox,
+            r#"{"batch":1,"expires":120000000000}"#.into(),
+        )
+        .await
+        .unwrap();
+    thief.flush().await.unwrap();
+    // The server shares new messages among the waiting pull requests; the
+    // one the thief gets is the last published.
+    let mut stolen = None;
+    for i in 1..=200 {
+        publish(
+            &f.js,
+            "clost.e",
+            Some(Uuid::new_v4()),
+            &format!("a{i}"),
+            b"{}",
+        )
+        .await;
+        if let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), taken.next()).await {
+            let id = m.headers.as_ref().and_then(|h| h.get(wire::MSG_ID));
+            stolen = Some(id.expect("a message, not a status").as_str().to_owned());
+            break;
+        }
+    }
+    let stolen: Uuid = stolen.expect("the thief got one of 200").parse().unwrap();
+    // Well inside --ack-wait: only noticing the loss brings it back in time.
+    eventually(
+        Duration::from_secs(60),
+        "the stolen delivery handled",
+        || async { !f.handler.calls_for(stolen).is_empty() },
+    )
+    .await;
+    assert_all_acked(&f.js, &f.stream, "clost").await;
+}

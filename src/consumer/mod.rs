@@ -9,7 +9,8 @@
 //! holds no ack-pending slot and the other aggregates flow. Parked messages
 //! survive restarts in the inbox; what a previous holder pulled but did not
 //! finish comes again in order because taking over, and a delivery lost on
-//! the way (a gap in the delivery sequence), reset the consumer to its ack
+//! the way (a gap in the delivery sequence, or unacked deliveries on the
+//! server while this instance holds none), reset the consumer to its ack
 //! floor.
 //!
 //! Each job ([`delivery`]) runs in its own task; waiting ones are kept alive
@@ -29,7 +30,7 @@ mod scheduler;
 mod transaction;
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -303,20 +304,21 @@ impl<H: Handler> Active<'_, H> {
         // still finish meanwhile.
         let mut rebuild: Option<Rebuild> = None;
         let mut rebuild_pause = MIN_REBUILD_PAUSE;
-        let pending_now = Arc::new(AtomicU64::new(0));
-        // JetStream holds back at max_ack_pending: quiet then is not a
-        // lost pull request.
-        let ack_pending_full = Arc::new(AtomicBool::new(false));
+        let durable_now = Arc::new(std::sync::Mutex::new(None));
         let pending_task = tokio::spawn(watch_pending(
             consumer.clone(),
-            pending_now.clone(),
-            ack_pending_full.clone(),
+            durable_now.clone(),
             stop.clone(),
         ));
         // A pull request can vanish with a consumer leader without the pull
         // stream noticing (no error, no missed heartbeat); a stream that
-        // stays quiet while messages are pending is rebuilt.
+        // stays quiet while messages are pending is rebuilt. A delivery
+        // lost on the way (a pull stream renewed while it travelled) that
+        // was the last in the stream shows neither a gap nor pending
+        // messages, only the server's count of unacked deliveries while
+        // this consumer holds none.
         let mut last_arrival = Instant::now();
+        let mut last_settled = Instant::now();
         let mut quiet_check = tokio::time::interval(QUIET_PULL);
         tracing::info!(stream = %cfg.stream, durable = %cfg.durable, parked_aggregates = scheduler.parked_keys(), "consuming");
         self.readiness.ready();
@@ -381,6 +383,7 @@ impl<H: Handler> Active<'_, H> {
                 biased;
                 _ = shutdown.cancelled() => break Ended::Shutdown,
                 Some(done) = tasks.join_next() => {
+                    last_settled = Instant::now();
                     if let Ok((key, how, panicked)) = done {
                         let jobs = scheduler.finish(&key, how, Instant::now());
                         start(&mut tasks, jobs);
@@ -420,13 +423,24 @@ impl<H: Handler> Active<'_, H> {
                     }
                 }
                 _ = quiet_check.tick() => {
-                    if messages.is_some()
+                    let durable = durable_now.lock().ok().and_then(|d| *d);
+                    let quiet = messages.is_some()
                         && scheduler.can_pull()
-                        && last_arrival.elapsed() > QUIET_PULL
-                        && pending_now.load(Ordering::Relaxed) > 0
-                        && !ack_pending_full.load(Ordering::Relaxed)
-                    {
-                        tracing::warn!(quiet = ?last_arrival.elapsed(), "nothing delivered while messages are pending; resuming from the ack floor");
+                        && last_arrival.elapsed() > QUIET_PULL;
+                    let lost = durable.and_then(|d: DurableState| {
+                        if d.num_pending > 0 && !d.ack_pending_full {
+                            Some("nothing delivered while messages are pending")
+                        } else if d.num_ack_pending > 0
+                            && scheduler.holds_no_delivery()
+                            && d.asked > last_settled + ACK_LANDS
+                        {
+                            Some("JetStream counts deliveries unacked that never arrived")
+                        } else {
+                            None
+                        }
+                    });
+                    if let (true, Some(why)) = (quiet, lost) {
+                        tracing::warn!(quiet = ?last_arrival.elapsed(), "{why}; resuming from the ack floor");
                         drop(scheduler.take_waiting());
                         messages = None;
                         last_arrival = Instant::now();
@@ -575,10 +589,24 @@ async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> bool {
 
 /// The pending gauge, kept off the dispatcher: during an election the info
 /// request waits out its timeout.
+/// What the server last said of the durable, and when it was asked.
+#[derive(Debug, Clone, Copy)]
+struct DurableState {
+    asked: Instant,
+    num_pending: u64,
+    num_ack_pending: u64,
+    /// JetStream holds back at max_ack_pending: quiet then is not a lost
+    /// pull request.
+    ack_pending_full: bool,
+}
+
+/// An ack sent when a job settles has reached the server by then, so a
+/// count asked later no longer includes it.
+const ACK_LANDS: Duration = Duration::from_secs(1);
+
 async fn watch_pending(
     mut consumer: Consumer,
-    now: Arc<AtomicU64>,
-    full: Arc<AtomicBool>,
+    now: Arc<std::sync::Mutex<Option<DurableState>>>,
     stop: CancellationToken,
 ) {
     let pending = metrics::gauge!(m::CONSUMER_PENDING);
@@ -588,14 +616,19 @@ async fn watch_pending(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let asked = Instant::now();
         if let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await {
             pending.set(info.num_pending as f64);
-            now.store(info.num_pending, Ordering::Relaxed);
             let limit = info.config.max_ack_pending;
-            full.store(
-                limit > 0 && info.num_ack_pending as i64 >= limit,
-                Ordering::Relaxed,
-            );
+            let state = DurableState {
+                asked,
+                num_pending: info.num_pending,
+                num_ack_pending: info.num_ack_pending as u64,
+                ack_pending_full: limit > 0 && info.num_ack_pending as i64 >= limit,
+            };
+            if let Ok(mut d) = now.lock() {
+                *d = Some(state);
+            }
         }
     }
 }

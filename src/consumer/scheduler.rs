@@ -187,6 +187,12 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         self.running
     }
 
+    /// No pulled message runs or waits: a delivery JetStream counts unacked
+    /// now is one this consumer never received.
+    pub fn holds_no_delivery(&self) -> bool {
+        self.running == 0 && self.waiting().next().is_none()
+    }
+
     /// Keys with parked messages.
     pub fn parked_keys(&self) -> usize {
         self.lanes.values().filter(|l| l.parked.is_some()).count()
@@ -421,6 +427,9 @@ mod tests {
         assert_eq!(s.finish("a", Finished::Done, 0), vec![deliver("a", 2)]);
         assert_eq!(s.finish("a", Finished::Done, 0), vec![]);
         assert_eq!(s.running(), 1);
+        assert!(!s.holds_no_delivery());
+        assert_eq!(s.finish("b", Finished::Done, 0), vec![]);
+        assert!(s.holds_no_delivery());
     }
 
     #[test]
