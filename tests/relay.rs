@@ -202,11 +202,14 @@ async fn large_transaction_streams_with_bounded_memory() {
     assert!(relay.term(Duration::from_secs(30)).success());
 }
 
-/// What the relay may use for any transaction size: 4,096 events in flight
-/// at about 300 bytes, 512 buffered WAL messages, the runtime and TLS (about
-/// 25 MiB measured). Holding the 200k-row transaction (60 MB of payload)
-/// would cross it.
-const PEAK_RSS_BOUND_KIB: u64 = 48 * 1024;
+/// What the relay may use for any transaction size (the 64 MB target of
+/// issue 14). Measured in a debug build (2026-11-24), the peak levels off
+/// and does not follow the transaction: 44.5 MiB for 2,000 rows, 44.1 for
+/// 20,000, 48.3 to 49.3 for 200,000, 48.3 for 400,000 (two batches queued,
+/// the replication buffer, the runtime and TLS). Holding the 200k-row
+/// transaction (60 MB of payload) would cross it by far. The bound was
+/// 48 MiB, under what a debug build uses with any transaction.
+const PEAK_RSS_BOUND_KIB: u64 = 64 * 1024;
 
 /// A random schedule, seeded, and the seed printed, so a failing one can be
 /// replayed with TEST_SEED.
