@@ -427,7 +427,7 @@ impl<H: Handler> Active<'_, H> {
                     let quiet = messages.is_some()
                         && scheduler.can_pull()
                         && last_arrival.elapsed() > QUIET_PULL;
-                    let lost = durable.and_then(|d: DurableState| {
+                    let lost = durable.and_then(|d| {
                         if d.num_pending > 0 && !d.ack_pending_full {
                             Some("nothing delivered while messages are pending")
                         } else if d.num_ack_pending > 0
@@ -587,8 +587,6 @@ async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> bool {
     }
 }
 
-/// The pending gauge, kept off the dispatcher: during an election the info
-/// request waits out its timeout.
 /// What the server last said of the durable, and when it was asked.
 #[derive(Debug, Clone, Copy)]
 struct DurableState {
@@ -604,6 +602,8 @@ struct DurableState {
 /// count asked later no longer includes it.
 const ACK_LANDS: Duration = Duration::from_secs(1);
 
+/// The pending gauge and [`DurableState`], kept off the dispatcher: during
+/// an election the info request waits out its timeout.
 async fn watch_pending(
     mut consumer: Consumer,
     now: Arc<std::sync::Mutex<Option<DurableState>>>,
