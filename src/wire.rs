@@ -298,8 +298,17 @@ pub fn consumer_dlq_subject(prefix: &str, original: &str) -> String {
 /// `Nats-Msg-Id` of a consumer's dead letter: `{consumer}:{original id}`.
 /// Unique per consumer, so each consumer dead-letters a message once and
 /// never swallows another consumer's copy.
-pub fn consumer_dlq_msg_id(consumer: &str, original: &str) -> String {
-    format!("{consumer}:{original}")
+///
+/// `generation` counts how often the message was opened again (a reset or a
+/// replay) before this dead-lettering: the first dead letter keeps the plain
+/// `{consumer}:{original}`, a later one `{consumer}:{original}:{generation}`,
+/// so the DLQ's duplicate window never swallows it.
+pub fn consumer_dlq_msg_id(consumer: &str, original: &str, generation: i32) -> String {
+    if generation == 0 {
+        format!("{consumer}:{original}")
+    } else {
+        format!("{consumer}:{original}:{generation}")
+    }
 }
 
 /// The stream a consumer creates for its dead letters: `dlq.orders` →

@@ -368,7 +368,7 @@ async fn each_answer_of_the_spec_table() {
         );
         assert_eq!(
             g.h(wire::MSG_ID),
-            Some(wire::consumer_dlq_msg_id("table", &ids[i].to_string()).as_str())
+            Some(wire::consumer_dlq_msg_id("table", &ids[i].to_string(), 0).as_str())
         );
         assert_eq!(g.h(wire::DLQ_ATTEMPTS), Some(attempts));
         assert_eq!(
@@ -2570,4 +2570,99 @@ async fn a_lost_last_delivery_comes_back_without_waiting_out_ack_wait() {
     )
     .await;
     assert_all_acked(&f.js, &f.stream, "clost").await;
+}
+
+/// Issue 30, defect 3: a message dead-lettered again after a `dlq replay`
+/// (or a `consumer reset`) within the DLQ's 2-minute duplicate window had
+/// its new dead letter dropped as a duplicate of the first
+/// (`Nats-Msg-Id` = `{durable}:{id}` both times): the inbox said
+/// dead-lettered, the DLQ held one letter, and replaying the message again
+/// answered `already_replayed`. Each dead-lettering now has a letter of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_dead_lettered_again_after_a_replay_or_reset_gets_a_new_dead_letter() {
+    let stack = stack();
+    let mut f = fixture("c_dlq_again", "cdlqa", "cdlqa", DUP, &[]).await;
+    let url = db_url(&stack.admin_url, "c_dlq_again");
+    let nats = stack.nats_url.as_str();
+    let dlq = wire::dlq_stream_name(&wire::consumer_dlq_prefix("cdlqa"));
+    let (replayed, reset) = (Uuid::new_v4(), Uuid::new_v4());
+    publish(
+        &f.js,
+        "cdlqa.e",
+        Some(replayed),
+        "a",
+        br#"{"answers": [422, 422, 200]}"#,
+    )
+    .await;
+    publish(&f.js, "cdlqa.e", Some(reset), "b", br#"{"answers": [422]}"#).await;
+    wait_processed(&f.pool, "cdlqa", 2).await;
+    let letters = |n: usize| {
+        let dlq = dlq.clone();
+        async move {
+            let (ok, out) = run_cli(&["dlq", "list", "--nats-url", nats, "--stream", &dlq]);
+            ok && out.contains(&format!("{n} dead letters"))
+        }
+    };
+    eventually(T, "two dead letters", || letters(2)).await;
+
+    let replay = |id: Uuid| {
+        run_cli(&[
+            "dlq",
+            "replay",
+            "--database-url",
+            &url,
+            "--nats-url",
+            nats,
+            "--stream",
+            &dlq,
+            "--id",
+            &id.to_string(),
+        ])
+    };
+    let (ok, out) = replay(replayed);
+    assert!(ok && out.contains("replayed"), "{out}");
+    eventually(T, "the replayed message's second call", || async {
+        f.handler.calls_for(replayed).len() == 2
+    })
+    .await;
+    eventually(T, "its second dead letter is stored", || letters(3)).await;
+    // Replaying it again sends the new dead letter (the first is reported).
+    let (ok, out) = replay(replayed);
+    assert!(ok && out.contains("  replayed"), "the new letter: {out}");
+    eventually(T, "the third call, which succeeds", || async {
+        f.handler.calls_for(replayed).len() == 3
+    })
+    .await;
+    eventually(T, "processed without an error", || async {
+        inbox(&f.pool, "cdlqa")
+            .await
+            .get(&replayed)
+            .is_some_and(|r| r.processed && r.last_error.is_none())
+    })
+    .await;
+
+    // The same after a reset: the handler is called once more, fails, and
+    // that failure is a dead letter of its own.
+    f.consumer.term(Duration::from_secs(30));
+    let (ok, out) = run_cli(&[
+        "consumer",
+        "reset",
+        "--database-url",
+        &url,
+        "--nats-url",
+        nats,
+        "--stream",
+        &f.stream,
+        "--durable",
+        "cdlqa",
+        "--seq",
+        "2",
+    ]);
+    assert!(ok, "{out}");
+    f.consumer.restart();
+    eventually(T, "the reset message's second call", || async {
+        f.handler.calls_for(reset).len() == 2
+    })
+    .await;
+    eventually(T, "its second dead letter is stored", || letters(4)).await;
 }

@@ -1,7 +1,8 @@
 //! Consumer dead letters: `{prefix}.{original subject}`, original body and
 //! headers plus the `Outbox-Dlq-*` headers. `Nats-Msg-Id` is
-//! `{consumer}:{original id}` ([`wire::consumer_dlq_msg_id`]): a consumer
-//! dead-letters a message once, and two consumers' copies, which share the
+//! `{consumer}:{original id}` ([`wire::consumer_dlq_msg_id`]; a message
+//! dead-lettered again after a reset or replay gets `:{n}` more, so the DLQ
+//! keeps that dead letter too), and two consumers' copies, which share the
 //! DLQ stream, never deduplicate each other (SPEC §6 said the original id;
 //! that dropped the second consumer's dead letter). The original id is in
 //! `Outbox-Dlq-Original-Id`.
@@ -73,6 +74,7 @@ impl DeadLetters {
         original_id: &str,
         reason: &str,
         attempts: i64,
+        generation: i32,
     ) -> Result<()> {
         let mut headers = HeaderMap::new();
         if let Some(h) = msg.headers {
@@ -91,7 +93,7 @@ impl DeadLetters {
                 }
             }
         }
-        let msg_id = wire::consumer_dlq_msg_id(&self.consumer, original_id);
+        let msg_id = wire::consumer_dlq_msg_id(&self.consumer, original_id, generation);
         headers.insert(wire::MSG_ID, msg_id.as_str());
         headers.insert(wire::DLQ_ORIGINAL_ID, original_id);
         headers.insert(wire::DLQ_REASON, one_line(reason).as_str());

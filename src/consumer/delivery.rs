@@ -590,16 +590,32 @@ async fn dead_letter<H>(
     let mut backoff = Duration::from_millis(200);
     let mut failing = false;
     let stored = loop {
-        match shared
-            .dlq
-            .publish(
-                &parts.dead_letter(),
-                original_id,
-                reason,
-                i64::from(attempts),
-            )
-            .await
-        {
+        // Which dead-lettering of the message this is: a retried publish of
+        // it must dedupe, a later one (after a reset or replay) must not.
+        let generation = match Uuid::parse_str(original_id) {
+            Ok(id) => inbox::reopened(&shared.pool, &shared.cfg.durable, id)
+                .await
+                .map_err(crate::error::Error::pg(
+                    "reading the inbox row to dead-letter it",
+                )),
+            Err(_) => Ok(0),
+        };
+        let published = match generation {
+            Ok(generation) => {
+                shared
+                    .dlq
+                    .publish(
+                        &parts.dead_letter(),
+                        original_id,
+                        reason,
+                        i64::from(attempts),
+                        generation,
+                    )
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        match published {
             Ok(()) => break true,
             Err(e) => {
                 if !failing {

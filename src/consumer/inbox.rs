@@ -39,7 +39,7 @@ pub enum Claim {
 pub async fn check_schema(pool: &PgPool) -> Result<(), sqlx::Error> {
     sqlx::query(
         "SELECT consumer, message_id, subject, attempts, last_error, processed_at, \
-                aggregate_key, stream_seq, parked_until FROM inbox_messages LIMIT 0",
+                aggregate_key, stream_seq, parked_until, reopened FROM inbox_messages LIMIT 0",
     )
     .execute(pool)
     .await?;
@@ -84,12 +84,13 @@ fn claim_sql(values: &str, ids: &str, stream: &str, returning: &str) -> String {
     format!(
         "{with} INSERT INTO inbox_messages (consumer, message_id, subject, attempts, stream_seq) {values} \
          ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET (attempts, processed_at, last_error) = ( \
+           SET (attempts, processed_at, last_error, reopened) = ( \
              SELECT CASE WHEN r.again THEN 1 \
                          WHEN inbox_messages.processed_at IS NULL AND inbox_messages.parked_until IS NULL \
                          THEN inbox_messages.attempts + 1 ELSE inbox_messages.attempts END, \
                     CASE WHEN r.again THEN NULL ELSE inbox_messages.processed_at END, \
-                    CASE WHEN r.again THEN NULL ELSE inbox_messages.last_error END \
+                    CASE WHEN r.again THEN NULL ELSE inbox_messages.last_error END, \
+                    inbox_messages.reopened + CASE WHEN r.again THEN 1 ELSE 0 END \
              FROM (SELECT {again} AS again) r) \
          RETURNING {returning}"
     )
@@ -220,6 +221,8 @@ pub async fn park(
                                ELSE inbox_messages.attempts + CASE WHEN $8 THEN 1 ELSE 0 END END, \
                last_error = excluded.last_error, aggregate_key = excluded.aggregate_key, \
                stream_seq = excluded.stream_seq, parked_until = excluded.parked_until, \
+               reopened = inbox_messages.reopened \
+                 + CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 1 ELSE 0 END, \
                processed_at = NULL \
          WHERE inbox_messages.processed_at IS NULL OR {again}"
     );
@@ -254,6 +257,8 @@ pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<bool, sqlx::E
                                ELSE inbox_messages.attempts END, \
                last_error = CASE WHEN inbox_messages.processed_at IS NOT NULL THEN NULL \
                                  ELSE inbox_messages.last_error END, \
+               reopened = inbox_messages.reopened \
+                 + CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 1 ELSE 0 END, \
                processed_at = NULL \
          WHERE inbox_messages.processed_at IS NULL OR {again}"
     );
@@ -267,6 +272,19 @@ pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<bool, sqlx::E
         .execute(pool)
         .await?;
     Ok(done.rows_affected() > 0)
+}
+
+/// How many times the message was opened again after it was processed (a
+/// reset or a replay): one dead-lettering of it from the next.
+pub async fn reopened(pool: &PgPool, consumer: &str, id: Uuid) -> Result<i32, sqlx::Error> {
+    let n: Option<i32> = sqlx::query_scalar(
+        "SELECT reopened FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+    )
+    .bind(consumer)
+    .bind(id)
+    .fetch_optional(pool)
+    .await?;
+    Ok(n.unwrap_or(0))
 }
 
 /// Done with, without success: dead-lettered (the DLQ stored it) or gone

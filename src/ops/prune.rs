@@ -159,7 +159,7 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
                 report.outbox_kept.push(format!(
                     "{old} old rows kept: the relay is down or behind (slot {} confirmed {}, and every row of the snapshot needs {w}); nothing unpublished is ever deleted, so run prune again once the relay has caught up",
                     cfg.slot,
-                    lsn.map_or_else(|| "nothing: it does not exist".into(), |l| l.to_string())
+                    lsn.map_or_else(|| "nothing: it does not exist in this database (a slot of another database proves nothing here; give this database's --context or --slot)".into(), |l| l.to_string())
                 ));
             }
             return Ok(());
@@ -218,9 +218,13 @@ enum Confirmed {
     Behind(Option<Lsn>),
 }
 
+/// The slot's confirmed position, if the slot decodes *this* database. LSNs
+/// are cluster-wide, so a slot of another database (the same name reached
+/// with another database's `--context`) confirms nothing about our rows.
 async fn slot_confirmed(pool: &PgPool, slot: &str) -> Result<Option<Lsn>> {
     let text: Option<Option<String>> = sqlx::query_scalar(
-        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots \
+         WHERE slot_name = $1 AND database = current_database()",
     )
     .bind(slot)
     .fetch_optional(pool)
