@@ -2666,3 +2666,73 @@ async fn a_message_dead_lettered_again_after_a_replay_or_reset_gets_a_new_dead_l
     .await;
     eventually(T, "its second dead letter is stored", || letters(4)).await;
 }
+
+/// Issue 30, defect 2: parked messages were found by durable name alone,
+/// while one process runs per stream and durable. `--durable billing` on
+/// two streams: the ORDERS consumer took over PAYMENTS' parked row, looked
+/// for its sequence in ORDERS, found nothing and recorded it as "left the
+/// stream": the PAYMENTS message was never handled. Parked rows now belong
+/// to their stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_durable_name_on_two_streams_keeps_each_streams_parked_messages() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_two_streams").await;
+    let js = js(&stack.nats_url).await;
+    let orders = fresh_stream(&js, "ctwoa", DUP).await;
+    let payments = fresh_stream(&js, "ctwob", DUP).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let consume = |stream: &str, ctx: &str| {
+        Service::consumer(
+            &url,
+            &stack.nats_url,
+            stream,
+            "billing",
+            &handler_url,
+            &["--context", ctx, "--backoff", "3s"],
+        )
+    };
+    let mut pay = consume(&payments, "ctwob");
+    let p = Uuid::new_v4();
+    publish(&js, "ctwob.e", Some(p), "x", br#"{"answers": [500, 200]}"#).await;
+    eventually(
+        T,
+        "the payment's first call fails and is parked",
+        || async {
+            handler.calls_for(p).len() == 1
+                && inbox(&pool, "billing")
+                    .await
+                    .get(&p)
+                    .is_some_and(|r| r.last_error.is_some())
+        },
+    )
+    .await;
+    pay.term(Duration::from_secs(30));
+    // ORDERS' consumer of the same name runs while PAYMENTS' is down, past
+    // the parked message's backoff.
+    let mut ord = consume(&orders, "ctwoa");
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let row = inbox(&pool, "billing").await.remove(&p).unwrap();
+    assert!(
+        !row.processed,
+        "ORDERS' consumer must leave PAYMENTS' parked message alone: {:?}\n{}",
+        row.last_error,
+        ord.log_text()
+    );
+    ord.term(Duration::from_secs(30));
+    pay.restart();
+    eventually(T, "the payment handled on its own stream", || async {
+        handler.calls_for(p).iter().any(|c| c.status == 200)
+    })
+    .await;
+    eventually(T, "and processed, not recorded as gone", || async {
+        inbox(&pool, "billing").await.get(&p).is_some_and(|r| {
+            r.processed
+                && !r
+                    .last_error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("left the stream"))
+        })
+    })
+    .await;
+}

@@ -3,7 +3,6 @@
 //! each says what it did before the fix.
 
 use std::process::Command;
-use std::time::Duration;
 
 use crate::common::*;
 

@@ -680,7 +680,7 @@ async fn park_behind<H>(
 async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Finished<Instant>> {
     let consumer = shared.cfg.durable.as_str();
     let Some((row_id, row_subject)) = persist(shared, "reading a parked row", || {
-        inbox::parked_id(&shared.pool, consumer, key, seq)
+        inbox::parked_id(&shared.pool, consumer, &shared.cfg.stream, key, seq)
     })
     .await?
     else {
@@ -758,7 +758,7 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
 
 async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
     persist(shared, "reading the next parked message", || {
-        inbox::next_parked(&shared.pool, &shared.cfg.durable, key)
+        inbox::next_parked(&shared.pool, &shared.cfg.durable, &shared.cfg.stream, key)
     })
     .await
 }

@@ -39,7 +39,7 @@ pub enum Claim {
 pub async fn check_schema(pool: &PgPool) -> Result<(), sqlx::Error> {
     sqlx::query(
         "SELECT consumer, message_id, subject, attempts, last_error, processed_at, \
-                aggregate_key, stream_seq, parked_until, reopened FROM inbox_messages LIMIT 0",
+                aggregate_key, stream_seq, parked_until, reopened, stream FROM inbox_messages LIMIT 0",
     )
     .execute(pool)
     .await?;
@@ -214,13 +214,14 @@ pub async fn park(
     let (with, again) = reopen("ARRAY[$2::uuid]", "$9");
     let sql = format!(
         "{with} INSERT INTO inbox_messages \
-           (consumer, message_id, subject, attempts, last_error, aggregate_key, stream_seq, parked_until) \
-         VALUES ($1, $2, $3, 1, $4, $5, $6, now() + make_interval(secs => $7)) \
+           (consumer, message_id, subject, attempts, last_error, aggregate_key, stream_seq, parked_until, stream) \
+         VALUES ($1, $2, $3, 1, $4, $5, $6, now() + make_interval(secs => $7), $9) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
            SET attempts = CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 1 \
                                ELSE inbox_messages.attempts + CASE WHEN $8 THEN 1 ELSE 0 END END, \
                last_error = excluded.last_error, aggregate_key = excluded.aggregate_key, \
                stream_seq = excluded.stream_seq, parked_until = excluded.parked_until, \
+               stream = excluded.stream, \
                reopened = inbox_messages.reopened \
                  + CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 1 ELSE 0 END, \
                processed_at = NULL \
@@ -248,10 +249,11 @@ pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<bool, sqlx::E
     let (with, again) = reopen("ARRAY[$2::uuid]", "$6");
     let sql = format!(
         "{with} INSERT INTO inbox_messages \
-           (consumer, message_id, subject, aggregate_key, stream_seq, parked_until) \
-         VALUES ($1, $2, $3, $4, $5, now()) \
+           (consumer, message_id, subject, aggregate_key, stream_seq, parked_until, stream) \
+         VALUES ($1, $2, $3, $4, $5, now(), $6) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
            SET aggregate_key = excluded.aggregate_key, stream_seq = excluded.stream_seq, \
+               stream = excluded.stream, \
                parked_until = coalesce(inbox_messages.parked_until, excluded.parked_until), \
                attempts = CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 0 \
                                ELSE inbox_messages.attempts END, \
@@ -320,6 +322,7 @@ pub async fn finish_failed(
 pub async fn parked_heads(
     pool: &PgPool,
     consumer: &str,
+    stream: &str,
 ) -> Result<Vec<(String, u64, Duration)>, sqlx::Error> {
     let rows: Vec<(String, i64, f64)> = sqlx::query_as(
         "SELECT DISTINCT ON (aggregate_key) aggregate_key, stream_seq, \
@@ -327,9 +330,11 @@ pub async fn parked_heads(
          FROM inbox_messages \
          WHERE consumer = $1 AND parked_until IS NOT NULL AND processed_at IS NULL \
            AND aggregate_key IS NOT NULL AND stream_seq IS NOT NULL \
+           AND (stream = $2 OR stream IS NULL) \
          ORDER BY aggregate_key, stream_seq",
     )
     .bind(consumer)
+    .bind(stream)
     .fetch_all(pool)
     .await?;
     Ok(rows
@@ -348,16 +353,19 @@ pub async fn parked_heads(
 pub async fn next_parked(
     pool: &PgPool,
     consumer: &str,
+    stream: &str,
     key: &str,
 ) -> Result<Option<u64>, sqlx::Error> {
     let seq: Option<i64> = sqlx::query_scalar(
         "SELECT stream_seq FROM inbox_messages \
          WHERE consumer = $1 AND aggregate_key = $2 AND parked_until IS NOT NULL \
            AND processed_at IS NULL AND stream_seq IS NOT NULL \
+           AND (stream = $3 OR stream IS NULL) \
          ORDER BY stream_seq LIMIT 1",
     )
     .bind(consumer)
     .bind(key)
+    .bind(stream)
     .fetch_optional(pool)
     .await?;
     Ok(seq.and_then(|s| u64::try_from(s).ok()))
@@ -368,17 +376,20 @@ pub async fn next_parked(
 pub async fn parked_id(
     pool: &PgPool,
     consumer: &str,
+    stream: &str,
     key: &str,
     seq: u64,
 ) -> Result<Option<(Uuid, String)>, sqlx::Error> {
     sqlx::query_as(
         "SELECT message_id, subject FROM inbox_messages \
          WHERE consumer = $1 AND aggregate_key = $2 AND stream_seq = $3 \
-           AND parked_until IS NOT NULL AND processed_at IS NULL",
+           AND parked_until IS NOT NULL AND processed_at IS NULL \
+           AND (stream = $4 OR stream IS NULL)",
     )
     .bind(consumer)
     .bind(key)
     .bind(seq_param(seq))
+    .bind(stream)
     .fetch_optional(pool)
     .await
 }

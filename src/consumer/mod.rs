@@ -248,7 +248,7 @@ impl<H: Handler> Active<'_, H> {
             .map_or(10_000, |m| (m / 2).max(1));
         let mut scheduler: Scheduler<jetstream::Message, Instant> =
             Scheduler::new(cfg.concurrency, high_water);
-        let heads = inbox::parked_heads(self.pool, &cfg.durable)
+        let heads = inbox::parked_heads(self.pool, &cfg.durable, &cfg.stream)
             .await
             .map_err(Error::pg("reading parked messages"))?;
         let now = Instant::now();
