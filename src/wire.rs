@@ -159,7 +159,7 @@ impl DlqReason {
 /// transaction and its index inside it. Positions of one source are totally
 /// ordered, which lets a restarted relay find where the stream ends without
 /// relying on the duplicate window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Position {
     pub commit_lsn: Lsn,
     pub index: u32,

@@ -2,9 +2,14 @@
 //! real stack before it was fixed. One test per defect; the doc comment of
 //! each says what it did before the fix.
 
+use std::collections::HashSet;
 use std::process::Command;
+use std::time::Duration;
 
 use crate::common::*;
+use outbox_relay::wire;
+
+const T: Duration = Duration::from_secs(90);
 
 /// Defect 4: prune read `confirmed_flush_lsn` by slot name alone, and LSNs
 /// are cluster-wide. Pointed at database B with A's context, it took A's
@@ -43,4 +48,81 @@ async fn prune_never_trusts_a_slot_of_another_database() {
     assert_eq!(left, 20, "B's unpublished rows must stay: {text}");
     assert!(text.contains("outbox: deleted 0 rows"), "{text}");
     assert!(text.contains("another database"), "says why: {text}");
+}
+
+/// Defect 5: after a VM or storage snapshot restore (same system id, same
+/// timeline), new transactions get LSNs the stream's tail already passed,
+/// and the relay skipped them as already stored, by position alone. It now
+/// skips an event only when the stream holds that very row at that position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_disk_snapshot_does_not_make_the_relay_skip_new_events() {
+    let own = OwnStack::up("h-restore", false);
+    let (url, nats) = (
+        own.get("DATABASE_URL").to_owned(),
+        own.get("NATS_URL").to_owned(),
+    );
+    migrate(&url);
+    let connect = || async {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .unwrap()
+    };
+    let stream = wire::stream_name("hrestore");
+    let mut relay = Service::relay(&url, &nats, "hrestore", &[]);
+    let pool = connect().await;
+    let mut before = HashSet::new();
+    for i in 0..5 {
+        before.extend(insert_txn(&pool, 0, i * 10, 10, 0).await);
+    }
+    read_stream(&nats, &stream, 50, T).await;
+    // A graceful stop confirms everything: the snapshot's slot is caught up.
+    relay.term(Duration::from_secs(30));
+    pool.close().await;
+    own.pg_snapshot("save");
+
+    // History the restore will undo; it reaches the stream first.
+    relay.restart();
+    relay.wait_ready();
+    let pool = connect().await;
+    for i in 0..40 {
+        insert_txn(&pool, 1, i * 10, 10, 200).await;
+    }
+    let got = read_stream(&nats, &stream, 450, T).await;
+    let tail_lsn = lsn(got.last().unwrap().h(wire::COMMIT_LSN).unwrap());
+    relay.term(Duration::from_secs(30));
+    pool.close().await;
+    own.pg_snapshot("restore");
+
+    // After the restore: new rows at positions the stream's tail passed.
+    let pool = connect().await;
+    let mut after = HashSet::new();
+    for i in 0..5 {
+        after.extend(insert_txn(&pool, 2, i * 10, 10, 0).await);
+    }
+    let now: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        lsn(&now) < tail_lsn,
+        "the test needs new commits below the stream's tail ({now})"
+    );
+    relay.restart();
+    relay.wait_ready();
+    let got = read_stream(&nats, &stream, 500, T).await;
+    let ids: HashSet<uuid::Uuid> = got
+        .iter()
+        .filter_map(|g| g.h(wire::MSG_ID)?.parse().ok())
+        .collect();
+    let missing: Vec<_> = after.difference(&ids).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of the {} rows committed after the restore never reached the stream\n{}",
+        missing.len(),
+        after.len(),
+        relay.log_text()
+    );
+    assert!(before.is_subset(&ids));
 }

@@ -2,8 +2,8 @@
 //!
 //! Tracks the transaction being read (its commit LSN and the index of each
 //! outbox row in it), the outbox table's column layout from Relation
-//! messages, and the resume point: events at or before the last position the
-//! stream already holds are skipped, not republished. Everything that reaches
+//! messages, and the resume point: events the stream already holds at their
+//! position are skipped, not republished. Everything that reaches
 //! the stream goes through [`Router`], so a bad row becomes a dead letter here.
 
 use std::collections::HashMap;
@@ -60,18 +60,30 @@ pub struct Stage {
     max_payload: usize,
     layouts: Layouts,
     txn: Option<Txn>,
-    resume: Option<Position>,
+    resume: Option<Resume>,
+}
+
+/// Where a restarted relay stands against the stream: its last event of
+/// this source (`tail`) and the events it holds since the slot's confirmed
+/// position, by WAL position. A replayed event at or before the tail is
+/// skipped only when `stored` has that very event at its position: after a
+/// disk snapshot restore (same system id, same timeline) new transactions
+/// reuse LSNs the tail passed, and skipping by position alone lost them.
+#[derive(Debug, Clone)]
+pub struct Resume {
+    pub tail: Position,
+    pub stored: HashMap<Position, String>,
 }
 
 impl Stage {
-    /// `resume`: the last position of this source already in the stream.
+    /// `resume`: what of this source the stream already holds.
     pub fn new(
         schema: &str,
         table: &str,
         partitions: Vec<(String, String)>,
         router: Router,
         max_payload: usize,
-        resume: Option<Position>,
+        resume: Option<Resume>,
     ) -> Self {
         Self {
             schema: schema.to_owned(),
@@ -166,12 +178,6 @@ impl Stage {
         };
         txn.next_index += 1;
         let ticket = wm.register();
-        if self.resume.is_some_and(|r| pos <= r) {
-            metrics::counter!(m::EVENTS_SKIPPED).increment(1);
-            return Ok(wm.ack(ticket).map_or(Step::Nothing, Step::Confirm));
-        }
-        // Positions only grow: once past the resume point, stop comparing.
-        self.resume = None;
         let msg = match layout {
             Ok(l) => match l.row(&ins.values) {
                 Ok(row) => self.router.route_committed(
@@ -187,6 +193,10 @@ impl Stage {
             },
             Err(e) => self.router.bad_row(None, pos, &e.to_string()),
         };
+        if already_stored(&mut self.resume, pos, &msg.msg_id) {
+            metrics::counter!(m::EVENTS_SKIPPED).increment(1);
+            return Ok(wm.ack(ticket).map_or(Step::Nothing, Step::Confirm));
+        }
         if let Some(reason) = msg.dlq_reason {
             log_dead_letter(&msg, reason);
         }
@@ -207,6 +217,34 @@ impl Stage {
             tracing::error!(error = %e, "outbox table cannot be read; its rows will be dead-lettered");
         }
         Some(layout)
+    }
+}
+
+/// Whether the stream holds this very event, so the replay skips it.
+fn already_stored(resume: &mut Option<Resume>, pos: Position, msg_id: &str) -> bool {
+    let Some(r) = resume else {
+        return false;
+    };
+    if pos > r.tail {
+        // Positions only grow: once past the tail, stop comparing.
+        *resume = None;
+        return false;
+    }
+    match r.stored.get(&pos) {
+        Some(id) if id == msg_id => true,
+        Some(id) => {
+            tracing::warn!(
+                position = %format!("{}#{}", pos.commit_lsn, pos.index),
+                stored = %id,
+                replayed = %msg_id,
+                "the stream holds another event at this WAL position: this database's WAL is not the one the stream was written from (was it restored from a disk snapshot?); publishing every event from here on"
+            );
+            *resume = None;
+            false
+        }
+        // Not read back (or dead-lettered elsewhere, or dropped as a
+        // duplicate): publishing again costs at most a repeat.
+        None => false,
     }
 }
 
@@ -279,7 +317,7 @@ mod tests {
         }
     }
 
-    fn stage(resume: Option<Position>) -> Stage {
+    fn stage(resume: Option<Resume>) -> Stage {
         let router = Router::new(
             "ctx",
             Template::parse("{context}.e", "ctx").unwrap(),
@@ -329,10 +367,7 @@ mod tests {
 
     #[test]
     fn events_up_to_the_resume_point_are_skipped_and_confirmed() {
-        let resume = Position {
-            commit_lsn: Lsn(100),
-            index: 0,
-        };
+        let resume = resume_at(100, 0, &[(100, 0, ID1)]);
         let mut s = stage(Some(resume));
         let mut wm = Watermark::new(Lsn(0));
         s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
@@ -348,10 +383,7 @@ mod tests {
 
     #[test]
     fn whole_skipped_transaction_confirms_at_commit() {
-        let mut s = stage(Some(Position {
-            commit_lsn: Lsn(200),
-            index: 5,
-        }));
+        let mut s = stage(Some(resume_at(200, 5, &[(100, 0, ID1)])));
         let mut wm = Watermark::new(Lsn(0));
         s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
         s.on_event(begin(100), &mut wm).unwrap();
@@ -360,6 +392,58 @@ mod tests {
             s.on_event(commit(100), &mut wm).unwrap(),
             Step::Commit(Some(Lsn(108)))
         ));
+    }
+
+    fn resume_at(lsn: u64, index: u32, stored: &[(u64, u32, &str)]) -> Resume {
+        let pos = |lsn, index| Position {
+            commit_lsn: Lsn(lsn),
+            index,
+        };
+        Resume {
+            tail: pos(lsn, index),
+            stored: stored
+                .iter()
+                .map(|&(l, i, id)| (pos(l, i), id.to_owned()))
+                .collect(),
+        }
+    }
+
+    const ID3: &str = "00000000-0000-4000-8000-000000000003";
+
+    /// A disk snapshot restore: the WAL replayed below the tail is not the
+    /// one the stream was written from.
+    #[test]
+    fn an_event_the_stream_does_not_hold_at_its_position_is_published() {
+        let mut s = stage(Some(resume_at(300, 0, &[(300, 0, ID1)])));
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        let unknown = published(s.on_event(insert(7, ID2), &mut wm).unwrap());
+        assert_eq!(unknown.unwrap().msg_id, ID2, "a position the stream lacks");
+        s.on_event(commit(100), &mut wm).unwrap();
+        s.on_event(begin(300), &mut wm).unwrap();
+        let other = published(s.on_event(insert(7, ID3), &mut wm).unwrap());
+        assert_eq!(
+            other.unwrap().msg_id,
+            ID3,
+            "another event at a held position"
+        );
+    }
+
+    #[test]
+    fn after_one_mismatch_nothing_more_is_skipped() {
+        let stored = [(100, 0, ID1), (200, 0, ID2)];
+        let mut s = stage(Some(resume_at(200, 0, &stored)));
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        assert!(published(s.on_event(insert(7, ID3), &mut wm).unwrap()).is_some());
+        s.on_event(commit(100), &mut wm).unwrap();
+        s.on_event(begin(200), &mut wm).unwrap();
+        assert!(
+            published(s.on_event(insert(7, ID2), &mut wm).unwrap()).is_some(),
+            "a history that diverged once is not trusted again"
+        );
     }
 
     #[test]

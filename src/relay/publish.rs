@@ -22,7 +22,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use async_nats::header::{HeaderName, HeaderValue, IntoHeaderName};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, stream, Context};
@@ -39,6 +39,7 @@ use crate::config::PublishMode;
 use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
 use crate::wire::{self, DlqReason, Position};
+use pgwire_replication::Lsn;
 
 /// How long a scan of the stream's tail may take. Other writers (consumer
 /// dead letters, foreign publishers) may sit after the relay's last message;
@@ -209,6 +210,8 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tail {
     pub at: Position,
+    /// Its stream sequence.
+    pub seq: u64,
     /// Its `Outbox-Txn-Batch`: it belongs to a transaction split into
     /// batches, this one of them.
     pub txn_batch: Option<u32>,
@@ -226,12 +229,12 @@ pub async fn stored_tail(
             return None;
         }
         let at = Position::from_headers(get)?;
-        lineage.holds(get(wire::SOURCE)?, at).then(|| Tail {
-            at,
-            txn_batch: get(wire::TXN_BATCH).and_then(|k| k.parse().ok()),
-        })
+        lineage
+            .holds(get(wire::SOURCE)?, at)
+            .then_some((at, get(wire::TXN_BATCH).and_then(|k| k.parse().ok())))
     })
-    .await?;
+    .await?
+    .map(|(seq, (at, txn_batch))| Tail { at, seq, txn_batch });
     if found.is_none() {
         tracing::info!(
             stream = stream_name,
@@ -272,16 +275,17 @@ pub async fn last_event_of_database(
         })
     })
     .await
+    .map(|found| found.map(|(_, event)| event))
 }
 
 /// Walk the stream back from its last message until `found` says yes, the
-/// first message is passed, or [`TAIL_SCAN_BUDGET`] is spent. A missing
-/// stream is an empty one.
+/// first message is passed, or [`TAIL_SCAN_BUDGET`] is spent; the sequence
+/// of the message found comes with it. A missing stream is an empty one.
 async fn scan_tail<T>(
     js: &Context,
     stream_name: &str,
     found: impl Fn(&HeaderMap) -> Option<T>,
-) -> Result<Option<T>> {
+) -> Result<Option<(u64, T)>> {
     let mut stream = match js.get_stream(stream_name).await {
         Ok(s) => s,
         Err(e) if stream_not_found(&e) => return Ok(None),
@@ -311,7 +315,7 @@ async fn scan_tail<T>(
         match stream.get_raw_message(seq).await {
             Ok(m) => {
                 if let Some(t) = found(&m.headers) {
-                    return Ok(Some(t));
+                    return Ok(Some((seq, t)));
                 }
             }
             // Deleted or expired messages leave gaps.
@@ -321,6 +325,114 @@ async fn scan_tail<T>(
         seq -= 1;
     }
     Ok(None)
+}
+
+/// At most this many messages are read to verify a resume (see
+/// [`stored_since`]): what lies beyond is published again, a repeat the
+/// duplicate window and the inboxes absorb, never a loss.
+const RESUME_READ_MAX: u64 = 1_000_000;
+
+/// What this source stored from `from` (the slot's confirmed LSN, where the
+/// replay starts) up to `tail`: position → message id. A replayed event is
+/// skipped only when the stream holds that very message at its position:
+/// after a disk snapshot restore (same system id, same timeline) the same
+/// LSNs carry other transactions. Headers only, read forward by an ordered
+/// consumer from a start found by probing back from the tail in doubling
+/// steps. What is not read within [`TAIL_SCAN_BUDGET`] stays unverified, so
+/// is published again.
+pub async fn stored_since(
+    js: &Context,
+    stream_name: &str,
+    lineage: &wire::Lineage,
+    tail: &Tail,
+    from: Lsn,
+) -> Result<HashMap<Position, String>> {
+    let mut stored = HashMap::new();
+    if tail.at.commit_lsn < from {
+        return Ok(stored);
+    }
+    let context = "reading what the stream holds since the slot's position";
+    let stream = js
+        .get_stream(stream_name)
+        .await
+        .map_err(Error::nats(context))?;
+    let first = stream.cached_info().state.first_sequence;
+    let deadline = Instant::now() + TAIL_SCAN_BUDGET;
+    let ours = |h: &HeaderMap| -> Option<(Position, String)> {
+        let get = |name: &str| h.get(name).map(|v| v.as_str());
+        if get(wire::DLQ_CONSUMER).is_some() {
+            return None;
+        }
+        let at = Position::from_headers(get)?;
+        if !lineage.holds(get(wire::SOURCE)?, at) {
+            return None;
+        }
+        Some((at, get(wire::MSG_ID)?.to_owned()))
+    };
+
+    let mut start = first;
+    let mut step = 1u64;
+    while step <= tail.seq.saturating_sub(first) {
+        if Instant::now() > deadline {
+            return Ok(stored);
+        }
+        let probe = tail.seq - step;
+        match stream.get_raw_message(probe).await {
+            Ok(m) => {
+                if ours(&m.headers).is_some_and(|(at, _)| at.commit_lsn < from) {
+                    start = probe;
+                    break;
+                }
+            }
+            Err(e) if matches!(e.kind(), stream::RawMessageErrorKind::NoMessageFound) => {}
+            Err(e) => return Err(Error::nats(context)(e)),
+        }
+        step = step.saturating_mul(2);
+    }
+    let start = start.max(tail.seq.saturating_sub(RESUME_READ_MAX));
+
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            headers_only: true,
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(Error::nats(context))?;
+    let mut messages = consumer.messages().await.map_err(Error::nats(context))?;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = match tokio::time::timeout(left, messages.next()).await {
+            Ok(Some(msg)) => msg.map_err(Error::nats(context))?,
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(
+                    stream = stream_name,
+                    verified = stored.len(),
+                    "stopped reading the stream after {TAIL_SCAN_BUDGET:?}: events replayed past what was read are published again (the duplicate window and the inboxes absorb repeats)"
+                );
+                break;
+            }
+        };
+        let seq = msg
+            .info()
+            .map_err(|source| Error::Nats {
+                context: context.into(),
+                source,
+            })?
+            .stream_sequence;
+        if let Some((at, id)) = msg.headers.as_ref().and_then(ours) {
+            if at.commit_lsn >= from {
+                stored.insert(at, id);
+            }
+        }
+        if seq >= tail.seq {
+            break;
+        }
+    }
+    Ok(stored)
 }
 
 /// The NATS header block of one event. Owned names and values move into

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::backfill;
 use super::batch::Batcher;
-use super::decode::{Stage, Step};
+use super::decode::{Resume, Stage, Step};
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
 use super::watermark::Watermark;
@@ -246,7 +246,13 @@ impl<'a> Session<'a> {
         );
         let source = lineage.source.clone();
         let tail = publish::stored_tail(js, &cfg.stream, &lineage).await?;
-        let resume = tail.map(|t| t.at);
+        let resume = match &tail {
+            Some(t) => Some(Resume {
+                tail: t.at,
+                stored: publish::stored_since(js, &cfg.stream, &lineage, t, confirmed).await?,
+            }),
+            None => None,
+        };
         publisher.streaming(lineage, tail);
         self.set_failover(&mut client).await?;
         client.start().await?;
@@ -258,7 +264,8 @@ impl<'a> Session<'a> {
         tracing::info!(
             slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
             batches = publisher.batches(),
-            resume_after = ?resume.map(|p| format!("{}#{}", p.commit_lsn, p.index)),
+            resume_after = ?tail.map(|t| format!("{}#{}", t.at.commit_lsn, t.at.index)),
+            verified = resume.as_ref().map_or(0, |r| r.stored.len()),
             "streaming"
         );
         self.metrics.confirmed.set(confirmed.as_u64() as f64);

@@ -929,6 +929,20 @@ impl OwnStack {
     }
 }
 
+impl OwnStack {
+    /// A cold copy of its Postgres data directory (`save`), or that copy put
+    /// back (`restore`): what a VM or storage snapshot restore does.
+    pub fn pg_snapshot(&self, action: &str) {
+        let st = Command::new(STACK_SH)
+            .arg("pg-snapshot")
+            .arg(&self.dir)
+            .arg(action)
+            .status()
+            .unwrap();
+        assert!(st.success(), "pg-snapshot {action} failed");
+    }
+}
+
 impl Drop for OwnStack {
     fn drop(&mut self) {
         let _ = Command::new(STACK_SH).arg("down").arg(&self.dir).status();
