@@ -27,12 +27,22 @@ pub const COMMIT_LSN: &str = "Outbox-Commit-Lsn";
 pub const TXN_INDEX: &str = "Outbox-Txn-Index";
 /// Which WAL history wrote the message ([`source_id`]).
 pub const SOURCE: &str = "Outbox-Source";
+/// A full transaction id (xid8) below which every transaction had ended
+/// before this message's transaction committed: a row of a transaction
+/// the stream cannot hold yet has an id at or past it. Streamed messages
+/// take it from the relay's periodic samples, backfilled ones from their
+/// snapshot. What a resync after a lost slot republishes besides
+/// `occurred_at >= T`.
+pub const XID_HORIZON: &str = "Outbox-Xid-Horizon";
 /// On rows read from a new slot's snapshot rather than streamed: which rows
-/// that backfill publishes ([`BACKFILL_UNPUBLISHED`] or `since {time}`).
+/// that backfill publishes ([`BACKFILL_UNPUBLISHED`] or `since {time}`,
+/// then `; xid {xid8}` when it also republishes rows of transactions from
+/// that id on).
 /// Their position is (0/0, row number): before anything the slot streams.
 pub const BACKFILL: &str = "Outbox-Backfill";
 pub const BACKFILL_UNPUBLISHED: &str = "unpublished";
 pub const BACKFILL_SINCE: &str = "since ";
+pub const BACKFILL_XID: &str = "; xid ";
 /// On every message of a transaction too large for one atomic batch: which
 /// of its batches (from 1) carried it. The messages of its last batch also
 /// carry [`TXN_BATCHES`], the count, so a consumer that reassembles knows the

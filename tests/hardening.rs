@@ -126,3 +126,73 @@ async fn a_restored_disk_snapshot_does_not_make_the_relay_skip_new_events() {
     );
     assert!(before.is_subset(&ids));
 }
+
+/// Defect 1: the lost-slot refusal suggested `--resync-since` the last
+/// stored event's `occurred_at`, and `occurred_at` is its transaction's
+/// start. A row of a transaction that was open when that event committed,
+/// and committed after it, has an earlier `occurred_at`: following the
+/// product's own advice lost it. The resync now also republishes every row
+/// of a transaction the stream cannot have seen committed (`Outbox-Xid-Horizon`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_suggested_resync_republishes_a_row_whose_transaction_was_open_at_the_last_event() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "h_resync").await;
+    let stream = wire::stream_name("hresync");
+    let mut relay = Service::relay(&url, &stack.nats_url, "hresync", &["--backfill", "none"]);
+    // A's transaction starts first and stays open.
+    let a = uuid::Uuid::new_v4();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'a', 'placed', '{}')",
+    )
+    .bind(a)
+    .execute(&mut *open)
+    .await
+    .unwrap();
+    // B starts later, commits, and is the last event the stream stores.
+    let b = insert_txn(&pool, 0, 0, 1, 0).await;
+    let got = read_stream(&stack.nats_url, &stream, 1, T).await;
+    assert_eq!(got.len(), 1);
+    assert!(relay.term(Duration::from_secs(30)).success());
+    // A commits while no relay reads, then the slot is lost.
+    open.commit().await.unwrap();
+    let (code, err) = run_bounded(
+        &[
+            "slot",
+            "drop",
+            "--yes",
+            "--database-url",
+            &url,
+            "--context",
+            "hresync",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+
+    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "hresync", &[]);
+    assert_eq!(code, Some(1), "{err}");
+    let since = err
+        .split("--resync-since ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the refusal suggests a resync: {err}"))
+        .to_owned();
+    let _relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "hresync",
+        &["--resync-since", &since],
+    );
+    let got = read_stream(&stack.nats_url, &stream, 2, Duration::from_secs(30)).await;
+    let ids: HashSet<uuid::Uuid> = got
+        .iter()
+        .filter_map(|g| g.h(wire::MSG_ID)?.parse().ok())
+        .collect();
+    assert!(ids.contains(&b[0]));
+    assert!(
+        ids.contains(&a),
+        "the row committed after the last stored event is back after the suggested --resync-since {since}: {err}"
+    );
+}

@@ -76,7 +76,7 @@ pub(super) async fn first_start(
         &cfg.slot,
         &cfg.stream,
     )?;
-    let export = filter != Backfill::None;
+    let export = filter.rows != Backfill::None || filter.xid_from.is_some();
     let created = session
         .simple_query(&format!(
             "CREATE_REPLICATION_SLOT {init} TEMPORARY LOGICAL pgoutput (SNAPSHOT '{}')",
@@ -137,6 +137,25 @@ pub(super) async fn first_start(
     Ok(lsn)
 }
 
+/// Which rows a new slot's snapshot publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Filter {
+    pub rows: Backfill,
+    /// Also every row of a transaction whose id (xid8) is at or past this:
+    /// after a lost slot, the transactions that may have committed after
+    /// the last event the stream holds, whatever their `occurred_at`.
+    pub xid_from: Option<u64>,
+}
+
+impl From<Backfill> for Filter {
+    fn from(rows: Backfill) -> Self {
+        Filter {
+            rows,
+            xid_from: None,
+        }
+    }
+}
+
 /// Which rows a new slot backfills, from the settings and the newest event
 /// of this database the stream holds. Pure.
 pub(super) fn plan(
@@ -145,23 +164,47 @@ pub(super) fn plan(
     tail: Option<&TailEvent>,
     slot: &str,
     stream: &str,
-) -> Result<Backfill> {
+) -> Result<Filter> {
     match tail {
-        None => Ok(resync.unwrap_or(configured).clone()),
-        // An interrupted backfill: finish it, with its own filter unless told.
+        None => Ok(resync.unwrap_or(configured).clone().into()),
+        // An interrupted backfill: finish it, with its own filter unless
+        // told; the transactions a resync covered stay covered.
         Some(TailEvent {
             backfill: Some(header),
             ..
-        }) => Ok(match resync {
-            Some(r) => r.clone(),
-            None => parse_header(header).unwrap_or(Backfill::Unpublished),
-        }),
+        }) => {
+            let interrupted = parse_header(header).unwrap_or(Backfill::Unpublished.into());
+            Ok(match resync {
+                Some(r) => Filter {
+                    rows: r.clone(),
+                    xid_from: interrupted.xid_from,
+                },
+                None => interrupted,
+            })
+        }
         Some(last) => match resync {
-            Some(r) => Ok(r.clone()),
+            Some(r) => {
+                if last.xid_horizon.is_none() {
+                    tracing::warn!(
+                        last = %last.id,
+                        "the stream's last event of this database carries no {} (an older relay wrote it): this resync republishes occurred_at >= the given time only, and misses a row of a transaction that began before that time and committed after that event",
+                        wire::XID_HORIZON
+                    );
+                }
+                Ok(Filter {
+                    rows: r.clone(),
+                    xid_from: last.xid_horizon,
+                })
+            }
             None => {
                 let at = last.occurred_at.as_deref().unwrap_or("unknown");
+                let covers = if last.xid_horizon.is_some() {
+                    "every row that occurred from then on, and every row of a transaction that was still open when that event committed"
+                } else {
+                    "every row that occurred from then on; that event carries no transaction horizon (an older relay wrote it), so a row of a transaction that began earlier and committed after it is not covered: give a time before the oldest transaction open then"
+                };
                 Err(Error::setup(format!(
-                    "slot {slot} does not exist, but stream {stream} already holds events of this database (the last: {}, occurred at {at}, commit LSN {}): the slot was dropped, invalidated or lost in a failover, and what was written since is not in the WAL any more. Restart with --resync-since {at} to republish every row from then on (consumers' inboxes drop the repeats)",
+                    "slot {slot} does not exist, but stream {stream} already holds events of this database (the last: {}, occurred at {at}, commit LSN {}): the slot was dropped, invalidated or lost in a failover, and what was written since is not in the WAL any more. Restart with --resync-since {at} to republish {covers} (consumers' inboxes drop the repeats)",
                     last.id,
                     last.commit_lsn.as_deref().unwrap_or("unknown"),
                 )))
@@ -170,26 +213,41 @@ pub(super) fn plan(
     }
 }
 
-fn header_value(filter: &Backfill) -> String {
-    match filter {
+fn header_value(filter: &Filter) -> String {
+    let rows = match &filter.rows {
         Backfill::Since(t) => format!("{}{t}", wire::BACKFILL_SINCE),
         _ => wire::BACKFILL_UNPUBLISHED.to_owned(),
+    };
+    match filter.xid_from {
+        Some(x) => format!("{rows}{}{x}", wire::BACKFILL_XID),
+        None => rows,
     }
 }
 
-fn parse_header(value: &str) -> Option<Backfill> {
-    if value == wire::BACKFILL_UNPUBLISHED {
-        return Some(Backfill::Unpublished);
-    }
-    let t = value.strip_prefix(wire::BACKFILL_SINCE)?;
-    rfc3339(t).ok().map(|_| Backfill::Since(t.to_owned()))
+fn parse_header(value: &str) -> Option<Filter> {
+    let (rows, xid_from) = match value.split_once(wire::BACKFILL_XID) {
+        Some((rows, x)) => (rows, Some(x.parse().ok()?)),
+        None => (value, None),
+    };
+    let rows = if rows == wire::BACKFILL_UNPUBLISHED {
+        Backfill::Unpublished
+    } else {
+        let t = rows.strip_prefix(wire::BACKFILL_SINCE)?;
+        rfc3339(t).ok()?;
+        Backfill::Since(t.to_owned())
+    };
+    Some(Filter { rows, xid_from })
 }
 
-fn describe(filter: &Backfill) -> String {
-    match filter {
+fn describe(filter: &Filter) -> String {
+    let rows = match &filter.rows {
         Backfill::None => "no".into(),
         Backfill::Unpublished => "unpublished (published_at IS NULL)".into(),
         Backfill::Since(t) => format!("occurred_at >= {t}"),
+    };
+    match filter.xid_from {
+        Some(x) => format!("{rows}, and of transactions from {x} on,"),
+        None => rows,
     }
 }
 
@@ -203,7 +261,7 @@ fn rfc3339(t: &str) -> Result<time::OffsetDateTime> {
 async fn publish_snapshot(
     env: &Env<'_>,
     snapshot: &str,
-    filter: &Backfill,
+    filter: &Filter,
     router: &Router,
     publisher: &mut Publisher,
     max_payload: usize,
@@ -259,16 +317,39 @@ async fn publish_snapshot(
     };
     let layout = OutboxLayout::new(&relation);
     let has = |name: &str| columns.iter().any(|(n, _)| n == name);
-    let condition = match filter {
+    // The snapshot's own horizon: every transaction below its xmin had
+    // ended before it, so is in it or not at all. Its xmax gives the epoch
+    // a row's 32-bit xmin belongs to.
+    let (snap_xmin, snap_xmax): (String, String) = sqlx::query_as(
+        "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_snapshot_xmax(pg_current_snapshot())::text",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(Error::pg("reading the snapshot's transaction horizon"))?;
+    let snap_xmin: Option<u64> = snap_xmin.parse().ok();
+    let snap_xmax: u64 = snap_xmax
+        .parse()
+        .map_err(|_| Error::setup(format!("unexpected snapshot xmax {snap_xmax:?}")))?;
+    let rows = match &filter.rows {
         Backfill::Since(t) => {
             // Re-rendered from the parsed time: only a valid timestamp reaches SQL.
             let at = rfc3339(t)?
                 .format(&time::format_description::well_known::Rfc3339)
                 .map_err(|e| Error::Config(format!("backfill time {t:?}: {e}")))?;
-            format!("WHERE occurred_at >= '{at}'::timestamptz")
+            Some(format!("occurred_at >= '{at}'::timestamptz"))
         }
-        Backfill::Unpublished if has("published_at") => "WHERE published_at IS NULL".into(),
-        _ => String::new(),
+        Backfill::Unpublished if has("published_at") => Some("published_at IS NULL".into()),
+        Backfill::Unpublished => Some("true".into()),
+        Backfill::None => None,
+    };
+    let xids = filter
+        .xid_from
+        .map(|from| format!("{} >= {from}", full_xid("xmin", snap_xmax)));
+    let condition = match (rows, xids) {
+        (Some(r), Some(x)) => format!("WHERE ({r}) OR {x}"),
+        (Some(r), None) => format!("WHERE {r}"),
+        (None, Some(x)) => format!("WHERE {x}"),
+        (None, None) => "WHERE false".into(),
     };
     let select = columns
         .iter()
@@ -294,6 +375,8 @@ async fn publish_snapshot(
     })?;
 
     let header = header_value(filter);
+    let mut router = router.clone();
+    router.set_xid_horizon(snap_xmin);
     let published = metrics::counter!(m::BACKFILL_ROWS);
     metrics::gauge!(m::BACKFILLING).set(1.0);
     let started = Instant::now();
@@ -364,6 +447,18 @@ async fn await_ack(publisher: &mut Publisher) -> Result<u64> {
     }
 }
 
+/// SQL for the full (xid8) transaction id of a 32-bit xid column, in a
+/// snapshot whose xmax is `xmax`: every visible row's xid is below it, so
+/// one that reads above xmax's low half is of the previous epoch. (A frozen
+/// row from epochs ago may map too high: it is republished, a repeat.)
+fn full_xid(column: &str, xmax: u64) -> String {
+    let epoch = xmax & !0xFFFF_FFFF;
+    let low = xmax & 0xFFFF_FFFF;
+    format!(
+        "({epoch}::int8 + {column}::text::int8 - CASE WHEN {column}::text::int8 > {low} THEN 4294967296 ELSE 0 END)"
+    )
+}
+
 /// A SQL identifier, quoted.
 fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
@@ -379,6 +474,7 @@ mod tests {
             occurred_at: Some("2026-11-20T10:00:00Z".into()),
             commit_lsn: Some("0/16B3748".into()),
             backfill: None,
+            xid_horizon: Some(7_000),
         }
     }
 
@@ -387,11 +483,11 @@ mod tests {
         let plan = |b: &Backfill, r: Option<&Backfill>| plan(b, r, None, "s", "S");
         assert_eq!(
             plan(&Backfill::Unpublished, None).unwrap(),
-            Backfill::Unpublished
+            Backfill::Unpublished.into()
         );
-        assert_eq!(plan(&Backfill::None, None).unwrap(), Backfill::None);
+        assert_eq!(plan(&Backfill::None, None).unwrap(), Backfill::None.into());
         let since = Backfill::Since("2026-11-01T00:00:00Z".into());
-        assert_eq!(plan(&Backfill::None, Some(&since)).unwrap(), since);
+        assert_eq!(plan(&Backfill::None, Some(&since)).unwrap(), since.into());
     }
 
     #[test]
@@ -410,6 +506,10 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("--resync-since 2026-11-20T10:00:00Z"), "{err}");
+        assert!(
+            err.contains("still open when that event committed"),
+            "{err}"
+        );
         let since = Backfill::Since("2026-11-20T10:00:00Z".into());
         assert_eq!(
             plan(
@@ -420,15 +520,44 @@ mod tests {
                 "S"
             )
             .unwrap(),
-            since
+            Filter {
+                rows: since,
+                xid_from: Some(7_000)
+            },
+            "whatever time is given, transactions past the last event's horizon come back"
+        );
+    }
+
+    #[test]
+    fn without_a_horizon_the_refusal_says_what_the_time_misses() {
+        let old = TailEvent {
+            xid_horizon: None,
+            ..streamed()
+        };
+        let err = plan(&Backfill::Unpublished, None, Some(&old), "s", "S")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is not covered"), "{err}");
+    }
+
+    #[test]
+    fn a_row_xid_is_placed_in_the_snapshots_epoch() {
+        let one_epoch = (1u64 << 32) + 100;
+        assert_eq!(
+            full_xid("xmin", one_epoch),
+            "(4294967296::int8 + xmin::text::int8 - CASE WHEN xmin::text::int8 > 100 THEN 4294967296 ELSE 0 END)"
         );
     }
 
     #[test]
     fn an_interrupted_backfill_is_finished_with_its_own_filter() {
         for filter in [
-            Backfill::Unpublished,
-            Backfill::Since("2026-11-20T10:00:00Z".into()),
+            Backfill::Unpublished.into(),
+            Backfill::Since("2026-11-20T10:00:00Z".into()).into(),
+            Filter {
+                rows: Backfill::Since("2026-11-20T10:00:00Z".into()),
+                xid_from: Some(12_345),
+            },
         ] {
             let tail = TailEvent {
                 backfill: Some(header_value(&filter)),
@@ -440,6 +569,7 @@ mod tests {
             );
         }
         assert_eq!(parse_header("since not-a-time"), None);
+        assert_eq!(parse_header("unpublished; xid nope"), None);
     }
 
     #[test]

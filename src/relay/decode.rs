@@ -6,7 +6,7 @@
 //! position are skipped, not republished. Everything that reaches
 //! the stream goes through [`Router`], so a bad row becomes a dead letter here.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use pgwire_replication::{Lsn, ReplicationEvent};
 
@@ -61,6 +61,48 @@ pub struct Stage {
     layouts: Layouts,
     txn: Option<Txn>,
     resume: Option<Resume>,
+    horizons: Horizons,
+}
+
+/// Samples of the oldest transaction still running, each with the WAL
+/// insert position read just after it: a transaction that commits at or
+/// past that position sees every transaction below the sample ended before
+/// it, so it is the horizon its messages carry ([`wire::XID_HORIZON`]).
+#[derive(Debug, Default)]
+pub struct Horizons {
+    samples: VecDeque<(Lsn, u64)>,
+}
+
+impl Horizons {
+    /// Samples a relay far behind the WAL still needs: beyond this many,
+    /// every other one is dropped (an older sample stays true, only coarser).
+    const MAX: usize = 64;
+
+    pub fn add(&mut self, at: Lsn, xid: u64) {
+        if self.samples.back().is_some_and(|&(l, x)| at < l || xid < x) {
+            return;
+        }
+        if self.samples.len() >= Self::MAX {
+            let mut i = 0;
+            self.samples.retain(|_| {
+                i += 1;
+                i % 2 == 1
+            });
+        }
+        self.samples.push_back((at, xid));
+    }
+
+    /// The horizon of a transaction committing at `commit`: the newest
+    /// sample taken before it. Commits only grow, so older samples go.
+    pub fn at(&mut self, commit: Lsn) -> Option<u64> {
+        while self.samples.get(1).is_some_and(|&(l, _)| l <= commit) {
+            self.samples.pop_front();
+        }
+        self.samples
+            .front()
+            .filter(|&&(l, _)| l <= commit)
+            .map(|&(_, x)| x)
+    }
 }
 
 /// Where a restarted relay stands against the stream: its last event of
@@ -95,7 +137,14 @@ impl Stage {
             layouts: HashMap::new(),
             txn: None,
             resume,
+            horizons: Horizons::default(),
         }
+    }
+
+    /// A sample for [`wire::XID_HORIZON`]: transaction ids below `xid` had
+    /// all ended when the WAL's insert position was `at`.
+    pub fn add_horizon(&mut self, at: Lsn, xid: u64) {
+        self.horizons.add(at, xid);
     }
 
     pub fn on_event(&mut self, event: ReplicationEvent, wm: &mut Watermark) -> Result<Step> {
@@ -107,6 +156,7 @@ impl Stage {
                 ..
             } => {
                 wm.begin(commit_time_micros);
+                self.router.set_xid_horizon(self.horizons.at(final_lsn));
                 self.txn = Some(Txn {
                     commit_lsn: final_lsn,
                     commit_time_micros,
@@ -409,6 +459,59 @@ mod tests {
     }
 
     const ID3: &str = "00000000-0000-4000-8000-000000000003";
+
+    #[test]
+    fn a_transaction_carries_the_newest_horizon_sampled_before_its_commit() {
+        let mut s = stage(None);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.add_horizon(Lsn(150), 700);
+        s.add_horizon(Lsn(250), 900);
+        s.on_event(begin(100), &mut wm).unwrap();
+        let m = published(s.on_event(insert(7, ID1), &mut wm).unwrap()).unwrap();
+        assert_eq!(m.header(wire::XID_HORIZON), None, "no sample before it");
+        s.on_event(commit(100), &mut wm).unwrap();
+        s.on_event(begin(200), &mut wm).unwrap();
+        let m = published(s.on_event(insert(7, ID2), &mut wm).unwrap()).unwrap();
+        assert_eq!(m.header(wire::XID_HORIZON), Some("700"));
+        s.on_event(commit(200), &mut wm).unwrap();
+        s.on_event(begin(250), &mut wm).unwrap();
+        let m = published(s.on_event(insert(7, ID3), &mut wm).unwrap()).unwrap();
+        assert_eq!(m.header(wire::XID_HORIZON), Some("900"));
+    }
+
+    proptest::proptest! {
+        /// Whatever the samples and however many, the horizon given a
+        /// commit is one sampled at or before it, and none newer than the
+        /// newest such sample.
+        #[test]
+        fn a_horizon_is_never_one_sampled_after_the_commit(
+            steps in proptest::collection::vec((1u64..50, 0u64..5), 1..300),
+            commits in proptest::collection::vec(0u64..20_000, 1..50),
+        ) {
+            let mut h = Horizons::default();
+            let mut all = Vec::new();
+            let (mut at, mut xid) = (0u64, 0u64);
+            for (dl, dx) in steps {
+                at += dl;
+                xid += dx;
+                h.add(Lsn(at), xid);
+                all.push((at, xid));
+            }
+            let mut commits = commits;
+            commits.sort_unstable();
+            for c in commits {
+                let best = all.iter().filter(|&&(l, _)| l <= c).map(|&(_, x)| x).max();
+                match h.at(Lsn(c)) {
+                    Some(x) => {
+                        proptest::prop_assert!(all.iter().any(|&(l, y)| l <= c && y == x));
+                        proptest::prop_assert!(Some(x) <= best);
+                    }
+                    None => proptest::prop_assert!(best.is_none()),
+                }
+            }
+        }
+    }
 
     /// A disk snapshot restore: the WAL replayed below the tail is not the
     /// one the stream was written from.

@@ -253,6 +253,8 @@ pub struct TailEvent {
     pub commit_lsn: Option<String>,
     /// Set when it was backfilled: which rows that backfill published.
     pub backfill: Option<String>,
+    /// Its [`wire::XID_HORIZON`].
+    pub xid_horizon: Option<u64>,
 }
 
 pub async fn last_event_of_database(
@@ -272,6 +274,7 @@ pub async fn last_event_of_database(
             occurred_at: get(wire::OCCURRED_AT),
             commit_lsn: get(wire::COMMIT_LSN),
             backfill: get(wire::BACKFILL),
+            xid_horizon: get(wire::XID_HORIZON).and_then(|x| x.parse().ok()),
         })
     })
     .await

@@ -189,6 +189,8 @@ pub struct Router {
     source: String,
     /// `--schemas`: payloads are checked against their type's schema.
     schemas: Option<Arc<Schemas>>,
+    /// [`wire::XID_HORIZON`] of the messages routed now.
+    xid_horizon: Option<u64>,
 }
 
 impl Router {
@@ -210,6 +212,7 @@ impl Router {
             context: context.to_owned(),
             source,
             schemas: None,
+            xid_horizon: None,
         }
     }
 
@@ -385,6 +388,14 @@ impl Router {
         h.push((Cow::Borrowed(wire::COMMIT_LSN), pos.commit_lsn.to_string()));
         h.push((Cow::Borrowed(wire::TXN_INDEX), pos.index.to_string()));
         h.push((Cow::Borrowed(wire::SOURCE), self.source.clone()));
+        if let Some(x) = self.xid_horizon {
+            h.push((Cow::Borrowed(wire::XID_HORIZON), x.to_string()));
+        }
+    }
+
+    /// The [`wire::XID_HORIZON`] of what is routed from now on.
+    pub fn set_xid_horizon(&mut self, xid: Option<u64>) {
+        self.xid_horizon = xid;
     }
 }
 

@@ -64,6 +64,51 @@ struct Open {
     stage: Stage,
     publisher: Batcher,
     status_interval: Duration,
+    /// Samples for [`wire::XID_HORIZON`]; the sampler stops with the session.
+    horizons: tokio::sync::mpsc::Receiver<(Lsn, u64)>,
+    _sampler: tokio_util::sync::DropGuard,
+}
+
+/// How often the transaction horizon is sampled: what a resync after a lost
+/// slot republishes beyond `occurred_at` is what ran within this of the
+/// last stored event.
+const HORIZON_EVERY: Duration = Duration::from_secs(1);
+
+/// Sample, every [`HORIZON_EVERY`], the oldest transaction still running
+/// (the statement's snapshot, taken first) and the WAL insert position read
+/// after it: every transaction below the sample had written its commit
+/// record before that position.
+fn sample_horizons(
+    pool: sqlx::PgPool,
+) -> (tokio::sync::mpsc::Receiver<(Lsn, u64)>, CancellationToken) {
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(HORIZON_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stopped.cancelled() => return,
+                _ = every.tick() => {}
+            }
+            let sample: std::result::Result<(String, String), _> = sqlx::query_as(
+                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text",
+            )
+            .fetch_one(&pool)
+            .await;
+            match sample {
+                Ok((xid, lsn)) => {
+                    if let (Ok(xid), Ok(lsn)) = (xid.parse::<u64>(), Lsn::parse(&lsn)) {
+                        // A busy loop skips a sample; the next one serves.
+                        let _ = tx.try_send((lsn, xid));
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "transaction horizon not sampled"),
+            }
+        }
+    });
+    (rx, stop)
 }
 
 /// Metric handles resolved once: the per-event path does no registry lookups.
@@ -270,7 +315,10 @@ impl<'a> Session<'a> {
         );
         self.metrics.confirmed.set(confirmed.as_u64() as f64);
 
+        let (horizons, sampler) = sample_horizons(pool.clone());
         Ok(Open {
+            horizons,
+            _sampler: sampler.drop_guard(),
             client,
             stage: Stage::new(
                 &cfg.schema,
@@ -321,12 +369,14 @@ impl<'a> Session<'a> {
             client,
             stage,
             publisher,
+            horizons,
             ..
         } = open;
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
+                Some((at, xid)) = horizons.recv() => stage.add_horizon(at, xid),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
                     self.on_ack(client, publisher, ack)?;
                 }
