@@ -627,8 +627,10 @@ pub struct ConsumeArgs {
     #[arg(long, env = "OUTBOX_FILTER")]
     pub filter: Option<String>,
 
-    /// The service's handler; receives a JSON POST per message.
-    #[arg(long, env = "OUTBOX_HANDLER_URL")]
+    /// The service's handler; receives a JSON POST per message. Its query,
+    /// fragment and credentials (where webhook secrets go) never appear in
+    /// logs, errors or dead letters.
+    #[arg(long, env = "OUTBOX_HANDLER_URL", hide_env_values = true)]
     pub handler_url: String,
 
     /// Handler call timeout (counts as a retryable failure).

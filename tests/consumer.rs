@@ -2736,3 +2736,67 @@ async fn one_durable_name_on_two_streams_keeps_each_streams_parked_messages() {
     })
     .await;
 }
+
+/// Issue 30, defect 12: a webhook secret in `--handler-url` (`?token=…`)
+/// leaked: reqwest's error text carries the URL, which went into the log,
+/// `last_error` and the dead letter's reason; and `--help` showed the
+/// value of `OUTBOX_HANDLER_URL`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_in_the_handler_url_never_reaches_logs_inbox_dead_letters_or_help() {
+    const SECRET: &str = "s3cret-webhook-token";
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_secret").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "csec", DUP).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let handler_url = format!("http://user:{SECRET}@127.0.0.1:{port}/h?token={SECRET}");
+    let consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "secret",
+        &handler_url,
+        &[
+            "--context",
+            "csec",
+            "--max-deliver",
+            "2",
+            "--backoff",
+            "100ms",
+        ],
+    );
+    let id = Uuid::new_v4();
+    publish(&js, "csec.x", Some(id), "a", b"{}").await;
+    wait_processed(&pool, "secret", 1).await;
+    let rows = inbox(&pool, "secret").await;
+    let last_error = rows[&id].last_error.clone().unwrap();
+    assert!(last_error.contains("unreachable"), "{last_error}");
+    assert!(!last_error.contains(SECRET), "last_error: {last_error}");
+    let dead = read_stream(
+        &stack.nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("csec")),
+        1,
+        T,
+    )
+    .await;
+    for (k, v) in &dead[0].headers {
+        assert!(!v.contains(SECRET), "dead letter header {k}: {v}");
+    }
+    assert!(
+        !consumer.log_text().contains(SECRET),
+        "{}",
+        consumer.log_text()
+    );
+    let help = std::process::Command::new(BIN)
+        .args(["consume", "--help"])
+        .env("OUTBOX_HANDLER_URL", &handler_url)
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("OUTBOX_HANDLER_URL"), "{help}");
+    assert!(!help.contains(SECRET), "{help}");
+}

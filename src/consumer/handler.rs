@@ -125,15 +125,20 @@ pub struct HttpHandler {
     client: reqwest::Client,
     /// Parsed once: parsing it on every call was 4% of the consumer's CPU.
     url: reqwest::Url,
+    /// The URL as errors may show it: no credentials, no query, no
+    /// fragment (webhook secrets live there).
+    shown: String,
 }
 
 impl HttpHandler {
     pub fn new(url: &str, timeout: Duration) -> Result<Self> {
+        // The value itself is never echoed: it may hold a secret.
         let parsed = reqwest::Url::parse(url)
-            .map_err(|e| Error::Config(format!("--handler-url {url:?}: {e}")))?;
+            .map_err(|e| Error::Config(format!("--handler-url is not a URL: {e}")))?;
         if parsed.scheme() != "http" {
             return Err(Error::Config(format!(
-                "--handler-url {url:?}: only http:// is supported by this build"
+                "--handler-url: only http:// is supported by this build, not {}://",
+                parsed.scheme()
             )));
         }
         // A redirect is an answer like any other non-2xx (a retry, with its
@@ -148,8 +153,14 @@ impl HttpHandler {
             })?;
         Ok(Self {
             client,
+            shown: shown(&parsed),
             url: parsed,
         })
+    }
+
+    /// The handler's address as logs and errors show it.
+    pub fn shown(&self) -> &str {
+        &self.shown
     }
 
     fn body(d: &Delivery) -> Vec<u8> {
@@ -199,9 +210,37 @@ impl HttpHandler {
                 code => Outcome::Retry(format!("handler answered {code}: {}", snippet(resp).await)),
             },
             Err(e) if e.is_timeout() => Outcome::Retry("handler timed out".into()),
-            Err(e) => Outcome::Retry(format!("handler unreachable: {e}")),
+            Err(e) => Outcome::Retry(format!(
+                "handler unreachable ({}): {}",
+                self.shown,
+                causes(&e.without_url())
+            )),
         }
     }
+}
+
+/// Scheme, host, port and path: what identifies the handler without the
+/// parts that may carry a secret (user info, query, fragment).
+fn shown(url: &reqwest::Url) -> String {
+    let mut shown = url.clone();
+    let _ = shown.set_username("");
+    let _ = shown.set_password(None);
+    shown.set_query(None);
+    shown.set_fragment(None);
+    shown.to_string()
+}
+
+/// An error and its causes, one line (reqwest's own text is terse: "error
+/// sending request"; the cause says refused, reset, DNS…).
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// The start of a response body, for `last_error`.
@@ -235,6 +274,20 @@ mod tests {
         assert_eq!(v["correlation_id"], "c\"1");
         assert!(v["occurred_at"].is_null());
         assert_eq!(v["payload"]["x"][0], 1);
+    }
+
+    #[test]
+    fn the_shown_url_keeps_no_secret() {
+        let h = HttpHandler::new(
+            "http://u:pw@127.0.0.1:9/hook?token=abc#frag",
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert_eq!(h.shown(), "http://127.0.0.1:9/hook");
+        let Err(e) = HttpHandler::new("ftp://u:pw@x/?token=abc", Duration::from_secs(1)) else {
+            panic!("ftp accepted");
+        };
+        assert!(!e.to_string().contains("abc") && !e.to_string().contains("pw"), "{e}");
     }
 
     #[test]
