@@ -430,3 +430,99 @@ async fn the_envelope_carries_the_seeds_fields_and_the_consumer_checks_its_paylo
     assert!(!calls.lock().unwrap().contains(&bad), "no handler call");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Issue 30, defect 11: `outbox_schema_validation_failures_total` took the
+/// message's own event type as a label, so every distinct type without a
+/// schema (`--schema-missing dead-letter`) made a series of its own, in the
+/// relay and in the consumer: 100k types, 100k series. Failures of types
+/// without a schema now share one label value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_types_without_a_schema_do_not_each_make_a_metric_series() {
+    const TYPES: usize = 30;
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_schemaseries").await;
+    let dir = schema_dir("series", &[("shop/order/placed/v1.json", PLACED_V1)]);
+    let schemas = [
+        "--schemas",
+        dir.to_str().unwrap(),
+        "--schema-missing",
+        "dead-letter",
+    ];
+    let relay = Service::relay(&url, &stack.nats_url, "schemaser", &schemas);
+    for i in 0..TYPES {
+        insert(&pool, &format!("shop.kind{i}"), serde_json::json!({})).await;
+    }
+    insert(
+        &pool,
+        "shop.order.placed",
+        serde_json::json!({"amount": -1}),
+    )
+    .await;
+    let stream = wire::stream_name("schemaser");
+    read_stream(&stack.nats_url, &stream, TYPES as u64 + 1, T).await;
+
+    let app = axum::Router::new().route("/h", axum::routing::post(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "schemaser",
+        &handler_url,
+        &[
+            &["--context", "schemaser", "--filter", "schemaser.event.>"][..],
+            &schemas,
+        ]
+        .concat(),
+    );
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    for i in 0..TYPES {
+        let id = uuid::Uuid::new_v4().to_string();
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(wire::MSG_ID, id.as_str());
+        h.insert(wire::EVENT_TYPE, format!("shop.other{i}").as_str());
+        h.insert(wire::AGGREGATE_ID, "o1");
+        js.send_publish(
+            "schemaser.event.x",
+            async_nats::jetstream::message::PublishMessage::build()
+                .payload("{}".into())
+                .headers(h),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    read_stream(
+        &stack.nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("schemaser")),
+        TYPES as u64,
+        T,
+    )
+    .await;
+    for (who, m) in [
+        ("relay", relay.scrape().await),
+        ("consume", consumer.scrape().await),
+    ] {
+        let series: Vec<&str> =
+            m.0.lines()
+                .filter(|l| l.starts_with("outbox_schema_validation_failures_total{"))
+                .collect();
+        assert!(
+            !series.is_empty() && series.len() <= 2,
+            "{who}: {} series for {TYPES} types without a schema:\n{}",
+            series.len(),
+            series.join("\n")
+        );
+    }
+    assert_eq!(
+        relay.scrape().await.value(
+            r#"outbox_schema_validation_failures_total{stage="relay",event_type="shop.order.placed"}"#
+        ),
+        Some(1.0),
+        "a type with a schema keeps its own series"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -288,22 +288,28 @@ fn check(parts: &Parts<'_>, schemas: Option<&Schemas>) -> std::result::Result<Uu
         } else {
             schemas.check(&event_type, version, parts.payload)
         };
-        let reason = match verdict {
+        // The label is the type only when it has a schema (see
+        // [`m::SCHEMA_FAILURES`]).
+        let failure = match verdict {
             Verdict::Valid(_) => None,
             Verdict::Unchecked => {
                 live.note_unchecked("consume", &event_type, version);
                 None
             }
-            Verdict::Invalid(_, detail) => {
-                Some(format!("{}: {detail}", DlqReason::SchemaInvalid.as_str()))
-            }
-            Verdict::Missing => Some(format!(
-                "{}: no schema for {event_type} version {version}",
-                DlqReason::SchemaMissing.as_str()
+            Verdict::Invalid(_, detail) => Some((
+                format!("{}: {detail}", DlqReason::SchemaInvalid.as_str()),
+                event_type.clone(),
+            )),
+            Verdict::Missing => Some((
+                format!(
+                    "{}: no schema for {event_type} version {version}",
+                    DlqReason::SchemaMissing.as_str()
+                ),
+                m::NO_SCHEMA_TYPE.to_owned(),
             )),
         };
-        if let Some(reason) = reason {
-            metrics::counter!(m::SCHEMA_FAILURES, "stage" => "consume", "event_type" => event_type)
+        if let Some((reason, label)) = failure {
+            metrics::counter!(m::SCHEMA_FAILURES, "stage" => "consume", "event_type" => label)
                 .increment(1);
             return Err(Unusable {
                 reason,

@@ -287,7 +287,10 @@ mod tests {
         let Err(e) = HttpHandler::new("ftp://u:pw@x/?token=abc", Duration::from_secs(1)) else {
             panic!("ftp accepted");
         };
-        assert!(!e.to_string().contains("abc") && !e.to_string().contains("pw"), "{e}");
+        assert!(
+            !e.to_string().contains("abc") && !e.to_string().contains("pw"),
+            "{e}"
+        );
     }
 
     #[test]

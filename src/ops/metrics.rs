@@ -51,8 +51,12 @@ pub const BACKFILLING: &str = "outbox_relay_backfilling";
 
 // Schemas (SPEC §10).
 /// Payloads that failed their schema (or had none, with
-/// `--schema-missing dead-letter`), by `stage` (relay, consume) and `event_type`.
+/// `--schema-missing dead-letter`), by `stage` (relay, consume) and
+/// `event_type`: the type when it has a schema (the schema folder bounds
+/// them), else [`NO_SCHEMA_TYPE`]: a label from the message itself would
+/// make a series per distinct type anyone writes.
 pub const SCHEMA_FAILURES: &str = "outbox_schema_validation_failures_total";
+pub const NO_SCHEMA_TYPE: &str = "(no schema)";
 /// SIGHUP reloads of `--schemas`, by `result` (ok, failed: the set in force stays).
 pub const SCHEMA_RELOADS: &str = "outbox_schema_reloads_total";
 

@@ -301,15 +301,17 @@ fn already_stored(resume: &mut Option<Resume>, pos: Position, msg_id: &str) -> b
 pub(super) fn log_dead_letter(msg: &OutMessage, reason: DlqReason) {
     tracing::warn!(id = %msg.msg_id, reason = reason.as_str(), "dead-lettering row");
     metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => reason.as_str()).increment(1);
-    if matches!(reason, DlqReason::SchemaInvalid | DlqReason::SchemaMissing) {
-        let event_type = msg.headers.iter().find(|(k, _)| k == wire::EVENT_TYPE);
-        metrics::counter!(
-            m::SCHEMA_FAILURES,
-            "stage" => "relay",
-            "event_type" => event_type.map_or_else(String::new, |(_, v)| v.clone())
-        )
+    let event_type = match reason {
+        DlqReason::SchemaInvalid => msg
+            .headers
+            .iter()
+            .find(|(k, _)| k == wire::EVENT_TYPE)
+            .map_or_else(String::new, |(_, v)| v.clone()),
+        DlqReason::SchemaMissing => m::NO_SCHEMA_TYPE.to_owned(),
+        _ => return,
+    };
+    metrics::counter!(m::SCHEMA_FAILURES, "stage" => "relay", "event_type" => event_type)
         .increment(1);
-    }
 }
 
 #[cfg(test)]
