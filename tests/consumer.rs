@@ -2800,3 +2800,83 @@ async fn a_secret_in_the_handler_url_never_reaches_logs_inbox_dead_letters_or_he
     assert!(help.contains("OUTBOX_HANDLER_URL"), "{help}");
     assert!(!help.contains(SECRET), "{help}");
 }
+
+/// Issue 30, defect 9 (handler bodies): an error body with a NUL byte made
+/// Postgres refuse the `last_error` it went into, so the failure was never
+/// recorded and the message was retried for ever, holding its aggregate;
+/// and the body was read whole before being cut to 200 bytes, so an endless
+/// one held the call until the handler timeout and lost its start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_error_body_with_a_nul_byte_or_no_end_is_recorded_and_the_message_goes_on() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_nulbody").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cnul", DUP).await;
+    let app = axum::Router::new().route(
+        "/h",
+        axum::routing::post(|| async {
+            let start = futures::stream::once(async {
+                Ok::<_, std::io::Error>(Bytes::from_static(b"bad\0byte first-bytes "))
+            });
+            let endless = futures::stream::unfold((), |()| async {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                Some((Ok(Bytes::from(vec![b'x'; 1024])), ()))
+            });
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                axum::body::Body::from_stream(futures::StreamExt::chain(start, endless)),
+            )
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let _consumer = Service::consumer(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "nulbody",
+        &handler_url,
+        &[
+            "--context",
+            "cnul",
+            "--max-deliver",
+            "2",
+            "--backoff",
+            "100ms",
+            "--handler-timeout",
+            "120s",
+        ],
+    );
+    let id = Uuid::new_v4();
+    publish(&js, "cnul.x", Some(id), "a", b"{}").await;
+    eventually(
+        Duration::from_secs(60),
+        "the message dead-lettered",
+        || async {
+            inbox(&pool, "nulbody")
+                .await
+                .get(&id)
+                .is_some_and(|r| r.processed)
+        },
+    )
+    .await;
+    let row = &inbox(&pool, "nulbody").await[&id];
+    let last_error = row.last_error.as_deref().unwrap();
+    assert!(
+        last_error.contains("first-bytes"),
+        "the body's start: {last_error}"
+    );
+    assert_eq!(row.attempts, 2);
+    let dead = read_stream(
+        &stack.nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("cnul")),
+        1,
+        T,
+    )
+    .await;
+    assert_eq!(
+        dead[0].h(wire::DLQ_ORIGINAL_ID),
+        Some(id.to_string().as_str())
+    );
+}

@@ -243,11 +243,25 @@ fn causes(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// The start of a response body, for `last_error`.
-async fn snippet(resp: reqwest::Response) -> String {
-    let body = resp.bytes().await.unwrap_or_default();
-    let s = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
-    s.replace(['\r', '\n'], " ")
+/// How much of an error body `last_error` keeps.
+const SNIPPET: usize = 200;
+
+/// The start of a response body, for `last_error`: read only that far (a
+/// body may be huge, or never end), control characters made spaces.
+async fn snippet(mut resp: reqwest::Response) -> String {
+    let mut body = Vec::with_capacity(SNIPPET);
+    while body.len() < SNIPPET {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                body.extend_from_slice(&chunk[..chunk.len().min(SNIPPET - body.len())])
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&body)
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
 }
 
 #[cfg(test)]

@@ -198,6 +198,17 @@ pub struct Parking<'a> {
     pub seq: u64,
 }
 
+/// Postgres text cannot hold NUL, and a handler's error may carry one: as
+/// it was, the failure could never be recorded and the message was retried
+/// for ever.
+fn pg_text(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.contains('\0') {
+        std::borrow::Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        std::borrow::Cow::Borrowed(s)
+    }
+}
+
 /// The attempt failed: park the row until `after` from now, with its error.
 /// `count_attempt` when the claim that counted it was rolled back (a Rust
 /// handler's transaction).
@@ -231,7 +242,7 @@ pub async fn park(
         .bind(p.consumer)
         .bind(p.id)
         .bind(p.subject)
-        .bind(error)
+        .bind(pg_text(error).as_ref())
         .bind(p.key)
         .bind(seq_param(p.seq))
         .bind(after.as_secs_f64())
@@ -310,7 +321,7 @@ pub async fn finish_failed(
     .bind(consumer)
     .bind(id)
     .bind(subject)
-    .bind(error)
+    .bind(pg_text(error).as_ref())
     .bind(count_attempt)
     .execute(pool)
     .await?;
