@@ -76,6 +76,20 @@ fn redact_text(text: &str, args: &NatsArgs) -> String {
     out
 }
 
+/// The header block's size on the wire: "NATS/1.0\r\n", then
+/// "name: value\r\n" each, then "\r\n".
+pub fn header_size(headers: &async_nats::HeaderMap) -> usize {
+    let lines: usize = headers
+        .iter()
+        .map(|(k, vs)| {
+            vs.iter()
+                .map(|v| k.to_string().len() + v.as_str().len() + 4)
+                .sum::<usize>()
+        })
+        .sum();
+    10 + lines + 2
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -92,6 +92,13 @@ pub const DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";
 /// own id is [`consumer_dlq_msg_id`], so two consumers' copies of one
 /// message do not deduplicate each other.
 pub const DLQ_ORIGINAL_ID: &str = "Outbox-Dlq-Original-Id";
+/// Where the dead-lettered message is: its stream and sequence.
+pub const DLQ_ORIGINAL_STREAM: &str = "Outbox-Dlq-Original-Stream";
+pub const DLQ_ORIGINAL_SEQ: &str = "Outbox-Dlq-Original-Seq";
+/// On a dead letter stored without its body (with it, the DLQ would have
+/// refused it for its size): the body's length. `dlq replay` reads the body
+/// from [`DLQ_ORIGINAL_STREAM`] at [`DLQ_ORIGINAL_SEQ`].
+pub const DLQ_PAYLOAD_OMITTED: &str = "Outbox-Dlq-Payload-Omitted";
 
 // ---- Replayed dead letters (SPEC §9, `outbox-relay dlq replay`). ----
 

@@ -2880,3 +2880,68 @@ async fn a_handler_error_body_with_a_nul_byte_or_no_end_is_recorded_and_the_mess
         Some(id.to_string().as_str())
     );
 }
+
+/// Issue 30, defect 9 (dead letters): a message within a few hundred bytes
+/// of the server's max payload fits the stream, but its dead letter (the
+/// original plus the `Outbox-Dlq-*` headers) did not: the DLQ refused it on
+/// every try, for ever, and the message's aggregate never moved. Such a
+/// dead letter is now stored without the body, naming where the original
+/// is, and `dlq replay` reads the body back from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_too_large_for_the_dlq_is_kept_without_its_body_and_replays_whole() {
+    let f = fixture("c_dlqsize", "cdsz", "dlqsize", DUP, &["--backoff", "100ms"]).await;
+    let max = async_nats::connect(&stack().nats_url)
+        .await
+        .unwrap()
+        .server_info()
+        .max_payload;
+    // The original fits with some 160 bytes to spare; its dead letter (some
+    // 270 bytes of headers more) would not.
+    let pad = "x".repeat(max - 400);
+    let big = Uuid::new_v4();
+    let body = serde_json::json!({"answers": [422], "pad": pad}).to_string();
+    publish(&f.js, "cdsz.x", Some(big), "a", body.as_bytes()).await;
+    let after = Uuid::new_v4();
+    publish(&f.js, "cdsz.x", Some(after), "a", b"{}").await;
+    wait_processed(&f.pool, "dlqsize", 2).await;
+    assert!(
+        !f.handler.calls_for(after).is_empty(),
+        "the aggregate goes on"
+    );
+    let dlq = wire::dlq_stream_name(&wire::consumer_dlq_prefix("cdsz"));
+    let dead = read_stream(&stack().nats_url, &dlq, 1, T).await;
+    assert_eq!(
+        dead[0].h(wire::DLQ_ORIGINAL_ID),
+        Some(big.to_string().as_str())
+    );
+    assert!(dead[0].payload.is_empty(), "stored without its body");
+    assert_eq!(
+        dead[0].h(wire::DLQ_PAYLOAD_OMITTED),
+        Some(body.len().to_string().as_str())
+    );
+
+    let url = db_url(&stack().admin_url, "c_dlqsize");
+    let id = big.to_string();
+    let (ok, out) = run_cli(&[
+        "dlq",
+        "replay",
+        "--database-url",
+        &url,
+        "--nats-url",
+        &stack().nats_url,
+        "--stream",
+        &dlq,
+        "--id",
+        &id,
+    ]);
+    assert!(ok && out.contains("replayed"), "{out}");
+    eventually(T, "the handler called once more, with the body", || async {
+        f.handler.calls_for(big).len() == 2
+    })
+    .await;
+    let calls = f.handler.calls_for(big);
+    assert_eq!(
+        calls[1].body["payload"]["pad"].as_str().map(str::len),
+        Some(pad.len())
+    );
+}

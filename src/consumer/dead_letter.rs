@@ -20,11 +20,23 @@ pub struct DeadLetters {
     consumer: String,
     /// The stream that captures `{prefix}.>`.
     stream: String,
+    /// The stream the consumer reads: where an original stays.
+    source: String,
+    /// The largest message the dead-letter stream takes (the server's max
+    /// payload, or the stream's own limit when lower).
+    max_message: usize,
 }
 
 impl DeadLetters {
     /// Make sure a stream captures `{prefix}.>`, creating one when none does.
-    pub async fn new(js: Context, prefix: &str, consumer: &str, replicas: u8) -> Result<Self> {
+    /// `source`: the stream the consumer reads.
+    pub async fn new(
+        js: Context,
+        prefix: &str,
+        consumer: &str,
+        source: &str,
+        replicas: u8,
+    ) -> Result<Self> {
         let probe = format!("{prefix}.probe");
         let stream = match js.stream_by_subject(&probe).await {
             Ok(name) => {
@@ -52,11 +64,20 @@ impl DeadLetters {
             }
             Err(e) => return Err(Error::nats("looking up the dead-letter stream")(e)),
         };
+        let server_max = js.client().server_info().max_payload;
+        let stream_max = match js.get_stream(&stream).await {
+            Ok(s) => usize::try_from(s.cached_info().config.max_message_size)
+                .ok()
+                .filter(|&m| m > 0),
+            Err(e) => return Err(Error::nats("reading the dead-letter stream's limits")(e)),
+        };
         Ok(Self {
             js,
             prefix: prefix.to_owned(),
             consumer: consumer.to_owned(),
             stream,
+            source: source.to_owned(),
+            max_message: stream_max.map_or(server_max, |m| m.min(server_max)),
         })
     }
 
@@ -100,13 +121,33 @@ impl DeadLetters {
         headers.insert(wire::DLQ_ATTEMPTS, attempts.to_string().as_str());
         headers.insert(wire::DLQ_ORIGINAL_SUBJECT, msg.subject);
         headers.insert(wire::DLQ_CONSUMER, self.consumer.as_str());
+        headers.insert(wire::DLQ_ORIGINAL_STREAM, self.source.as_str());
+        headers.insert(wire::DLQ_ORIGINAL_SEQ, msg.seq.to_string().as_str());
+        // With the headers added, a message near the limit no longer fits:
+        // refused on every try, it would hold its aggregate for ever. The
+        // dead letter keeps everything but the body, and where it is.
+        let mut payload = msg.payload.clone();
+        if crate::nats::header_size(&headers) + payload.len() > self.max_message {
+            tracing::warn!(
+                id = original_id,
+                bytes = payload.len(),
+                "the dead letter would exceed the dead-letter stream's message limit: stored without its body, which stays in stream {} at sequence {}",
+                self.source,
+                msg.seq
+            );
+            headers.insert(
+                wire::DLQ_PAYLOAD_OMITTED,
+                payload.len().to_string().as_str(),
+            );
+            payload = bytes::Bytes::new();
+        }
         let subject = wire::consumer_dlq_subject(&self.prefix, msg.subject);
         let ack = self
             .js
             .send_publish(
                 subject,
                 jetstream::message::PublishMessage::build()
-                    .payload(msg.payload.clone())
+                    .payload(payload)
                     .headers(headers),
             )
             .await
@@ -122,6 +163,8 @@ pub struct Message<'a> {
     pub subject: &'a str,
     pub headers: Option<&'a HeaderMap>,
     pub payload: &'a bytes::Bytes,
+    /// Its sequence in the consumer's stream.
+    pub seq: u64,
 }
 
 fn dlq_error(

@@ -222,6 +222,7 @@ impl<'a> Parts<'a> {
             subject: self.subject,
             headers: self.headers,
             payload: self.payload,
+            seq: self.seq,
         }
     }
 

@@ -143,7 +143,14 @@ pub async fn run<H: Handler>(
         })
         .await
         .map_err(Error::nats(format!("creating consumer {}", cfg.durable)))?;
-    let dlq = DeadLetters::new(js.clone(), &cfg.dlq_prefix, &cfg.durable, cfg.dlq_replicas).await?;
+    let dlq = DeadLetters::new(
+        js.clone(),
+        &cfg.dlq_prefix,
+        &cfg.durable,
+        &cfg.stream,
+        cfg.dlq_replicas,
+    )
+    .await?;
     // Figures of the durable, not of this instance: every instance, active
     // or standby, reports them.
     let watchers = CancellationToken::new();

@@ -337,13 +337,28 @@ async fn publish(
     );
     headers.insert(wire::REPLAY_OF, d.id.as_str());
     headers.insert(wire::REPLAY_FOR, durable);
-    headers.insert(wire::REPLAYED_BY, who);
-    headers.insert(wire::REPLAYED_AT, now.as_str());
+    let payload = body(js, d).await?;
+    // Who and when are for the reader; a message near the limit goes
+    // without them rather than not at all.
+    let max = js.client().server_info().max_payload;
+    let mut informed = headers.clone();
+    informed.insert(wire::REPLAYED_BY, who);
+    informed.insert(wire::REPLAYED_AT, now.as_str());
+    if crate::nats::header_size(&informed) + payload.len() <= max {
+        headers = informed;
+    }
+    let size = crate::nats::header_size(&headers) + payload.len();
+    if size > max {
+        return Err(Error::setup(format!(
+            "the replay of {} would be {size} bytes with its replay headers, over the server's max payload of {max}: it cannot be replayed as it is (the dead letter stays)",
+            d.id
+        )));
+    }
     let ack = js
         .send_publish(
             d.subject.clone(),
             jetstream::message::PublishMessage::build()
-                .payload(d.payload.clone())
+                .payload(payload)
                 .headers(headers),
         )
         .await
@@ -360,6 +375,45 @@ async fn publish(
         ))
     })?;
     Ok(ack.duplicate)
+}
+
+/// The dead letter's body; for one stored without it (too large for the
+/// dead-letter stream), the original's, read back from its stream.
+async fn body(js: &jetstream::Context, d: &DeadLetter) -> Result<bytes::Bytes> {
+    let get = |k: &str| d.headers.get(k).map(|v| v.as_str().to_owned());
+    let Some(omitted) = get(wire::DLQ_PAYLOAD_OMITTED) else {
+        return Ok(d.payload.clone());
+    };
+    let (Some(stream), Some(seq)) = (
+        get(wire::DLQ_ORIGINAL_STREAM),
+        get(wire::DLQ_ORIGINAL_SEQ).and_then(|s| s.parse::<u64>().ok()),
+    ) else {
+        return Err(Error::setup(format!(
+            "dead letter {} was stored without its body ({omitted} bytes) and does not say where the original is",
+            d.id
+        )));
+    };
+    let original = async {
+        js.get_stream(&stream)
+            .await
+            .map_err(|e| e.to_string())?
+            .get_raw_message(seq)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    match original.await {
+        Ok(m) if m.headers.get(wire::MSG_ID).map(|v| v.as_str()) == Some(d.id.as_str()) => {
+            Ok(m.payload)
+        }
+        Ok(_) => Err(Error::setup(format!(
+            "dead letter {} was stored without its body ({omitted} bytes), and stream {stream} holds another message at sequence {seq}",
+            d.id
+        ))),
+        Err(e) => Err(Error::setup(format!(
+            "dead letter {} was stored without its body ({omitted} bytes), and its original is not in stream {stream} at sequence {seq} any more: {e}",
+            d.id
+        ))),
+    }
 }
 
 /// `dlq list`'s line for one dead letter.
