@@ -2945,3 +2945,51 @@ async fn a_dead_letter_too_large_for_the_dlq_is_kept_without_its_body_and_replay
         Some(pad.len())
     );
 }
+
+/// Issue 30, defect 10 (consumer): the takeover path ended the process on
+/// the first error after taking the lease (`active.run(...).await?`). The
+/// error that reaches it is Postgres failing in the instant after the lease
+/// was taken, which this test cannot force (the tests' superuser is exempt
+/// from connection limits); it holds the neighbouring path instead: a
+/// standby that takes over while NATS is down stays and delivers after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_consumer_taking_over_while_nats_is_down_stays_and_delivers_after() {
+    let mut nats = OwnNats::start(&stack(), "ctakeover");
+    let mut f = fixture_on(&nats.url, "c_takeover", "ctko", "takeover", DUP, &[]).await;
+    let url = db_url(&stack().admin_url, "c_takeover");
+    let handler_url = f.handler.serve().await;
+    let mut standby = Service::consumer_named(
+        &url,
+        &nats.url,
+        &f.stream,
+        "takeover",
+        "takeover-standby",
+        &handler_url,
+        &["--context", "ctko"],
+    );
+    eventually(T, "the second instance reports standby", || async {
+        let (status, body) = standby.http_get("/readyz").await;
+        status == 503 && body.contains("standby")
+    })
+    .await;
+    nats.down();
+    f.consumer.kill9();
+    let deadline = Instant::now() + T;
+    while standby.child.try_wait().unwrap().is_none()
+        && standby.http_get("/readyz").await.1.contains("standby")
+    {
+        assert!(Instant::now() < deadline, "the standby never took over");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        standby.child.try_wait().unwrap().is_none(),
+        "the standby exited while NATS was down:\n{}",
+        standby.log_text()
+    );
+    nats.up();
+    let js = js(&nats.url).await;
+    let id = Uuid::new_v4();
+    publish(&js, "ctko.x", Some(id), "a", b"{}").await;
+    wait_processed(&f.pool, "takeover", 1).await;
+    assert!(!f.handler.calls_for(id).is_empty());
+}

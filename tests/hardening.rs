@@ -196,3 +196,53 @@ async fn the_suggested_resync_republishes_a_row_whose_transaction_was_open_at_th
         "the row committed after the last stored event is back after the suggested --resync-since {since}: {err}"
     );
 }
+
+/// Defect 10: a standby relay polling for the slot while Postgres was down
+/// longer than its pool's acquire timeout exited ("pool timed out"), while
+/// the active relay rode it out: a deployment lost its standby to an outage
+/// it was there for. A standby now retries transient errors as the active
+/// one does, and still takes over afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_relay_rides_out_postgres_down_longer_than_its_pool_timeout() {
+    let own = OwnStack::up("h-standby", false);
+    let (url, nats) = (
+        own.get("DATABASE_URL").to_owned(),
+        own.get("NATS_URL").to_owned(),
+    );
+    migrate(&url);
+    let mut active = Service::relay(&url, &nats, "hstandby", &[]);
+    let mut standby = Service::relay_starting(&url, &nats, "hstandby", &[]);
+    eventually(T, "the second relay reports standby", || async {
+        let (status, body) = standby.http_get("/readyz").await;
+        status == 503 && body.contains("standby")
+    })
+    .await;
+    own.pg_power("pg-stop");
+    // The outage lasts until the standby has met its pool's timeout.
+    eventually(T, "the standby's pool timed out (or it exited)", || {
+        let done =
+            standby.child.try_wait().unwrap().is_some() || standby.log_text().contains("timed out");
+        async move { done }
+    })
+    .await;
+    own.pg_power("pg-start");
+    assert!(
+        standby.child.try_wait().unwrap().is_none(),
+        "the standby exited on a transient error:\n{}",
+        standby.log_text()
+    );
+    active.kill9();
+    standby.wait_ready();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap();
+    let sent = insert_txn(&pool, 0, 0, 10, 0).await;
+    let got = read_stream(&nats, &wire::stream_name("hstandby"), 10, T).await;
+    let ids: HashSet<uuid::Uuid> = got
+        .iter()
+        .filter_map(|g| g.h(wire::MSG_ID)?.parse().ok())
+        .collect();
+    assert!(sent.iter().all(|id| ids.contains(id)));
+}

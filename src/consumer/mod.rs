@@ -209,14 +209,26 @@ pub async fn run<H: Handler>(
             handler: handler.clone(),
             readiness: &readiness,
         };
-        match active.run(consumer.clone(), lease, &shutdown).await? {
-            Ended::Shutdown => return Ok(()),
-            Ended::LeaseLost => {
+        match active.run(consumer.clone(), lease, &shutdown).await {
+            Ok(Ended::Shutdown) => return Ok(()),
+            Ok(Ended::LeaseLost) => {
                 tracing::warn!(
                     "lost the consumer lease (its Postgres connection failed); stopped dispatching"
                 );
                 readiness.not_ready("lost the consumer lease; asking again");
             }
+            // The lease went with `run` (its connection closed): another
+            // instance may take over meanwhile. An outage that a running
+            // instance rides out must not end one that was taking over.
+            Err(e) if e.class() == crate::error::Class::Transient => {
+                tracing::warn!(error = %e, retry_in = ?LEASE_POLL, "stopped dispatching on a transient error; asking for the lease again");
+                readiness.not_ready(format!("stopped dispatching: {e}; asking for the lease again"));
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(LEASE_POLL) => {}
+                }
+            }
+            Err(e) => return Err(e),
         }
     }
 }

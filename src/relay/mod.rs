@@ -102,7 +102,8 @@ pub struct Stopped {
 
 /// Run until `shutdown`, reconnecting after transient failures. Errors that
 /// retrying cannot fix (configuration, privileges) end the run; so does any
-/// error before the first session streamed, so a wrong URL fails at once.
+/// error before the first session streamed or found the slot held, so a
+/// wrong URL fails at once.
 ///
 /// A slot held by another process is not an error but standby (SPEC §9):
 /// relays with the same settings coordinate through the slot, which only one
@@ -152,13 +153,16 @@ pub async fn run(
     };
 
     let mut backoff = Duration::from_millis(100);
-    let mut streamed_once = false;
+    // Streamed, or found the slot held by another relay: the settings work,
+    // so a transient error from here on is ridden out, never an exit (a
+    // standby must survive what the active relay survives).
+    let mut proven = false;
     let mut standby_logged = false;
     loop {
         let started = Instant::now();
         let mut session = Session::new(&env);
         let result = session.run(&shutdown).await;
-        streamed_once |= session.streamed();
+        proven |= session.streamed();
         standby_logged &= !session.streamed();
         metrics::gauge!(m::STREAMING).set(0.0);
         match &result {
@@ -171,6 +175,7 @@ pub async fn run(
                 return Ok(stopped);
             }
             Err(e) if e.is_slot_busy() => {
+                proven = true;
                 metrics::gauge!(m::STANDBY).set(1.0);
                 // The relay holding the slot publishes (and reports) them.
                 lag.set(None);
@@ -186,7 +191,7 @@ pub async fn run(
                     _ = tokio::time::sleep(STANDBY_POLL) => {}
                 }
             }
-            Err(e) if e.class() == Class::Transient && streamed_once => {
+            Err(e) if e.class() == Class::Transient && proven => {
                 metrics::counter!(m::SESSION_RESTARTS).increment(1);
                 if started.elapsed() > HEALTHY_SESSION {
                     backoff = Duration::from_millis(100);

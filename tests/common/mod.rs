@@ -930,6 +930,16 @@ impl OwnStack {
 }
 
 impl OwnStack {
+    /// Stop (`pg-stop`) or start (`pg-start`) its Postgres.
+    pub fn pg_power(&self, action: &str) {
+        let st = Command::new(STACK_SH)
+            .arg(action)
+            .arg(&self.dir)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{action} failed");
+    }
+
     /// A cold copy of its Postgres data directory (`save`), or that copy put
     /// back (`restore`): what a VM or storage snapshot restore does.
     pub fn pg_snapshot(&self, action: &str) {
