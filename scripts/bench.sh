@@ -7,6 +7,8 @@
 #   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--out DIR]
 # Relay runs publish as OUTBOX_PUBLISH_MODE says (auto, batch or event; default auto).
 # BENCH_NATS_CLUSTER=1: against an R3 stream on a local 3-node NATS cluster.
+# BENCH_RELAY_BIN=PATH: run that relay binary instead of this checkout's
+# release build (an A/B of two builds on the same harness).
 # The relay run measures Postgres alone (raw), the relay (cdc) and a polling
 # relay (poll) under the same load, then writes JSON and an SVG chart.
 # Against your own deployment, run `cargo bench --bench relay_e2e -- …` with
@@ -23,6 +25,7 @@ BENCH=relay_e2e
 [ "$MODE" = pipeline ] && BENCH=pipeline
 
 cargo build --release --quiet --bin outbox-relay
+BIN="${BENCH_RELAY_BIN:-$ROOT/target/release/outbox-relay}"
 cargo bench --no-run --quiet --bench "$BENCH" 2>/dev/null
 STACK_DIR="$(mktemp -d -t outbox-relay-bench.XXXXXX)"
 CLUSTER_DIR="$STACK_DIR/cluster"
@@ -48,16 +51,16 @@ if [ "${BENCH_NATS_CLUSTER:-0}" = 1 ]; then
   unset NATS_PID
   RELAY_ARGS=(--stream-replicas 3)
 fi
-target/release/outbox-relay migrate 2>/dev/null
+"$BIN" migrate 2>/dev/null
 if [ "$MODE" = consumer ]; then
-  RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 600 cargo bench --quiet --bench "$BENCH" -- "$@"
+  RELAY_BIN="$BIN" timeout 600 cargo bench --quiet --bench "$BENCH" -- "$@"
   exit
 fi
 METRICS_PORT="$(scripts/stack.sh free-port)"
-RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" target/release/outbox-relay --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
+RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" "$BIN" --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
 if [ "$MODE" = prune ] || [ "$MODE" = pipeline ]; then
-  RELAY_BIN="$ROOT/target/release/outbox-relay" timeout 900 cargo bench --quiet --bench "$BENCH" -- "$@"
+  RELAY_BIN="$BIN" timeout 900 cargo bench --quiet --bench "$BENCH" -- "$@"
   exit
 fi
 timeout 1800 cargo bench --quiet --bench relay_e2e -- "$@"
