@@ -222,7 +222,9 @@ pub async fn run<H: Handler>(
             // instance rides out must not end one that was taking over.
             Err(e) if e.class() == crate::error::Class::Transient => {
                 tracing::warn!(error = %e, retry_in = ?LEASE_POLL, "stopped dispatching on a transient error; asking for the lease again");
-                readiness.not_ready(format!("stopped dispatching: {e}; asking for the lease again"));
+                readiness.not_ready(format!(
+                    "stopped dispatching: {e}; asking for the lease again"
+                ));
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(LEASE_POLL) => {}
