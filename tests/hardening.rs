@@ -246,3 +246,85 @@ async fn a_standby_relay_rides_out_postgres_down_longer_than_its_pool_timeout() 
         .collect();
     assert!(sent.iter().all(|id| ids.contains(id)));
 }
+
+/// Issue 30, "Also": a kill -9 in the middle of a transaction larger than
+/// one atomic batch. The restarted relay finds the transaction's first
+/// batches in the stream and goes on from there: every row once, in order,
+/// and the `Outbox-Txn-Batch` numbering continues (1..K, each batch whole
+/// and contiguous, `Outbox-Txn-Batches: K` on the last), so a consumer that
+/// reassembles the transaction gets it whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_9_in_the_middle_of_a_split_transaction_resumes_its_batch_numbering() {
+    const ROWS: u64 = 20_000;
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "h_split").await;
+    let stream = wire::stream_name("hsplit");
+    // Batches of 32 rows: the transaction is some 600 of them.
+    let mut relay = Service::relay(&url, &stack.nats_url, "hsplit", &["--max-inflight", "64"]);
+    // One transaction; `s` numbers the rows in insert order.
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'order', 'a' || (g % 50), 'placed', \
+                jsonb_build_object('s', g, 'pad', repeat('x', 512)) \
+         FROM generate_series(1, $1) g",
+    )
+    .bind(ROWS as i64)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let sent: HashSet<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(sent.len() as u64, ROWS);
+    let mut held = 0;
+    let deadline = std::time::Instant::now() + T;
+    while held < ROWS / 10 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the transaction never started to arrive"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        held = stream_messages(&stack.nats_url, &stream).await;
+    }
+    relay.kill9();
+    let held = stream_messages(&stack.nats_url, &stream).await;
+    assert!(held < ROWS, "killed in the middle: {held} of {ROWS} stored");
+    relay.restart();
+    let got = read_stream(&stack.nats_url, &stream, ROWS, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let numbers: Vec<u32> = got
+        .iter()
+        .map(|g| {
+            g.h(wire::TXN_BATCH)
+                .expect("split into batches")
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    let mut expected = 1;
+    for pair in numbers.windows(2) {
+        assert!(
+            pair[1] == pair[0] || pair[1] == pair[0] + 1,
+            "batch numbers go {} then {} (killed at {held})",
+            pair[0],
+            pair[1]
+        );
+        expected = pair[1];
+    }
+    assert_eq!(numbers[0], 1);
+    let last = numbers.len() - 1;
+    let count = got[last]
+        .h(wire::TXN_BATCHES)
+        .map(|k| k.parse::<u32>().unwrap());
+    assert_eq!(count, Some(expected), "the last batch states the count");
+    assert!(
+        got.iter()
+            .filter(|g| g.h(wire::TXN_BATCHES).is_some())
+            .count()
+            == numbers.iter().filter(|&&n| n == expected).count(),
+        "only the last batch carries the count"
+    );
+}
