@@ -2997,3 +2997,57 @@ async fn a_standby_consumer_taking_over_while_nats_is_down_stays_and_delivers_af
     wait_processed(&f.pool, "takeover", 1).await;
     assert!(!f.handler.calls_for(id).is_empty());
 }
+
+/// Issue 30, defect 8: A/1's call is slow, A/2..A/6 spill to the inbox
+/// (parked behind, acked), and the consumer dies before A/1 ends. On
+/// restart the inbox's parked A/2 led the aggregate while A/1, still
+/// unacked, came back from JetStream and was parked behind A/6: A/2 ran
+/// before A/1. Fails today with the calls after the restart going
+/// `[1, 0, 2, 3, 4, 5]`; kept ignored until the fix lands (the spill must
+/// pin the running head in the inbox before it acks what it spills).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "issue 30 defect 8 reproduced, not fixed yet"]
+async fn spilled_messages_never_overtake_their_unfinished_head_across_a_crash() {
+    let mut f = fixture(
+        "c_spillcrash",
+        "cspc",
+        "spillcrash",
+        DUP,
+        &["--max-ack-pending", "4", "--concurrency", "2"],
+    )
+    .await;
+    let ids: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let body = if i == 0 {
+            r#"{"s": 0, "sleep_ms": 4000}"#.to_owned()
+        } else {
+            format!(r#"{{"s": {i}}}"#)
+        };
+        publish(&f.js, "cspc.e", Some(*id), "a", body.as_bytes()).await;
+    }
+    // A/1 runs and the others are written behind it in the inbox.
+    eventually(T, "A/1 called and A/2..A/6 spilled", || async {
+        let rows = inbox(&f.pool, "spillcrash").await;
+        !f.handler.calls_for(ids[0]).is_empty() && ids[1..].iter().all(|id| rows.contains_key(id))
+    })
+    .await;
+    f.consumer.kill9();
+    let killed_at = Instant::now();
+    f.consumer.restart();
+    wait_processed(&f.pool, "spillcrash", 6).await;
+    let after: Vec<i64> = f
+        .handler
+        .calls()
+        .iter()
+        .filter(|c| c.at > killed_at)
+        .map(|c| c.body["payload"]["s"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        after.first(),
+        Some(&0),
+        "after the restart A/1 runs first: {after:?}"
+    );
+    let mut seen = after.clone();
+    seen.dedup();
+    assert_eq!(seen, (0..6).collect::<Vec<i64>>(), "in order: {after:?}");
+}
