@@ -224,14 +224,9 @@ pub async fn stored_tail(
     lineage: &wire::Lineage,
 ) -> Result<Option<Tail>> {
     let found = scan_tail(js, stream_name, |h| {
-        let get = |name: &str| h.get(name).map(|v| v.as_str());
-        if get(wire::DLQ_CONSUMER).is_some() {
-            return None;
-        }
-        let at = Position::from_headers(get)?;
-        lineage
-            .holds(get(wire::SOURCE)?, at)
-            .then_some((at, get(wire::TXN_BATCH).and_then(|k| k.parse().ok())))
+        let at = lineage_position(h, lineage)?;
+        let txn_batch = h.get(wire::TXN_BATCH).and_then(|k| k.as_str().parse().ok());
+        Some((at, txn_batch))
     })
     .await?
     .map(|(seq, (at, txn_batch))| Tail { at, seq, txn_batch });
@@ -242,6 +237,17 @@ pub async fn stored_tail(
         );
     }
     Ok(found)
+}
+
+/// The position of a message this WAL history's relay wrote (not a
+/// consumer's dead letter, not another source's event).
+fn lineage_position(h: &HeaderMap, lineage: &wire::Lineage) -> Option<Position> {
+    let get = |name: &str| h.get(name).map(|v| v.as_str());
+    if get(wire::DLQ_CONSUMER).is_some() {
+        return None;
+    }
+    let at = Position::from_headers(get)?;
+    lineage.holds(get(wire::SOURCE)?, at).then_some(at)
 }
 
 /// The newest event in the stream that a relay of this server and database
@@ -362,15 +368,8 @@ pub async fn stored_since(
     let first = stream.cached_info().state.first_sequence;
     let deadline = Instant::now() + TAIL_SCAN_BUDGET;
     let ours = |h: &HeaderMap| -> Option<(Position, String)> {
-        let get = |name: &str| h.get(name).map(|v| v.as_str());
-        if get(wire::DLQ_CONSUMER).is_some() {
-            return None;
-        }
-        let at = Position::from_headers(get)?;
-        if !lineage.holds(get(wire::SOURCE)?, at) {
-            return None;
-        }
-        Some((at, get(wire::MSG_ID)?.to_owned()))
+        let at = lineage_position(h, lineage)?;
+        Some((at, h.get(wire::MSG_ID)?.as_str().to_owned()))
     };
 
     let mut start = first;
