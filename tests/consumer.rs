@@ -3006,7 +3006,6 @@ async fn a_standby_consumer_taking_over_while_nats_is_down_stays_and_delivers_af
 /// `[1, 0, 2, 3, 4, 5]`; kept ignored until the fix lands (the spill must
 /// pin the running head in the inbox before it acks what it spills).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 30 defect 8 reproduced, not fixed yet"]
 async fn spilled_messages_never_overtake_their_unfinished_head_across_a_crash() {
     let mut f = fixture(
         "c_spillcrash",

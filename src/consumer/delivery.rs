@@ -120,11 +120,10 @@ pub(super) async fn run_job<H: Handler>(
         }
         Job::ParkBehind(msg) => {
             let outcome = keep_alive(shared, &msg, park_behind(shared, key, &msg)).await;
-            // Behind the key's parked head: nothing changes for the key.
-            match settle_pulled(&msg, outcome).await {
-                Finished::Parked { .. } => Finished::Done,
-                how => how,
-            }
+            // Behind the key's parked head, or, when JetStream delivers an
+            // older message again after a reset (a crash while it ran),
+            // ahead of it: the scheduler keeps the oldest.
+            settle_pulled(&msg, outcome).await
         }
         Job::Retry { seq } => retry(shared, key, seq).await.unwrap_or(Finished::Done),
     }

@@ -260,7 +260,7 @@ impl<H: Handler> Active<'_, H> {
             .not_ready("taking over: resuming from the ack floor");
         // Whatever a previous holder pulled and did not finish comes again,
         // in stream order, before anything new: order survives its crash.
-        reset_to_ack_floor(&mut consumer, "taking over").await;
+        let rewound = reset_to_ack_floor(&mut consumer, "taking over").await;
         // Past half of max_ack_pending waiting in memory, busy keys spill
         // theirs to the inbox, so JetStream never holds back for them.
         let high_water = usize::try_from(cfg.max_ack_pending)
@@ -276,6 +276,10 @@ impl<H: Handler> Active<'_, H> {
         for (key, seq, wait) in heads {
             scheduler.load_parked(key, seq, now + wait);
         }
+        if let Some(from) = rewound {
+            scheduler.rewound(from);
+        }
+        let mut rewound_at = Instant::now();
         let stop = shutdown.child_token();
         let shared = Arc::new(Shared {
             pool: self.pool.clone(),
@@ -445,6 +449,17 @@ impl<H: Handler> Active<'_, H> {
                 }
                 _ = quiet_check.tick() => {
                     let durable = durable_now.lock().ok().and_then(|d| *d);
+                    // A parked head held for the pull to come back to it,
+                    // while JetStream has nothing left to deliver: its
+                    // message left the stream. It goes on.
+                    if scheduler.holds_back()
+                        && durable.is_some_and(|d| {
+                            d.num_pending == 0 && d.asked > last_arrival.max(rewound_at) + ACK_LANDS
+                        })
+                    {
+                        let jobs = scheduler.release(Instant::now());
+                        start(&mut tasks, jobs);
+                    }
                     let quiet = messages.is_some()
                         && scheduler.can_pull()
                         && last_arrival.elapsed() > QUIET_PULL;
@@ -480,12 +495,14 @@ impl<H: Handler> Active<'_, H> {
                     if r.reset {
                         if r.tries < MAX_RESET_TRIES {
                             r.tries += 1;
-                            if !reset_to_ack_floor(&mut consumer, "lost delivery").await {
+                            let Some(from) = reset_to_ack_floor(&mut consumer, "lost delivery").await else {
                                 r.at = Instant::now() + rebuild_pause;
                                 rebuild_pause = (rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
                                 rebuild = Some(r);
                                 continue;
-                            }
+                            };
+                            scheduler.rewound(from);
+                            rewound_at = Instant::now();
                         } else {
                             tracing::warn!("giving up the reset: the lost delivery comes back after ack_wait");
                         }
@@ -527,7 +544,10 @@ impl<H: Handler> Active<'_, H> {
                         }
                     };
                     rebuild_pause = MIN_REBUILD_PAUSE;
-                    let delivery = msg.info().map(|i| i.consumer_sequence).unwrap_or(0);
+                    let (delivery, stream_seq) = msg
+                        .info()
+                        .map(|i| (i.consumer_sequence, Some(i.stream_sequence)))
+                        .unwrap_or((0, None));
                     if let Some(last) = last_delivery {
                         if delivery != last + 1 {
                             tracing::warn!(last, now = delivery, "a delivery was lost on the way; resuming from the ack floor");
@@ -541,6 +561,10 @@ impl<H: Handler> Active<'_, H> {
                     }
                     last_delivery = Some(delivery);
                     last_arrival = Instant::now();
+                    if let Some(seq) = stream_seq {
+                        let jobs = scheduler.passed(seq, Instant::now());
+                        start(&mut tasks, jobs);
+                    }
                     let key = aggregate_key(&msg);
                     let jobs = scheduler.arrive(key, msg, Instant::now());
                     start(&mut tasks, jobs);
@@ -587,7 +611,8 @@ impl<H: Handler> Active<'_, H> {
 /// Put the consumer back at its ack floor (ADR-60, nats-server 2.14+): every
 /// unacked message is delivered again, in stream order, at once. Whether it
 /// worked (within [`JS_REQUEST`]).
-async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> bool {
+/// The stream sequence JetStream delivers again from, once reset.
+async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> Option<u64> {
     match tokio::time::timeout(JS_REQUEST, consumer.reset(None)).await {
         Ok(Ok(r)) => {
             tracing::info!(
@@ -595,15 +620,15 @@ async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> bool {
                 ack_floor = r.reset_seq,
                 "consumer reset to its ack floor"
             );
-            true
+            Some(r.reset_seq)
         }
         Ok(Err(e)) => {
             tracing::warn!(why, error = %e, "cannot reset the consumer to its ack floor (no leader now, or nats-server before 2.14); unacked messages come back after ack_wait");
-            false
+            None
         }
         Err(_) => {
             tracing::warn!(why, "no answer to the consumer reset");
-            false
+            None
         }
     }
 }
