@@ -328,3 +328,145 @@ async fn a_kill_9_in_the_middle_of_a_split_transaction_resumes_its_batch_numberi
         "only the last batch carries the count"
     );
 }
+
+/// Defect 6: a restart after a backfill was interrupted took a new snapshot
+/// and published every row again, relying on `Nats-Msg-Id` alone: past the
+/// stream's duplicate window each row already sent became a duplicate. It
+/// now resumes from what the stream holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_killed_and_resumed_after_the_duplicate_window_publishes_each_row_once() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "h_bfresume").await;
+    let mut sent = HashSet::new();
+    for i in 0..6 {
+        sent.extend(insert_txn(&pool, 0, i * 10_000, 10_000, 0).await);
+    }
+    let stream = wire::stream_name("hbfresume");
+    // A small pipeline window, so the interrupted backfill leaves a ragged
+    // end, and a duplicate window the test can outwait.
+    let flags = ["--duplicate-window", "1s", "--max-inflight", "64"];
+    let mut relay = Service::relay_starting(&url, &stack.nats_url, "hbfresume", &flags);
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    eventually(T, "the backfill is under way", || async {
+        match js.get_stream(&stream).await {
+            Ok(mut s) => s.info().await.is_ok_and(|i| i.state.messages >= 3_000),
+            Err(_) => false,
+        }
+    })
+    .await;
+    relay.kill9();
+    let stored = stream_messages(&stack.nats_url, &stream).await;
+    assert!(
+        stored < sent.len() as u64,
+        "the backfill ended before the kill ({stored} stored)"
+    );
+    // Past the duplicate window: only the relay can keep the rows sent
+    // from being sent again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    relay.restart();
+    relay.wait_ready();
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    let mut seen = HashSet::new();
+    let dups = got
+        .iter()
+        .filter(|g| !seen.insert(g.h(wire::MSG_ID).unwrap().parse::<uuid::Uuid>().unwrap()))
+        .count();
+    let missing = sent.difference(&seen).count();
+    assert_eq!(
+        (dups, missing),
+        (0, 0),
+        "{dups} rows published twice, {missing} missing ({stored} stored before the kill)\n{}",
+        relay.log_text()
+    );
+}
+
+/// Defect 7: two relays on a first start raced the temporary slot. Relay B
+/// found no slot, and by the time it created its own temporary slot relay A
+/// had finished its first start and dropped its own: B backfilled the table
+/// again (republishing what A streams) or, had A streamed already, took the
+/// stream's tail for a lost slot. Here a tail of 100k foreign messages
+/// makes each first start's scan of the stream take its full budget, which
+/// holds B between its look at the slot and its temporary slot while A
+/// finishes; rows committed meanwhile reach the stream through A's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_on_a_first_start_never_backfill_twice() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "h_firstrace").await;
+    let stream = wire::stream_name("hfirstrace");
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![wire::stream_subjects("hfirstrace")],
+        duplicate_window: Duration::from_secs(1),
+        allow_atomic_publish: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut acks = Vec::new();
+    for i in 0..100_000u32 {
+        acks.push(
+            js.publish("hfirstrace.someone.else", i.to_string().into())
+                .await
+                .unwrap(),
+        );
+        if acks.len() == 5_000 {
+            for a in acks.drain(..) {
+                a.await.unwrap();
+            }
+        }
+    }
+    for a in acks.drain(..) {
+        a.await.unwrap();
+    }
+    let flags = ["--duplicate-window", "1s"];
+    let a = Service::relay_starting(&url, &stack.nats_url, "hfirstrace", &flags);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut b =
+        Service::relay_starting_named(&url, &stack.nats_url, "hfirstrace", "hfirstrace_b", &flags);
+    let _ = &a;
+    eventually(T, "relay A created the slot", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = 'outbox_relay_hfirstrace')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let mut sent = HashSet::new();
+    for i in 0..5 {
+        sent.extend(insert_txn(&pool, 0, i * 100, 100, 0).await);
+    }
+    eventually(T, "relay B settled as the standby", || async {
+        b.log_text().contains("standby: waiting for the slot")
+    })
+    .await;
+    let got = read_stream(&stack.nats_url, &stream, 100_000 + sent.len() as u64, T).await;
+    let mut seen = HashSet::new();
+    let dups = got
+        .iter()
+        .filter_map(|g| g.h(wire::MSG_ID)?.parse::<uuid::Uuid>().ok())
+        .filter(|id| !seen.insert(*id))
+        .count();
+    assert_eq!(dups, 0, "rows published twice\n{}", b.log_text());
+    assert!(sent.is_subset(&seen));
+    // Committed after the slot was made: they come through it, never from
+    // a second backfill.
+    let backfilled = got
+        .iter()
+        .filter(|g| g.h(wire::BACKFILL).is_some())
+        .filter(|g| {
+            g.h(wire::MSG_ID)
+                .and_then(|id| id.parse().ok())
+                .is_some_and(|id| sent.contains(&id))
+        })
+        .count();
+    assert_eq!(
+        backfilled,
+        0,
+        "rows committed after the slot was made were backfilled again\n{}",
+        b.log_text()
+    );
+    b.kill9();
+}

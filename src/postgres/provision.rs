@@ -105,7 +105,7 @@ pub async fn prepare(
 }
 
 /// The slot's state, after checking it is this database's pgoutput slot.
-async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
+pub async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
     let row = sqlx::query(
         "SELECT plugin, database, confirmed_flush_lsn::text AS confirmed, active_pid, \
                 current_database()::text AS this_db \

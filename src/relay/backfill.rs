@@ -16,7 +16,12 @@
 //! session), so the next start backfills again; the backfilled messages it
 //! finds in the stream (`Outbox-Backfill`) say it is finishing an
 //! interrupted backfill, not recovering a lost slot, and which rows that
-//! backfill was publishing. Republished rows dedupe by `Nats-Msg-Id`.
+//! backfill was publishing. What the interrupted runs stored is read back
+//! ([`publish::backfill_resume`]) and not published again: the stream's
+//! duplicate window is long gone after a backfill of hours.
+//!
+//! Two relays starting at once: the temporary slot admits one at a time, and
+//! one admitted after the other finished finds the slot made and stands by.
 //!
 //! Without a slot but with streamed events of this database in the stream,
 //! the slot was lost: the relay refuses to start from "now" and names
@@ -67,20 +72,11 @@ pub(super) async fn first_start(
     let mut session =
         ReplicationClient::connect_gated(dsn.replication_config(&init, &cfg.publication)).await?;
     let system = session.identify_system().await?;
-    let tail =
-        publish::last_event_of_database(js, &cfg.stream, &system.system_id, &dsn.database).await?;
-    let filter = plan(
-        &cfg.backfill,
-        cfg.resync_since.as_ref(),
-        tail.as_ref(),
-        &cfg.slot,
-        &cfg.stream,
-    )?;
-    let export = filter.rows != Backfill::None || filter.xid_from.is_some();
+    // The temporary slot first, exporting its snapshot whether or not the
+    // plan then uses it: the plan is read after it.
     let created = session
         .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT {init} TEMPORARY LOGICAL pgoutput (SNAPSHOT '{}')",
-            if export { "export" } else { "nothing" }
+            "CREATE_REPLICATION_SLOT {init} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
         ))
         .await
         .map_err(Error::from)
@@ -92,6 +88,50 @@ pub(super) async fn first_start(
             },
             _ => e,
         })?;
+    // Another relay may have finished its first start since this one found
+    // no slot: its temporary slot, which kept this one out, is dropped only
+    // once the slot exists. Then the slot, and the stream's tail, are its.
+    if provision::existing_slot(pool, &cfg.slot).await?.is_some() {
+        return Err(Error::SlotBusy {
+            slot: cfg.slot.clone(),
+            pid: None,
+        });
+    }
+    let tail =
+        publish::last_event_of_database(js, &cfg.stream, &system.system_id, &dsn.database).await?;
+    let filter = plan(
+        &cfg.backfill,
+        cfg.resync_since.as_ref(),
+        tail.as_ref(),
+        &cfg.slot,
+        &cfg.stream,
+    )?;
+    let export = filter.rows != Backfill::None || filter.xid_from.is_some();
+    // An interrupted backfill resumes from what its runs stored.
+    let resume = match &tail {
+        Some(TailEvent {
+            backfill: Some(header),
+            xid_horizon: Some(horizon),
+            ..
+        }) if export => {
+            let resume = publish::backfill_resume(
+                js,
+                &cfg.stream,
+                (&system.system_id, &dsn.database),
+                header,
+                *horizon,
+                cfg.max_inflight,
+            )
+            .await?;
+            tracing::info!(
+                stored = resume.stored.len(),
+                before = ?resume.before,
+                "resuming an interrupted backfill: the rows the stream holds are not published again"
+            );
+            resume
+        }
+        _ => publish::BackfillResume::default(),
+    };
     // slot_name, consistent_point, snapshot_name, output_plugin
     let field = |i: usize| {
         created
@@ -116,6 +156,7 @@ pub(super) async fn first_start(
             env,
             &snapshot,
             &filter,
+            &resume,
             &router(&source),
             publisher,
             max_payload,
@@ -262,6 +303,7 @@ async fn publish_snapshot(
     env: &Env<'_>,
     snapshot: &str,
     filter: &Filter,
+    resume: &publish::BackfillResume,
     router: &Router,
     publisher: &mut Publisher,
     max_payload: usize,
@@ -345,12 +387,24 @@ async fn publish_snapshot(
     let xids = filter
         .xid_from
         .map(|from| format!("{} >= {from}", full_xid("xmin", snap_xmax)));
-    let condition = match (rows, xids) {
-        (Some(r), Some(x)) => format!("WHERE ({r}) OR {x}"),
+    let mut condition = match (rows, xids) {
+        (Some(r), Some(x)) => format!("WHERE (({r}) OR {x})"),
         (Some(r), None) => format!("WHERE {r}"),
         (None, Some(x)) => format!("WHERE {x}"),
         (None, None) => "WHERE false".into(),
     };
+    if let Some((at, id)) = resume.before {
+        let horizon = resume.horizon;
+        // Rows the interrupted run's snapshot held (their transaction ended
+        // before its horizon) and ordered before what it surely stored.
+        let at = at
+            .format(&time::format_description::well_known::Rfc3339)
+            .map_err(|e| Error::setup(format!("rendering the backfill's resume point: {e}")))?;
+        condition.push_str(&format!(
+            " AND NOT ((occurred_at, id) < ('{at}', '{id}') AND {} < {horizon})",
+            full_xid("xmin", snap_xmax)
+        ));
+    }
     let select = columns
         .iter()
         .map(|(name, _)| format!("{}::text", quote(name)))
@@ -383,6 +437,7 @@ async fn publish_snapshot(
     let mut last_log = Instant::now();
     let mut index: u32 = 0;
     let mut acked: u64 = 0;
+    let mut skipped: u64 = 0;
     loop {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "FETCH FORWARD {BATCH_ROWS} FROM outbox_backfill"
@@ -407,6 +462,10 @@ async fn publish_snapshot(
             index = index.saturating_add(1);
             let mut msg: OutMessage = match &layout {
                 Ok(l) => match l.row(&values) {
+                    Ok(r) if resume.stored.contains(&r.id) => {
+                        skipped += 1;
+                        continue;
+                    }
                     Ok(r) => router.route(&r, pos, max_payload),
                     Err(e) => {
                         router.bad_row(l.id(&values).map(|u| u.to_string()), pos, &e.to_string())
@@ -433,6 +492,12 @@ async fn publish_snapshot(
         acked += await_ack(publisher).await?;
     }
     published.increment(acked);
+    if skipped > 0 {
+        tracing::info!(
+            skipped,
+            "rows the interrupted backfill had stored were not published again"
+        );
+    }
     metrics::gauge!(m::BACKFILLING).set(0.0);
     tx.rollback()
         .await

@@ -437,6 +437,134 @@ pub async fn stored_since(
     Ok(stored)
 }
 
+/// What an interrupted backfill left in the stream, read back so the next
+/// one resumes instead of publishing every row again (the duplicate window
+/// is long gone after a backfill of hours).
+#[derive(Debug, Default)]
+pub struct BackfillResume {
+    /// Ids of the backfill's messages read back: stored, skip them.
+    pub stored: std::collections::HashSet<uuid::Uuid>,
+    /// Every row of the old snapshot ordered before this `(occurred_at,
+    /// id)` is stored. Set only when at least the pipeline window twice
+    /// over of the last run's messages was read: the run never had more
+    /// than one window unacked, so anything ordered before its last two
+    /// windows was acked.
+    pub before: Option<(time::OffsetDateTime, uuid::Uuid)>,
+    /// The last run's snapshot horizon: a row of a transaction from it on
+    /// may not have been in that snapshot.
+    pub horizon: u64,
+}
+
+/// Read back, headers only, the newest messages of this database's
+/// interrupted backfill (`header` is its `Outbox-Backfill`, `horizon` the
+/// `Outbox-Xid-Horizon` of its last run's snapshot). `window`: the
+/// publisher's in-flight limit. Bounded by [`TAIL_SCAN_BUDGET`]; what is
+/// not read is published again (repeats, never a loss).
+pub async fn backfill_resume(
+    js: &Context,
+    stream_name: &str,
+    database: (&str, &str),
+    header: &str,
+    horizon: u64,
+    window: usize,
+) -> Result<BackfillResume> {
+    let context = "reading back the interrupted backfill";
+    let mut resume = BackfillResume {
+        horizon,
+        ..BackfillResume::default()
+    };
+    let mut stream = js
+        .get_stream(stream_name)
+        .await
+        .map_err(Error::nats(context))?;
+    let state = stream
+        .info()
+        .await
+        .map_err(Error::nats(context))?
+        .state
+        .clone();
+    if state.messages == 0 {
+        return Ok(resume);
+    }
+    let want = window.saturating_mul(2) as u64;
+    // Other sources may interleave: read four windows back for two of ours.
+    let start = state
+        .last_sequence
+        .saturating_sub(want.saturating_mul(2))
+        .max(state.first_sequence)
+        .max(1);
+    let whole = start <= state.first_sequence;
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            headers_only: true,
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(Error::nats(context))?;
+    let mut messages = consumer.messages().await.map_err(Error::nats(context))?;
+    let deadline = Instant::now() + TAIL_SCAN_BUDGET;
+    let mut last_run = 0u64;
+    let mut oldest: Option<(time::OffsetDateTime, uuid::Uuid)> = None;
+    let mut untimed = false;
+    let mut complete = false;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = match tokio::time::timeout(left, messages.next()).await {
+            Ok(Some(msg)) => msg.map_err(Error::nats(context))?,
+            Ok(None) | Err(_) => break,
+        };
+        let seq = msg
+            .info()
+            .map_err(|source| Error::Nats {
+                context: context.into(),
+                source,
+            })?
+            .stream_sequence;
+        if let Some(h) = msg.headers.as_ref() {
+            let get = |name: &str| h.get(name).map(|v| v.as_str());
+            let ours = get(wire::SOURCE)
+                .is_some_and(|s| wire::same_database(s, database.0, database.1))
+                && get(wire::DLQ_CONSUMER).is_none()
+                && get(wire::BACKFILL) == Some(header);
+            if let (true, Some(id)) = (ours, get(wire::MSG_ID).and_then(|v| v.parse().ok())) {
+                resume.stored.insert(id);
+                let at = get(wire::OCCURRED_AT).and_then(|t| {
+                    time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                        .ok()
+                });
+                if get(wire::XID_HORIZON).and_then(|x| x.parse().ok()) == Some(horizon) {
+                    last_run += 1;
+                    match at {
+                        Some(at) => oldest = Some(oldest.map_or((at, id), |o| o.min((at, id)))),
+                        // A message without its time bounds nothing.
+                        None => untimed = true,
+                    }
+                }
+            }
+        }
+        if seq >= state.last_sequence {
+            complete = true;
+            break;
+        }
+    }
+    if !complete {
+        tracing::warn!(
+            stream = stream_name,
+            read = resume.stored.len(),
+            "stopped reading back the interrupted backfill after {TAIL_SCAN_BUDGET:?}: its rows not read back are published again (the inboxes drop repeats)"
+        );
+        return Ok(resume);
+    }
+    // Everything was read: the ids alone say what is stored.
+    if !whole && !untimed && last_run >= want {
+        resume.before = oldest;
+    }
+    Ok(resume)
+}
+
 /// The NATS header block of one event. Owned names and values move into
 /// the map and our static names are not copied: this runs once per event.
 /// Values were checked for CR/LF when routed (async-nats panics on them).

@@ -202,6 +202,22 @@ impl Service {
     }
 
     /// The relay logging at every level of every crate (`RUST_LOG=trace`).
+    /// [`relay_starting`](Self::relay_starting) for another relay of the
+    /// same context, its log named `name`.
+    pub fn relay_starting_named(
+        db_url: &str,
+        nats_url: &str,
+        context: &str,
+        name: &str,
+        extra: &[&str],
+    ) -> Service {
+        let args = relay_args(db_url, nats_url, context, extra);
+        let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
+        let mut service = Self::spawn(args, name);
+        service.wait_until("/healthz");
+        service
+    }
+
     pub fn relay_traced(db_url: &str, nats_url: &str, context: &str, extra: &[&str]) -> Service {
         let args = relay_args(db_url, nats_url, context, extra);
         let _ = std::fs::remove_file(log_dir().join(format!("{context}.log")));
