@@ -2,9 +2,10 @@
 //! HTTP handler that answers 200 at once.
 //!
 //! ```sh
-//! scripts/bench.sh consumer --messages 5000 --concurrency 1
-//! scripts/bench.sh consumer --messages 80000 --concurrency 128 --out docs/bench
+//! scripts/bench.sh consumer --messages 20000
+//! scripts/bench.sh consumer --messages 80000 --concurrency 128 --max-ack-pending 512 --out docs/bench
 //! ```
+//! `--concurrency` and `--max-ack-pending` default to the product's (8, 50).
 //! Writes `consumer-c{N}.json` and `.svg` under `--out` (default
 //! `target/bench`). `--rust` runs the consumer in this process with a Rust
 //! handler (inside the inbox transaction) instead of the binary with an
@@ -25,7 +26,9 @@ use outbox_relay::wire;
 #[tokio::main]
 async fn main() {
     let n = arg("--messages", 5000);
-    let concurrency = arg("--concurrency", 1);
+    // The product's defaults unless told: users run those.
+    let concurrency = arg("--concurrency", 8);
+    let max_ack_pending = arg("--max-ack-pending", 50);
     let aggregates = arg("--aggregates", 1000);
     let (db, nats, bin) = (
         env("DATABASE_URL", "consumer"),
@@ -93,7 +96,7 @@ async fn main() {
             filter: None,
             ack_wait: Duration::from_secs(120),
             max_deliver: 20,
-            max_ack_pending: (concurrency * 4).max(50) as i64,
+            max_ack_pending: max_ack_pending as i64,
             concurrency: concurrency as usize,
             backoff: vec![Duration::from_secs(1)],
             dlq_prefix: "dlq.ctp".into(),
@@ -140,7 +143,7 @@ async fn main() {
                     "--metrics-addr",
                     "127.0.0.1:0",
                 ])
-                .args(["--max-ack-pending", &(concurrency * 4).max(50).to_string()])
+                .args(["--max-ack-pending", &max_ack_pending.to_string()])
                 .stderr(Stdio::from(log))
                 .spawn()
                 .expect("start the consumer"),
@@ -223,9 +226,10 @@ async fn main() {
     let report = serde_json::json!({
         "bench": "consumer",
         "date": date,
-        "command": format!("scripts/bench.sh consumer --messages {n} --concurrency {concurrency} --aggregates {aggregates}"),
+        "command": format!("scripts/bench.sh consumer --messages {n} --concurrency {concurrency} --max-ack-pending {max_ack_pending} --aggregates {aggregates}"),
         "messages": n,
         "concurrency": concurrency,
+        "max_ack_pending": max_ack_pending,
         "handler": if rust { "rust" } else { "http" },
         "aggregates": aggregates,
         "handler_calls": handler_calls,
