@@ -5,7 +5,7 @@
 //! scripts/bench.sh consumer --messages 20000
 //! scripts/bench.sh consumer --messages 80000 --concurrency 128 --max-ack-pending 512 --out docs/bench
 //! ```
-//! `--concurrency` and `--max-ack-pending` default to the product's (8, 50).
+//! `--concurrency` and `--max-ack-pending` default to the product's (48, 50).
 //! Writes `consumer-c{N}.json` and `.svg` under `--out` (default
 //! `target/bench`). `--rust` runs the consumer in this process with a Rust
 //! handler (inside the inbox transaction) instead of the binary with an
@@ -27,7 +27,7 @@ use outbox_relay::wire;
 async fn main() {
     let n = arg("--messages", 5000);
     // The product's defaults unless told: users run those.
-    let concurrency = arg("--concurrency", 8);
+    let concurrency = arg("--concurrency", 48);
     let max_ack_pending = arg("--max-ack-pending", 50);
     let aggregates = arg("--aggregates", 1000);
     let (db, nats, bin) = (
