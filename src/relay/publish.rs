@@ -393,6 +393,35 @@ pub async fn stored_since(
     }
     let start = start.max(tail.seq.saturating_sub(RESUME_READ_MAX));
 
+    let complete = read_headers(&stream, start, tail.seq, deadline, context, |h| {
+        if let Some((at, id)) = ours(h) {
+            if at.commit_lsn >= from {
+                stored.insert(at, id);
+            }
+        }
+    })
+    .await?;
+    if !complete {
+        tracing::warn!(
+            stream = stream_name,
+            verified = stored.len(),
+            "stopped reading the stream after {TAIL_SCAN_BUDGET:?}: events replayed past what was read are published again (the duplicate window and the inboxes absorb repeats)"
+        );
+    }
+    Ok(stored)
+}
+
+/// Read the stream's headers forward from `start` through `last` with an
+/// ordered consumer, handing each to `each`, until `deadline`. Whether
+/// `last` was reached.
+async fn read_headers(
+    stream: &stream::Stream,
+    start: u64,
+    last: u64,
+    deadline: Instant,
+    context: &str,
+    mut each: impl FnMut(&HeaderMap),
+) -> Result<bool> {
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::OrderedConfig {
             headers_only: true,
@@ -408,15 +437,7 @@ pub async fn stored_since(
         let left = deadline.saturating_duration_since(Instant::now());
         let msg = match tokio::time::timeout(left, messages.next()).await {
             Ok(Some(msg)) => msg.map_err(Error::nats(context))?,
-            Ok(None) => break,
-            Err(_) => {
-                tracing::warn!(
-                    stream = stream_name,
-                    verified = stored.len(),
-                    "stopped reading the stream after {TAIL_SCAN_BUDGET:?}: events replayed past what was read are published again (the duplicate window and the inboxes absorb repeats)"
-                );
-                break;
-            }
+            Ok(None) | Err(_) => return Ok(false),
         };
         let seq = msg
             .info()
@@ -425,16 +446,13 @@ pub async fn stored_since(
                 source,
             })?
             .stream_sequence;
-        if let Some((at, id)) = msg.headers.as_ref().and_then(ours) {
-            if at.commit_lsn >= from {
-                stored.insert(at, id);
-            }
+        if let Some(h) = msg.headers.as_ref() {
+            each(h);
         }
-        if seq >= tail.seq {
-            break;
+        if seq >= last {
+            return Ok(true);
         }
     }
-    Ok(stored)
 }
 
 /// What an interrupted backfill left in the stream, read back so the next
@@ -494,62 +512,44 @@ pub async fn backfill_resume(
         .max(state.first_sequence)
         .max(1);
     let whole = start <= state.first_sequence;
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            headers_only: true,
-            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                start_sequence: start,
-            },
-            ..Default::default()
-        })
-        .await
-        .map_err(Error::nats(context))?;
-    let mut messages = consumer.messages().await.map_err(Error::nats(context))?;
     let deadline = Instant::now() + TAIL_SCAN_BUDGET;
     let mut last_run = 0u64;
     let mut oldest: Option<(time::OffsetDateTime, uuid::Uuid)> = None;
     let mut untimed = false;
-    let mut complete = false;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let msg = match tokio::time::timeout(left, messages.next()).await {
-            Ok(Some(msg)) => msg.map_err(Error::nats(context))?,
-            Ok(None) | Err(_) => break,
-        };
-        let seq = msg
-            .info()
-            .map_err(|source| Error::Nats {
-                context: context.into(),
-                source,
-            })?
-            .stream_sequence;
-        if let Some(h) = msg.headers.as_ref() {
+    let complete = read_headers(
+        &stream,
+        start,
+        state.last_sequence,
+        deadline,
+        context,
+        |h| {
             let get = |name: &str| h.get(name).map(|v| v.as_str());
             let ours = get(wire::SOURCE)
                 .is_some_and(|s| wire::same_database(s, database.0, database.1))
                 && get(wire::DLQ_CONSUMER).is_none()
                 && get(wire::BACKFILL) == Some(header);
-            if let (true, Some(id)) = (ours, get(wire::MSG_ID).and_then(|v| v.parse().ok())) {
-                resume.stored.insert(id);
+            let Some(id) = get(wire::MSG_ID)
+                .and_then(|v| v.parse().ok())
+                .filter(|_| ours)
+            else {
+                return;
+            };
+            resume.stored.insert(id);
+            if get(wire::XID_HORIZON).and_then(|x| x.parse().ok()) == Some(horizon) {
+                last_run += 1;
                 let at = get(wire::OCCURRED_AT).and_then(|t| {
                     time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
                         .ok()
                 });
-                if get(wire::XID_HORIZON).and_then(|x| x.parse().ok()) == Some(horizon) {
-                    last_run += 1;
-                    match at {
-                        Some(at) => oldest = Some(oldest.map_or((at, id), |o| o.min((at, id)))),
-                        // A message without its time bounds nothing.
-                        None => untimed = true,
-                    }
+                match at {
+                    Some(at) => oldest = Some(oldest.map_or((at, id), |o| o.min((at, id)))),
+                    // A message without its time bounds nothing.
+                    None => untimed = true,
                 }
             }
-        }
-        if seq >= state.last_sequence {
-            complete = true;
-            break;
-        }
-    }
+        },
+    )
+    .await?;
     if !complete {
         tracing::warn!(
             stream = stream_name,
