@@ -119,10 +119,10 @@ async fn run(command: Command) -> Result<(), Error> {
             let handle = crate::ops::metrics::install()?;
             let ready = Readiness::new("not consuming yet: starting");
             let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
-            // HTTP calls claim and complete through the inbox writer's own
-            // connections; this pool serves parking, retries, the lease and
-            // a Rust handler's transactions, which need no more than this.
-            let pool = dsn.pool(cfg.concurrency.min(16) as u32 + 2).await?;
+            // HTTP calls claim and complete through the inbox writers' own
+            // connections; this pool serves parking, retries, the lease, the
+            // crew lock and its liveness check, which need no more than this.
+            let pool = dsn.pool(cfg.concurrency.min(16) as u32 + 4).await?;
             ready.watch_postgres(pool.clone());
             let nats =
                 crate::nats::connect(&args.nats, format!("outbox-consume:{}", cfg.durable)).await?;

@@ -73,6 +73,9 @@ pub const RESERVED_PREFIXES: [&str; 2] = [NATS_HEADER_PREFIX, OUTBOX_HEADER_PREF
 pub const EXPECTED_LAST_MSG_ID: &str = "Nats-Expected-Last-Msg-Id";
 
 /// W3C trace context, passed from the row's `headers` to the handler.
+/// Subjects the processes of one durable talk on (core NATS, outside any
+/// stream): `{CREW_PREFIX}.{stream}.{durable}.…` (see `consumer/crew.rs`).
+pub const CREW_PREFIX: &str = "_OUTBOX_CREW";
 pub const TRACEPARENT: &str = "traceparent";
 /// HTTP header of the handler call: the message id.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";

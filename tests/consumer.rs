@@ -386,9 +386,11 @@ async fn each_answer_of_the_spec_table() {
     }
 
     // The endpoint: ready, and counters that match the answers above.
-    assert_eq!(
-        consumer.http_get("/readyz").await,
-        (200, "ready\n".to_owned())
+    let (status, body) = consumer.http_get("/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.starts_with("ready: dispatching durable table for 1 process(es)"),
+        "{body}"
     );
     assert_eq!(consumer.http_get("/healthz").await.0, 200);
     let m = consumer.scrape().await;
@@ -2971,16 +2973,18 @@ async fn a_standby_consumer_taking_over_while_nats_is_down_stays_and_delivers_af
         &handler_url,
         &["--context", "ctko"],
     );
-    eventually(T, "the second instance reports standby", || async {
+    eventually(T, "the second process says another dispatches", || async {
         let (status, body) = standby.http_get("/readyz").await;
-        status == 503 && body.contains("standby")
+        status == 200
+            && body.contains("another dispatches")
+            && standby.scrape().await.value("outbox_consumer_standby") == Some(1.0)
     })
     .await;
     nats.down();
     f.consumer.kill9();
     let deadline = Instant::now() + T;
     while standby.child.try_wait().unwrap().is_none()
-        && standby.http_get("/readyz").await.1.contains("standby")
+        && standby.scrape().await.value("outbox_consumer_standby") == Some(1.0)
     {
         assert!(Instant::now() < deadline, "the standby never took over");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -3049,4 +3053,587 @@ async fn spilled_messages_never_overtake_their_unfinished_head_across_a_crash() 
     let mut seen = after.clone();
     seen.dedup();
     assert_eq!(seen, (0..6).collect::<Vec<i64>>(), "in order: {after:?}");
+}
+
+/// One call a crew test's handler saw: when it started and ended.
+#[derive(Debug, Clone)]
+struct Timed {
+    id: String,
+    aggregate: String,
+    status: u16,
+    start: Instant,
+    end: Instant,
+}
+
+/// A handler that takes `ms` per call and answers each message's scripted
+/// `answers` in turn, recording start and end of every call.
+#[derive(Clone)]
+struct SlowHandler {
+    ms: u64,
+    calls: Arc<Mutex<Vec<Timed>>>,
+}
+
+impl SlowHandler {
+    async fn serve(ms: u64) -> (SlowHandler, String) {
+        let h = SlowHandler {
+            ms,
+            calls: Arc::default(),
+        };
+        let app = axum::Router::new()
+            .route("/handle", axum::routing::post(slow_answer))
+            .with_state(h.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/handle", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (h, url)
+    }
+
+    fn calls(&self) -> Vec<Timed> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+async fn slow_answer(State(h): State<SlowHandler>, body: Bytes) -> StatusCode {
+    let start = Instant::now();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let id = body["message_id"].as_str().unwrap().to_owned();
+    let aggregate = body["payload"]["aggregate"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    let n = h.calls().iter().filter(|c| c.id == id).count();
+    let answers: Vec<u16> = body["payload"]["answers"]
+        .as_array()
+        .map(|a| a.iter().map(|v| v.as_u64().unwrap() as u16).collect())
+        .unwrap_or_else(|| vec![200]);
+    let status = answers[n.min(answers.len() - 1)];
+    tokio::time::sleep(Duration::from_millis(h.ms)).await;
+    h.calls.lock().unwrap().push(Timed {
+        id,
+        aggregate,
+        status,
+        start,
+        end: Instant::now(),
+    });
+    StatusCode::from_u16(status).unwrap()
+}
+
+/// The process of the crew that dispatches now (its standby gauge is 0).
+async fn dispatcher(crew: &[Option<Service>]) -> usize {
+    let deadline = Instant::now() + T;
+    loop {
+        for (i, s) in crew.iter().enumerate() {
+            if let Some(s) = s {
+                if s.scrape().await.value("outbox_consumer_standby") == Some(0.0) {
+                    return i;
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no process of the crew dispatches"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// SPEC §11: three processes of one durable all work; one is killed (kill
+/// -9), one stopped (SIGTERM), one started mid-run. Every message is handled,
+/// a successful call is repeated only where a process died with it in
+/// flight, an aggregate's calls never overlap and keep stream order, work
+/// moves within 5 s of the kill and 1 s of the SIGTERM, and a failing
+/// aggregate holds up no other. Before the crew, the second and third
+/// processes were standbys: they handled nothing (the check that each
+/// process handled a share fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_of_one_durable_share_its_work_across_a_kill_a_sigterm_and_a_join() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_crew").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "ccrew", DUP).await;
+    let (handler, handler_url) = SlowHandler::serve(20).await;
+    let args = [
+        "--context",
+        "ccrew",
+        "--backoff",
+        "300ms",
+        "--concurrency",
+        "4",
+    ];
+    let start = |name: &str| {
+        Service::consumer_named(
+            &url,
+            &stack.nats_url,
+            &stream,
+            "crew",
+            name,
+            &handler_url,
+            &args,
+        )
+    };
+    let mut crew: Vec<Option<Service>> = vec![Some(start("crew-a"))];
+    crew[0].as_mut().unwrap().wait_ready();
+    crew.push(Some(start("crew-b")));
+    crew.push(Some(start("crew-c")));
+    eventually(T, "three processes of the durable", || async {
+        crew[0]
+            .as_ref()
+            .unwrap()
+            .scrape()
+            .await
+            .value("outbox_consumer_processes")
+            == Some(3.0)
+    })
+    .await;
+
+    const N: usize = 2000;
+    let published: Arc<Mutex<Vec<(String, String, Instant)>>> = Arc::default();
+    let publisher = {
+        let js = js.clone();
+        let published = published.clone();
+        tokio::spawn(async move {
+            for i in 0..N {
+                let id = Uuid::new_v4();
+                // Aggregate `f` fails three times per message; others pass.
+                let agg = if i % 100 == 0 {
+                    "f".to_owned()
+                } else {
+                    format!("g{}", i % 40)
+                };
+                let body = if agg == "f" {
+                    format!(r#"{{"aggregate": "{agg}", "answers": [503, 503, 503, 200]}}"#)
+                } else {
+                    format!(r#"{{"aggregate": "{agg}"}}"#)
+                };
+                publish(
+                    &js,
+                    "ccrew.event.placed.v2",
+                    Some(id),
+                    &agg,
+                    body.as_bytes(),
+                )
+                .await;
+                published
+                    .lock()
+                    .unwrap()
+                    .push((agg, id.to_string(), Instant::now()));
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        })
+    };
+    // Work moved: the longest pause between handler calls starting, from `t`
+    // until the publisher stopped (messages kept arriving all along).
+    let stall = |t: Instant, until: Instant| {
+        let mut starts: Vec<Instant> = handler
+            .calls()
+            .iter()
+            .map(|c| c.start)
+            .filter(|s| *s > t && *s < until)
+            .collect();
+        starts.sort();
+        let mut last = t;
+        let mut longest = Duration::ZERO;
+        for s in starts {
+            longest = longest.max(s - last);
+            last = s;
+        }
+        longest.max(until.saturating_duration_since(last))
+    };
+
+    eventually(T, "each of the three processes handles a share", || async {
+        for s in crew.iter().flatten() {
+            let processed = s
+                .scrape()
+                .await
+                .value(r#"outbox_consumer_messages_total{result="processed"}"#);
+            if !processed.is_some_and(|p| p > 0.0) {
+                return false;
+            }
+        }
+        true
+    })
+    .await;
+    let killed = dispatcher(&crew).await;
+    let calls_before_kill = handler.calls().len();
+    let t_kill = Instant::now();
+    crew[killed].as_mut().unwrap().kill9();
+    crew[killed] = None;
+    crew.push(Some(start("crew-d")));
+    crew.last_mut().unwrap().as_mut().unwrap().wait_ready();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let termed = dispatcher(&crew).await;
+    let t_term = Instant::now();
+    let st = crew[termed].as_mut().unwrap().term(Duration::from_secs(30));
+    assert!(st.success(), "SIGTERM exit: {st:?}");
+    crew[termed] = None;
+    publisher.await.unwrap();
+    let publisher_done = published.lock().unwrap().last().unwrap().2;
+    wait_processed(&pool, "crew", N).await;
+    assert_all_acked(&js, &stream, "crew").await;
+
+    assert!(
+        t_term + Duration::from_secs(1) < publisher_done,
+        "the run covers the SIGTERM"
+    );
+    let after_kill = stall(
+        t_kill,
+        publisher_done
+            .min(t_kill + Duration::from_secs(5))
+            .min(t_term),
+    );
+    let after_term = stall(t_term, publisher_done.min(t_term + Duration::from_secs(5)));
+    println!(
+        "longest pause in handler calls: {after_kill:?} after the kill -9 of the dispatcher, {after_term:?} after its successor's SIGTERM ({calls_before_kill} calls before the kill)"
+    );
+    assert!(
+        after_kill < Duration::from_secs(5),
+        "kill -9: {after_kill:?}"
+    );
+    assert!(
+        after_term < Duration::from_secs(1),
+        "SIGTERM: {after_term:?}"
+    );
+
+    let published = published.lock().unwrap().clone();
+    let mut sent: HashMap<String, Vec<String>> = HashMap::new();
+    for (agg, id, _) in &published {
+        sent.entry(agg.clone()).or_default().push(id.clone());
+    }
+    let calls = handler.calls();
+    let mut by_agg: HashMap<String, Vec<Timed>> = HashMap::new();
+    for c in &calls {
+        by_agg
+            .entry(c.aggregate.clone())
+            .or_default()
+            .push(c.clone());
+    }
+    let mut repeats = 0;
+    for (agg, ids) in &sent {
+        let mut calls = by_agg[agg].clone();
+        calls.sort_by_key(|c| c.start);
+        for w in calls.windows(2) {
+            assert!(
+                w[1].start >= w[0].end,
+                "aggregate {agg}: calls overlap ({} and {})",
+                w[0].id,
+                w[1].id
+            );
+        }
+        let mut ok: Vec<String> = calls
+            .iter()
+            .filter(|c| c.status == 200)
+            .map(|c| c.id.clone())
+            .collect();
+        let before = ok.len();
+        ok.dedup();
+        repeats += before - ok.len();
+        assert_eq!(&ok, ids, "aggregate {agg}: every message once, in order");
+    }
+    println!("successful calls repeated: {repeats}");
+    assert!(
+        repeats <= 4,
+        "more repeats than the killed process had calls in flight"
+    );
+    // The failing aggregate held up no other: the rest was done first.
+    let f_done = by_agg["f"].iter().map(|c| c.end).max().unwrap();
+    let others_done = calls
+        .iter()
+        .filter(|c| c.aggregate != "f")
+        .map(|c| c.end)
+        .max()
+        .unwrap();
+    assert!(
+        others_done < f_done,
+        "the other aggregates finished before the failing one"
+    );
+}
+
+/// The Rust handler of the crew test: one effect row per message, written
+/// inside the inbox transaction, with the process and the call's start and
+/// end. A payload's `fails` makes that many first deliveries fail after
+/// writing (their effects roll back).
+struct CrewEffects {
+    process: String,
+}
+
+impl outbox_relay::consumer::Handler for CrewEffects {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        d: &outbox_relay::consumer::Delivery,
+    ) -> outbox_relay::consumer::Outcome {
+        use outbox_relay::consumer::Outcome;
+        let v: serde_json::Value = serde_json::from_slice(&d.payload).unwrap_or_default();
+        let aggregate = v["aggregate"].as_str().unwrap_or("").to_owned();
+        let fails = v["fails"].as_i64().unwrap_or(0);
+        let started: f64 =
+            match sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+                .fetch_one(&mut *tx)
+                .await
+            {
+                Ok(t) => t,
+                Err(e) => return Outcome::Retry(e.to_string()),
+            };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if let Err(e) = sqlx::query(
+            "INSERT INTO crew_effects (message_id, aggregate, process, started, ended) \
+             VALUES ($1, $2, $3, $4, extract(epoch FROM clock_timestamp())::float8)",
+        )
+        .bind(d.message_id)
+        .bind(&aggregate)
+        .bind(&self.process)
+        .bind(started)
+        .execute(&mut *tx)
+        .await
+        {
+            return Outcome::Retry(e.to_string());
+        }
+        if d.delivered <= fails {
+            Outcome::Retry("fails as scripted, after writing".into())
+        } else {
+            Outcome::Processed
+        }
+    }
+}
+
+/// Not a test: one process of the Rust crew test below, which starts it
+/// with `CREW_CHILD_*` set. It runs until SIGTERM (or kill -9).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a process of the Rust crew test, started by it"]
+async fn crew_rust_child() {
+    let (Ok(db), Ok(nats), Ok(stream), Ok(process)) = (
+        std::env::var("CREW_CHILD_DB"),
+        std::env::var("CREW_CHILD_NATS"),
+        std::env::var("CREW_CHILD_STREAM"),
+        std::env::var("CREW_CHILD_NAME"),
+    ) else {
+        return;
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(10)
+        .connect(&db)
+        .await
+        .unwrap();
+    let js = js(&nats).await;
+    let mut cfg = rust_cfg(&stream, "rcrew", "crcrew");
+    cfg.concurrency = 4;
+    cfg.max_deliver = 20;
+    cfg.backoff = vec![Duration::from_millis(300)];
+    cfg.ack_wait = Duration::from_secs(120);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
+        term.recv().await;
+        stop.cancel();
+    });
+    outbox_relay::consumer::run(
+        cfg,
+        pool,
+        js,
+        CrewEffects { process },
+        outbox_relay::ops::endpoint::Readiness::default(),
+        shutdown,
+    )
+    .await
+    .unwrap();
+}
+
+/// SPEC §11 with the Rust handler: three processes of one durable, one
+/// killed (kill -9), one stopped (SIGTERM), one started mid-run. Every
+/// message has exactly one committed effect, an aggregate's calls never
+/// overlap and keep stream order, work moves within 5 s of the kill and 1 s
+/// of the SIGTERM, and a failing aggregate holds up no other. Before the
+/// crew, only the first process wrote effects (the check that all three
+/// did fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_of_a_rust_handler_durable_keep_exactly_once_effects_across_a_kill_a_sigterm_and_a_join(
+) {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_rcrew").await;
+    sqlx::query(
+        "CREATE TABLE crew_effects (message_id uuid NOT NULL, aggregate text NOT NULL, process text NOT NULL, started float8 NOT NULL, ended float8 NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "crcrew", DUP).await;
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let spawn = |name: &str| {
+        let log = std::fs::File::create(logs.join(format!("rcrew-{name}.log"))).unwrap();
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "consumer::crew_rust_child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("CREW_CHILD_DB", &url)
+            .env("CREW_CHILD_NATS", &stack.nats_url)
+            .env("CREW_CHILD_STREAM", &stream)
+            .env("CREW_CHILD_NAME", name)
+            .env("RUST_LOG", "outbox_relay=info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    };
+    let members = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let leases = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let pg_now = || async {
+        sqlx::query_scalar::<_, f64>("SELECT extract(epoch FROM clock_timestamp())::float8")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let mut a = spawn("a");
+    eventually(T, "the first process dispatches", || async {
+        leases().await == 1
+    })
+    .await;
+    let mut b = spawn("b");
+    let mut c = spawn("c");
+    eventually(T, "three processes of the durable", || async {
+        members().await == 3
+    })
+    .await;
+
+    const N: usize = 1500;
+    let publisher = {
+        let js = js.clone();
+        tokio::spawn(async move {
+            let mut sent: HashMap<String, Vec<Uuid>> = HashMap::new();
+            for i in 0..N {
+                let id = Uuid::new_v4();
+                let agg = if i % 100 == 0 {
+                    "f".to_owned()
+                } else {
+                    format!("g{}", i % 30)
+                };
+                let body = if agg == "f" {
+                    format!(r#"{{"aggregate": "{agg}", "fails": 3}}"#)
+                } else {
+                    format!(r#"{{"aggregate": "{agg}"}}"#)
+                };
+                publish(
+                    &js,
+                    "crcrew.event.placed.v2",
+                    Some(id),
+                    &agg,
+                    body.as_bytes(),
+                )
+                .await;
+                sent.entry(agg).or_default().push(id);
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+            sent
+        })
+    };
+    eventually(T, "each of the three processes writes effects", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT process) FROM crew_effects")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == 3
+    })
+    .await;
+    let t_kill = pg_now().await;
+    a.kill().unwrap();
+    a.wait().unwrap();
+    let mut d = spawn("d");
+    eventually(T, "three processes again", || async {
+        members().await == 3
+    })
+    .await;
+    let t_term = pg_now().await;
+    signal(b.id(), "TERM");
+    let st = tokio::task::spawn_blocking(move || b.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(st.success(), "SIGTERM exit: {st:?}");
+    let sent = publisher.await.unwrap();
+    let publisher_done = pg_now().await;
+    eventually(T, "every message has its effect", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(DISTINCT message_id) FROM crew_effects")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == N as i64
+    })
+    .await;
+    assert_all_acked(&js, &stream, "rcrew").await;
+    for child in [&mut c, &mut d] {
+        signal(child.id(), "TERM");
+    }
+    for mut child in [c, d] {
+        tokio::task::spawn_blocking(move || child.wait().unwrap())
+            .await
+            .unwrap();
+    }
+
+    let rows: Vec<(Uuid, String, f64, f64)> = sqlx::query_as(
+        "SELECT message_id, aggregate, started, ended FROM crew_effects ORDER BY started",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), N, "exactly one committed effect per message");
+    let stall = |t: f64, until: f64| {
+        let mut last = t;
+        let mut longest: f64 = 0.0;
+        for (_, _, s, _) in rows.iter().filter(|r| r.2 > t && r.2 < until) {
+            longest = longest.max(s - last);
+            last = *s;
+        }
+        longest.max(until - last)
+    };
+    assert!(t_term + 1.0 < publisher_done, "the run covers the SIGTERM");
+    let after_kill = stall(t_kill, publisher_done.min(t_kill + 5.0).min(t_term));
+    let after_term = stall(t_term, publisher_done.min(t_term + 5.0));
+    println!(
+        "longest pause in handler calls: {after_kill:.3}s after the kill -9 of the dispatcher, {after_term:.3}s after a SIGTERM"
+    );
+    assert!(after_kill < 5.0, "kill -9: {after_kill}s");
+    assert!(after_term < 1.0, "SIGTERM: {after_term}s");
+    let mut by_agg: HashMap<String, Vec<(Uuid, f64, f64)>> = HashMap::new();
+    for (id, agg, s, e) in &rows {
+        by_agg.entry(agg.clone()).or_default().push((*id, *s, *e));
+    }
+    for (agg, ids) in &sent {
+        let calls = &by_agg[agg];
+        for w in calls.windows(2) {
+            assert!(w[1].1 >= w[0].2, "aggregate {agg}: effects overlap");
+        }
+        let order: Vec<Uuid> = calls.iter().map(|c| c.0).collect();
+        assert_eq!(&order, ids, "aggregate {agg}: stream order");
+    }
+    let f_done = by_agg["f"].iter().map(|c| c.2).fold(0.0, f64::max);
+    let others_done = rows
+        .iter()
+        .filter(|r| r.1 != "f")
+        .map(|r| r.3)
+        .fold(0.0, f64::max);
+    assert!(
+        others_done < f_done,
+        "the other aggregates finished before the failing one"
+    );
 }

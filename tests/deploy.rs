@@ -270,3 +270,104 @@ fn compose_pins_the_versions_the_tests_run_on() {
         "compose should use postgres:15"
     );
 }
+
+/// deploy/kubernetes: the consumer Deployment passes the binary's own
+/// configuration check, and the KEDA ScaledObject scales that Deployment on
+/// metrics the consumer exports (SPEC §11: the lag metric drives an
+/// autoscaler).
+#[test]
+fn the_keda_scaled_object_scales_the_consumer_deployment_on_metrics_it_exports() {
+    let deployment: Value =
+        yaml_serde::from_str(&read("deploy/kubernetes/consumer.yaml")).expect("YAML");
+    let scaled: Value =
+        yaml_serde::from_str(&read("deploy/kubernetes/keda-scaledobject.yaml")).expect("YAML");
+    assert_eq!(deployment["kind"].as_str(), Some("Deployment"));
+    assert_eq!(scaled["kind"].as_str(), Some("ScaledObject"));
+    assert_eq!(
+        scaled["spec"]["scaleTargetRef"]["name"], deployment["metadata"]["name"],
+        "the ScaledObject scales the consumer Deployment"
+    );
+    let (min, max) = (
+        scaled["spec"]["minReplicaCount"]
+            .as_u64()
+            .expect("minReplicaCount"),
+        scaled["spec"]["maxReplicaCount"]
+            .as_u64()
+            .expect("maxReplicaCount"),
+    );
+    assert!(1 <= min && min <= max, "replicas {min}..{max}");
+
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let args = strings(&container["args"]);
+    assert_eq!(args[0], "consume");
+    let out = Command::new(BIN)
+        .args(&args)
+        .arg("--check-config")
+        .env_clear()
+        .env("DATABASE_URL", "postgres://orders@postgres/orders")
+        .env("NATS_URL", "nats://nats:4222")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "`outbox-relay {}` is refused:\n{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics_port = args
+        .iter()
+        .skip_while(|a| *a != "--metrics-addr")
+        .nth(1)
+        .and_then(|a| a.rsplit_once(':'))
+        .map(|(_, p)| p.to_owned())
+        .expect("--metrics-addr");
+    assert_eq!(
+        container["ports"][0]["containerPort"]
+            .as_u64()
+            .map(|p| p.to_string()),
+        Some(metrics_port.clone()),
+        "the metrics port is the container's"
+    );
+    assert_eq!(
+        deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"].as_str(),
+        Some(metrics_port.as_str())
+    );
+    assert_eq!(
+        container["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    // SIGTERM lets running calls finish (--shutdown-timeout, 30 s default)
+    // before Kubernetes kills the pod.
+    assert!(
+        deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            .as_u64()
+            .is_some_and(|s| s > 30)
+    );
+
+    let trigger = &scaled["spec"]["triggers"][0];
+    assert_eq!(trigger["type"].as_str(), Some("prometheus"));
+    let query = trigger["metadata"]["query"].as_str().expect("query");
+    let names: Vec<&str> = query
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("outbox_"))
+        .collect();
+    assert!(!names.is_empty(), "{query}");
+    for name in names {
+        assert!(
+            outbox_relay::ops::metrics::ALL.contains(&name),
+            "{name} is not a metric the processes export"
+        );
+    }
+    assert!(
+        query.contains("outbox_consumer_pending_messages"),
+        "scales on the durable's backlog"
+    );
+    let label = deployment["spec"]["template"]["metadata"]["labels"]["app"]
+        .as_str()
+        .expect("app label");
+    assert!(query.contains(&format!("app=\"{label}\"")), "{query}");
+    assert!(trigger["metadata"]["threshold"]
+        .as_str()
+        .and_then(|t| t.parse::<f64>().ok())
+        .is_some_and(|t| t > 0.0));
+}

@@ -762,6 +762,11 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
     })
 }
 
+/// The key's oldest parked message, if any (`None` once the consumer stops).
+pub(super) async fn next_parked_of<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
+    next_parked(shared, key).await
+}
+
 async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
     persist(shared, "reading the next parked message", || {
         inbox::next_parked(&shared.pool, &shared.cfg.durable, &shared.cfg.stream, key)

@@ -21,6 +21,7 @@
 //! Shutdown: stop pulling, let running jobs finish (bounded), NAK what waits
 //! so the next active instance gets it at once.
 
+mod crew;
 mod dead_letter;
 mod delivery;
 pub mod handler;
@@ -29,13 +30,12 @@ pub(crate) mod lease;
 mod scheduler;
 mod transaction;
 
-use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull, AckKind};
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -44,6 +44,7 @@ use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
 use crate::wire;
+use crew::{Crew, Member, Running, Sent, Worker};
 use dead_letter::DeadLetters;
 use delivery::Shared;
 pub use handler::{Delivery, Handler, HttpHandler, Outcome};
@@ -79,9 +80,11 @@ const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// How often the consumer looks whether its NATS client reconnected.
 const RECONNECT_CHECK: Duration = Duration::from_millis(100);
 
-/// How often a standby asks for the lease, and the active instance checks
-/// that it still holds it.
+/// How often the dispatcher checks that it still holds the lease.
 const LEASE_POLL: Duration = Duration::from_secs(1);
+/// How often the other processes of the crew ask for it: a dispatcher's
+/// SIGTERM hands over within this (SPEC §11: one second).
+const LEASE_ASK: Duration = Duration::from_millis(250);
 
 /// Why an active period ended.
 enum Ended {
@@ -169,24 +172,75 @@ pub async fn run<H: Handler>(
         watchers,
     ));
     let handler = Arc::new(handler);
+    // Every process of the durable works (SPEC §11, `crew`): whichever
+    // holds the lease dispatches, and all run the jobs it hands out.
+    let member = Member::join(&pool, &cfg.stream, &cfg.durable).await?;
+    let me = member.id;
+    let worker = Arc::new(Worker {
+        registry: Default::default(),
+        dispatching: AtomicBool::new(false),
+        processes: AtomicUsize::new(1),
+    });
+    let worker_task = tokio::spawn(crew::work(
+        new_shared(
+            &cfg,
+            &pool,
+            &stream,
+            &dlq,
+            handler.clone(),
+            CancellationToken::new(),
+        ),
+        js.clone(),
+        pool.clone(),
+        member,
+        worker.clone(),
+        readiness.clone(),
+        shutdown.clone(),
+        cfg.shutdown_timeout,
+    ));
+    let ended = dispatch(
+        &cfg, &pool, &js, &stream, &consumer, &dlq, handler, &readiness, &shutdown, me, &worker,
+    )
+    .await;
+    match &ended {
+        // The jobs this process runs for the crew finish first.
+        Ok(()) => {
+            let _ = worker_task.await;
+        }
+        Err(_) => worker_task.abort(),
+    }
+    ended
+}
+
+/// Ask for the lease until shutdown; dispatch while holding it.
+#[allow(clippy::too_many_arguments)]
+async fn dispatch<H: Handler>(
+    cfg: &ConsumeConfig,
+    pool: &PgPool,
+    js: &jetstream::Context,
+    stream: &jetstream::stream::Stream,
+    consumer: &Consumer,
+    dlq: &DeadLetters,
+    handler: Arc<H>,
+    readiness: &Readiness,
+    shutdown: &CancellationToken,
+    me: i32,
+    worker: &Arc<Worker>,
+) -> Result<()> {
     let standby = metrics::gauge!(m::CONSUMER_STANDBY);
     let mut standby_logged = false;
     loop {
-        let lease = match Lease::try_acquire(&pool, &cfg.stream, &cfg.durable).await {
+        let lease = match Lease::try_acquire(pool, &cfg.stream, &cfg.durable).await {
             Ok(Some(lease)) => lease,
             Ok(None) => {
                 standby.set(1.0);
                 if !standby_logged {
-                    tracing::info!(durable = %cfg.durable, "standby: another instance of this durable is active");
+                    tracing::info!(durable = %cfg.durable, "another process of this durable dispatches; this one runs the jobs it is sent");
                     standby_logged = true;
                 }
-                readiness.not_ready(format!(
-                    "standby: another instance of durable {} is active; taking over when it stops",
-                    cfg.durable
-                ));
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(LEASE_POLL) => continue,
+                    _ = tokio::time::sleep(LEASE_ASK) => continue,
                 }
             }
             Err(e) => {
@@ -201,15 +255,20 @@ pub async fn run<H: Handler>(
         standby.set(0.0);
         standby_logged = false;
         let active = Active {
-            cfg: &cfg,
-            js: &js,
-            pool: &pool,
-            stream: &stream,
-            dlq: &dlq,
+            cfg,
+            js,
+            pool,
+            stream,
+            dlq,
             handler: handler.clone(),
-            readiness: &readiness,
+            readiness,
+            me,
+            worker,
         };
-        match active.run(consumer.clone(), lease, &shutdown).await {
+        worker.dispatching.store(true, Ordering::Relaxed);
+        let result = active.run(consumer.clone(), lease, shutdown).await;
+        worker.dispatching.store(false, Ordering::Relaxed);
+        match result {
             Ok(Ended::Shutdown) => return Ok(()),
             Ok(Ended::LeaseLost) => {
                 tracing::warn!(
@@ -244,6 +303,64 @@ struct Active<'a, H> {
     dlq: &'a DeadLetters,
     handler: Arc<H>,
     readiness: &'a Readiness,
+    me: i32,
+    worker: &'a Arc<Worker>,
+}
+
+/// How a job of the dispatcher ended, wherever it ran.
+struct JobEnd {
+    id: u64,
+    key: String,
+    how: Finished<Instant>,
+    /// Run the way a panic is handled: reset to the ack floor.
+    panicked: bool,
+    /// Run by this process (else by another of the crew).
+    local: bool,
+}
+
+/// The processing state a job needs, one per dispatcher period and one for
+/// the jobs the crew sends this process.
+fn new_shared<H: Handler>(
+    cfg: &ConsumeConfig,
+    pool: &PgPool,
+    stream: &jetstream::stream::Stream,
+    dlq: &DeadLetters,
+    handler: Arc<H>,
+    stop: CancellationToken,
+) -> Arc<Shared<H>> {
+    Arc::new(Shared {
+        pool: pool.clone(),
+        handler: handler.clone(),
+        dlq: dlq.clone(),
+        cfg: cfg.clone(),
+        stream: stream.clone(),
+        stop,
+        dlq_failing: AtomicUsize::new(0),
+        batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
+        transactions: handler.in_transaction().then(|| {
+            // A quarter of the pool each for the dispatcher's and the crew's
+            // jobs, so parking, retries and the lease check still find a
+            // connection; four shared groups are enough to keep Postgres
+            // busy, one message each is not.
+            let max_group = handler.max_group().clamp(1, transaction::MAX_GROUP);
+            let quarter_pool = (pool.options().get_max_connections() / 4).max(1) as usize;
+            let workers = if max_group == 1 {
+                quarter_pool
+            } else {
+                quarter_pool.min(4)
+            };
+            transaction::Transactions::start(
+                pool.clone(),
+                handler.clone(),
+                transaction::Settings {
+                    consumer: cfg.durable.clone(),
+                    stream: cfg.stream.clone(),
+                    workers,
+                    max_group,
+                },
+            )
+        }),
+    })
 }
 
 type Consumer = jetstream::consumer::Consumer<pull::Config>;
@@ -258,9 +375,17 @@ impl<H: Handler> Active<'_, H> {
         let cfg = self.cfg;
         self.readiness
             .not_ready("taking over: resuming from the ack floor");
-        // Whatever a previous holder pulled and did not finish comes again,
-        // in stream order, before anything new: order survives its crash.
-        let rewound = reset_to_ack_floor(&mut consumer, "taking over").await;
+        let crew_stop = CancellationToken::new();
+        let _crew_stop = crew_stop.clone().drop_guard();
+        let crew = Crew::start(
+            self.js.client(),
+            self.pool.clone(),
+            &cfg.stream,
+            &cfg.durable,
+            self.me,
+            crew_stop,
+        )
+        .await?;
         // Past half of max_ack_pending waiting in memory, busy keys spill
         // theirs to the inbox, so JetStream never holds back for them.
         let high_water = usize::try_from(cfg.max_ack_pending)
@@ -269,6 +394,13 @@ impl<H: Handler> Active<'_, H> {
             .map_or(10_000, |m| (m / 2).max(1));
         let mut scheduler: Scheduler<jetstream::Message, Instant> =
             Scheduler::new(cfg.concurrency, high_water);
+        // What the crew runs for a previous dispatcher keeps its key busy
+        // until it ends: its message, delivered again by the reset, waits
+        // behind it.
+        let adopted = crew.adopt(self.pool, &cfg.stream, &cfg.durable).await;
+        for (running, _) in &adopted {
+            scheduler.adopt(running.key.clone());
+        }
         let heads = inbox::parked_heads(self.pool, &cfg.durable, &cfg.stream)
             .await
             .map_err(Error::pg("reading parked messages"))?;
@@ -276,47 +408,22 @@ impl<H: Handler> Active<'_, H> {
         for (key, seq, wait) in heads {
             scheduler.load_parked(key, seq, now + wait);
         }
+        // Whatever a previous holder pulled and did not finish comes again,
+        // in stream order, before anything new: order survives its crash.
+        let rewound = reset_to_ack_floor(&mut consumer, "taking over").await;
         if let Some(from) = rewound {
             scheduler.rewound(from);
         }
         let mut rewound_at = Instant::now();
         let stop = shutdown.child_token();
-        let shared = Arc::new(Shared {
-            pool: self.pool.clone(),
-            handler: self.handler.clone(),
-            dlq: self.dlq.clone(),
-            cfg: cfg.clone(),
-            stream: self.stream.clone(),
-            stop: stop.clone(),
-            dlq_failing: AtomicUsize::new(0),
-            batcher: inbox::Batcher::start(
-                self.pool.clone(),
-                cfg.durable.clone(),
-                cfg.stream.clone(),
-            ),
-            transactions: self.handler.in_transaction().then(|| {
-                // Half the pool, so parking, retries and the lease check
-                // still find a connection; four shared groups are enough to
-                // keep Postgres busy, one message each is not.
-                let max_group = self.handler.max_group().clamp(1, transaction::MAX_GROUP);
-                let half_pool = (self.pool.options().get_max_connections() / 2).max(1) as usize;
-                let workers = if max_group == 1 {
-                    half_pool
-                } else {
-                    half_pool.min(4)
-                };
-                transaction::Transactions::start(
-                    self.pool.clone(),
-                    self.handler.clone(),
-                    transaction::Settings {
-                        consumer: cfg.durable.clone(),
-                        stream: cfg.stream.clone(),
-                        workers,
-                        max_group,
-                    },
-                )
-            }),
-        });
+        let shared = new_shared(
+            cfg,
+            self.pool,
+            self.stream,
+            self.dlq,
+            self.handler.clone(),
+            stop.clone(),
+        );
         let mut messages = Some(
             pull_stream(&consumer, cfg)
                 .await
@@ -348,42 +455,126 @@ impl<H: Handler> Active<'_, H> {
         tracing::info!(stream = %cfg.stream, durable = %cfg.durable, parked_aggregates = scheduler.parked_keys(), "consuming");
         self.readiness.ready();
 
-        let mut tasks: JoinSet<(String, Finished<Instant>, bool)> = JoinSet::new();
-        let start = |tasks: &mut JoinSet<_>, jobs: Vec<(String, Job<jetstream::Message>)>| {
+        let mut tasks: JoinSet<JobEnd> = JoinSet::new();
+        let registry = self.worker.registry.clone();
+        // Deliveries and retries this process runs; past `--concurrency`,
+        // they go to the crew.
+        let local_running = Arc::new(AtomicUsize::new(0));
+        let register = |id: u64, key: &str, retry: Option<u64>| {
+            if let Ok(mut r) = registry.lock() {
+                r.insert(
+                    id,
+                    Running {
+                        id,
+                        key: key.to_owned(),
+                        retry,
+                        mine: true,
+                    },
+                );
+            }
+        };
+        let start = |tasks: &mut JoinSet<JobEnd>, jobs: Vec<(String, Job<jetstream::Message>)>| {
             for (key, job) in jobs {
-                let shared = shared.clone();
-                let retried = match &job {
+                let id = crew::new_job_id();
+                let retry = match &job {
                     Job::Retry { seq } => Some(*seq),
                     _ => None,
                 };
-                let spill = matches!(job, Job::Spill(_));
+                let counted = retry.is_some() || matches!(job, Job::Deliver(_));
+                let remote = if counted && local_running.load(Ordering::Relaxed) >= cfg.concurrency
+                {
+                    crew.pick()
+                } else {
+                    None
+                };
+                if counted && remote.is_none() {
+                    local_running.fetch_add(1, Ordering::Relaxed);
+                    register(id, &key, retry);
+                }
+                let shared = shared.clone();
+                let crew = crew.clone();
+                let local_running = local_running.clone();
+                let registry = registry.clone();
                 tasks.spawn(async move {
-                    // Boxed: the job's state machine is large, and the task's own
-                    // stage is copied as it settles.
-                    match AssertUnwindSafe(Box::pin(delivery::run_job(&shared, &key, job)))
-                        .catch_unwind()
-                        .await
-                    {
-                        Ok(how) => (key, how, false),
-                        Err(_) => {
-                            tracing::error!(key, "a delivery panicked (the handler?)");
-                            // A parked message stays the key's head and is
-                            // tried again later; a pulled one is unacked and
-                            // comes again, in order, after a reset.
-                            let how = match retried {
-                                Some(seq) => Finished::Parked {
-                                    seq,
-                                    due: Instant::now() + PANIC_PAUSE,
-                                },
-                                None if spill => Finished::Spilled { seq: None },
-                                None => Finished::Done,
-                            };
-                            (key, how, retried.is_none())
+                    if let Some(member) = remote {
+                        match crew.send(member, id, &key, &job).await {
+                            Sent::Accepted(end) => {
+                                let handed = crew.handed_over();
+                                let end = tokio::select! {
+                                    end = end => end.ok().flatten(),
+                                    _ = handed.cancelled() => None,
+                                };
+                                crew.unreserve(member);
+                                let (how, panicked) = match end {
+                                    Some(end) => end,
+                                    None if crew.handed_over().is_cancelled() => {
+                                        (Finished::Done, false)
+                                    }
+                                    None => crew::lost(&shared, &key, retry).await,
+                                };
+                                return JobEnd {
+                                    id,
+                                    key,
+                                    how,
+                                    panicked,
+                                    local: false,
+                                };
+                            }
+                            Sent::Refused => {
+                                crew.unreserve(member);
+                                local_running.fetch_add(1, Ordering::Relaxed);
+                                if let Ok(mut r) = registry.lock() {
+                                    r.insert(
+                                        id,
+                                        Running {
+                                            id,
+                                            key: key.clone(),
+                                            retry,
+                                            mine: true,
+                                        },
+                                    );
+                                }
+                            }
                         }
+                    }
+                    let (how, panicked) = crew::run_caught(&shared, &key, job, retry).await;
+                    if counted {
+                        local_running.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    JobEnd {
+                        id,
+                        key,
+                        how,
+                        panicked,
+                        local: counted,
                     }
                 });
             }
         };
+        for (running, end) in adopted {
+            let shared = shared.clone();
+            let handed = crew.handed_over();
+            tasks.spawn(async move {
+                let end = tokio::select! {
+                    end = end => end.ok().flatten(),
+                    _ = handed.cancelled() => None,
+                };
+                let (how, panicked) = match end {
+                    Some(end) => end,
+                    None if handed.is_cancelled() => (Finished::Done, false),
+                    None => crew::lost(&shared, &running.key, running.retry).await,
+                };
+                JobEnd {
+                    id: running.id,
+                    key: running.key,
+                    how,
+                    panicked,
+                    local: false,
+                }
+            });
+        }
+        let mut crew_tick = tokio::time::interval(crew::BEAT);
+        let remote_jobs = metrics::gauge!(m::CONSUMER_REMOTE_JOBS);
         let mut progress =
             tokio::time::interval((cfg.ack_wait / 3).max(Duration::from_millis(100)));
         let mut lease_check = tokio::time::interval(LEASE_POLL);
@@ -409,7 +600,12 @@ impl<H: Handler> Active<'_, H> {
                 _ = shutdown.cancelled() => break Ended::Shutdown,
                 Some(done) = tasks.join_next() => {
                     last_settled = Instant::now();
-                    if let Ok((key, how, panicked)) = done {
+                    if let Ok(JobEnd { id, key, how, panicked, local }) = done {
+                        if local {
+                            if let Ok(mut r) = registry.lock() {
+                                r.remove(&id);
+                            }
+                        }
                         let jobs = scheduler.finish(&key, how, Instant::now());
                         start(&mut tasks, jobs);
                         if panicked {
@@ -418,6 +614,18 @@ impl<H: Handler> Active<'_, H> {
                             rebuild = Some(Rebuild { at: Instant::now(), reset: true, tries: 0 });
                         }
                     }
+                }
+                _ = crew_tick.tick() => {
+                    let jobs = scheduler.set_concurrency(cfg.concurrency + crew.capacity(), Instant::now());
+                    start(&mut tasks, jobs);
+                    let local = local_running.load(Ordering::Relaxed);
+                    remote_jobs.set(tasks.len().saturating_sub(local) as f64);
+                    self.readiness.note(format!(
+                        "dispatching durable {} for {} process(es): {local} job(s) running here, {} in the other processes",
+                        cfg.durable,
+                        crew.helpers() + 1,
+                        tasks.len().saturating_sub(local),
+                    ));
                 }
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now).into()), if wake.is_some() => {
                     let jobs = scheduler.wake(Instant::now());
@@ -572,19 +780,50 @@ impl<H: Handler> Active<'_, H> {
             }
         };
 
-        // No more pulls; finish what runs (bounded), NAK what waits so the
-        // next active instance gets it at once.
+        // No more pulls. What waits is NAKed so the next dispatcher gets it
+        // at once.
         drop(messages);
+        for msg in scheduler.take_waiting() {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+        }
+        pending_task.abort();
+        remote_jobs.set(0.0);
         if matches!(ended, Ended::LeaseLost) {
             // Another instance may be active already: nothing more of ours runs.
             stop.cancel();
             tasks.abort_all();
+            if let Ok(mut r) = registry.lock() {
+                r.retain(|_, j| !j.mine);
+            }
+            lease.release().await;
         } else {
+            // Hand over at once: the next dispatcher hears from this
+            // process which jobs still run here, and from the others what
+            // they run, and waits for each.
             self.readiness.not_ready("shutting down");
+            crew.hand_over();
+            lease.release().await;
+            let client = self.js.client();
             let deadline = Instant::now() + cfg.shutdown_timeout;
             while !tasks.is_empty() {
                 match tokio::time::timeout_at(deadline.into(), tasks.join_next()).await {
-                    Ok(Some(_)) => {}
+                    Ok(Some(Ok(end))) => {
+                        if end.local {
+                            crew::report(
+                                &client,
+                                &cfg.stream,
+                                &cfg.durable,
+                                end.id,
+                                end.how,
+                                end.panicked,
+                            )
+                            .await;
+                            if let Ok(mut r) = registry.lock() {
+                                r.remove(&end.id);
+                            }
+                        }
+                    }
+                    Ok(Some(Err(_))) => {}
                     Ok(None) => break,
                     Err(_) => {
                         tracing::warn!(
@@ -593,17 +832,15 @@ impl<H: Handler> Active<'_, H> {
                         );
                         stop.cancel();
                         tasks.abort_all();
+                        if let Ok(mut r) = registry.lock() {
+                            r.retain(|_, j| !j.mine);
+                        }
                         break;
                     }
                 }
             }
         }
-        for msg in scheduler.take_waiting() {
-            let _ = msg.ack_with(AckKind::Nak(None)).await;
-        }
-        pending_task.abort();
-        lease.release().await;
-        tracing::info!("consumer stopped");
+        tracing::info!("consumer stopped dispatching");
         Ok(ended)
     }
 }

@@ -271,6 +271,25 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         self.rewind.as_ref().is_some_and(|r| !r.held.is_empty())
     }
 
+    /// The number of jobs that may run at once changed (processes of the
+    /// crew joined or left). Returns the jobs to start now.
+    pub fn set_concurrency(&mut self, concurrency: usize, now: T) -> Vec<(String, Job<M>)> {
+        self.concurrency = concurrency.max(1);
+        let mut started = Vec::new();
+        self.fill(now, &mut started);
+        started
+    }
+
+    /// A job of `key` that another process runs already (found when taking
+    /// over): the key is busy until it [`finish`](Self::finish)es.
+    pub fn adopt(&mut self, key: String) {
+        let lane = self.lanes.entry(key).or_default();
+        if !lane.running {
+            lane.running = true;
+            self.running += 1;
+        }
+    }
+
     /// Whether a newly pulled message could start: a free slot, and no key
     /// already waiting for one.
     pub fn can_pull(&self) -> bool {
@@ -493,6 +512,16 @@ mod tests {
 
     fn deliver(key: &str, seq: u64) -> (String, Job<Msg>) {
         (key.into(), Job::Deliver(m(key, seq)))
+    }
+
+    #[test]
+    fn an_adopted_job_keeps_its_key_busy_until_it_finishes_and_more_slots_start_queued_keys() {
+        let mut s = S::new(1, 100);
+        s.adopt("a".into());
+        assert_eq!(arrive(&mut s, "a", 1), vec![], "behind the adopted job");
+        assert_eq!(arrive(&mut s, "b", 2), vec![], "no free slot");
+        assert_eq!(s.set_concurrency(2, 0), vec![deliver("b", 2)]);
+        assert_eq!(s.finish("a", Finished::Done, 0), vec![deliver("a", 1)]);
     }
 
     #[test]

@@ -32,6 +32,8 @@ pub struct Readiness(Arc<ReadyInner>);
 struct ReadyInner {
     /// `None` when the service is doing its job; otherwise why not.
     phase: Mutex<Option<String>>,
+    /// Said beside "ready": what this process does now.
+    note: Mutex<Option<String>>,
     nats: OnceLock<async_nats::Client>,
     postgres: OnceLock<PgPool>,
 }
@@ -47,6 +49,17 @@ impl Readiness {
         if let Ok(mut p) = self.0.phase.lock() {
             *p = None;
         }
+    }
+
+    /// One line `/readyz` adds to "ready" (what this process does).
+    pub fn note(&self, text: impl Into<String>) {
+        if let Ok(mut n) = self.0.note.lock() {
+            *n = Some(text.into());
+        }
+    }
+
+    fn noted(&self) -> Option<String> {
+        self.0.note.lock().ok().and_then(|n| n.clone())
     }
 
     pub fn not_ready(&self, why: impl Into<String>) {
@@ -180,7 +193,10 @@ async fn scrape(State(s): State<Served>) -> impl IntoResponse {
 async fn readyz(State(s): State<Served>) -> impl IntoResponse {
     let problems = s.ready.problems().await;
     if problems.is_empty() {
-        (StatusCode::OK, "ready\n".to_owned())
+        match s.ready.noted() {
+            Some(note) => (StatusCode::OK, format!("ready: {note}\n")),
+            None => (StatusCode::OK, "ready\n".to_owned()),
+        }
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -77,6 +77,12 @@ pub const CONSUMER_HANDLER_SECONDS: &str = "outbox_consumer_handler_seconds";
 pub const CONSUMER_PENDING: &str = "outbox_consumer_pending_messages";
 pub const CONSUMER_PARKED_AGGREGATES: &str = "outbox_consumer_parked_aggregates";
 pub const CONSUMER_STANDBY: &str = "outbox_consumer_standby";
+/// Processes of this durable alive now (SPEC §11), as this one sees them.
+pub const CONSUMER_PROCESSES: &str = "outbox_consumer_processes";
+/// Jobs (handler calls with their inbox writes) this process runs now.
+pub const CONSUMER_RUNNING_JOBS: &str = "outbox_consumer_running_jobs";
+/// Jobs the dispatcher has handed to other processes and not heard back of.
+pub const CONSUMER_REMOTE_JOBS: &str = "outbox_consumer_remote_jobs";
 pub const CONSUMER_DLQ_FAILING: &str = "outbox_consumer_dead_letters_failing";
 /// Delivered to the durable and not yet acked (JetStream's `num_ack_pending`).
 pub const CONSUMER_ACK_PENDING: &str = "outbox_consumer_ack_pending_messages";
@@ -129,6 +135,9 @@ pub const ALL: &[&str] = &[
     CONSUMER_PENDING,
     CONSUMER_PARKED_AGGREGATES,
     CONSUMER_STANDBY,
+    CONSUMER_PROCESSES,
+    CONSUMER_RUNNING_JOBS,
+    CONSUMER_REMOTE_JOBS,
     CONSUMER_DLQ_FAILING,
     CONSUMER_ACK_PENDING,
     CONSUMER_LAG_SECONDS,
@@ -294,7 +303,19 @@ pub fn register_consumer() {
     );
     describe_gauge!(
         CONSUMER_STANDBY,
-        "1 while another instance of this durable is active"
+        "1 while another process of this durable dispatches (this one still runs the jobs it is sent)"
+    );
+    describe_gauge!(
+        CONSUMER_PROCESSES,
+        "Processes of this durable alive now (each holds its crew lock in Postgres)"
+    );
+    describe_gauge!(
+        CONSUMER_RUNNING_JOBS,
+        "Jobs (handler calls with their inbox writes) this process runs now"
+    );
+    describe_gauge!(
+        CONSUMER_REMOTE_JOBS,
+        "Jobs this dispatcher has handed to other processes of the durable and not heard back of"
     );
     describe_gauge!(
         CONSUMER_DLQ_FAILING,
@@ -314,6 +335,9 @@ pub fn register_consumer() {
         "Dead letters held in a dead-letter stream and not yet replayed, by stream and subject"
     );
     metrics::gauge!(CONSUMER_STANDBY).set(0.0);
+    metrics::gauge!(CONSUMER_PROCESSES).set(0.0);
+    metrics::gauge!(CONSUMER_RUNNING_JOBS).set(0.0);
+    metrics::gauge!(CONSUMER_REMOTE_JOBS).set(0.0);
     metrics::gauge!(CONSUMER_PARKED_AGGREGATES).set(0.0);
     metrics::gauge!(CONSUMER_DLQ_FAILING).set(0.0);
     for result in CONSUMER_RESULTS {
