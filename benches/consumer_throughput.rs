@@ -10,6 +10,11 @@
 //! `target/bench`). `--rust` runs the consumer in this process with a Rust
 //! handler (inside the inbox transaction) instead of the binary with an
 //! HTTP one (`consumer-rust-c{N}.*`).
+//!
+//! Scale-out (SPEC §11): `--processes P --handler-ms M` starts P processes of
+//! one durable and a handler that takes M ms per call; the crew forms before
+//! the messages are published (`consumer-c{N}-p{P}-h{M}.*`):
+//! `scripts/bench.sh consumer --messages 4000 --concurrency 8 --handler-ms 40 --processes 4`
 //! Needs DATABASE_URL (migrated), NATS_URL and RELAY_BIN (the binary to run).
 
 mod common;
@@ -30,13 +35,17 @@ async fn main() {
     let concurrency = arg("--concurrency", 48);
     let max_ack_pending = arg("--max-ack-pending", 50);
     let aggregates = arg("--aggregates", 1000);
+    // SPEC §11's scale-out target: N processes of one durable, a handler
+    // that takes `--handler-ms` per call.
+    let processes = arg("--processes", 1).max(1);
+    let handler_ms = arg("--handler-ms", 0);
     let (db, nats, bin) = (
         env("DATABASE_URL", "consumer"),
         env("NATS_URL", "consumer"),
         env("RELAY_BIN", "consumer"),
     );
 
-    // The handler: 200 at once, counting calls.
+    // The handler: 200 at once (or after `--handler-ms`), counting calls.
     let calls = Arc::new(AtomicU64::new(0));
     let counter = calls.clone();
     let app = axum::Router::new().route(
@@ -44,6 +53,9 @@ async fn main() {
         axum::routing::post(move || {
             let c = counter.clone();
             async move {
+                if handler_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(handler_ms)).await;
+                }
                 c.fetch_add(1, Ordering::Relaxed);
                 "ok"
             }
@@ -63,32 +75,24 @@ async fn main() {
     })
     .await
     .unwrap();
-    let mut acks = Vec::with_capacity(n as usize);
-    for i in 0..n {
-        let mut h = async_nats::HeaderMap::new();
-        h.insert(wire::MSG_ID, uuid::Uuid::new_v4().to_string().as_str());
-        h.insert(wire::AGGREGATE_ID, (i % aggregates).to_string().as_str());
-        let msg = jetstream::message::PublishMessage::build()
-            .payload(r#"{"n": 1}"#.into())
-            .headers(h);
-        acks.push(js.send_publish("ctp.e", msg).await.unwrap());
-        // async-nats holds at most 5,000 unacked publishes per context.
-        if acks.len() == 1000 {
-            for a in acks.drain(..) {
-                a.await.unwrap();
-            }
-        }
-    }
-    for a in acks {
-        a.await.unwrap();
+    // With several processes, or a slow handler, the crew forms first and
+    // the messages come after: what is timed is the crew at work, not its
+    // forming. Otherwise the stream is full before the consumer starts.
+    let prestart = processes > 1 || handler_ms > 0;
+    if !prestart {
+        fill(&js, n, aggregates).await;
     }
 
     let rust = flag("--rust");
+    assert!(
+        !(rust && processes > 1),
+        "--rust runs in this process: one process only"
+    );
     let durable = format!("ctp_{}c{concurrency}", if rust { "rust_" } else { "" });
     let log_path = std::env::temp_dir().join(format!("consumer-bench-{concurrency}.log"));
     let log = std::fs::File::create(&log_path).unwrap();
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let mut child = if rust {
+    let mut children = if rust {
         // In process: the Rust trait, inside the inbox transaction.
         let cfg = outbox_relay::ConsumeConfig {
             stream: "CTP_EVENTS".into(),
@@ -116,41 +120,72 @@ async fn main() {
             let ready = outbox_relay::ops::endpoint::Readiness::default();
             outbox_relay::consumer::run(cfg, pool, js, handler, ready, stop).await
         });
-        None
+        Vec::new()
     } else {
-        Some(
-            Command::new(&bin)
-                .args([
-                    "consume",
-                    "--database-url",
-                    &db,
-                    "--nats-url",
-                    &nats,
-                    "--context",
-                    "ctp",
-                ])
-                .args([
-                    "--stream",
-                    "CTP_EVENTS",
-                    "--durable",
-                    &durable,
-                    "--handler-url",
-                    &handler_url,
-                ])
-                .args([
-                    "--concurrency",
-                    &concurrency.to_string(),
-                    "--metrics-addr",
-                    "127.0.0.1:0",
-                ])
-                .args(["--max-ack-pending", &max_ack_pending.to_string()])
-                .stderr(Stdio::from(log))
-                .spawn()
-                .expect("start the consumer"),
-        )
+        let mut children = Vec::new();
+        for p in 0..processes {
+            let log = if p == 0 {
+                log.try_clone().unwrap()
+            } else {
+                std::fs::File::create(
+                    std::env::temp_dir().join(format!("consumer-bench-{concurrency}-p{p}.log")),
+                )
+                .unwrap()
+            };
+            children.push(
+                Command::new(&bin)
+                    .args([
+                        "consume",
+                        "--database-url",
+                        &db,
+                        "--nats-url",
+                        &nats,
+                        "--context",
+                        "ctp",
+                    ])
+                    .args([
+                        "--stream",
+                        "CTP_EVENTS",
+                        "--durable",
+                        &durable,
+                        "--handler-url",
+                        &handler_url,
+                    ])
+                    .args([
+                        "--concurrency",
+                        &concurrency.to_string(),
+                        "--metrics-addr",
+                        "127.0.0.1:0",
+                    ])
+                    .args(["--max-ack-pending", &max_ack_pending.to_string()])
+                    .stderr(Stdio::from(log))
+                    .spawn()
+                    .expect("start the consumer"),
+            );
+        }
+        children
     };
 
     let pool = sqlx::PgPool::connect(&db).await.unwrap();
+    if prestart {
+        // Every process holds its crew lock: the crew is formed.
+        let members = || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
+                 AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap() as u64
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while members().await < processes && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // One beat more, so the dispatcher counts every process in.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        fill(&js, n, aggregates).await;
+    }
     let processed = || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM inbox_messages WHERE consumer = $1 AND processed_at IS NOT NULL",
@@ -163,7 +198,7 @@ async fn main() {
     // Time from the first handler call, so start-up is not counted.
     let deadline = Instant::now() + Duration::from_secs(300);
     while calls.load(Ordering::Relaxed) == 0 && Instant::now() < deadline {
-        if let Some(Ok(Some(st))) = child.as_mut().map(|c| c.try_wait()) {
+        if let Some(Ok(Some(st))) = children.first_mut().map(|c| c.try_wait()) {
             let text = std::fs::read_to_string(&log_path).unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(5).collect();
             panic!(
@@ -201,13 +236,13 @@ async fn main() {
     }
     let elapsed = start.elapsed().as_secs_f64();
     shutdown.cancel();
-    if let Some(c) = child.as_mut() {
+    for c in &mut children {
         let _ = c.kill();
         let _ = c.wait();
     }
     let handler_calls = calls.load(Ordering::Relaxed);
     println!(
-        "consumer --concurrency {concurrency}: {n} messages; handler called {handler_calls} times in {called:.2} s = {:.0} calls/s; {done} recorded processed after {elapsed:.2} s = {:.0} messages/s",
+        "consumer --concurrency {concurrency} x {processes} process(es), handler {handler_ms} ms: {n} messages; handler called {handler_calls} times in {called:.2} s = {:.0} calls/s; {done} recorded processed after {elapsed:.2} s = {:.0} messages/s",
         handler_calls as f64 / called,
         done as f64 / elapsed,
     );
@@ -226,7 +261,9 @@ async fn main() {
     let report = serde_json::json!({
         "bench": "consumer",
         "date": date,
-        "command": format!("scripts/bench.sh consumer --messages {n} --concurrency {concurrency} --max-ack-pending {max_ack_pending} --aggregates {aggregates}"),
+        "command": format!("scripts/bench.sh consumer --messages {n} --concurrency {concurrency} --max-ack-pending {max_ack_pending} --aggregates {aggregates} --processes {processes} --handler-ms {handler_ms}"),
+        "processes": processes,
+        "handler_ms": handler_ms,
         "messages": n,
         "concurrency": concurrency,
         "max_ack_pending": max_ack_pending,
@@ -240,8 +277,13 @@ async fn main() {
     });
     let out = out_dir();
     let base = format!(
-        "{out}/consumer-{}c{concurrency}",
-        if rust { "rust-" } else { "" }
+        "{out}/consumer-{}c{concurrency}{}",
+        if rust { "rust-" } else { "" },
+        if prestart {
+            format!("-p{processes}-h{handler_ms}")
+        } else {
+            String::new()
+        }
     );
     std::fs::write(
         format!("{base}.json"),
@@ -265,6 +307,29 @@ async fn main() {
         std::process::exit(1);
     }
     std::process::exit(if done == n { 0 } else { 1 });
+}
+
+/// `n` relay-shaped messages over `aggregates` aggregates into the stream.
+async fn fill(js: &jetstream::Context, n: u64, aggregates: u64) {
+    let mut acks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(wire::MSG_ID, uuid::Uuid::new_v4().to_string().as_str());
+        h.insert(wire::AGGREGATE_ID, (i % aggregates).to_string().as_str());
+        let msg = jetstream::message::PublishMessage::build()
+            .payload(r#"{"n": 1}"#.into())
+            .headers(h);
+        acks.push(js.send_publish("ctp.e", msg).await.unwrap());
+        // async-nats holds at most 5,000 unacked publishes per context.
+        if acks.len() == 1000 {
+            for a in acks.drain(..) {
+                a.await.unwrap();
+            }
+        }
+    }
+    for a in acks {
+        a.await.unwrap();
+    }
 }
 
 /// Handler calls per second over the run, as a line.
