@@ -3637,3 +3637,99 @@ async fn three_processes_of_a_rust_handler_durable_keep_exactly_once_effects_acr
         "the other aggregates finished before the failing one"
     );
 }
+
+/// Review of the crew, finding 1: a helper killed while it runs K/1, with
+/// K/2 waiting behind it in the dispatcher. The lost job ended K's lane and
+/// K/2 started at once (the dispatcher still counted the dead helper's
+/// room), before the reset brought K/1 back: K/2 reached the handler before
+/// K/1's repeat. K/2 must come after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_waiting_behind_a_job_lost_with_its_helper_runs_after_that_job_again() {
+    let f = fixture(
+        "c_crewlost",
+        "ccrewlost",
+        "crewlost",
+        DUP,
+        &["--concurrency", "1", "--backoff", "200ms"],
+    )
+    .await;
+    let mut a = f.consumer;
+    a.wait_ready();
+    let url = db_url(&stack().admin_url, "c_crewlost");
+    let handler_url = f.handler.serve().await;
+    let helper = |name: &str| {
+        Service::consumer_named(
+            &url,
+            &stack().nats_url,
+            &f.stream,
+            "crewlost",
+            name,
+            &handler_url,
+            &[
+                "--context",
+                "ccrewlost",
+                "--concurrency",
+                "1",
+                "--backoff",
+                "200ms",
+            ],
+        )
+    };
+    let mut helpers = [helper("crewlost-b"), helper("crewlost-c")];
+    eventually(T, "three processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(3.0)
+            && a.scrape().await.value("outbox_consumer_standby") == Some(0.0)
+    })
+    .await;
+    // X/1 holds the dispatcher's only slot; K/1 goes to a helper, which
+    // dies; the other helper has room for K/2 at once.
+    let (x1, k1, k2) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    publish(
+        &f.js,
+        "ccrewlost.e",
+        Some(x1),
+        "x",
+        br#"{"sleep_ms": 8000}"#,
+    )
+    .await;
+    eventually(T, "X/1 is called", || async {
+        !f.handler.calls_for(x1).is_empty()
+    })
+    .await;
+    publish(
+        &f.js,
+        "ccrewlost.e",
+        Some(k1),
+        "k",
+        br#"{"sleep_ms": 3000}"#,
+    )
+    .await;
+    eventually(T, "K/1 is called (in a helper)", || async {
+        !f.handler.calls_for(k1).is_empty()
+    })
+    .await;
+    publish(&f.js, "ccrewlost.e", Some(k2), "k", b"{}").await;
+    let mut running_k1 = None;
+    let deadline = Instant::now() + T;
+    while running_k1.is_none() {
+        for (i, h) in helpers.iter().enumerate() {
+            if h.scrape().await.value("outbox_consumer_running_jobs") == Some(1.0) {
+                running_k1 = Some(i);
+            }
+        }
+        assert!(Instant::now() < deadline, "no helper runs K/1");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    helpers[running_k1.unwrap()].kill9();
+    wait_processed(&f.pool, "crewlost", 3).await;
+    let k1_calls = f.handler.calls_for(k1);
+    let k2_calls = f.handler.calls_for(k2);
+    assert_eq!(k2_calls.len(), 1);
+    assert_eq!(k1_calls.len(), 2, "K/1 is called again after B died");
+    assert!(
+        k1_calls[1].at < k2_calls[0].at,
+        "K/2 reached the handler before K/1 came back: K/1 at {:?}, K/2 at {:?}",
+        k1_calls.iter().map(|c| c.at).collect::<Vec<_>>(),
+        k2_calls[0].at
+    );
+}

@@ -606,13 +606,16 @@ impl<H: Handler> Active<'_, H> {
                                 r.remove(&id);
                             }
                         }
-                        let jobs = scheduler.finish(&key, how, Instant::now());
-                        start(&mut tasks, jobs);
                         if panicked {
+                            // Before the key's lane goes on: what waits
+                            // behind the lost message comes back with it,
+                            // after it, through the reset.
                             drop(scheduler.take_waiting());
                             messages = None;
                             rebuild = Some(Rebuild { at: Instant::now(), reset: true, tries: 0 });
                         }
+                        let jobs = scheduler.finish(&key, how, Instant::now());
+                        start(&mut tasks, jobs);
                     }
                 }
                 _ = crew_tick.tick() => {
