@@ -608,6 +608,43 @@ impl Crew {
     }
 }
 
+/// Wait for the end of a job another process runs. Once the lease is
+/// handed over, waiting stops (the next dispatcher adopts the job); a lost
+/// job is what [`lost`] makes of it.
+pub(super) async fn await_end<H: Handler>(
+    crew: &Crew,
+    shared: &Shared<H>,
+    key: &str,
+    retry: Option<u64>,
+    end: oneshot::Receiver<Option<(Finished<Instant>, bool)>>,
+) -> (Finished<Instant>, bool) {
+    let handed = crew.handed_over();
+    let end = tokio::select! {
+        end = end => end.ok().flatten(),
+        _ = handed.cancelled() => None,
+    };
+    match end {
+        Some(end) => end,
+        None if handed.is_cancelled() => (Finished::Done, false),
+        None => lost(shared, key, retry).await,
+    }
+}
+
+/// Record a job this process runs as dispatcher, for its beats.
+pub(super) fn register(registry: &Registry, id: u64, key: &str, retry: Option<u64>) {
+    if let Ok(mut r) = registry.lock() {
+        r.insert(
+            id,
+            Running {
+                id,
+                key: key.to_owned(),
+                retry,
+                mine: true,
+            },
+        );
+    }
+}
+
 /// A job another process ran and lost: the inbox says what became of it,
 /// and `reset` asks for a reset to the ack floor (an unacked message comes
 /// again, in order).

@@ -44,7 +44,7 @@ use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
 use crate::wire;
-use crew::{Crew, Member, Running, Sent, Worker};
+use crew::{Crew, Member, Sent, Worker};
 use dead_letter::DeadLetters;
 use delivery::Shared;
 pub use handler::{Delivery, Handler, HttpHandler, Outcome};
@@ -460,19 +460,6 @@ impl<H: Handler> Active<'_, H> {
         // Deliveries and retries this process runs; past `--concurrency`,
         // they go to the crew.
         let local_running = Arc::new(AtomicUsize::new(0));
-        let register = |id: u64, key: &str, retry: Option<u64>| {
-            if let Ok(mut r) = registry.lock() {
-                r.insert(
-                    id,
-                    Running {
-                        id,
-                        key: key.to_owned(),
-                        retry,
-                        mine: true,
-                    },
-                );
-            }
-        };
         let start = |tasks: &mut JoinSet<JobEnd>, jobs: Vec<(String, Job<jetstream::Message>)>| {
             for (key, job) in jobs {
                 let id = crew::new_job_id();
@@ -489,7 +476,7 @@ impl<H: Handler> Active<'_, H> {
                 };
                 if counted && remote.is_none() {
                     local_running.fetch_add(1, Ordering::Relaxed);
-                    register(id, &key, retry);
+                    crew::register(&registry, id, &key, retry);
                 }
                 let shared = shared.clone();
                 let crew = crew.clone();
@@ -499,19 +486,9 @@ impl<H: Handler> Active<'_, H> {
                     if let Some(member) = remote {
                         match crew.send(member, id, &key, &job).await {
                             Sent::Accepted(end) => {
-                                let handed = crew.handed_over();
-                                let end = tokio::select! {
-                                    end = end => end.ok().flatten(),
-                                    _ = handed.cancelled() => None,
-                                };
+                                let (how, panicked) =
+                                    crew::await_end(&crew, &shared, &key, retry, end).await;
                                 crew.unreserve(member);
-                                let (how, panicked) = match end {
-                                    Some(end) => end,
-                                    None if crew.handed_over().is_cancelled() => {
-                                        (Finished::Done, false)
-                                    }
-                                    None => crew::lost(&shared, &key, retry).await,
-                                };
                                 return JobEnd {
                                     id,
                                     key,
@@ -523,17 +500,7 @@ impl<H: Handler> Active<'_, H> {
                             Sent::Refused => {
                                 crew.unreserve(member);
                                 local_running.fetch_add(1, Ordering::Relaxed);
-                                if let Ok(mut r) = registry.lock() {
-                                    r.insert(
-                                        id,
-                                        Running {
-                                            id,
-                                            key: key.clone(),
-                                            retry,
-                                            mine: true,
-                                        },
-                                    );
-                                }
+                                crew::register(&registry, id, &key, retry);
                             }
                         }
                     }
@@ -553,17 +520,10 @@ impl<H: Handler> Active<'_, H> {
         };
         for (running, end) in adopted {
             let shared = shared.clone();
-            let handed = crew.handed_over();
+            let crew = crew.clone();
             tasks.spawn(async move {
-                let end = tokio::select! {
-                    end = end => end.ok().flatten(),
-                    _ = handed.cancelled() => None,
-                };
-                let (how, panicked) = match end {
-                    Some(end) => end,
-                    None if handed.is_cancelled() => (Finished::Done, false),
-                    None => crew::lost(&shared, &running.key, running.retry).await,
-                };
+                let (how, panicked) =
+                    crew::await_end(&crew, &shared, &running.key, running.retry, end).await;
                 JobEnd {
                     id: running.id,
                     key: running.key,
