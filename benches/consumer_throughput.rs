@@ -18,7 +18,7 @@
 //! Needs DATABASE_URL (migrated), NATS_URL and RELAY_BIN (the binary to run).
 
 mod common;
-use common::{arg, env, flag, out_dir};
+use common::{arg, cpu_seconds, env, flag, out_dir, rss_mib};
 
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -211,6 +211,14 @@ async fn main() {
     // Progress from the handler's own count: polling the inbox would load
     // the Postgres it measures. One sample a second for the chart.
     let start = Instant::now();
+    // The consumer's own CPU over the timed window (SPEC target: µs per
+    // message); for --rust the consumer is this process, handler included.
+    let pids: Vec<String> = if rust {
+        vec![std::process::id().to_string()]
+    } else {
+        children.iter().map(|c| c.id().to_string()).collect()
+    };
+    let cpu_at_start: f64 = pids.iter().map(|p| cpu_seconds(p)).sum();
     let mut samples: Vec<(f64, u64)> = vec![(0.0, 0)];
     let mut next_sample = Duration::from_secs(1);
     while calls.load(Ordering::Relaxed) < n && Instant::now() < deadline {
@@ -235,6 +243,8 @@ async fn main() {
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let cpu = pids.iter().map(|p| cpu_seconds(p)).sum::<f64>() - cpu_at_start;
+    let peak_rss = pids.iter().map(|p| rss_mib(p).1).fold(0.0, f64::max);
     shutdown.cancel();
     for c in &mut children {
         let _ = c.kill();
@@ -245,6 +255,15 @@ async fn main() {
         "consumer --concurrency {concurrency} x {processes} process(es), handler {handler_ms} ms: {n} messages; handler called {handler_calls} times in {called:.2} s = {:.0} calls/s; {done} recorded processed after {elapsed:.2} s = {:.0} messages/s",
         handler_calls as f64 / called,
         done as f64 / elapsed,
+    );
+    println!(
+        "  consumer CPU {cpu:.2} s = {:.1} µs/message; peak RSS {peak_rss:.1} MiB{}",
+        cpu * 1e6 / done.max(1) as f64,
+        if rust {
+            " (bench process, handler included)"
+        } else {
+            " (largest process)"
+        }
     );
     let rates: Vec<(f64, f64)> = samples
         .windows(2)
@@ -273,6 +292,9 @@ async fn main() {
         "recorded_processed": done,
         "calls_per_second": handler_calls as f64 / called,
         "messages_per_second": done as f64 / elapsed,
+        "consumer_cpu_seconds": cpu,
+        "consumer_cpu_us_per_message": cpu * 1e6 / done.max(1) as f64,
+        "consumer_peak_rss_mib": peak_rss,
         "per_second": rates.iter().map(|(t, r)| serde_json::json!({"t": t, "calls_per_second": r})).collect::<Vec<_>>(),
     });
     let out = out_dir();

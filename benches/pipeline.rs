@@ -36,7 +36,9 @@ async fn main() {
     let rate = arg("--rate", 2000);
     let producers = arg("--producers", 2).max(1);
     let txn = arg("--txn-size", 10).max(1);
-    let concurrency = arg("--concurrency", 128);
+    // The product's defaults unless told (48 and 50): users run those.
+    let concurrency = arg("--concurrency", 48);
+    let max_ack_pending = arg("--max-ack-pending", 50);
     let (db, nats, bin) = (
         env("DATABASE_URL", "pipeline"),
         env("NATS_URL", "pipeline"),
@@ -79,7 +81,7 @@ async fn main() {
         ])
         .args(["--durable", "pipeline", "--handler-url", &handler_url])
         .args(["--concurrency", &concurrency.to_string()])
-        .args(["--max-ack-pending", &(concurrency * 4).to_string()])
+        .args(["--max-ack-pending", &max_ack_pending.to_string()])
         .args(["--metrics-addr", "127.0.0.1:0"])
         .stderr(Stdio::from(std::fs::File::create(&log_path).unwrap()))
         .spawn()
@@ -168,7 +170,7 @@ async fn main() {
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default();
     let command = format!(
-        "scripts/bench.sh pipeline --events {events} --rate {rate} --producers {producers} --txn-size {txn} --concurrency {concurrency}"
+        "scripts/bench.sh pipeline --events {events} --rate {rate} --producers {producers} --txn-size {txn} --concurrency {concurrency} --max-ack-pending {max_ack_pending}"
     );
     println!("{command}");
     println!(

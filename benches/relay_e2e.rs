@@ -24,6 +24,9 @@
 //! DATABASE_URL, NATS_URL, RELAY_PID (for CPU and memory), NATS_PID (nats-server CPU) and the relay
 //! running with `--context bench`.
 
+mod common;
+use common::{cpu_seconds, rss_mib};
+
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -111,38 +114,6 @@ fn parse_args() -> Args {
 
 fn env(k: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k} not set: run through scripts/bench.sh"))
-}
-
-/// utime + stime of a process, in seconds.
-fn cpu_seconds(pid: &str) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let field = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|u| u.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (field(11) + field(12)) / 100.0
-}
-
-/// (current RSS, peak RSS) in MiB.
-fn rss_mib(pid: &str) -> (f64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let get = |key: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-            / 1024.0
-    };
-    (get("VmRSS:"), get("VmHWM:"))
 }
 
 async fn wal_lsn(pool: &PgPool) -> i64 {

@@ -4,7 +4,7 @@
 #                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
-#   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--out DIR]
+#   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--max-ack-pending N] [--out DIR]
 # Relay runs publish as OUTBOX_PUBLISH_MODE says (auto, batch or event; default auto).
 # BENCH_NATS_CLUSTER=1: against an R3 stream on a local 3-node NATS cluster.
 # BENCH_RELAY_BIN=PATH: run that relay binary instead of this checkout's

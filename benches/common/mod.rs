@@ -35,3 +35,35 @@ pub fn out_dir() -> String {
 pub fn env(k: &str, mode: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k} not set: run through scripts/bench.sh {mode}"))
 }
+
+/// utime + stime of a process, in seconds.
+pub fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|u| u.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (field(11) + field(12)) / 100.0
+}
+
+/// (current RSS, peak RSS) in MiB.
+pub fn rss_mib(pid: &str) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let get = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (get("VmRSS:"), get("VmHWM:"))
+}

@@ -211,8 +211,16 @@ struct JobHead {
     reply: Option<String>,
 }
 
+/// A job id unique across the crew: a random base drawn once per process,
+/// then a counter. Not a random per job: that was a `getrandom` system call
+/// on every delivery (seen in the consumer's profile).
 pub(super) fn new_job_id() -> u64 {
-    uuid::Uuid::new_v4().as_u128() as u64
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static BASE: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let base = *BASE.get_or_init(|| uuid::Uuid::new_v4().as_u128() as u64);
+    base.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Tell the dispatcher how a job ended (a process that ran it, or that ran
@@ -916,5 +924,17 @@ mod tests {
         assert!(
             matches!(parked, Ended::Parked { seq: 4, due_ms } if due_ms > 9_000 && due_ms <= 10_000)
         );
+    }
+
+    #[test]
+    fn job_ids_do_not_repeat_across_threads() {
+        let ids: Vec<u64> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| (0..10_000).map(|_| new_job_id()).collect::<Vec<_>>()))
+                .collect();
+            hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        let distinct: std::collections::HashSet<_> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len());
     }
 }
