@@ -18,7 +18,7 @@ use super::dead_letter::{self, DeadLetters};
 use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, Claim};
 use super::scheduler::{Finished, Job};
-use super::transaction::{self, Transactions};
+use super::transaction::{self, Ran, Transactions};
 use super::ConsumeConfig;
 use crate::ops::metrics as m;
 use crate::schema::{Schemas, Verdict};
@@ -355,24 +355,6 @@ async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Opti
         .await?;
     }
     Some(())
-}
-
-/// What running the handler came to, before it is settled.
-#[derive(Debug)]
-pub(super) enum Ran {
-    /// Processed (by this call, or before: `duplicate`).
-    Processed { duplicate: bool },
-    /// Parked already (a redelivery after a reset).
-    Parked { seq: Option<i64> },
-    /// The handler did not succeed. `counted`: the attempt is in the inbox
-    /// row (its claim committed).
-    Failed {
-        outcome: Outcome,
-        attempts: i32,
-        counted: bool,
-    },
-    /// Processed meanwhile, or gone (a retry only).
-    Gone,
 }
 
 /// Claim, call the handler, complete: in one transaction for a handler

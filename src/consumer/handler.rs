@@ -40,6 +40,11 @@ pub enum Outcome {
     Retry(String),
 }
 
+/// Messages per transaction at most. A savepoint in which the handler wrote
+/// gets a subtransaction id, and past 64 of them in one transaction every
+/// other session's snapshot has to look them up in `pg_subtrans`.
+pub const MAX_GROUP: usize = 32;
+
 /// A handler runs inside the inbox transaction: what it writes through `tx`
 /// commits with the inbox row on [`Outcome::Processed`] and rolls back
 /// otherwise, so a Rust service gets exactly-once effects.
@@ -80,7 +85,7 @@ pub trait Handler: Send + Sync + 'static {
     /// message then gets its own transaction, and up to half the pool run at
     /// once (with sharing, up to four groups do).
     fn max_group(&self) -> usize {
-        super::transaction::MAX_GROUP
+        MAX_GROUP
     }
 
     /// The call for a handler that is not [`in_transaction`](Self::in_transaction).

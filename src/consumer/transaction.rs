@@ -28,14 +28,29 @@ use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use uuid::Uuid;
 
-use super::delivery::Ran;
 use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, BatchError, Claim};
 
-/// Messages per transaction at most. A savepoint in which the handler wrote
-/// gets a subtransaction id, and past 64 of them in one transaction every
-/// other session's snapshot has to look them up in `pg_subtrans`.
-pub const MAX_GROUP: usize = 32;
+pub use super::handler::MAX_GROUP;
+
+/// What running the handler came to, before it is settled.
+#[derive(Debug)]
+pub(super) enum Ran {
+    /// Processed (by this call, or before: `duplicate`).
+    Processed { duplicate: bool },
+    /// Parked already (a redelivery after a reset).
+    Parked { seq: Option<i64> },
+    /// The handler did not succeed. `counted`: the attempt is in the inbox
+    /// row (its claim committed).
+    Failed {
+        outcome: Outcome,
+        attempts: i32,
+        counted: bool,
+    },
+    /// Processed meanwhile, or gone (a retry only).
+    Gone,
+}
+
 /// Requests queued at most: one per running job, so `--concurrency` bounds
 /// it in practice; each holds one message's delivery.
 const QUEUE: usize = 256;

@@ -1,0 +1,777 @@
+//! One period as the dispatcher of a durable, in three stages:
+//! [`open`](Active::open) (join the crew, adopt what it runs, load parked
+//! keys, reset to the ack floor, subscribe), [`pump`](Dispatch::pump) (pull,
+//! schedule, start jobs here or in the crew, settle their ends, keep the
+//! pull stream alive) and [`drain`](Dispatch::drain) (NAK what waits, then
+//! hand over or stop).
+//!
+//! The [`Scheduler`] decides what runs; everything here is I/O around it.
+//! Every branch of the pump is one method of [`Dispatch`], so each reason
+//! the dispatcher wakes up reads on its own.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer::pull, AckKind};
+use futures::StreamExt;
+use sqlx::PgPool;
+use tokio::task::{JoinError, JoinSet};
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::crew::{self, Crew, Registry, Sent, Worker};
+use super::dead_letter::DeadLetters;
+use super::delivery::{self, Shared};
+use super::lease::Lease;
+use super::scheduler::{Finished, Job, Scheduler};
+use super::{new_shared, ConsumeConfig, Ended, Handler, JS_REQUEST, MAX_RESUBSCRIBE_BACKOFF};
+use crate::error::{Error, Result};
+use crate::ops::endpoint::Readiness;
+use crate::ops::metrics as m;
+use crate::wire;
+
+const PULL_HEARTBEAT: Duration = Duration::from_millis(500);
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+/// How often the dispatcher looks whether its NATS client reconnected.
+const RECONNECT_CHECK: Duration = Duration::from_millis(100);
+/// How often the dispatcher checks that it still holds the lease.
+pub(super) const LEASE_POLL: Duration = Duration::from_secs(1);
+const MIN_REBUILD_PAUSE: Duration = Duration::from_millis(50);
+/// How long a pull stream may deliver nothing while messages are pending.
+const QUIET_PULL: Duration = Duration::from_secs(5);
+/// A reset that keeps failing (a server without ADR-60) is given up.
+const MAX_RESET_TRIES: u32 = 20;
+/// An ack sent when a job settles has reached the server by then, so a
+/// count asked later no longer includes it.
+const ACK_LANDS: Duration = Duration::from_secs(1);
+
+type Consumer = jetstream::consumer::Consumer<pull::Config>;
+type Messages = pull::Stream;
+type Message = jetstream::Message;
+
+/// What a dispatcher period works with.
+pub(super) struct Active<'a, H> {
+    pub cfg: &'a ConsumeConfig,
+    pub js: &'a jetstream::Context,
+    pub pool: &'a PgPool,
+    pub stream: &'a jetstream::stream::Stream,
+    pub dlq: &'a DeadLetters,
+    pub handler: Arc<H>,
+    pub readiness: &'a Readiness,
+    pub me: i32,
+    pub worker: &'a Arc<Worker>,
+}
+
+/// How a job of the dispatcher ended, wherever it ran.
+struct JobEnd {
+    id: u64,
+    key: String,
+    how: Finished<Instant>,
+    /// Run the way a panic is handled: reset to the ack floor.
+    panicked: bool,
+    /// Run by this process (else by another of the crew).
+    local: bool,
+}
+
+/// The pull stream is down; rebuild it at `at`, resetting first if `reset`.
+struct Rebuild {
+    at: Instant,
+    reset: bool,
+    tries: u32,
+}
+
+impl Rebuild {
+    /// At once, from the ack floor: what was pulled comes again in order.
+    fn from_ack_floor() -> Self {
+        Rebuild {
+            at: Instant::now(),
+            reset: true,
+            tries: 0,
+        }
+    }
+}
+
+impl<'a, H: Handler> Active<'a, H> {
+    /// Dispatch until shutdown or the lease is lost.
+    pub(super) async fn run(
+        self,
+        consumer: Consumer,
+        mut lease: Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<Ended> {
+        let mut dispatch = self.open(consumer, shutdown).await?;
+        let ended = dispatch.pump(&mut lease, shutdown).await;
+        dispatch.drain(&ended, lease).await;
+        tracing::info!("consumer stopped dispatching");
+        Ok(ended)
+    }
+
+    /// Take over: what the crew runs for a previous dispatcher keeps its key
+    /// busy, parked keys wait for their retry, and whatever a previous
+    /// holder pulled and did not finish comes again, in stream order,
+    /// before anything new.
+    async fn open(
+        self,
+        mut consumer: Consumer,
+        shutdown: &CancellationToken,
+    ) -> Result<Dispatch<'a, H>> {
+        let cfg = self.cfg;
+        self.readiness
+            .not_ready("taking over: resuming from the ack floor");
+        let crew_stop = CancellationToken::new();
+        let crew = Crew::start(
+            self.js.client(),
+            self.pool.clone(),
+            &cfg.stream,
+            &cfg.durable,
+            self.me,
+            crew_stop.clone(),
+        )
+        .await?;
+        // Past half of max_ack_pending waiting in memory, busy keys spill
+        // theirs to the inbox, so JetStream never holds back for them.
+        let high_water = usize::try_from(cfg.max_ack_pending)
+            .ok()
+            .filter(|&m| m > 0)
+            .map_or(10_000, |m| (m / 2).max(1));
+        let mut scheduler = Scheduler::new(cfg.concurrency, high_water);
+        let adopted = crew.adopt(self.pool, &cfg.stream, &cfg.durable).await;
+        for (running, _) in &adopted {
+            scheduler.adopt(running.key.clone());
+        }
+        let heads = inbox_heads(self.pool, cfg).await?;
+        let now = Instant::now();
+        for (key, seq, wait) in heads {
+            scheduler.load_parked(key, seq, now + wait);
+        }
+        let rewound = reset_to_ack_floor(&mut consumer, "taking over").await;
+        if let Some(from) = rewound {
+            scheduler.rewound(from);
+        }
+        let stop = shutdown.child_token();
+        let shared = new_shared(
+            cfg,
+            self.pool,
+            self.stream,
+            self.dlq,
+            self.handler.clone(),
+            stop.clone(),
+        );
+        let messages = pull_stream(&consumer, cfg)
+            .await
+            .map_err(Error::nats("starting the pull subscription"))?;
+        let durable_now = Arc::new(std::sync::Mutex::new(None));
+        let pending_task = tokio::spawn(watch_pending(
+            consumer.clone(),
+            durable_now.clone(),
+            stop.clone(),
+        ));
+        let stats = self.js.client().statistics();
+        let connects = stats.connects.load(Ordering::Relaxed);
+        let mut dispatch = Dispatch {
+            registry: self.worker.registry.clone(),
+            active: self,
+            consumer,
+            crew,
+            _crew_stop: crew_stop.drop_guard(),
+            scheduler,
+            shared,
+            stop,
+            tasks: JoinSet::new(),
+            local_running: Arc::new(AtomicUsize::new(0)),
+            messages: Some(messages),
+            rebuild: None,
+            rebuild_pause: MIN_REBUILD_PAUSE,
+            durable_now,
+            pending_task,
+            last_arrival: Instant::now(),
+            last_settled: Instant::now(),
+            rewound_at: Instant::now(),
+            last_delivery: None,
+            stats,
+            connects,
+            remote_jobs: metrics::gauge!(m::CONSUMER_REMOTE_JOBS),
+            parked: metrics::gauge!(m::CONSUMER_PARKED_AGGREGATES),
+        };
+        for (running, end) in adopted {
+            dispatch.await_adopted(running, end);
+        }
+        Ok(dispatch)
+    }
+}
+
+async fn inbox_heads(pool: &PgPool, cfg: &ConsumeConfig) -> Result<Vec<(String, u64, Duration)>> {
+    super::inbox::parked_heads(pool, &cfg.durable, &cfg.stream)
+        .await
+        .map_err(Error::pg("reading parked messages"))
+}
+
+/// The dispatcher's state between its stages.
+struct Dispatch<'a, H> {
+    active: Active<'a, H>,
+    consumer: Consumer,
+    crew: Crew,
+    _crew_stop: DropGuard,
+    scheduler: Scheduler<Message, Instant>,
+    shared: Arc<Shared<H>>,
+    /// Cancels this period's jobs (a child of shutdown).
+    stop: CancellationToken,
+    tasks: JoinSet<JobEnd>,
+    /// The jobs this process runs as dispatcher, for its crew beats.
+    registry: Registry,
+    /// Deliveries and retries this process runs; past `--concurrency`,
+    /// they go to the crew.
+    local_running: Arc<AtomicUsize>,
+    messages: Option<Messages>,
+    /// When the pull stream is down: when to rebuild it, the pause after
+    /// that, and whether to reset to the ack floor first. Rebuilding is a
+    /// branch of the pump, never a wait inside it: during an election
+    /// JetStream requests wait out their timeout, and running jobs must
+    /// still finish meanwhile.
+    rebuild: Option<Rebuild>,
+    rebuild_pause: Duration,
+    durable_now: Arc<std::sync::Mutex<Option<DurableState>>>,
+    pending_task: tokio::task::JoinHandle<()>,
+    /// A pull request can vanish with a consumer leader without the pull
+    /// stream noticing (no error, no missed heartbeat); a stream that stays
+    /// quiet while messages are pending is rebuilt. A delivery lost on the
+    /// way (a pull stream renewed while it travelled) that was the last in
+    /// the stream shows neither a gap nor pending messages, only the
+    /// server's count of unacked deliveries while this consumer holds none.
+    last_arrival: Instant,
+    last_settled: Instant,
+    rewound_at: Instant,
+    /// Deliveries to the only puller are numbered without gaps; a gap is a
+    /// delivery lost on the way (a consumer leader died with it), which
+    /// would come back only after ack_wait, behind later messages.
+    last_delivery: Option<u64>,
+    /// A pull subscription does not survive its client moving to another
+    /// server (a NATS node died): async-nats resubscribes the inbox but the
+    /// outstanding pull request is gone, and the stream goes quiet without
+    /// an error. Each new connection gets a new pull subscription.
+    stats: Arc<async_nats::Statistics>,
+    connects: u64,
+    remote_jobs: metrics::Gauge,
+    parked: metrics::Gauge,
+}
+
+impl<H: Handler> Dispatch<'_, H> {
+    /// Until shutdown or a lost lease: each branch is one reason to wake.
+    async fn pump(&mut self, lease: &mut Lease, shutdown: &CancellationToken) -> Ended {
+        let cfg = self.active.cfg;
+        tracing::info!(stream = %cfg.stream, durable = %cfg.durable, parked_aggregates = self.scheduler.parked_keys(), "consuming");
+        self.active.readiness.ready();
+        let mut crew_tick = tokio::time::interval(crew::BEAT);
+        let mut progress =
+            tokio::time::interval((cfg.ack_wait / 3).max(Duration::from_millis(100)));
+        let mut lease_check = tokio::time::interval(LEASE_POLL);
+        let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
+        let mut quiet_check = tokio::time::interval(QUIET_PULL);
+        metrics::gauge!(m::CONSUMER_PENDING).set(self.consumer.cached_info().num_pending as f64);
+        loop {
+            let wake = self.scheduler.next_wake();
+            let rebuild_at = self.rebuild.as_ref().map(|r| r.at);
+            let pulling = self.messages.is_some() && self.scheduler.can_pull();
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ended::Shutdown,
+                Some(done) = self.tasks.join_next() => self.job_ended(done),
+                _ = crew_tick.tick() => self.crew_beat(),
+                _ = sleep_until(wake), if wake.is_some() => {
+                    let jobs = self.scheduler.wake(Instant::now());
+                    self.start(jobs);
+                }
+                _ = lease_check.tick() => {
+                    if !matches!(tokio::time::timeout(JS_REQUEST, lease.held()).await, Ok(true)) {
+                        return Ended::LeaseLost;
+                    }
+                    self.report_health();
+                }
+                _ = reconnect_check.tick() => self.check_reconnect(),
+                _ = quiet_check.tick() => self.check_quiet(),
+                _ = progress.tick() => {
+                    // Waiting deliveries must not pass ack_wait, or they
+                    // come back as duplicates out of order.
+                    for msg in self.scheduler.waiting() {
+                        let _ = msg.ack_with(AckKind::Progress).await;
+                    }
+                }
+                _ = sleep_until(rebuild_at), if rebuild_at.is_some() => self.rebuild().await,
+                next = next_message(&mut self.messages), if pulling => self.arrived(next),
+            }
+        }
+    }
+
+    /// Start what the scheduler let go: here while this process has room
+    /// for it, else in another process of the crew (a refusal runs it here).
+    fn start(&mut self, jobs: Vec<(String, Job<Message>)>) {
+        let cfg = self.active.cfg;
+        for (key, job) in jobs {
+            let id = crew::new_job_id();
+            let retry = match &job {
+                Job::Retry { seq } => Some(*seq),
+                _ => None,
+            };
+            // Spills and parks behind are bookkeeping, never sent away.
+            let counted = retry.is_some() || matches!(job, Job::Deliver(_));
+            let remote = if counted && self.local_running.load(Ordering::Relaxed) >= cfg.concurrency
+            {
+                self.crew.pick()
+            } else {
+                None
+            };
+            if counted && remote.is_none() {
+                self.local_running.fetch_add(1, Ordering::Relaxed);
+                crew::register(&self.registry, id, &key, retry);
+            }
+            let shared = self.shared.clone();
+            let crew = self.crew.clone();
+            let local_running = self.local_running.clone();
+            let registry = self.registry.clone();
+            self.tasks.spawn(async move {
+                if let Some(member) = remote {
+                    match crew.send(member, id, &key, &job).await {
+                        Sent::Accepted(end) => {
+                            let (how, panicked) =
+                                crew::await_end(&crew, &shared, &key, retry, end).await;
+                            crew.unreserve(member);
+                            return JobEnd {
+                                id,
+                                key,
+                                how,
+                                panicked,
+                                local: false,
+                            };
+                        }
+                        Sent::Refused => {
+                            crew.unreserve(member);
+                            local_running.fetch_add(1, Ordering::Relaxed);
+                            crew::register(&registry, id, &key, retry);
+                        }
+                    }
+                }
+                let (how, panicked) = crew::run_caught(&shared, &key, job, retry).await;
+                if counted {
+                    local_running.fetch_sub(1, Ordering::Relaxed);
+                }
+                JobEnd {
+                    id,
+                    key,
+                    how,
+                    panicked,
+                    local: counted,
+                }
+            });
+        }
+    }
+
+    /// A job the crew ran for a previous dispatcher: its key stays busy
+    /// until its end comes.
+    fn await_adopted(
+        &mut self,
+        running: crew::Running,
+        end: tokio::sync::oneshot::Receiver<Option<(Finished<Instant>, bool)>>,
+    ) {
+        let shared = self.shared.clone();
+        let crew = self.crew.clone();
+        self.tasks.spawn(async move {
+            let (how, panicked) =
+                crew::await_end(&crew, &shared, &running.key, running.retry, end).await;
+            JobEnd {
+                id: running.id,
+                key: running.key,
+                how,
+                panicked,
+                local: false,
+            }
+        });
+    }
+
+    fn job_ended(&mut self, done: std::result::Result<JobEnd, JoinError>) {
+        self.last_settled = Instant::now();
+        let Ok(JobEnd {
+            id,
+            key,
+            how,
+            panicked,
+            local,
+        }) = done
+        else {
+            return;
+        };
+        if local {
+            if let Ok(mut r) = self.registry.lock() {
+                r.remove(&id);
+            }
+        }
+        if panicked {
+            // Before the key's lane goes on: what waits behind the lost
+            // message comes back with it, after it, through the reset.
+            self.resume_from_ack_floor();
+        }
+        let jobs = self.scheduler.finish(&key, how, Instant::now());
+        self.start(jobs);
+    }
+
+    /// Forget what waits and pull again from the ack floor: JetStream
+    /// delivers it again, in stream order.
+    fn resume_from_ack_floor(&mut self) {
+        drop(self.scheduler.take_waiting());
+        self.messages = None;
+        self.rebuild = Some(Rebuild::from_ack_floor());
+    }
+
+    /// Every crew beat: the crew's room joins the scheduler's, and readiness
+    /// says who runs what.
+    fn crew_beat(&mut self) {
+        let cfg = self.active.cfg;
+        let jobs = self
+            .scheduler
+            .set_concurrency(cfg.concurrency + self.crew.capacity(), Instant::now());
+        self.start(jobs);
+        let local = self.local_running.load(Ordering::Relaxed);
+        let remote = self.tasks.len().saturating_sub(local);
+        self.remote_jobs.set(remote as f64);
+        self.active.readiness.note(format!(
+            "dispatching durable {} for {} process(es): {local} job(s) running here, {remote} in the other processes",
+            cfg.durable,
+            self.crew.helpers() + 1,
+        ));
+    }
+
+    fn report_health(&mut self) {
+        self.parked.set(self.scheduler.parked_keys() as f64);
+        let failing = self.shared.dlq_failing.load(Ordering::Relaxed);
+        metrics::gauge!(m::CONSUMER_DLQ_FAILING).set(failing as f64);
+        if failing > 0 {
+            self.active.readiness.not_ready(format!(
+                "{failing} dead letter(s) not stored yet: the dead-letter stream refuses them; retrying"
+            ));
+        } else {
+            self.active.readiness.ready();
+        }
+    }
+
+    fn check_reconnect(&mut self) {
+        let now = self.stats.connects.load(Ordering::Relaxed);
+        if now != self.connects {
+            self.connects = now;
+            tracing::info!("NATS reconnected; renewing the pull subscription");
+            self.messages = None;
+            self.rebuild.get_or_insert(Rebuild {
+                at: Instant::now(),
+                reset: false,
+                tries: 0,
+            });
+        }
+    }
+
+    /// A parked head held back for a pull that never comes, a pull stream
+    /// quiet while messages are pending, deliveries the server counts that
+    /// never arrived.
+    fn check_quiet(&mut self) {
+        let durable = self.durable_now.lock().ok().and_then(|d| *d);
+        // A parked head held for the pull to come back to it, while
+        // JetStream has nothing left to deliver: its message left the
+        // stream. It goes on.
+        let since = self.last_arrival.max(self.rewound_at);
+        if self.scheduler.holds_back()
+            && durable.is_some_and(|d| d.num_pending == 0 && d.asked > since + ACK_LANDS)
+        {
+            let jobs = self.scheduler.release(Instant::now());
+            self.start(jobs);
+        }
+        let quiet = self.messages.is_some()
+            && self.scheduler.can_pull()
+            && self.last_arrival.elapsed() > QUIET_PULL;
+        let lost = durable.and_then(|d| {
+            if d.num_pending > 0 && !d.ack_pending_full {
+                Some("nothing delivered while messages are pending")
+            } else if d.num_ack_pending > 0
+                && self.scheduler.holds_no_delivery()
+                && d.asked > self.last_settled + ACK_LANDS
+            {
+                Some("JetStream counts deliveries unacked that never arrived")
+            } else {
+                None
+            }
+        });
+        if let (true, Some(why)) = (quiet, lost) {
+            tracing::warn!(quiet = ?self.last_arrival.elapsed(), "{why}; resuming from the ack floor");
+            self.resume_from_ack_floor();
+            self.last_arrival = Instant::now();
+        }
+    }
+
+    /// The pull stream is due to be rebuilt (after a reset, if asked).
+    async fn rebuild(&mut self) {
+        let Some(mut r) = self.rebuild.take() else {
+            return;
+        };
+        if r.reset {
+            if r.tries < MAX_RESET_TRIES {
+                r.tries += 1;
+                let Some(from) = reset_to_ack_floor(&mut self.consumer, "lost delivery").await
+                else {
+                    r.at = Instant::now() + self.rebuild_pause;
+                    self.grow_rebuild_pause();
+                    self.rebuild = Some(r);
+                    return;
+                };
+                self.scheduler.rewound(from);
+                self.rewound_at = Instant::now();
+            } else {
+                tracing::warn!("giving up the reset: the lost delivery comes back after ack_wait");
+            }
+            // Numbering starts over either way, or the next delivery would
+            // look like another gap.
+            self.last_delivery = None;
+        }
+        match tokio::time::timeout(JS_REQUEST, pull_stream(&self.consumer, self.active.cfg)).await {
+            Ok(Ok(m)) => self.messages = Some(m),
+            result => {
+                let error = match result {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "timed out".to_owned(),
+                };
+                tracing::warn!(error, retry_in = ?self.rebuild_pause, "cannot restart the pull subscription");
+                r.at = Instant::now() + self.rebuild_pause;
+                r.reset = false;
+                self.grow_rebuild_pause();
+                self.rebuild = Some(r);
+            }
+        }
+    }
+
+    fn grow_rebuild_pause(&mut self) {
+        self.rebuild_pause = (self.rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
+    }
+
+    /// The pull stream gave a message, or failed.
+    fn arrived(&mut self, next: Option<std::result::Result<Message, pull::MessagesError>>) {
+        let msg = match next {
+            Some(Ok(m)) => m,
+            failed => {
+                // Missed heartbeats, no responders: the pull request is gone
+                // with a consumer leader. A new subscription asks the
+                // current one, after a pause that grows while the stream
+                // keeps failing at once.
+                match failed {
+                    Some(Err(e)) => {
+                        tracing::debug!(error = %e, retry_in = ?self.rebuild_pause, "pull stream error; renewing the pull subscription")
+                    }
+                    _ => {
+                        tracing::debug!(retry_in = ?self.rebuild_pause, "pull stream ended; renewing the pull subscription")
+                    }
+                }
+                self.messages = None;
+                self.rebuild = Some(Rebuild {
+                    at: Instant::now() + self.rebuild_pause,
+                    reset: false,
+                    tries: 0,
+                });
+                self.grow_rebuild_pause();
+                return;
+            }
+        };
+        self.rebuild_pause = MIN_REBUILD_PAUSE;
+        let (delivery, stream_seq) = msg
+            .info()
+            .map(|i| (i.consumer_sequence, Some(i.stream_sequence)))
+            .unwrap_or((0, None));
+        if let Some(last) = self.last_delivery {
+            if delivery != last + 1 {
+                tracing::warn!(
+                    last,
+                    now = delivery,
+                    "a delivery was lost on the way; resuming from the ack floor"
+                );
+                // What waits is delivered again by the reset.
+                drop(msg);
+                self.resume_from_ack_floor();
+                return;
+            }
+        }
+        self.last_delivery = Some(delivery);
+        self.last_arrival = Instant::now();
+        if let Some(seq) = stream_seq {
+            let jobs = self.scheduler.passed(seq, Instant::now());
+            self.start(jobs);
+        }
+        let key = aggregate_key(&msg);
+        let jobs = self.scheduler.arrive(key, msg, Instant::now());
+        self.start(jobs);
+    }
+
+    /// No more pulls. What waits is NAKed so the next dispatcher gets it at
+    /// once. With the lease lost, nothing more of ours runs (another process
+    /// may dispatch already); at shutdown the lease is handed over at once
+    /// and this process reports its own jobs as they end, bounded by the
+    /// shutdown timeout.
+    async fn drain(mut self, ended: &Ended, lease: Lease) {
+        let cfg = self.active.cfg;
+        self.messages = None;
+        for msg in self.scheduler.take_waiting() {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+        }
+        self.pending_task.abort();
+        self.remote_jobs.set(0.0);
+        if matches!(ended, Ended::LeaseLost) {
+            self.abandon_jobs();
+            lease.release().await;
+            return;
+        }
+        self.active.readiness.not_ready("shutting down");
+        self.crew.hand_over();
+        lease.release().await;
+        let client = self.active.js.client();
+        let deadline = Instant::now() + cfg.shutdown_timeout;
+        while !self.tasks.is_empty() {
+            match tokio::time::timeout_at(deadline.into(), self.tasks.join_next()).await {
+                Ok(Some(Ok(end))) => {
+                    if end.local {
+                        crew::report(
+                            &client,
+                            &cfg.stream,
+                            &cfg.durable,
+                            end.id,
+                            end.how,
+                            end.panicked,
+                        )
+                        .await;
+                        if let Ok(mut r) = self.registry.lock() {
+                            r.remove(&end.id);
+                        }
+                    }
+                }
+                Ok(Some(Err(_))) => {}
+                Ok(None) => break,
+                Err(_) => {
+                    tracing::warn!(
+                        running = self.tasks.len(),
+                        "shutdown timeout: unfinished deliveries will be redelivered"
+                    );
+                    self.abandon_jobs();
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Stop this period's jobs; the crew no longer hears of them.
+    fn abandon_jobs(&mut self) {
+        self.stop.cancel();
+        self.tasks.abort_all();
+        if let Ok(mut r) = self.registry.lock() {
+            r.retain(|_, j| !j.mine);
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    tokio::time::sleep_until(at.unwrap_or_else(Instant::now).into()).await
+}
+
+/// Put the consumer back at its ack floor (ADR-60, nats-server 2.14+): every
+/// unacked message is delivered again, in stream order, at once. The stream
+/// sequence JetStream delivers again from, once reset (within
+/// [`JS_REQUEST`]).
+async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> Option<u64> {
+    match tokio::time::timeout(JS_REQUEST, consumer.reset(None)).await {
+        Ok(Ok(r)) => {
+            tracing::info!(
+                why,
+                ack_floor = r.reset_seq,
+                "consumer reset to its ack floor"
+            );
+            Some(r.reset_seq)
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(why, error = %e, "cannot reset the consumer to its ack floor (no leader now, or nats-server before 2.14); unacked messages come back after ack_wait");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(why, "no answer to the consumer reset");
+            None
+        }
+    }
+}
+
+/// What the server last said of the durable, and when it was asked.
+#[derive(Debug, Clone, Copy)]
+struct DurableState {
+    asked: Instant,
+    num_pending: u64,
+    num_ack_pending: u64,
+    /// JetStream holds back at max_ack_pending: quiet then is not a lost
+    /// pull request.
+    ack_pending_full: bool,
+}
+
+/// The pending gauge and [`DurableState`], kept off the dispatcher: during
+/// an election the info request waits out its timeout.
+async fn watch_pending(
+    mut consumer: Consumer,
+    now: Arc<std::sync::Mutex<Option<DurableState>>>,
+    stop: CancellationToken,
+) {
+    let pending = metrics::gauge!(m::CONSUMER_PENDING);
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let asked = Instant::now();
+        if let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await {
+            pending.set(info.num_pending as f64);
+            let limit = info.config.max_ack_pending;
+            let state = DurableState {
+                asked,
+                num_pending: info.num_pending,
+                num_ack_pending: info.num_ack_pending as u64,
+                ack_pending_full: limit > 0 && info.num_ack_pending as i64 >= limit,
+            };
+            if let Ok(mut d) = now.lock() {
+                *d = Some(state);
+            }
+        }
+    }
+}
+
+async fn next_message(
+    messages: &mut Option<Messages>,
+) -> Option<std::result::Result<Message, pull::MessagesError>> {
+    match messages {
+        Some(m) => m.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The pull subscription, built the same way at start and on every rebuild.
+async fn pull_stream(
+    consumer: &Consumer,
+    cfg: &ConsumeConfig,
+) -> std::result::Result<Messages, jetstream::consumer::StreamError> {
+    // A pull request lives at the consumer's leader: when that node dies,
+    // only a missed heartbeat (two intervals) or the request's expiry tells.
+    // Short ones keep a failover to seconds; an idle heartbeat is cheap.
+    consumer
+        .stream()
+        .max_messages_per_batch(cfg.concurrency.max(1) * 2)
+        .heartbeat(PULL_HEARTBEAT)
+        .expires(PULL_EXPIRES)
+        .messages()
+        .await
+}
+
+/// Messages of one aggregate are ordered; without the header, none are.
+fn aggregate_key(msg: &Message) -> String {
+    match delivery::header(msg, wire::AGGREGATE_ID) {
+        Some(a) => format!("a:{a}"),
+        None => format!(
+            "s:{}",
+            msg.info().map(|i| i.stream_sequence).unwrap_or_default()
+        ),
+    }
+}
