@@ -260,7 +260,12 @@ async fn a_kill_9_in_the_middle_of_a_split_transaction_resumes_its_batch_numberi
     let (url, pool) = fresh_db(&stack, "h_split").await;
     let stream = wire::stream_name("hsplit");
     // Batches of 32 rows: the transaction is some 600 of them.
-    let mut relay = Service::relay(&url, &stack.nats_url, "hsplit", &["--max-inflight", "64"]);
+    let mut relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "hsplit",
+        &["--max-inflight", "64", "--publish-mode", "batch"],
+    );
     // One transaction; `s` numbers the rows in insert order.
     sqlx::query(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \

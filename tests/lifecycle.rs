@@ -555,7 +555,10 @@ async fn a_foreign_publisher_in_the_stream_costs_no_session_and_no_stall() {
         resends > 0.0
     })
     .await;
-    foreign_writer_case("foreignb", &[], |resends| resends == 0.0).await;
+    foreign_writer_case("foreignb", &["--publish-mode", "batch"], |resends| {
+        resends == 0.0
+    })
+    .await;
 }
 
 async fn foreign_writer_case(context: &str, extra: &[&str], resends_ok: fn(f64) -> bool) {
@@ -762,6 +765,11 @@ async fn relay_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() {
             .unwrap_or(0.0),
         0.0,
         "a leader election needed a new session"
+    );
+    assert_eq!(
+        m.value("outbox_relay_publish_batches"),
+        Some(1.0),
+        "the default mode keeps transactions whole on a replicated stream"
     );
 }
 

@@ -135,7 +135,7 @@ async fn optional_headers_text_format_and_alter_table_mid_stream() {
 async fn large_transaction_streams_with_bounded_memory() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_large").await;
-    let mut relay = Service::relay(&url, &stack.nats_url, "large", &[]);
+    let mut relay = Service::relay(&url, &stack.nats_url, "large", &["--publish-mode", "batch"]);
     const N: u64 = 200_000;
     sqlx::query(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
@@ -270,7 +270,12 @@ async fn kill_9_under_load_loses_nothing_and_duplicates_nothing() {
 async fn a_transaction_is_in_the_stream_whole_or_not_at_all_across_kill_9() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_atomic").await;
-    let mut relay = Service::relay(&url, &stack.nats_url, "atomic", &[]);
+    let mut relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "atomic",
+        &["--publish-mode", "batch"],
+    );
     let (seed, mut rng) = kill_schedule();
     let stop = Arc::new(AtomicBool::new(false));
     // Transactions of 1 to 300 rows, each row saying its transaction's size.
@@ -355,7 +360,7 @@ async fn a_row_that_fits_only_without_the_publishers_headers_is_dead_lettered() 
         std::env::temp_dir().join(format!("outbox-relay-nearmax-{}.conf", std::process::id()));
     std::fs::write(&conf, "max_payload: 4096\n").unwrap();
     let nats = OwnNats::start_with(&stack, "nearmax", &["-c", conf.to_str().unwrap()]);
-    let relay = Service::relay(&url, &nats.url, "nearmax", &[]);
+    let relay = Service::relay(&url, &nats.url, "nearmax", &["--publish-mode", "batch"]);
     let stream = wire::stream_name("nearmax");
     let insert = |pad: usize| {
         let pool = pool.clone();
@@ -426,7 +431,12 @@ async fn a_row_that_fits_only_without_the_publishers_headers_is_dead_lettered() 
 async fn batches_a_stream_never_answers_end_the_session_after_the_outage_budget() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_uncapt").await;
-    let relay = Service::relay(&url, &stack.nats_url, "uncapt", &[]);
+    let relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "uncapt",
+        &["--publish-mode", "batch"],
+    );
     let stream = wire::stream_name("uncapt");
     let mut sent: HashSet<uuid::Uuid> = insert_txn(&pool, 0, 0, 2, 0).await.into_iter().collect();
     read_stream(&stack.nats_url, &stream, 2, T).await;
@@ -497,6 +507,54 @@ async fn a_server_without_atomic_batches_gets_one_publish_per_event() {
     );
 }
 
+/// Issue 32: nats-server stages an atomic batch of a one-replica file
+/// stream on disk, about 2 ms of server CPU per transaction, so `auto`
+/// publishes event by event there and says why; a stream that stages in
+/// memory (replicated, or memory storage) gets whole transactions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_publishes_event_by_event_on_a_one_replica_file_stream_and_batches_elsewhere() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_automode").await;
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let mut sent: HashSet<uuid::Uuid> = HashSet::new();
+    let file = wire::stream_name("automode");
+    let relay = Service::relay(&url, &stack.nats_url, "automode", &[]);
+    sent.extend(insert_txn(&pool, 0, 0, 30, 8).await);
+    let got = read_stream(&stack.nats_url, &file, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_publish_batches"), Some(0.0));
+    assert!(
+        relay.log_text().contains("one-replica file stream"),
+        "the log says why"
+    );
+    drop(relay);
+
+    let memory = "AUTOMODE_MEM";
+    js.delete_stream(&file).await.unwrap();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: memory.into(),
+        subjects: vec!["automode.>".into()],
+        storage: async_nats::jetstream::stream::StorageType::Memory,
+        allow_atomic_publish: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let relay = Service::relay(&url, &stack.nats_url, "automode", &["--stream", memory]);
+    // The new, empty stream gets the table's rows again, then the new ones.
+    sent.extend(insert_txn(&pool, 0, 100, 30, 8).await);
+    let got = read_stream(&stack.nats_url, memory, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_publish_batches"), Some(1.0));
+    assert!(
+        m.value("outbox_relay_batches_total{result=\"committed\"}")
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+}
+
 /// An existing stream is used as it is: without `allow_atomic` the relay
 /// publishes event by event (and says how to change that); asked for
 /// batches in so many words, it allows them on the stream and batches.
@@ -506,9 +564,11 @@ async fn an_existing_stream_without_atomic_publish_gets_batches_only_when_asked(
     let (url, pool) = fresh_db(&stack, "t_noatomic").await;
     let stream = wire::stream_name("noatomic");
     let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    // In memory: `auto` would batch on it, but for the setting.
     js.create_stream(async_nats::jetstream::stream::Config {
         name: stream.clone(),
         subjects: vec!["noatomic.>".into()],
+        storage: async_nats::jetstream::stream::StorageType::Memory,
         ..Default::default()
     })
     .await

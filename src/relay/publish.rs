@@ -190,6 +190,22 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
             "allowed atomic batch publish on the stream"
         );
     }
+    // nats-server stages an atomic batch of a one-replica file stream in a
+    // file store of its own, created and removed per batch: about 2 ms of
+    // server CPU per transaction, more than the whole latency budget at
+    // moderate load (README "Publish modes"). `auto` publishes event by
+    // event there; `--publish-mode batch` keeps transactions whole. A
+    // replicated or memory stream stages in memory, and batches win.
+    let staged_on_disk = config.num_replicas <= 1 && config.storage == stream::StorageType::File;
+    let want_batches = if s.mode == PublishMode::Auto && want_batches && staged_on_disk {
+        tracing::info!(
+            stream = s.name,
+            "one-replica file stream: publishing event by event, in commit order (nats-server stages each atomic batch on disk, ~2 ms per transaction); --publish-mode batch keeps each transaction whole in the stream at that cost"
+        );
+        false
+    } else {
+        want_batches
+    };
     let batches = want_batches && config.allow_atomic_publish;
     if want_batches && !batches {
         tracing::info!(
