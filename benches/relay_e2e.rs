@@ -73,7 +73,7 @@ fn parse_args() -> Args {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     let usage = "flags: --events N --rate EV_PER_S|0 --txn-size N --payload BYTES --producers N \
-                 --phases raw,cdc,poll --big-txn ROWS --poll-batch N --poll-interval-ms MS \
+                 --phases raw,cdc,poll,raw-emit,emit --big-txn ROWS --poll-batch N --poll-interval-ms MS \
                  --slot NAME --out DIR";
     while i < argv.len() {
         let v = argv.get(i + 1).cloned().unwrap_or_default();
@@ -105,7 +105,7 @@ fn parse_args() -> Args {
     }
     for p in &a.phases {
         assert!(
-            ["raw", "cdc", "poll"].contains(&p.as_str()),
+            ["raw", "cdc", "poll", "raw-emit", "emit"].contains(&p.as_str()),
             "unknown phase {p}; {usage}"
         );
     }
@@ -135,6 +135,12 @@ async fn slot_lag(pool: &PgPool, slot: &str) -> Option<i64> {
     .flatten()
 }
 
+/// Phases the running relay publishes: rows (`cdc`) or `outbox_emit()`
+/// events (`emit`, SPEC §12).
+fn relayed(phase: &str) -> bool {
+    phase == "cdc" || phase == "emit"
+}
+
 /// Which table a phase's producers write.
 fn table(phase: &str) -> &'static str {
     match phase {
@@ -153,6 +159,19 @@ async fn setup(pool: &PgPool, js: &async_nats::jetstream::Context) {
     ] {
         sqlx::query(sql).execute(pool).await.expect(sql);
     }
+    // `raw-emit`: outbox_emit() itself, under another name and message
+    // prefix, so the relay skips what it writes: Postgres alone.
+    let def: String = sqlx::query_scalar("SELECT pg_get_functiondef('outbox_emit'::regproc)")
+        .fetch_one(pool)
+        .await
+        .expect("outbox_emit() is installed (outbox-relay migrate)");
+    let raw = def
+        .replace("outbox_emit", "bench_emit_raw")
+        .replace(outbox_relay::wire::EMIT_PREFIX, "bench-raw-emit");
+    sqlx::query(sqlx::AssertSqlSafe(raw))
+        .execute(pool)
+        .await
+        .expect("create bench_emit_raw()");
     let _ = js.delete_stream("BENCHPOLL").await;
     js.create_stream(async_nats::jetstream::stream::Config {
         name: "BENCHPOLL".into(),
@@ -172,11 +191,19 @@ async fn produce(
     committed: Arc<AtomicU64>,
 ) -> HashMap<Uuid, Instant> {
     let per_producer = a.events / a.producers;
-    let sql = format!(
-        "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload) \
-         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[])",
-        table(&phase)
-    );
+    let sql = match phase.as_str() {
+        // One call per event, in the order of the arrays.
+        "emit" | "raw-emit" => format!(
+            "SELECT {}(aggregate_type => t.at, aggregate_id => t.ai, event_type => t.et, payload => t.p, id => t.id) \
+             FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[]) WITH ORDINALITY AS t(id, at, ai, et, p, n) ORDER BY t.n",
+            if phase == "emit" { "outbox_emit" } else { "bench_emit_raw" }
+        ),
+        _ => format!(
+            "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload) \
+             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[])",
+            table(&phase)
+        ),
+    };
     let padding = "x".repeat(a.payload.saturating_sub(40));
     let mut tasks = Vec::new();
     for p in 0..a.producers {
@@ -324,7 +351,7 @@ async fn run_phase(
     nats_pid: Option<&str>,
 ) -> PhaseResult {
     let subject = match phase {
-        "cdc" => Some("bench.>"),
+        "cdc" | "emit" => Some("bench.>"),
         "poll" => Some("benchpoll.>"),
         _ => None,
     };
@@ -400,7 +427,7 @@ async fn run_phase(
                 let cpu = relay_pid.map(cpu_seconds);
                 let relay_cpu = match (cpu, last_cpu) { (Some(c), Some(l)) => Some(c - l), _ => None };
                 last_cpu = cpu;
-                let lag = if phase == "cdc" { slot_lag(pool, &a.slot).await } else { None };
+                let lag = if relayed(phase) { slot_lag(pool, &a.slot).await } else { None };
                 let s = Sample {
                     t: start.elapsed().as_secs_f64(),
                     received_per_s: (count - last_count) as f64,
@@ -416,7 +443,7 @@ async fn run_phase(
                     if subject.is_some() { "received" } else { "inserted" },
                     s.received_per_s,
                     lag.map(|l| format!("  slot lag {:.1} MiB", l as f64 / 1048576.0)).unwrap_or_default(),
-                    relay_cpu.filter(|_| phase == "cdc").map(|c| format!("  relay CPU {:.0}%", c * 100.0)).unwrap_or_default(),
+                    relay_cpu.filter(|_| relayed(phase)).map(|c| format!("  relay CPU {:.0}%", c * 100.0)).unwrap_or_default(),
                 );
                 samples.push(s);
             }
@@ -443,11 +470,11 @@ async fn run_phase(
     let wal1 = wal_lsn(pool).await;
     let elapsed = last_receipt.duration_since(start).as_secs_f64();
     let relay_cpu = match (relay_pid.map(cpu_seconds), cpu0) {
-        (Some(c), Some(c0)) if phase == "cdc" => Some((c - c0) * 1e6 / expected.max(1) as f64),
+        (Some(c), Some(c0)) if relayed(phase) => Some((c - c0) * 1e6 / expected.max(1) as f64),
         _ => None,
     };
     let events_per_batch = match (committed_batches(), batches0) {
-        (Some(b), Some(b0)) if phase == "cdc" && b > b0 => Some(expected as f64 / (b - b0)),
+        (Some(b), Some(b0)) if relayed(phase) && b > b0 => Some(expected as f64 / (b - b0)),
         _ => None,
     };
     let nats_cpu = match (nats_pid.map(cpu_seconds), nats_cpu0) {
@@ -515,7 +542,7 @@ async fn run_phase(
         wal_bytes_per_event: (wal1 - wal0) as f64 / expected.max(1) as f64,
         relay_cpu_us_per_event: relay_cpu,
         nats_cpu_us_per_event: nats_cpu,
-        relay_peak_rss_mib: relay_pid.filter(|_| phase == "cdc").map(|p| rss_mib(p).1),
+        relay_peak_rss_mib: relay_pid.filter(|_| relayed(phase)).map(|p| rss_mib(p).1),
         events_per_batch,
         samples,
         latency_by_second,
@@ -656,7 +683,7 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
             fmt_opt(r.nats_cpu_us_per_event, 1),
             fmt_opt(r.relay_peak_rss_mib, 1),
             fmt_opt(r.events_per_batch, 0),
-            if r.phase == "raw" {
+            if r.phase.starts_with("raw") {
                 "-".to_owned()
             } else if r.duplicates == 0 && r.missing == 0 && r.received == r.events {
                 "yes".to_owned()
@@ -674,7 +701,13 @@ type Line<'a> = (String, &'a str, bool, Vec<(f64, f64)>);
 /// Throughput and latency over time, CDC against polling, as one SVG.
 fn chart(results: &[PhaseResult], title: &str) -> String {
     let (w, h, pad) = (900.0, 260.0, 60.0);
-    let colors = [("cdc", "#1f77b4"), ("poll", "#d62728"), ("raw", "#7f7f7f")];
+    let colors = [
+        ("cdc", "#1f77b4"),
+        ("poll", "#d62728"),
+        ("raw", "#7f7f7f"),
+        ("emit", "#2ca02c"),
+        ("raw-emit", "#bcbd22"),
+    ];
     let color = |p: &str| colors.iter().find(|c| c.0 == p).map_or("#000", |c| c.1);
     let t_max = results
         .iter()
@@ -920,7 +953,8 @@ async fn main() {
     println!("wrote {base}.json and {base}.svg");
 
     let ok = results.iter().all(|r| {
-        r.phase == "raw" || (r.missing == 0 && r.duplicates == 0 && r.received == r.events)
+        r.phase.starts_with("raw")
+            || (r.missing == 0 && r.duplicates == 0 && r.received == r.events)
     });
     std::process::exit(if ok { 0 } else { 1 });
 }

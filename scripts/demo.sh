@@ -53,7 +53,7 @@ for _ in $(seq 1 100); do
   sleep 0.1
 done
 
-echo "== inserting sample events: an order, its items, a payment, and a poison event"
+echo "== inserting sample events: an order, its items, a payment, a shipment emitted without a row (outbox_emit), and a poison event"
 psql -q "$DATABASE_URL" <<'SQL'
 BEGIN;
 INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, headers)
@@ -67,13 +67,16 @@ FROM generate_series(1, 3) g;
 COMMIT;
 INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, event_version, payload)
 VALUES (gen_random_uuid(), 'payment', 'p-77', 'payment_captured', 2, '{"orderId": "o-1001", "amount": 42.5}');
+-- The table-less outbox: the same event, written into the WAL alone.
+SELECT outbox_emit(aggregate_type => 'order', aggregate_id => 'o-1001', event_type => 'order_shipped',
+                   payload => '{"orderId": "o-1001", "carrier": "dhl"}') AS emitted_id \gset
 INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload)
 VALUES (gen_random_uuid(), 'order', 'o-1002', 'order_placed', '{"orderId": "o-1002", "poison": true}');
 SQL
 
 sleep 1  # let the handler's lines print before the listings
 echo "== events in stream DEMO_EVENTS:"
-"$ROOT/target/debug/examples/tail_stream" DEMO_EVENTS 6
+"$ROOT/target/debug/examples/tail_stream" DEMO_EVENTS 7
 
 echo "== dead-letter stream DLQ_DEMO (the poison event, with its reason):"
 "$ROOT/target/debug/examples/tail_stream" DLQ_DEMO 1

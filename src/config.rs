@@ -578,6 +578,12 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_PUBLISH_MODE", default_value = "auto", value_parser = ["auto", "batch", "event"])]
     pub publish_mode: String,
 
+    /// Publish the events `outbox_emit()` writes into the WAL (SPEC §12) as
+    /// well as the outbox table's rows (`on`), or skip them (`off`: another
+    /// relay of this database publishes them).
+    #[arg(long, env = "OUTBOX_EMITTED_EVENTS", default_value = "on", value_parser = ["on", "off"])]
+    pub emitted_events: String,
+
     #[command(flatten)]
     pub schemas: SchemaArgs,
 
@@ -815,6 +821,8 @@ pub struct RelayConfig {
     /// Whether the slot should be a failover slot where the server has them.
     pub failover_slot: bool,
     pub publish_mode: PublishMode,
+    /// `--emitted-events on`: publish what `outbox_emit()` writes.
+    pub emitted_events: bool,
     /// `--schemas`, compiled (with `--schema-missing`); SIGHUP reloads them.
     pub schemas: Option<std::sync::Arc<crate::schema::Schemas>>,
 }
@@ -926,6 +934,7 @@ impl RelayArgs {
                 "event" => PublishMode::Event,
                 _ => PublishMode::Auto,
             },
+            emitted_events: self.emitted_events == "on",
         })
     }
 }

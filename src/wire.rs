@@ -76,6 +76,9 @@ pub const EXPECTED_LAST_MSG_ID: &str = "Nats-Expected-Last-Msg-Id";
 /// Subjects the processes of one durable talk on (core NATS, outside any
 /// stream): `{CREW_PREFIX}.{stream}.{durable}.…` (see `consumer/crew.rs`).
 pub const CREW_PREFIX: &str = "_OUTBOX_CREW";
+/// The prefix of the logical decoding messages `outbox_emit()` writes
+/// (SPEC §12); the version names the content's shape.
+pub const EMIT_PREFIX: &str = "outbox-relay:event:v1";
 pub const TRACEPARENT: &str = "traceparent";
 /// HTTP header of the handler call: the message id.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";

@@ -26,6 +26,9 @@ pub const PUBLISH_BATCHES: &str = "outbox_relay_publish_batches";
 /// Atomic batches by `result`: committed, retried (the server lost one),
 /// unbatched (refused, sent again event by event).
 pub const BATCHES: &str = "outbox_relay_batches_total";
+/// Events read from `outbox_emit()`'s logical messages (SPEC §12), before
+/// routing: published or dead-lettered like rows, and counted there too.
+pub const EMITTED_EVENTS: &str = "outbox_relay_emitted_events_total";
 /// Bytes of the events published and not yet acked.
 pub const INFLIGHT_BYTES: &str = "outbox_relay_inflight_bytes";
 pub const INFLIGHT_EVENTS: &str = "outbox_relay_inflight_events";
@@ -111,6 +114,7 @@ pub const ALL: &[&str] = &[
     PUBLISH_RESENDS,
     PUBLISH_BATCHES,
     BATCHES,
+    EMITTED_EVENTS,
     SCHEMA_FAILURES,
     SCHEMA_RELOADS,
     RELAY_LAG_SECONDS,
@@ -213,6 +217,10 @@ pub fn register_relay() {
         BATCHES,
         "Atomic batches by result: committed, retried, unbatched (sent again event by event)"
     );
+    describe_counter!(
+        EMITTED_EVENTS,
+        "Events read from outbox_emit() logical messages (published or dead-lettered like rows)"
+    );
     describe_gauge!(
         INFLIGHT_BYTES,
         "Bytes of events published and not yet acked"
@@ -254,6 +262,7 @@ pub fn register_relay() {
     }
     metrics::counter!(PUBLISH_ERRORS).increment(0);
     metrics::counter!(PUBLISH_RESENDS).increment(0);
+    metrics::counter!(EMITTED_EVENTS).increment(0);
     metrics::gauge!(PUBLISH_BATCHES).set(0.0);
     for result in ["committed", "retried", "unbatched"] {
         metrics::counter!(BATCHES, "result" => result).increment(0);

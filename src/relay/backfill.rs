@@ -232,6 +232,10 @@ pub(super) fn plan(
                         wire::XID_HORIZON
                     );
                 }
+                tracing::warn!(
+                    last = %last.id,
+                    "resyncing after a lost slot republishes outbox table rows only: events written with outbox_emit() since the stream's last event lived in the WAL only and cannot be recovered"
+                );
                 Ok(Filter {
                     rows: r.clone(),
                     xid_from: last.xid_horizon,
@@ -245,7 +249,7 @@ pub(super) fn plan(
                     "every row that occurred from then on; that event carries no transaction horizon (an older relay wrote it), so a row of a transaction that began earlier and committed after it is not covered: give a time before the oldest transaction open then"
                 };
                 Err(Error::setup(format!(
-                    "slot {slot} does not exist, but stream {stream} already holds events of this database (the last: {}, occurred at {at}, commit LSN {}): the slot was dropped, invalidated or lost in a failover, and what was written since is not in the WAL any more. Restart with --resync-since {at} to republish {covers} (consumers' inboxes drop the repeats)",
+                    "slot {slot} does not exist, but stream {stream} already holds events of this database (the last: {}, occurred at {at}, commit LSN {}): the slot was dropped, invalidated or lost in a failover, and what was written since is not in the WAL any more. Restart with --resync-since {at} to republish {covers} (consumers' inboxes drop the repeats). Events written with outbox_emit() since that event lived in the WAL only: they cannot be recovered, by --resync-since or otherwise",
                     last.id,
                     last.commit_lsn.as_deref().unwrap_or("unknown"),
                 )))

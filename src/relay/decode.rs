@@ -62,6 +62,8 @@ pub struct Stage {
     txn: Option<Txn>,
     resume: Option<Resume>,
     horizons: Horizons,
+    /// Publish what `outbox_emit()` writes (SPEC §12).
+    emitted: bool,
 }
 
 /// Samples of the oldest transaction still running, each with the WAL
@@ -138,7 +140,14 @@ impl Stage {
             txn: None,
             resume,
             horizons: Horizons::default(),
+            emitted: true,
         }
+    }
+
+    /// Whether events `outbox_emit()` writes are published (`--emitted-events`).
+    pub fn with_emitted(mut self, on: bool) -> Self {
+        self.emitted = on;
+        self
     }
 
     /// A sample for [`wire::XID_HORIZON`]: transaction ids below `xid` had
@@ -191,6 +200,23 @@ impl Stage {
                 Message::Insert(ins) => self.on_insert(ins, wm),
                 Message::Other(_) => Ok(Step::Nothing),
             },
+            ReplicationEvent::Message {
+                transactional,
+                prefix,
+                content,
+                ..
+            } if prefix == wire::EMIT_PREFIX && self.emitted => {
+                if !transactional {
+                    // outbox_emit() never writes one: not ours to publish
+                    // outside a transaction's order.
+                    tracing::warn!(
+                        prefix,
+                        "a non-transactional logical message with the outbox prefix: skipped"
+                    );
+                    return Ok(Step::Nothing);
+                }
+                self.on_emitted(&content, wm)
+            }
             _ => Ok(Step::Nothing),
         }
     }
@@ -218,30 +244,52 @@ impl Stage {
         let Some(layout) = layout else {
             return Ok(Step::Nothing);
         };
-        let txn = self
-            .txn
-            .as_mut()
-            .ok_or_else(|| invalid("outside a transaction".into()))?;
+        let row = match layout {
+            Ok(l) => l
+                .row(&ins.values)
+                .map_err(|e| (l.id(&ins.values), e.to_string())),
+            Err(e) => Err((None, e.to_string())),
+        };
+        self.next_event(row, wm, "Insert")
+    }
+
+    /// An event `outbox_emit()` wrote: the next event of the transaction,
+    /// exactly as a row there would be.
+    fn on_emitted(&mut self, content: &bytes::Bytes, wm: &mut Watermark) -> Result<Step> {
+        let row = super::emitted::row(content).map_err(|e| (super::emitted::id(content), e));
+        metrics::counter!(m::EMITTED_EVENTS).increment(1);
+        self.next_event(row, wm, "Message")
+    }
+
+    /// The transaction's next event, by its place in it: routed, or
+    /// dead-lettered when it cannot be read; skipped when the stream holds
+    /// it already.
+    fn next_event(
+        &mut self,
+        row: std::result::Result<super::outbox_row::OutboxRow, (Option<uuid::Uuid>, String)>,
+        wm: &mut Watermark,
+        what: &'static str,
+    ) -> Result<Step> {
+        let txn = self.txn.as_mut().ok_or_else(|| {
+            Error::Decode(DecodeError::Invalid {
+                message: what,
+                detail: "outside a transaction".into(),
+            })
+        })?;
         let pos = Position {
             commit_lsn: txn.commit_lsn,
             index: txn.next_index,
         };
         txn.next_index += 1;
         let ticket = wm.register();
-        let msg = match layout {
-            Ok(l) => match l.row(&ins.values) {
-                Ok(row) => self.router.route_committed(
-                    &row,
-                    pos,
-                    Some(txn.commit_time_micros),
-                    self.max_payload,
-                ),
-                Err(e) => {
-                    let id = l.id(&ins.values).map(|u| u.to_string());
-                    self.router.bad_row(id, pos, &e.to_string())
-                }
-            },
-            Err(e) => self.router.bad_row(None, pos, &e.to_string()),
+        let msg = match row {
+            Ok(row) => self.router.route_committed(
+                &row,
+                pos,
+                Some(txn.commit_time_micros),
+                self.max_payload,
+            ),
+            Err((id, detail)) => self.router.bad_row(id.map(|u| u.to_string()), pos, &detail),
         };
         if already_stored(&mut self.resume, pos, &msg.msg_id) {
             metrics::counter!(m::EVENTS_SKIPPED).increment(1);

@@ -21,6 +21,7 @@
 mod backfill;
 pub(crate) mod batch;
 pub(crate) mod decode;
+pub(crate) mod emitted;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;
 pub(crate) mod publish;

@@ -327,7 +327,8 @@ impl<'a> Session<'a> {
                 router(&source),
                 max_payload,
                 resume,
-            ),
+            )
+            .with_emitted(cfg.emitted_events),
             publisher,
             status_interval,
         })

@@ -1,0 +1,154 @@
+//! An event `outbox_emit()` wrote into the WAL (SPEC §12), read back into
+//! the same [`OutboxRow`] a table row becomes, so routing, headers, schema
+//! checks and dead letters cannot tell the two apart. Pure: no I/O.
+//!
+//! The content (`migrations/0010_outbox_emit.sql`) is three lines: the
+//! fields as a JSON object, the headers' JSON (empty when there are none),
+//! and the payload's JSON. jsonb's text form never holds a raw newline, and
+//! keeping payload and headers out of the object keeps them the very text
+//! Postgres renders for a row's columns: no number loses precision, no
+//! byte changes.
+
+use bytes::Bytes;
+use serde::Deserialize;
+use uuid::Uuid;
+
+use super::outbox_row::{micros_to_rfc3339, OutboxRow, PG_EPOCH_UNIX_MICROS};
+
+#[derive(Deserialize)]
+struct Fields {
+    id: Uuid,
+    aggregate_type: String,
+    aggregate_id: String,
+    event_type: String,
+    event_version: i64,
+    occurred_at_us: Option<i64>,
+    correlation_id: Option<Uuid>,
+    causation_id: Option<Uuid>,
+    subject: Option<String>,
+}
+
+/// The three lines, split.
+fn lines(content: &Bytes) -> Option<(Bytes, Bytes, Bytes)> {
+    let first = content.iter().position(|&b| b == b'\n')?;
+    let rest = content.slice(first + 1..);
+    let second = rest.iter().position(|&b| b == b'\n')?;
+    Some((
+        content.slice(..first),
+        rest.slice(..second),
+        rest.slice(second + 1..),
+    ))
+}
+
+/// The id alone, so content that fails to read can still be dead-lettered
+/// under its own message id.
+pub fn id(content: &Bytes) -> Option<Uuid> {
+    #[derive(Deserialize)]
+    struct Id {
+        id: Uuid,
+    }
+    let (fields, _, _) = lines(content)?;
+    serde_json::from_slice::<Id>(&fields).ok().map(|i| i.id)
+}
+
+/// The row an emitted event stands for.
+pub fn row(content: &Bytes) -> Result<OutboxRow, String> {
+    let shape = "emitted event content is not what outbox_emit() writes";
+    let (fields, headers, payload) =
+        lines(content).ok_or_else(|| format!("{shape}: not three lines"))?;
+    let f: Fields = serde_json::from_slice(&fields).map_err(|e| format!("{shape}: {e}"))?;
+    if payload.is_empty() {
+        return Err(format!("{shape}: no payload"));
+    }
+    let occurred_at = match f.occurred_at_us {
+        Some(unix) => Some(
+            micros_to_rfc3339(unix - PG_EPOCH_UNIX_MICROS)
+                .ok_or_else(|| format!("occurred_at_us {unix} is out of range"))?,
+        ),
+        None => None,
+    };
+    Ok(OutboxRow {
+        id: f.id,
+        aggregate_type: f.aggregate_type,
+        aggregate_id: f.aggregate_id,
+        event_type: f.event_type,
+        event_version: f.event_version,
+        payload,
+        occurred_at,
+        correlation_id: f.correlation_id,
+        causation_id: f.causation_id,
+        subject: f.subject,
+        headers: (!headers.is_empty()).then_some(headers),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn content(text: &str) -> Bytes {
+        Bytes::copy_from_slice(text.as_bytes())
+    }
+
+    #[test]
+    fn what_outbox_emit_writes_reads_back_as_a_row() {
+        // As Postgres renders it.
+        let c = content(concat!(
+            r#"{"id": "0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b", "subject": null, "event_type": "placed", "causation_id": null, "aggregate_id": "o-1", "event_version": 2, "aggregate_type": "order", "correlation_id": "7e57d004-2b97-4e7a-b45f-5387367791cd", "occurred_at_us": 1764000000123456}"#,
+            "\n",
+            r#"{"tenant": "acme"}"#,
+            "\n",
+            r#"{"total": 12.50, "big": 123456789012345678901234567890, "s": "a\nb"}"#,
+        ));
+        let row = row(&c).unwrap();
+        assert_eq!(row.id.to_string(), "0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b");
+        assert_eq!(
+            &row.payload[..],
+            br#"{"total": 12.50, "big": 123456789012345678901234567890, "s": "a\nb"}"#
+        );
+        assert_eq!(row.headers.as_deref(), Some(&br#"{"tenant": "acme"}"#[..]));
+        assert_eq!(row.event_version, 2);
+        assert_eq!(row.subject, None);
+        assert_eq!(row.causation_id, None);
+        assert_eq!(
+            row.occurred_at.as_deref(),
+            Some("2025-11-24T16:00:00.123456Z")
+        );
+        assert_eq!(id(&c), Some(row.id));
+    }
+
+    #[test]
+    fn content_of_another_shape_is_refused_with_its_id_kept() {
+        let c = content("{\"id\": \"0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b\"}\n\n{}");
+        assert!(row(&c)
+            .unwrap_err()
+            .contains("not what outbox_emit() writes"));
+        assert!(id(&c).is_some());
+        assert!(row(&content("not json")).is_err());
+        assert_eq!(id(&content("not json")), None);
+        let no_payload = content(concat!(
+            r#"{"id": "0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b", "aggregate_type": "t", "aggregate_id": "a", "event_type": "e", "event_version": 1}"#,
+            "\n\n"
+        ));
+        assert!(row(&no_payload).unwrap_err().contains("no payload"));
+    }
+
+    proptest! {
+        #[test]
+        fn any_payload_text_comes_back_byte_for_byte(
+            n in any::<i64>(), s in "[a-z \\\\\"é]{0,20}", v in 1i64..1000
+        ) {
+            let payload = serde_json::json!({"n": n, "s": s}).to_string();
+            let c = content(&format!(
+                "{{\"id\": \"{}\", \"aggregate_type\": \"t\", \"aggregate_id\": \"a\", \"event_type\": \"e\", \"event_version\": {v}, \"occurred_at_us\": null, \"correlation_id\": null, \"causation_id\": null, \"subject\": \"x.y\"}}\n\n{payload}",
+                Uuid::new_v4()
+            ));
+            let row = row(&c).unwrap();
+            prop_assert_eq!(&row.payload[..], payload.as_bytes());
+            prop_assert_eq!(row.event_version, v);
+            prop_assert_eq!(row.headers, None);
+            prop_assert_eq!(row.subject.as_deref(), Some("x.y"));
+        }
+    }
+}
