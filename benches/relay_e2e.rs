@@ -150,7 +150,7 @@ fn table(phase: &str) -> &'static str {
     }
 }
 
-async fn setup(pool: &PgPool, js: &async_nats::jetstream::Context) {
+async fn setup(pool: &PgPool, js: &async_nats::jetstream::Context, raw_emit: bool) {
     for sql in [
         "CREATE TABLE IF NOT EXISTS bench_raw (LIKE outbox_events INCLUDING ALL)",
         "CREATE TABLE IF NOT EXISTS bench_poll (LIKE outbox_events INCLUDING ALL, seq bigserial)",
@@ -158,6 +158,9 @@ async fn setup(pool: &PgPool, js: &async_nats::jetstream::Context) {
         "TRUNCATE bench_raw, bench_poll",
     ] {
         sqlx::query(sql).execute(pool).await.expect(sql);
+    }
+    if !raw_emit {
+        return;
     }
     // `raw-emit`: outbox_emit() itself, under another name and message
     // prefix, so the relay skips what it writes: Postgres alone.
@@ -870,7 +873,12 @@ async fn main() {
     let client = async_nats::connect(&nats)
         .await
         .expect("connect to NATS_URL");
-    setup(&pool, &async_nats::jetstream::new(client.clone())).await;
+    setup(
+        &pool,
+        &async_nats::jetstream::new(client.clone()),
+        a.phases.iter().any(|p| p == "raw-emit"),
+    )
+    .await;
 
     let mut results = Vec::new();
     for phase in a.phases.clone() {

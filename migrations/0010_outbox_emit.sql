@@ -50,22 +50,23 @@ BEGIN
     IF outbox_emit.id IS NULL THEN
         RAISE EXCEPTION 'outbox_emit: id must not be null' USING ERRCODE = '22023';
     END IF;
-    -- Three lines: the fields, the headers (empty when NULL), the payload.
-    -- jsonb's text form never holds a raw newline, and the payload and
-    -- headers stay the very text Postgres renders for a row's columns.
+    -- Three lines: the fields (a JSON array, by position: no key names in
+    -- the WAL), the headers (empty when NULL), the payload. JSON text never
+    -- holds a raw newline, and the payload and headers stay the very text
+    -- Postgres renders for a row's columns.
     PERFORM pg_logical_emit_message(
         true,
         'outbox-relay:event:v1',
-        jsonb_build_object(
-            'id', outbox_emit.id,
-            'aggregate_type', outbox_emit.aggregate_type,
-            'aggregate_id', outbox_emit.aggregate_id,
-            'event_type', outbox_emit.event_type,
-            'event_version', outbox_emit.event_version,
-            'occurred_at_us', (extract(epoch FROM outbox_emit.occurred_at) * 1000000)::int8,
-            'correlation_id', outbox_emit.correlation_id,
-            'causation_id', outbox_emit.causation_id,
-            'subject', outbox_emit.subject
+        json_build_array(
+            outbox_emit.id,
+            outbox_emit.aggregate_type,
+            outbox_emit.aggregate_id,
+            outbox_emit.event_type,
+            outbox_emit.event_version,
+            (extract(epoch FROM outbox_emit.occurred_at) * 1000000)::int8,
+            outbox_emit.correlation_id,
+            outbox_emit.causation_id,
+            outbox_emit.subject
         )::text
         || E'\n' || coalesce(outbox_emit.headers::text, '')
         || E'\n' || outbox_emit.payload::text

@@ -3,11 +3,11 @@
 //! checks and dead letters cannot tell the two apart. Pure: no I/O.
 //!
 //! The content (`migrations/0010_outbox_emit.sql`) is three lines: the
-//! fields as a JSON object, the headers' JSON (empty when there are none),
-//! and the payload's JSON. jsonb's text form never holds a raw newline, and
-//! keeping payload and headers out of the object keeps them the very text
-//! Postgres renders for a row's columns: no number loses precision, no
-//! byte changes.
+//! fields as a JSON array (by position, so no key names go into the WAL),
+//! the headers' JSON (empty when there are none), and the payload's JSON.
+//! JSON text never holds a raw newline, and keeping payload and headers out
+//! of the array keeps them the very text Postgres renders for a row's
+//! columns: no number loses precision, no byte changes.
 
 use bytes::Bytes;
 use serde::Deserialize;
@@ -15,18 +15,20 @@ use uuid::Uuid;
 
 use super::outbox_row::{micros_to_rfc3339, OutboxRow, PG_EPOCH_UNIX_MICROS};
 
+/// id, aggregate_type, aggregate_id, event_type, event_version,
+/// occurred_at (Unix µs), correlation_id, causation_id, subject.
 #[derive(Deserialize)]
-struct Fields {
-    id: Uuid,
-    aggregate_type: String,
-    aggregate_id: String,
-    event_type: String,
-    event_version: i64,
-    occurred_at_us: Option<i64>,
-    correlation_id: Option<Uuid>,
-    causation_id: Option<Uuid>,
-    subject: Option<String>,
-}
+struct Fields(
+    Uuid,
+    String,
+    String,
+    String,
+    i64,
+    Option<i64>,
+    Option<Uuid>,
+    Option<Uuid>,
+    Option<String>,
+);
 
 /// The three lines, split.
 fn lines(content: &Bytes) -> Option<(Bytes, Bytes, Bytes)> {
@@ -43,12 +45,9 @@ fn lines(content: &Bytes) -> Option<(Bytes, Bytes, Bytes)> {
 /// The id alone, so content that fails to read can still be dead-lettered
 /// under its own message id.
 pub fn id(content: &Bytes) -> Option<Uuid> {
-    #[derive(Deserialize)]
-    struct Id {
-        id: Uuid,
-    }
     let (fields, _, _) = lines(content)?;
-    serde_json::from_slice::<Id>(&fields).ok().map(|i| i.id)
+    let fields: Vec<serde_json::Value> = serde_json::from_slice(&fields).ok()?;
+    Uuid::parse_str(fields.first()?.as_str()?).ok()
 }
 
 /// The row an emitted event stands for.
@@ -56,11 +55,21 @@ pub fn row(content: &Bytes) -> Result<OutboxRow, String> {
     let shape = "emitted event content is not what outbox_emit() writes";
     let (fields, headers, payload) =
         lines(content).ok_or_else(|| format!("{shape}: not three lines"))?;
-    let f: Fields = serde_json::from_slice(&fields).map_err(|e| format!("{shape}: {e}"))?;
+    let Fields(
+        id,
+        aggregate_type,
+        aggregate_id,
+        event_type,
+        event_version,
+        occurred_at_us,
+        correlation_id,
+        causation_id,
+        subject,
+    ) = serde_json::from_slice(&fields).map_err(|e| format!("{shape}: {e}"))?;
     if payload.is_empty() {
         return Err(format!("{shape}: no payload"));
     }
-    let occurred_at = match f.occurred_at_us {
+    let occurred_at = match occurred_at_us {
         Some(unix) => Some(
             micros_to_rfc3339(unix - PG_EPOCH_UNIX_MICROS)
                 .ok_or_else(|| format!("occurred_at_us {unix} is out of range"))?,
@@ -68,16 +77,16 @@ pub fn row(content: &Bytes) -> Result<OutboxRow, String> {
         None => None,
     };
     Ok(OutboxRow {
-        id: f.id,
-        aggregate_type: f.aggregate_type,
-        aggregate_id: f.aggregate_id,
-        event_type: f.event_type,
-        event_version: f.event_version,
+        id,
+        aggregate_type,
+        aggregate_id,
+        event_type,
+        event_version,
         payload,
         occurred_at,
-        correlation_id: f.correlation_id,
-        causation_id: f.causation_id,
-        subject: f.subject,
+        correlation_id,
+        causation_id,
+        subject,
         headers: (!headers.is_empty()).then_some(headers),
     })
 }
@@ -95,7 +104,7 @@ mod tests {
     fn what_outbox_emit_writes_reads_back_as_a_row() {
         // As Postgres renders it.
         let c = content(concat!(
-            r#"{"id": "0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b", "subject": null, "event_type": "placed", "causation_id": null, "aggregate_id": "o-1", "event_version": 2, "aggregate_type": "order", "correlation_id": "7e57d004-2b97-4e7a-b45f-5387367791cd", "occurred_at_us": 1764000000123456}"#,
+            r#"["0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b", "order", "o-1", "placed", 2, 1764000000123456, "7e57d004-2b97-4e7a-b45f-5387367791cd", null, null]"#,
             "\n",
             r#"{"tenant": "acme"}"#,
             "\n",
@@ -120,7 +129,7 @@ mod tests {
 
     #[test]
     fn content_of_another_shape_is_refused_with_its_id_kept() {
-        let c = content("{\"id\": \"0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b\"}\n\n{}");
+        let c = content("[\"0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b\"]\n\n{}");
         assert!(row(&c)
             .unwrap_err()
             .contains("not what outbox_emit() writes"));
@@ -128,7 +137,7 @@ mod tests {
         assert!(row(&content("not json")).is_err());
         assert_eq!(id(&content("not json")), None);
         let no_payload = content(concat!(
-            r#"{"id": "0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b", "aggregate_type": "t", "aggregate_id": "a", "event_type": "e", "event_version": 1}"#,
+            r#"["0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b", "t", "a", "e", 1, null, null, null, null]"#,
             "\n\n"
         ));
         assert!(row(&no_payload).unwrap_err().contains("no payload"));
@@ -141,7 +150,7 @@ mod tests {
         ) {
             let payload = serde_json::json!({"n": n, "s": s}).to_string();
             let c = content(&format!(
-                "{{\"id\": \"{}\", \"aggregate_type\": \"t\", \"aggregate_id\": \"a\", \"event_type\": \"e\", \"event_version\": {v}, \"occurred_at_us\": null, \"correlation_id\": null, \"causation_id\": null, \"subject\": \"x.y\"}}\n\n{payload}",
+                "[\"{}\", \"t\", \"a\", \"e\", {v}, null, null, null, \"x.y\"]\n\n{payload}",
                 Uuid::new_v4()
             ));
             let row = row(&c).unwrap();
