@@ -30,8 +30,9 @@ cargo bench --no-run --quiet --bench "$BENCH" 2>/dev/null
 STACK_DIR="$(mktemp -d -t outbox-relay-bench.XXXXXX)"
 CLUSTER_DIR="$STACK_DIR/cluster"
 cleanup() {
-  [ -d "$CLUSTER_DIR" ] && { scripts/stack.sh nats-cluster-down "$CLUSTER_DIR" || true; }
+  # The relay first, while NATS still answers its last acks; then the rest.
   scripts/stack.sh down "$STACK_DIR" || true
+  [ -d "$CLUSTER_DIR" ] && { scripts/stack.sh nats-cluster-down "$CLUSTER_DIR" || true; }
   rm -rf "$STACK_DIR"
 }
 trap cleanup EXIT INT TERM

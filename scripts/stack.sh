@@ -477,8 +477,10 @@ down() {
   if [ -f "$dir/relay.pid" ]; then
     local relaypid; relaypid="$(cat "$dir/relay.pid")"
     if kill "$relaypid" 2>/dev/null; then
-      # Graceful stop is bounded by the relay's own shutdown timeout.
+      # Graceful stop is bounded by the relay's own shutdown timeout; one
+      # that outlives it (NATS gone) is ours to end, by its PID.
       for _ in $(seq 1 100); do kill -0 "$relaypid" 2>/dev/null || break; sleep 0.1; done
+      kill -9 "$relaypid" 2>/dev/null || true
     fi
   fi
   # shellcheck disable=SC1091
