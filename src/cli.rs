@@ -132,7 +132,7 @@ async fn run(command: Command) -> Result<(), Error> {
             tokio::spawn(on_signal(shutdown.clone()));
             tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
             crate::consumer::run(cfg, pool, js, handler, ready, shutdown).await?;
-            nats.flush().await.ok();
+            crate::nats::flush_on_exit(&nats).await;
             endpoint.stop();
             Ok(())
         }
@@ -209,7 +209,7 @@ async fn run(command: Command) -> Result<(), Error> {
             let who = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
             let done =
                 crate::ops::dlq::replay(&pool, &js, &args.select.stream, letters, &who).await?;
-            nats.flush().await.ok();
+            crate::nats::flush_on_exit(&nats).await;
             if args.json {
                 println!("{}", to_json(&done)?);
             } else {
@@ -265,7 +265,7 @@ async fn run(command: Command) -> Result<(), Error> {
             let who = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
             let done = crate::ops::reset::run(&pool, &js, &args.stream, &args.durable, &from, &who)
                 .await?;
-            nats.flush().await.ok();
+            crate::nats::flush_on_exit(&nats).await;
             println!(
                 "durable {} on {} starts over from sequence {}: {} messages go to its handler again",
                 args.durable, args.stream, done.from_seq, done.messages

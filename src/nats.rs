@@ -48,6 +48,22 @@ pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client
     })
 }
 
+/// How long a process on its way out waits for NATS to take what it wrote.
+const FLUSH_ON_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Flush before exiting, bounded: with the server gone, async-nats' flush
+/// waits for a reconnect that may never come, and a SIGTERM must still end
+/// the process. Nothing a guarantee rests on waits here: what was not acked
+/// is published again (relay) or delivered again (consumer).
+pub async fn flush_on_exit(client: &async_nats::Client) {
+    if tokio::time::timeout(FLUSH_ON_EXIT, client.flush())
+        .await
+        .is_err()
+    {
+        tracing::warn!("NATS did not answer the last flush; exiting without it");
+    }
+}
+
 /// `nats://user:secret@host:4222,…` without the user info.
 pub fn redact_url(urls: &str) -> String {
     urls.split(',')

@@ -475,3 +475,40 @@ async fn two_relays_on_a_first_start_never_backfill_twice() {
     );
     b.kill9();
 }
+
+/// Found in the bench's R3 runs: a relay whose NATS went away first and
+/// that was then sent SIGTERM kept running long past its shutdown timeout.
+/// SIGTERM must end it within `--shutdown-timeout` whatever NATS does (what
+/// was not acked is published again by the next relay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_a_relay_whose_nats_is_gone_within_its_shutdown_timeout() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_termnats").await;
+    let mut nats = OwnNats::start(&stack, "termnats");
+    let mut relay = Service::relay(&url, &nats.url, "termnats", &["--shutdown-timeout", "2s"]);
+    insert_txn(&pool, 0, 0, 5, 8).await;
+    read_stream(&nats.url, &wire::stream_name("termnats"), 5, T).await;
+    nats.down();
+    // Something in flight towards the dead server, then the signal.
+    insert_txn(&pool, 0, 5, 5, 8).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let st = relay.term(Duration::from_secs(20));
+    assert!(st.success(), "a graceful exit: {st:?}");
+    assert!(relay.log_text().contains("relay stopped"));
+
+    // The consumer, the same way: its NATS gone, SIGTERM ends it. No
+    // handler call is needed for that; the URL only has to parse.
+    nats.up();
+    let mut consumer = Service::consumer(
+        &url,
+        &nats.url,
+        &wire::stream_name("termnats"),
+        "termnats",
+        "http://127.0.0.1:9/unused",
+        &["--context", "termnats", "--shutdown-timeout", "2s"],
+    );
+    nats.down();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let st = consumer.term(Duration::from_secs(20));
+    assert!(st.success(), "a graceful exit: {st:?}");
+}

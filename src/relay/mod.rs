@@ -172,7 +172,7 @@ pub async fn run(
         }
         match result {
             Ok(stopped) => {
-                nats.flush().await.ok();
+                crate::nats::flush_on_exit(&nats).await;
                 return Ok(stopped);
             }
             Err(e) if e.is_slot_busy() => {
