@@ -5,6 +5,7 @@
 mod common;
 mod consumer;
 mod deploy;
+mod docs;
 mod emitted;
 mod hardening;
 mod lifecycle;

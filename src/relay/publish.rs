@@ -193,7 +193,7 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
     // nats-server stages an atomic batch of a one-replica file stream in a
     // file store of its own, created and removed per batch: about 2 ms of
     // server CPU per transaction, more than the whole latency budget at
-    // moderate load (README "Publish modes"). `auto` publishes event by
+    // moderate load (docs/guide/benchmarks.md). `auto` publishes event by
     // event there; `--publish-mode batch` keeps transactions whole. A
     // replicated or memory stream stages in memory, and batches win.
     let staged_on_disk = config.num_replicas <= 1 && config.storage == stream::StorageType::File;

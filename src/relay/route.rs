@@ -512,7 +512,7 @@ pub struct Provenance<'a> {
 }
 
 /// `--envelope`: the seeds' envelope fields the row supports, in the order
-/// the README lists them. Unknown values are null, as the first envelope had them.
+/// docs/guide/relay.md lists them. Unknown values are null, as the first envelope had them.
 pub fn envelope(row: &OutboxRow, from: &Provenance<'_>) -> Bytes {
     let id = row.id.to_string();
     let correlation = row.correlation_id.map(|u| u.to_string());
