@@ -19,6 +19,12 @@ CREATE OR REPLACE FUNCTION outbox_emit(
 LANGUAGE plpgsql VOLATILE
 AS $$
 BEGIN
+    -- The content goes into the WAL as raw bytes, unconverted (rows are
+    -- converted to the relay's UTF8): only a UTF8 database writes what the
+    -- relay reads.
+    IF current_setting('server_encoding') <> 'UTF8' THEN
+        RAISE EXCEPTION 'outbox_emit: the database encoding is %, and emitted events need UTF8; write outbox_events rows instead', current_setting('server_encoding') USING ERRCODE = '22023';
+    END IF;
     IF outbox_emit.aggregate_type IS NULL OR outbox_emit.aggregate_type = '' THEN
         RAISE EXCEPTION 'outbox_emit: aggregate_type must be a non-empty text' USING ERRCODE = '22023';
     END IF;

@@ -79,6 +79,9 @@ pub const CREW_PREFIX: &str = "_OUTBOX_CREW";
 /// The prefix of the logical decoding messages `outbox_emit()` writes
 /// (SPEC §12); the version names the content's shape.
 pub const EMIT_PREFIX: &str = "outbox-relay:event:v1";
+/// What every version of that prefix starts with: a relay that meets a
+/// version it cannot read stops instead of confirming past the event.
+pub const EMIT_PREFIX_FAMILY: &str = "outbox-relay:event:";
 pub const TRACEPARENT: &str = "traceparent";
 /// HTTP header of the handler call: the message id.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";

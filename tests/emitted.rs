@@ -357,3 +357,32 @@ async fn emitted_events_off_publishes_rows_only() {
     let m = relay.scrape().await;
     assert_eq!(m.value("outbox_relay_emitted_events_total"), Some(0.0));
 }
+
+/// Message content reaches the relay unconverted, rows converted to UTF8:
+/// in a database of another encoding, outbox_emit() refuses in the
+/// producer's transaction instead of writing bytes the relay would publish
+/// as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_emit_refuses_a_database_that_is_not_utf8() {
+    let stack = stack();
+    let admin = sqlx::PgPool::connect(&stack.admin_url).await.unwrap();
+    sqlx::query("DROP DATABASE IF EXISTS t_emitlatin1 WITH (FORCE)")
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(
+        "CREATE DATABASE t_emitlatin1 ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    let url = db_url(&stack.admin_url, "t_emitlatin1");
+    migrate(&url);
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let err = sqlx::query("SELECT outbox_emit('t', 'a', 'e', '{\"n\": \"é\"}')")
+        .execute(&pool)
+        .await
+        .expect_err("a LATIN1 database")
+        .to_string();
+    assert!(err.contains("UTF8"), "{err}");
+}

@@ -217,6 +217,13 @@ impl Stage {
                 }
                 self.on_emitted(&content, wm)
             }
+            ReplicationEvent::Message { prefix, .. }
+                if prefix.starts_with(wire::EMIT_PREFIX_FAMILY) && prefix != wire::EMIT_PREFIX =>
+            {
+                Err(Error::setup(format!(
+                    "the WAL holds an event written by a newer outbox_emit() (message prefix {prefix}) that this relay cannot read; upgrade the relay (nothing past it was confirmed, so the new one publishes it)"
+                )))
+            }
             _ => Ok(Step::Nothing),
         }
     }
@@ -643,5 +650,68 @@ mod tests {
         assert_eq!(msg.dlq_reason, Some(DlqReason::BadRow));
         assert_eq!(msg.msg_id, "0/64-0");
         assert_eq!(msg.subject, wire::relay_dlq_subject("ctx"));
+    }
+
+    fn message(prefix: &str, content: &str) -> ReplicationEvent {
+        ReplicationEvent::Message {
+            transactional: true,
+            lsn: Lsn(0),
+            prefix: prefix.into(),
+            content: Bytes::copy_from_slice(content.as_bytes()),
+        }
+    }
+
+    const EMITTED: &str = "[\"00000000-0000-4000-8000-000000000003\", \"order\", \"1\", \"placed\", 1, null, null, null, null]\n\n{}";
+
+    #[test]
+    fn an_emitted_event_takes_its_place_among_the_rows() {
+        let mut s = stage(None);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        let a = published(s.on_event(insert(7, ID1), &mut wm).unwrap()).unwrap();
+        let e = published(
+            s.on_event(message(wire::EMIT_PREFIX, EMITTED), &mut wm)
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(a.header(wire::TXN_INDEX), Some("0"));
+        assert_eq!(e.header(wire::TXN_INDEX), Some("1"));
+        assert_eq!(e.msg_id, "00000000-0000-4000-8000-000000000003");
+    }
+
+    /// A later version of outbox_emit() writes a prefix this relay does not
+    /// read: skipping it would confirm the slot past an event for good.
+    #[test]
+    fn an_emitted_event_of_an_unknown_version_stops_the_relay_instead_of_passing_it() {
+        let mut s = stage(None);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(begin(100), &mut wm).unwrap();
+        let err = s
+            .on_event(message("outbox-relay:event:v2", EMITTED), &mut wm)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("outbox-relay:event:v2"), "{err}");
+        // Another application's messages pass untouched.
+        assert!(matches!(
+            s.on_event(message("someone-else", "x"), &mut wm).unwrap(),
+            Step::Nothing
+        ));
+    }
+
+    /// `--emitted-events off` skips them, and counts each one it skips.
+    #[test]
+    fn emitted_events_off_skips_them_without_a_place() {
+        let mut s = stage(None).with_emitted(false);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        assert!(matches!(
+            s.on_event(message(wire::EMIT_PREFIX, EMITTED), &mut wm)
+                .unwrap(),
+            Step::Nothing
+        ));
+        let a = published(s.on_event(insert(7, ID1), &mut wm).unwrap()).unwrap();
+        assert_eq!(a.header(wire::TXN_INDEX), Some("0"));
     }
 }

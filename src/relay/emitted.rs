@@ -71,7 +71,8 @@ pub fn row(content: &Bytes) -> Result<OutboxRow, String> {
     }
     let occurred_at = match occurred_at_us {
         Some(unix) => Some(
-            micros_to_rfc3339(unix - PG_EPOCH_UNIX_MICROS)
+            unix.checked_sub(PG_EPOCH_UNIX_MICROS)
+                .and_then(micros_to_rfc3339)
                 .ok_or_else(|| format!("occurred_at_us {unix} is out of range"))?,
         ),
         None => None,
@@ -159,5 +160,14 @@ mod tests {
             prop_assert_eq!(row.headers, None);
             prop_assert_eq!(row.subject.as_deref(), Some("x.y"));
         }
+    }
+
+    #[test]
+    fn a_forged_time_is_refused_not_overflowed() {
+        let c = content(concat!(
+            r#"["0b9f6e5a-8c1d-4f5e-9a3b-2c7d1e0f4a6b", "t", "a", "e", 1, -9223372036854775808, null, null, null]"#,
+            "\n\n{}"
+        ));
+        assert!(row(&c).unwrap_err().contains("out of range"));
     }
 }
