@@ -213,15 +213,13 @@ async fn kill_9_under_an_emitting_load_loses_nothing_and_duplicates_nothing() {
 async fn an_emitted_event_with_a_bad_subject_or_failing_its_schema_is_dead_lettered() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "t_emitdlq").await;
-    let dir =
-        std::env::temp_dir().join(format!("outbox-relay-emit-schemas-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("shop/order/placed")).unwrap();
-    std::fs::write(
-        dir.join("shop/order/placed/v1.json"),
-        r#"{"type": "object", "required": ["amount"], "properties": {"amount": {"type": "integer", "minimum": 0}}}"#,
-    )
-    .unwrap();
+    let dir = schema_dir(
+        "emitdlq",
+        &[(
+            "shop/order/placed/v1.json",
+            r#"{"type": "object", "required": ["amount"], "properties": {"amount": {"type": "integer", "minimum": 0}}}"#,
+        )],
+    );
     let _relay = Service::relay(
         &url,
         &stack.nats_url,

@@ -1,6 +1,6 @@
 //! Event schemas (SPEC §10), against the real stack.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use crate::common::*;
@@ -14,21 +14,6 @@ const PLACED_V1: &str = r#"{
   "required": ["amount"],
   "properties": { "amount": { "type": "integer", "minimum": 0 } }
 }"#;
-
-/// A schema folder of the test's own: `files` are (path, text).
-fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "outbox-relay-schemas-{name}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    for (path, text) in files {
-        let p = dir.join(path);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(p, text).unwrap();
-    }
-    dir
-}
 
 async fn insert(pool: &sqlx::PgPool, event_type: &str, payload: serde_json::Value) -> String {
     insert_version(pool, event_type, 1, payload).await

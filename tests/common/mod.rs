@@ -1228,3 +1228,18 @@ pub async fn publish_with(
     .await
     .unwrap();
 }
+
+/// A schema folder of the test's own: `files` are (path, text).
+pub fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-relay-schemas-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (path, text) in files {
+        let p = dir.join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+    dir
+}
