@@ -2957,7 +2957,10 @@ async fn a_dead_letter_too_large_for_the_dlq_is_kept_without_its_body_and_replay
 /// error that reaches it is Postgres failing in the instant after the lease
 /// was taken, which this test cannot force (the tests' superuser is exempt
 /// from connection limits); it holds the neighbouring path instead: a
-/// standby that takes over while NATS is down stays and delivers after.
+/// standby whose dispatcher dies while NATS is down stays, and delivers
+/// after. (It takes the lease only once NATS is back: cut off from NATS, a
+/// dispatcher could reach neither the stream nor the crew, and would keep a
+/// process that can from taking over.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_consumer_taking_over_while_nats_is_down_stays_and_delivers_after() {
     let mut nats = OwnNats::start(&stack(), "ctakeover");
@@ -2982,19 +2985,27 @@ async fn a_standby_consumer_taking_over_while_nats_is_down_stays_and_delivers_af
     .await;
     nats.down();
     f.consumer.kill9();
-    let deadline = Instant::now() + T;
-    while standby.child.try_wait().unwrap().is_none()
-        && standby.scrape().await.value("outbox_consumer_standby") == Some(1.0)
-    {
-        assert!(Instant::now() < deadline, "the standby never took over");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(T, "the dead dispatcher's lease is free", || async {
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+        held == 0
+    })
+    .await;
     assert!(
         standby.child.try_wait().unwrap().is_none(),
         "the standby exited while NATS was down:\n{}",
         standby.log_text()
     );
     nats.up();
+    eventually(T, "the standby takes over once NATS is back", || async {
+        standby.scrape().await.value("outbox_consumer_standby") == Some(0.0)
+    })
+    .await;
     let js = js(&nats.url).await;
     let id = Uuid::new_v4();
     publish(&js, "ctko.x", Some(id), "a", b"{}").await;
@@ -3732,4 +3743,242 @@ async fn a_message_waiting_behind_a_job_lost_with_its_helper_runs_after_that_job
         k1_calls.iter().map(|c| c.at).collect::<Vec<_>>(),
         k2_calls[0].at
     );
+}
+
+/// A handler whose calls are spans: each starts when the call arrives and
+/// ends when it is answered or when the caller goes away (hyper drops the
+/// call's future with its connection). The payload's `sleep_ms` is the
+/// time each call takes.
+#[derive(Clone, Default)]
+struct Spans {
+    calls: Arc<Mutex<Vec<Span>>>,
+}
+
+/// A call: the message id, its start, and its end once it has ended.
+type Span = (String, Instant, Option<Instant>);
+
+struct SpanEnd(Spans, usize);
+
+impl Drop for SpanEnd {
+    fn drop(&mut self) {
+        self.0.calls.lock().unwrap()[self.1].2 = Some(Instant::now());
+    }
+}
+
+impl Spans {
+    async fn serve(&self) -> String {
+        let app = axum::Router::new()
+            .route("/handle", axum::routing::post(span_answer))
+            .with_state(self.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/handle", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        url
+    }
+
+    fn started(&self, id: Uuid) -> usize {
+        let id = id.to_string();
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.0 == id)
+            .count()
+    }
+
+    /// Two calls of one message at once, as (start, end) pairs.
+    fn overlaps(&self, id: Uuid) -> Vec<String> {
+        let id = id.to_string();
+        let spans: Vec<(Instant, Instant)> = self
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.0 == id)
+            .map(|c| (c.1, c.2.unwrap_or_else(Instant::now)))
+            .collect();
+        let mut found = Vec::new();
+        for (i, a) in spans.iter().enumerate() {
+            for b in &spans[i + 1..] {
+                if b.0 < a.1 && a.0 < b.1 {
+                    found.push(format!(
+                        "one call ran {:?}..{:?}, another {:?}..{:?} (from the first call's start)",
+                        Duration::ZERO,
+                        a.1 - a.0,
+                        b.0 - a.0,
+                        b.1 - a.0
+                    ));
+                }
+            }
+        }
+        found
+    }
+}
+
+async fn span_answer(State(h): State<Spans>, body: Bytes) -> StatusCode {
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let id = body["message_id"].as_str().unwrap().to_owned();
+    let _end = {
+        let mut calls = h.calls.lock().unwrap();
+        calls.push((id, Instant::now(), None));
+        SpanEnd(h.clone(), calls.len() - 1)
+    };
+    if let Some(ms) = body["payload"]["sleep_ms"].as_u64() {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    StatusCode::OK
+}
+
+/// The one process of `crew` that runs `n` jobs for the crew.
+async fn running_jobs(crew: &[&Service], n: f64) -> usize {
+    let deadline = Instant::now() + T;
+    loop {
+        for (i, s) in crew.iter().enumerate() {
+            if s.scrape().await.value("outbox_consumer_running_jobs") == Some(n) {
+                return i;
+            }
+        }
+        assert!(Instant::now() < deadline, "no process runs {n} job(s)");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A crew of `names` (the first started first: it dispatches), each with
+/// `--concurrency 1`; `via` gives a process its own NATS URL.
+struct Crew {
+    pool: sqlx::PgPool,
+    js: jetstream::Context,
+    spans: Spans,
+    handler_url: String,
+    url: String,
+    stream: String,
+    ctx: &'static str,
+}
+
+impl Crew {
+    async fn new(db: &str, ctx: &'static str) -> Crew {
+        let stack = stack();
+        let (url, pool) = fresh_db(&stack, db).await;
+        let js = js(&stack.nats_url).await;
+        let stream = fresh_stream(&js, ctx, DUP).await;
+        let spans = Spans::default();
+        let handler_url = spans.serve().await;
+        Crew {
+            pool,
+            js,
+            spans,
+            handler_url,
+            url,
+            stream,
+            ctx,
+        }
+    }
+
+    fn process(&self, name: &str, nats_url: &str) -> Service {
+        Service::consumer_named(
+            &self.url,
+            nats_url,
+            &self.stream,
+            self.ctx,
+            name,
+            &self.handler_url,
+            &["--context", self.ctx, "--concurrency", "1"],
+        )
+    }
+
+    async fn publish(&self, id: Uuid, aggregate: &str, sleep_ms: u64) {
+        let body = format!(r#"{{"sleep_ms": {sleep_ms}}}"#);
+        publish(
+            &self.js,
+            &format!("{}.e", self.ctx),
+            Some(id),
+            aggregate,
+            body.as_bytes(),
+        )
+        .await;
+    }
+
+    async fn called(&self, id: Uuid) {
+        eventually(T, "the message reaches the handler", || async {
+            self.spans.started(id) > 0
+        })
+        .await;
+    }
+}
+
+/// Review of the crew, finding 2: a helper cut off from NATS (its
+/// Postgres is fine) while it runs K/1. The dispatcher, hearing nothing for
+/// 5 s, took the job for lost and ran K/1 again while the helper still
+/// called the handler with it: two calls of one message at once. The helper
+/// must stop a job it cannot be heard running before the dispatcher gives
+/// up on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_helper_cut_off_from_nats_stops_its_job_before_the_dispatcher_runs_it_again() {
+    let crew = Crew::new("c_crewcut", "ccrewcut").await;
+    let nats = stack().nats_url;
+    let proxy = Proxy::start(nats.trim_start_matches("nats://")).await;
+    let mut a = crew.process("crewcut-a", &nats);
+    a.wait_ready();
+    let b = crew.process("crewcut-b", &proxy.nats_url());
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    // X holds A's only slot, so K/1 goes to B.
+    let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
+    crew.publish(x, "x", 2_000).await;
+    crew.called(x).await;
+    crew.publish(k1, "k", 15_000).await;
+    crew.called(k1).await;
+    assert_eq!(running_jobs(&[&b], 1.0).await, 0, "B runs K/1");
+    proxy.cut();
+    eventually(T, "K/1 called again", || async {
+        crew.spans.started(k1) >= 2
+    })
+    .await;
+    proxy.heal();
+    wait_processed(&crew.pool, crew.ctx, 2).await;
+    let overlaps = crew.spans.overlaps(k1);
+    assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");
+}
+
+/// Review of the crew, finding 4: a new dispatcher took over after hearing
+/// the crew for 1.5 s, without the process it had not heard (cut off from
+/// NATS, still running K/1), and reset the durable: K/1 came again and ran
+/// in the new dispatcher while the old call went on. A new dispatcher must
+/// account for every live process before it resets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_dispatcher_waits_for_a_live_process_it_cannot_hear_before_running_its_job_again() {
+    let crew = Crew::new("c_crewadopt", "ccrewadopt").await;
+    let nats = stack().nats_url;
+    let proxy = Proxy::start(nats.trim_start_matches("nats://")).await;
+    let mut a = crew.process("crewadopt-a", &nats);
+    a.wait_ready();
+    let b = crew.process("crewadopt-b", &proxy.nats_url());
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
+    crew.publish(x, "x", 1_000).await;
+    crew.called(x).await;
+    crew.publish(k1, "k", 15_000).await;
+    crew.called(k1).await;
+    assert_eq!(running_jobs(&[&b], 1.0).await, 0, "B runs K/1");
+    wait_processed(&crew.pool, crew.ctx, 1).await;
+    let c = crew.process("crewadopt-c", &nats);
+    eventually(T, "three processes of the durable", || async {
+        c.scrape().await.value("outbox_consumer_processes") == Some(3.0)
+    })
+    .await;
+    proxy.cut();
+    a.kill9();
+    eventually(T, "K/1 called again", || async {
+        crew.spans.started(k1) >= 2
+    })
+    .await;
+    proxy.heal();
+    wait_processed(&crew.pool, crew.ctx, 2).await;
+    let overlaps = crew.spans.overlaps(k1);
+    assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");
 }

@@ -13,26 +13,42 @@
 //! job ended, so order, no overlap and no head-of-line blocking are the
 //! scheduler's, unchanged.
 //!
-//! Who is alive is Postgres's word: each process holds a session advisory
-//! lock (its member lock) for as long as it lives, and a kill -9 closes that
-//! connection and frees it at once. Every process says every [`BEAT`] what it
-//! runs. A job is lost when its helper's lock is gone, when its helper stops
-//! listing it without having reported it, or when its helper is silent for
-//! [`SILENT`]; the dispatcher then treats it as a job that panicked here:
-//! what the inbox holds decides, and a reset to the ack floor brings back an
-//! unacked message, in order.
+//! The one rule everything below keeps: **a job is run again only once its
+//! first run has stopped.** So:
 //!
-//! Taking over, a dispatcher first hears every live process once and adopts
-//! the jobs they run (their keys stay busy until each reports), then resets
-//! to the ack floor: a message JetStream delivers again while a helper still
-//! runs it waits behind it, and the inbox answers it as a duplicate.
+//! - Every process serves one dispatcher at a time. A new dispatcher first
+//!   *syncs* every live process: from then on that process refuses jobs
+//!   from anyone else (an old dispatcher that has not noticed it lost the
+//!   lease), and its answer lists what it runs, which the new dispatcher
+//!   adopts (their keys stay busy until each reports). A live process that
+//!   does not answer is waited for until it must have stopped its jobs
+//!   (below). Only then does the new dispatcher reset the durable to its ack
+//!   floor.
+//! - A job request expires: it names the helper's beat after which it must
+//!   be refused, so a request that arrives late cannot start a job the
+//!   dispatcher has already given up on.
+//! - Who is alive is Postgres's word: each process holds a session advisory
+//!   lock (its member lock) for as long as it lives, and a kill -9 closes
+//!   that connection and frees it at once. A helper checks its lock every
+//!   [`BEAT`], and hears its own beats come back through NATS; when either
+//!   fails it stops the jobs it runs ([`FENCE`]). The dispatcher takes a job
+//!   for lost only later: [`GRACE`] after the helper's lock went, [`SILENT`]
+//!   after it last heard the helper (while it hears itself), or when a beat
+//!   past the job's start no longer lists it. A lost job is handled as one
+//!   that panicked here: what the inbox holds decides, and a reset to the
+//!   ack floor brings back an unacked message, in order.
+//!
+//! A process stopped (SIGSTOP, a long pause) cannot stop its own jobs: like
+//! any lease without a fencing token at the handler, a pause longer than
+//! [`FENCE`] can let one call overlap its repeat.
 //!
 //! Subjects (core NATS, outside any stream): `_OUTBOX_CREW.{stream}.{durable}`
 //! `.s.hello` and `.s.done` (one subscription, so a job's end is never read
-//! after a beat that no longer lists it), and `.job.{member}` (requests).
+//! after a beat that no longer lists it), `.job.{member}` (requests),
+//! `.sync.{member}` and `.echo.{member}`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,14 +70,23 @@ use crate::ops::metrics as m;
 
 /// How often every process says what it runs.
 pub(super) const BEAT: Duration = Duration::from_millis(250);
-/// A helper that says nothing for this long has lost its jobs.
+/// A helper that cannot hear its own beats for this long stops its jobs.
+const FENCE: Duration = Duration::from_secs(2);
+/// A helper the dispatcher has not heard for this long has stopped its
+/// jobs (it could not hear itself for [`FENCE`]).
 const SILENT: Duration = Duration::from_secs(5);
-/// How long a new dispatcher waits to hear every live process.
-const ADOPT_WAIT: Duration = Duration::from_millis(1500);
-/// How long a helper may take to accept a job.
-const SEND_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a helper may take to stop its jobs once its member lock is
+/// gone: it checks every [`BEAT`], each check bounded by [`PING`].
+const GRACE: Duration = Duration::from_secs(1);
+/// A member-lock check that takes longer has failed.
+const PING: Duration = Duration::from_millis(500);
+/// How long a helper may take to answer a request or a sync.
+const SEND_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often the dispatcher asks Postgres who is alive.
 const LIVENESS: Duration = Duration::from_millis(500);
+/// A new dispatcher that cannot account for every live process by then
+/// gives the lease up and asks again.
+const ADOPT_LIMIT: Duration = Duration::from_secs(30);
 
 fn lock_name(stream: &str, durable: &str) -> String {
     format!("outbox-relay crew {stream}/{durable}")
@@ -104,8 +129,13 @@ impl Member {
         }
     }
 
+    /// The lock is still ours: its connection answers within [`PING`]. A
+    /// connection cut off without a reset would otherwise hang the check.
     pub async fn held(&mut self) -> bool {
-        self.conn.ping().await.is_ok()
+        matches!(
+            tokio::time::timeout(PING, self.conn.ping()).await,
+            Ok(Ok(()))
+        )
     }
 }
 
@@ -139,20 +169,56 @@ pub(super) struct Running {
     #[serde(default)]
     pub retry: Option<u64>,
     /// Run by this process as dispatcher (not sent to it).
-    #[serde(skip)]
+    #[serde(default)]
     pub mine: bool,
 }
 
-/// The jobs this process runs (dispatched here, or its own as dispatcher).
-pub(super) type Registry = Arc<Mutex<HashMap<u64, Running>>>;
+/// What a process runs, and the dispatcher it serves: a job request from
+/// any other is refused, and so is a job this process would start as a
+/// dispatcher another has replaced.
+#[derive(Default)]
+pub(super) struct Roster {
+    pub jobs: HashMap<u64, Running>,
+    pub serving: Option<i32>,
+}
 
-#[derive(Debug, Serialize, Deserialize)]
+impl Roster {
+    /// Another process dispatches now: this one must not start jobs as
+    /// dispatcher `me`.
+    pub fn replaced(&self, me: i32) -> bool {
+        self.serving.is_some_and(|s| s != me)
+    }
+
+    /// Whether a job request from dispatcher `from`, to expire after beat
+    /// `until`, may start here at beat `beat`.
+    fn admits(&self, from: i32, until: u64, beat: u64) -> std::result::Result<(), &'static str> {
+        if self.serving != Some(from) {
+            Err("fenced")
+        } else if beat > until {
+            Err("late")
+        } else {
+            Ok(())
+        }
+    }
+}
+
+pub(super) type Registry = Arc<Mutex<Roster>>;
+
+pub(super) fn roster(registry: &Registry) -> std::sync::MutexGuard<'_, Roster> {
+    registry
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Hello {
     member: i32,
     capacity: usize,
     leaving: bool,
     beat: u64,
     running: Vec<Running>,
+    #[serde(default)]
+    serving: Option<i32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -160,6 +226,15 @@ struct Done {
     id: u64,
     how: Ended,
     panicked: bool,
+    /// Stopped unfinished (the helper could not be heard, or lost its
+    /// lock): the dispatcher handles it as lost.
+    #[serde(default)]
+    lost: bool,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Sync {
+    from: i32,
 }
 
 /// [`Finished`] on the wire: a due time travels as a delay.
@@ -209,13 +284,17 @@ struct JobHead {
     subject: String,
     #[serde(default)]
     reply: Option<String>,
+    /// The dispatcher that sends it.
+    from: i32,
+    /// The helper's last beat at which it may still start the job.
+    until: u64,
 }
 
 /// A job id unique across the crew: a random base drawn once per process,
 /// then a counter. Not a random per job: that was a `getrandom` system call
 /// on every delivery (seen in the consumer's profile).
 pub(super) fn new_job_id() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::AtomicU64;
     use std::sync::OnceLock;
     static BASE: OnceLock<u64> = OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -233,24 +312,42 @@ pub(super) async fn report(
     how: Finished<Instant>,
     panicked: bool,
 ) {
+    publish_done(client, &base(stream, durable), id, how, panicked, false).await;
+}
+
+async fn publish_done(
+    client: &async_nats::Client,
+    base: &str,
+    id: u64,
+    how: Finished<Instant>,
+    panicked: bool,
+    lost: bool,
+) {
     let done = Done {
         id,
         how: Ended::from(how),
         panicked,
+        lost,
     };
     if let Ok(body) = serde_json::to_vec(&done) {
-        let _ = client
-            .publish(format!("{}.s.done", base(stream, durable)), body.into())
-            .await;
+        // Bounded: with NATS gone the client's queue may be full, and the
+        // dispatcher takes a silent helper's jobs for lost anyway.
+        let _ = tokio::time::timeout(
+            SEND_TIMEOUT,
+            client.publish(format!("{base}.s.done"), body.into()),
+        )
+        .await;
     }
 }
 
 // ---------------------------------------------------------------- dispatcher
 
+type EndRx = oneshot::Receiver<Option<(Finished<Instant>, bool)>>;
+
 /// How a job handed to a helper came back.
 pub(super) enum Sent {
     /// Accepted: its end comes through the receiver (`None`: lost).
-    Accepted(oneshot::Receiver<Option<(Finished<Instant>, bool)>>),
+    Accepted(EndRx),
     /// Refused (no room, no such process): run it here.
     Refused,
 }
@@ -261,6 +358,7 @@ struct Helper {
     beat: u64,
     heard: Instant,
     running: Vec<Running>,
+    serving: Option<i32>,
 }
 
 struct Waiter {
@@ -270,12 +368,17 @@ struct Waiter {
     tx: oneshot::Sender<Option<(Finished<Instant>, bool)>>,
 }
 
-#[derive(Default)]
 struct State {
     helpers: HashMap<i32, Helper>,
     alive: HashSet<i32>,
+    /// Members heard of whose lock is gone, and since when.
+    gone: HashMap<i32, Instant>,
     reserved: HashMap<i32, usize>,
     waiting: HashMap<u64, Waiter>,
+    /// When this process last heard its own beat: silence from others means
+    /// something only while it does.
+    self_heard: Option<Instant>,
+    syncing: HashSet<i32>,
 }
 
 impl State {
@@ -293,6 +396,24 @@ impl State {
             }
         }
     }
+
+    fn hears_itself(&self) -> bool {
+        self.self_heard.is_some_and(|t| t.elapsed() < FENCE)
+    }
+
+    /// The helper has stopped whatever it ran: its lock has been gone for
+    /// [`GRACE`], or this process (hearing itself) has not heard it for
+    /// [`SILENT`].
+    fn stopped(&self, member: i32) -> bool {
+        if self.gone.get(&member).is_some_and(|t| t.elapsed() >= GRACE) {
+            return true;
+        }
+        self.hears_itself()
+            && self
+                .helpers
+                .get(&member)
+                .is_some_and(|h| h.heard.elapsed() >= SILENT)
+    }
 }
 
 /// The dispatcher's view of the crew, for one period as dispatcher.
@@ -304,7 +425,10 @@ pub(super) struct Crew {
 struct CrewInner {
     client: async_nats::Client,
     base: String,
+    /// This dispatcher's name in requests and syncs: the member id this
+    /// process had when the period began.
     me: i32,
+    worker: Arc<Worker>,
     state: Mutex<State>,
     /// Set on hand-over: waiting on other processes' jobs stops (the next
     /// dispatcher adopts them).
@@ -318,7 +442,7 @@ impl Crew {
         pool: PgPool,
         stream: &str,
         durable: &str,
-        me: i32,
+        worker: Arc<Worker>,
         stop: CancellationToken,
     ) -> Result<Crew> {
         let base = base(stream, durable);
@@ -330,8 +454,17 @@ impl Crew {
             inner: Arc::new(CrewInner {
                 client,
                 base,
-                me,
-                state: Mutex::new(State::default()),
+                me: worker.member.load(Ordering::Relaxed),
+                worker,
+                state: Mutex::new(State {
+                    helpers: HashMap::new(),
+                    alive: HashSet::new(),
+                    gone: HashMap::new(),
+                    reserved: HashMap::new(),
+                    waiting: HashMap::new(),
+                    self_heard: None,
+                    syncing: HashSet::new(),
+                }),
                 handover: CancellationToken::new(),
             }),
         };
@@ -340,6 +473,10 @@ impl Crew {
                 .listen(sub, pool, stream.to_owned(), durable.to_owned(), stop),
         );
         Ok(crew)
+    }
+
+    pub fn me(&self) -> i32 {
+        self.inner.me
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -369,7 +506,8 @@ impl Crew {
                         }
                     } else if let Ok(d) = serde_json::from_slice::<Done>(&msg.payload) {
                         if let Some(w) = self.state().waiting.remove(&d.id) {
-                            let _ = w.tx.send(Some((d.how.into_finished(), d.panicked)));
+                            let end = (!d.lost).then(|| (d.how.into_finished(), d.panicked));
+                            let _ = w.tx.send(end);
                         }
                     }
                 }
@@ -378,11 +516,40 @@ impl Crew {
                         continue;
                     };
                     let mut s = self.state();
-                    s.helpers.retain(|id, h| alive.contains(id) && h.heard.elapsed() < SILENT);
-                    let helpers: HashSet<i32> = s.helpers.keys().copied().collect();
+                    let now = Instant::now();
+                    let known: Vec<i32> = s
+                        .helpers
+                        .keys()
+                        .copied()
+                        .chain(s.waiting.values().map(|w| w.member))
+                        .collect();
+                    for id in known {
+                        if alive.contains(&id) {
+                            s.gone.remove(&id);
+                        } else {
+                            s.gone.entry(id).or_insert(now);
+                        }
+                    }
                     s.alive = alive;
-                    let me = self.inner.me;
-                    s.fail_where(|_, w| w.member != me && !helpers.contains(&w.member));
+                    let stopped: HashSet<i32> = s
+                        .waiting
+                        .values()
+                        .map(|w| w.member)
+                        .filter(|m| s.stopped(*m))
+                        .collect();
+                    s.fail_where(|_, w| stopped.contains(&w.member));
+                    // Forget who is gone for good, once nothing waits on it.
+                    let waited: HashSet<i32> = s.waiting.values().map(|w| w.member).collect();
+                    let forget: Vec<i32> = s
+                        .gone
+                        .iter()
+                        .filter(|(id, t)| t.elapsed() >= SILENT && !waited.contains(id))
+                        .map(|(id, _)| *id)
+                        .collect();
+                    for id in forget {
+                        s.gone.remove(&id);
+                        s.helpers.remove(&id);
+                    }
                 }
             }
         }
@@ -391,10 +558,17 @@ impl Crew {
     }
 
     fn heard(&self, h: Hello) {
+        let me = self.inner.me;
         let mut s = self.state();
+        if h.member == self.inner.worker.member.load(Ordering::Relaxed) {
+            s.self_heard = Some(Instant::now());
+        }
         let listed: HashSet<u64> = h.running.iter().map(|r| r.id).collect();
         let (member, beat) = (h.member, h.beat);
         s.fail_where(|id, w| w.member == member && beat > w.since_beat && !listed.contains(&id));
+        // A process that serves no one (it just joined) or an old
+        // dispatcher is synced before it is sent anything.
+        let sync = h.serving != Some(me) && !h.leaving && s.syncing.insert(member);
         s.helpers.insert(
             h.member,
             Helper {
@@ -403,12 +577,61 @@ impl Crew {
                 beat: h.beat,
                 heard: Instant::now(),
                 running: h.running,
+                serving: h.serving,
             },
         );
+        drop(s);
+        if sync {
+            let crew = self.clone();
+            tokio::spawn(async move {
+                if let Some(answer) = crew.sync(member).await {
+                    // Adopting now would come after the keys moved on; a
+                    // job of a previous dispatcher here means that process
+                    // could not be reached when this period began and did
+                    // not stop its jobs in time.
+                    let waited: HashSet<u64> = crew.state().waiting.keys().copied().collect();
+                    let foreign: Vec<&Running> = answer
+                        .running
+                        .iter()
+                        .filter(|r| !waited.contains(&r.id))
+                        .collect();
+                    if !foreign.is_empty() {
+                        tracing::warn!(
+                            member,
+                            jobs = foreign.len(),
+                            "a process joined this dispatcher while it ran jobs of a previous one"
+                        );
+                    }
+                }
+                crew.state().syncing.remove(&member);
+            });
+        }
+    }
+
+    /// Make `member` serve this dispatcher; its answer lists what it runs.
+    async fn sync(&self, member: i32) -> Option<Hello> {
+        let body = serde_json::to_vec(&Sync {
+            from: self.inner.me,
+        })
+        .ok()?;
+        let subject = format!("{}.sync.{member}", self.inner.base);
+        let reply = tokio::time::timeout(
+            SEND_TIMEOUT,
+            self.inner.client.request(subject, body.into()),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        serde_json::from_slice(&reply.payload).ok()
     }
 
     fn pickable(&self, s: &State, id: i32, h: &Helper) -> bool {
-        id != self.inner.me && !h.leaving && s.alive.contains(&id) && h.heard.elapsed() < SILENT
+        id != self.inner.me
+            && id != self.inner.worker.member.load(Ordering::Relaxed)
+            && !h.leaving
+            && h.serving == Some(self.inner.me)
+            && s.alive.contains(&id)
+            && h.heard.elapsed() < SILENT
     }
 
     /// Jobs the other processes can take at once.
@@ -466,6 +689,23 @@ impl Crew {
         key: &str,
         job: &Job<jetstream::Message>,
     ) -> Sent {
+        let (tx, rx) = oneshot::channel();
+        // Waiting before asking: its end may come before the answer does.
+        // The request expires one beat after the last one heard: a beat
+        // past that which does not list the job says it never started.
+        let until = {
+            let mut s = self.state();
+            let until = s.helpers.get(&member).map_or(0, |h| h.beat) + 1;
+            s.waiting.insert(
+                id,
+                Waiter {
+                    member,
+                    since_beat: u64::MAX,
+                    tx,
+                },
+            );
+            until
+        };
         let (head, headers, body) = match job {
             Job::Deliver(msg) => (
                 JobHead {
@@ -474,6 +714,8 @@ impl Crew {
                     retry: None,
                     subject: msg.subject.to_string(),
                     reply: msg.reply.as_ref().map(|r| r.to_string()),
+                    from: self.inner.me,
+                    until,
                 },
                 msg.headers.clone(),
                 msg.payload.clone(),
@@ -485,32 +727,23 @@ impl Crew {
                     retry: Some(*seq),
                     subject: String::new(),
                     reply: None,
+                    from: self.inner.me,
+                    until,
                 },
                 None,
                 Bytes::new(),
             ),
-            _ => return Sent::Refused,
+            _ => {
+                self.state().waiting.remove(&id);
+                return Sent::Refused;
+            }
         };
         let Ok(mut payload) = serde_json::to_vec(&head) else {
+            self.state().waiting.remove(&id);
             return Sent::Refused;
         };
         payload.push(b'\n');
         payload.extend_from_slice(&body);
-        let (tx, rx) = oneshot::channel();
-        // Waiting before asking: its end may come before the answer does.
-        let known_beat = {
-            let mut s = self.state();
-            let beat = s.helpers.get(&member).map_or(0, |h| h.beat);
-            s.waiting.insert(
-                id,
-                Waiter {
-                    member,
-                    since_beat: u64::MAX,
-                    tx,
-                },
-            );
-            beat
-        };
         let subject = format!("{}.job.{member}", self.inner.base);
         let request = async {
             match headers {
@@ -541,69 +774,105 @@ impl Crew {
                 s.waiting.remove(&id);
                 Sent::Refused
             }
-            // It may have been accepted: its beats tell.
+            // It may have been accepted: a beat past `until` tells.
             _ => {
                 if let Some(w) = s.waiting.get_mut(&id) {
-                    w.since_beat = known_beat;
+                    w.since_beat = until;
                 }
                 Sent::Accepted(rx)
             }
         }
     }
 
-    /// Wait (bounded) to hear every live process once, then take on the jobs
-    /// they run. Each comes with the receiver its end arrives on.
+    /// Before this dispatcher runs anything: sync every live process (from
+    /// then on it serves this one only) and take on the jobs each runs,
+    /// each with the receiver its end arrives on. A live process that does
+    /// not answer is waited for until it has stopped its jobs; one whose
+    /// lock just went, until [`GRACE`] says it has. Bounded by
+    /// [`ADOPT_LIMIT`] (an error: the lease is given up and asked again).
     pub async fn adopt(
         &self,
         pool: &PgPool,
         stream: &str,
         durable: &str,
-    ) -> Vec<(
-        Running,
-        oneshot::Receiver<Option<(Finished<Instant>, bool)>>,
-    )> {
+    ) -> Result<Vec<(Running, EndRx)>> {
         let started = Instant::now();
-        let deadline = started + ADOPT_WAIT;
+        let mut answers: HashMap<i32, Hello> = HashMap::new();
         loop {
             let live = tokio::time::timeout(LIVENESS, alive(pool, stream, durable))
                 .await
                 .ok()
                 .and_then(|r| r.ok());
-            if let Some(live) = &live {
-                let s = self.state();
-                let all_heard = live
+            if let Some(live) = live {
+                let ask: Vec<i32> = live
                     .iter()
-                    .all(|id| s.helpers.get(id).is_some_and(|h| h.heard > started));
-                if all_heard {
+                    .filter(|m| !answers.contains_key(m))
+                    .copied()
+                    .collect();
+                let got = futures::future::join_all(ask.iter().map(|m| self.sync(*m))).await;
+                for (m, answer) in ask.iter().zip(got) {
+                    if let Some(a) = answer {
+                        answers.insert(*m, a);
+                    }
+                }
+                let unanswered: Vec<i32> = live
+                    .iter()
+                    .filter(|m| !answers.contains_key(m))
+                    .copied()
+                    .collect();
+                let s = self.state();
+                // Heard running jobs, its lock gone: it stops them within
+                // GRACE of noticing.
+                let stopping = s.helpers.iter().any(|(id, h)| {
+                    !live.contains(id)
+                        && !answers.contains_key(id)
+                        && !h.running.is_empty()
+                        && h.heard > started
+                        && started.elapsed() < GRACE + LIVENESS
+                });
+                let mute = s.hears_itself() && started.elapsed() >= SILENT;
+                let own = self.inner.worker.member.load(Ordering::Relaxed);
+                if !answers.contains_key(&own) && started.elapsed() >= FENCE {
+                    return Err(Error::Nats {
+                        context: "taking over as dispatcher".into(),
+                        source: "this process cannot reach itself through NATS".into(),
+                    });
+                }
+                if !stopping && (unanswered.is_empty() || mute) {
+                    if !unanswered.is_empty() {
+                        tracing::warn!(processes = ?unanswered, "taking over without an answer from every live process: each has stopped its jobs by now");
+                    }
                     break;
                 }
             }
-            if Instant::now() >= deadline {
-                tracing::warn!("not every process of the crew answered in time; taking over with what was heard");
-                break;
+            if started.elapsed() >= ADOPT_LIMIT {
+                return Err(Error::Nats {
+                    context: "taking over as dispatcher".into(),
+                    source: format!(
+                        "cannot account for every process of the crew within {ADOPT_LIMIT:?}"
+                    )
+                    .into(),
+                });
             }
             tokio::time::sleep(BEAT / 5).await;
         }
         let mut s = self.state();
         let mut adopted = Vec::new();
-        let jobs: Vec<(i32, u64, Running)> = s
-            .helpers
-            .iter()
-            .flat_map(|(id, h)| h.running.iter().map(move |r| (*id, h.beat, r.clone())))
-            .collect();
-        for (member, beat, running) in jobs {
-            let (tx, rx) = oneshot::channel();
-            s.waiting.insert(
-                running.id,
-                Waiter {
-                    member,
-                    since_beat: beat,
-                    tx,
-                },
-            );
-            adopted.push((running, rx));
+        for (member, answer) in answers {
+            for running in answer.running {
+                let (tx, rx) = oneshot::channel();
+                s.waiting.insert(
+                    running.id,
+                    Waiter {
+                        member,
+                        since_beat: answer.beat,
+                        tx,
+                    },
+                );
+                adopted.push((running, rx));
+            }
         }
-        adopted
+        Ok(adopted)
     }
 
     /// Stop waiting on other processes' jobs (the lease is handed on).
@@ -624,7 +893,7 @@ pub(super) async fn await_end<H: Handler>(
     shared: &Shared<H>,
     key: &str,
     retry: Option<u64>,
-    end: oneshot::Receiver<Option<(Finished<Instant>, bool)>>,
+    end: EndRx,
 ) -> (Finished<Instant>, bool) {
     let handed = crew.handed_over();
     let end = tokio::select! {
@@ -638,19 +907,30 @@ pub(super) async fn await_end<H: Handler>(
     }
 }
 
-/// Record a job this process runs as dispatcher, for its beats.
-pub(super) fn register(registry: &Registry, id: u64, key: &str, retry: Option<u64>) {
-    if let Ok(mut r) = registry.lock() {
-        r.insert(
-            id,
-            Running {
-                id,
-                key: key.to_owned(),
-                retry,
-                mine: true,
-            },
-        );
+/// Record a job this process runs as dispatcher `me`, for its beats. False
+/// when another dispatcher has synced this process since: `me` no longer
+/// holds the lease, and must not start anything.
+pub(super) fn register(
+    registry: &Registry,
+    me: i32,
+    id: u64,
+    key: &str,
+    retry: Option<u64>,
+) -> bool {
+    let mut r = roster(registry);
+    if r.replaced(me) {
+        return false;
     }
+    r.jobs.insert(
+        id,
+        Running {
+            id,
+            key: key.to_owned(),
+            retry,
+            mine: true,
+        },
+    );
+    true
 }
 
 /// A job another process ran and lost: the inbox says what became of it,
@@ -689,6 +969,41 @@ pub(super) struct Worker {
     pub registry: Registry,
     pub dispatching: AtomicBool,
     pub processes: AtomicUsize,
+    /// This process's member id now (a new one after its lock was lost).
+    pub member: AtomicI32,
+}
+
+/// The subscriptions of one membership.
+struct Subs {
+    jobs: Option<async_nats::Subscriber>,
+    sync: Option<async_nats::Subscriber>,
+    echo: Option<async_nats::Subscriber>,
+}
+
+impl Subs {
+    async fn open(client: &async_nats::Client, base: &str, member: i32, leaving: bool) -> Subs {
+        let sub = |what: &str| {
+            let subject = format!("{base}.{what}.{member}");
+            async move {
+                match client.subscribe(subject).await {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot subscribe for the crew; retrying");
+                        None
+                    }
+                }
+            }
+        };
+        Subs {
+            jobs: if leaving { None } else { sub("job").await },
+            sync: sub("sync").await,
+            echo: sub("echo").await,
+        }
+    }
+
+    fn complete(&self, leaving: bool) -> bool {
+        (leaving || self.jobs.is_some()) && self.sync.is_some() && self.echo.is_some()
+    }
 }
 
 /// Run the jobs the dispatcher sends, and say every beat what this process
@@ -709,30 +1024,24 @@ pub(super) async fn work<H: Handler>(
     let client = js.client();
     let base = base(&cfg.stream, &cfg.durable);
     let capacity = cfg.concurrency.max(1);
-    let mut sub = None;
-    let mut tasks: JoinSet<(u64, String, Finished<Instant>, bool)> = JoinSet::new();
+    let mut subs = Subs::open(&client, &base, member.id, false).await;
+    let mut tasks: JoinSet<(u64, Finished<Instant>, bool)> = JoinSet::new();
     let mut beat = tokio::time::interval(BEAT);
     let mut beat_no: u64 = 0;
+    let mut echoed = Instant::now();
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     let mut leaving: Option<Instant> = None;
     let running_gauge = metrics::gauge!(m::CONSUMER_RUNNING_JOBS);
     let processes_gauge = metrics::gauge!(m::CONSUMER_PROCESSES);
     loop {
-        if sub.is_none() && leaving.is_none() {
-            match client.subscribe(format!("{base}.job.{}", member.id)).await {
-                Ok(s) => sub = Some(s),
-                Err(e) => tracing::warn!(error = %e, "cannot subscribe for crew jobs; retrying"),
-            }
-        }
-        let registry_empty = worker.registry.lock().map(|r| r.is_empty()).unwrap_or(true);
-        if leaving.is_some() && tasks.is_empty() && registry_empty {
+        if leaving.is_some() && tasks.is_empty() && roster(&worker.registry).jobs.is_empty() {
             break;
         }
         tokio::select! {
             biased;
             _ = shutdown.cancelled(), if leaving.is_none() => {
                 leaving = Some(Instant::now() + timeout);
-                sub = None;
+                subs.jobs = None;
                 beat.reset_immediately();
             }
             _ = tokio::time::sleep_until(leaving.unwrap_or_else(Instant::now).into()), if leaving.is_some() => {
@@ -742,19 +1051,27 @@ pub(super) async fn work<H: Handler>(
                 break;
             }
             Some(done) = tasks.join_next() => {
-                if let Ok((id, _key, how, panicked)) = done {
+                if let Ok((id, how, panicked)) = done {
                     report(&client, &cfg.stream, &cfg.durable, id, how, panicked).await;
-                    if let Ok(mut r) = worker.registry.lock() {
-                        r.remove(&id);
-                    }
+                    roster(&worker.registry).jobs.remove(&id);
                 }
             }
-            req = next_request(&mut sub) => {
-                let Some(req) = req else {
-                    sub = None;
-                    tokio::time::sleep(BEAT).await;
-                    continue;
+            req = next(&mut subs.sync) => {
+                let Some(req) = req else { subs.sync = None; continue };
+                let (Some(reply), Ok(sync)) = (req.reply.clone(), serde_json::from_slice::<Sync>(&req.payload)) else { continue };
+                // From now on only `sync.from` is served; the answer lists
+                // everything started before.
+                let hello = {
+                    let mut r = roster(&worker.registry);
+                    r.serving = Some(sync.from);
+                    hello(&r, member.id, capacity, leaving.is_some(), beat_no)
                 };
+                if let Ok(body) = serde_json::to_vec(&hello) {
+                    let _ = client.publish(reply, body.into()).await;
+                }
+            }
+            req = next(&mut subs.jobs) => {
+                let Some(req) = req else { subs.jobs = None; continue };
                 let Some(reply) = req.reply.clone() else { continue };
                 if tasks.len() >= capacity || leaving.is_some() {
                     let _ = client.publish(reply, "full".into()).await;
@@ -764,53 +1081,65 @@ pub(super) async fn work<H: Handler>(
                     let _ = client.publish(reply, "bad".into()).await;
                     continue;
                 };
-                if let Ok(mut r) = worker.registry.lock() {
-                    r.insert(head.id, Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false });
+                let admitted = {
+                    let mut r = roster(&worker.registry);
+                    let admitted = r.admits(head.from, head.until, beat_no);
+                    if admitted.is_ok() {
+                        r.jobs.insert(head.id, Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false });
+                    }
+                    admitted
+                };
+                if let Err(why) = admitted {
+                    let _ = client.publish(reply, why.into()).await;
+                    continue;
                 }
                 let _ = client.publish(reply, format!("ok {beat_no}").into()).await;
                 let shared = shared.clone();
                 tasks.spawn(async move {
                     let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
-                    (head.id, head.key, how, panicked)
+                    (head.id, how, panicked)
                 });
+            }
+            echo = next(&mut subs.echo) => {
+                match echo {
+                    Some(_) => echoed = Instant::now(),
+                    None => subs.echo = None,
+                }
             }
             _ = beat.tick() => {
                 beat_no += 1;
-                let running: Vec<Running> = worker
-                    .registry
-                    .lock()
-                    .map(|r| r.values().cloned().collect())
-                    .unwrap_or_default();
-                running_gauge.set(running.len() as f64);
-                let hello = Hello {
-                    member: member.id,
-                    capacity,
-                    leaving: leaving.is_some(),
-                    beat: beat_no,
-                    running,
-                };
+                let hello = hello(&roster(&worker.registry), member.id, capacity, leaving.is_some(), beat_no);
+                running_gauge.set(hello.running.len() as f64);
+                // Bounded: with NATS gone the client's queue fills, and the
+                // checks below must still run.
                 if let Ok(body) = serde_json::to_vec(&hello) {
-                    let _ = client.publish(format!("{base}.s.hello"), body.into()).await;
+                    let _ = tokio::time::timeout(BEAT / 5, client.publish(format!("{base}.s.hello"), body.into())).await;
                 }
-            }
-            _ = liveness.tick() => {
+                let _ = tokio::time::timeout(BEAT / 5, client.publish(format!("{base}.echo.{}", member.id), Bytes::new())).await;
+                if !subs.complete(leaving.is_some()) {
+                    subs = Subs::open(&client, &base, member.id, leaving.is_some()).await;
+                }
+                // Unheard, this process's jobs are soon taken for lost and
+                // run again elsewhere: they stop first.
+                if echoed.elapsed() >= FENCE && !tasks.is_empty() {
+                    tracing::warn!(jobs = tasks.len(), "cannot hear this process's own crew beats (NATS unreachable?): stopping the jobs it runs for the dispatcher, which runs them again");
+                    stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
+                }
                 if leaving.is_none() && !member.held().await {
-                    tracing::warn!("lost the crew membership (its Postgres connection failed); joining again");
-                    // Jobs in flight would be taken for lost: stop them.
-                    shared.stop.cancel();
-                    tasks.abort_all();
-                    if let Ok(mut r) = worker.registry.lock() {
-                        r.clear();
-                    }
+                    tracing::warn!("lost the crew membership (its Postgres connection failed): stopping the jobs it runs for the dispatcher, and joining again");
+                    stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
                     match Member::join(&pool, &cfg.stream, &cfg.durable).await {
                         Ok(m) => {
                             member = m;
-                            sub = None;
+                            worker.member.store(member.id, Ordering::Relaxed);
+                            subs = Subs::open(&client, &base, member.id, false).await;
+                            echoed = Instant::now();
                         }
                         Err(e) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
                     }
-                    continue;
                 }
+            }
+            _ = liveness.tick() => {
                 if let Ok(Ok(live)) = tokio::time::timeout(Duration::from_secs(2), alive(&pool, &cfg.stream, &cfg.durable)).await {
                     worker.processes.store(live.len(), Ordering::Relaxed);
                     processes_gauge.set(live.len() as f64);
@@ -830,7 +1159,54 @@ pub(super) async fn work<H: Handler>(
     running_gauge.set(0.0);
 }
 
-async fn next_request(sub: &mut Option<async_nats::Subscriber>) -> Option<async_nats::Message> {
+fn hello(r: &Roster, member: i32, capacity: usize, leaving: bool, beat: u64) -> Hello {
+    Hello {
+        member,
+        capacity,
+        leaving,
+        beat,
+        running: r.jobs.values().cloned().collect(),
+        serving: r.serving,
+    }
+}
+
+/// Stop every job the dispatcher sent here, wait until each has, and only
+/// then stop listing them: a job unlisted (or reported lost) is run again.
+/// The dispatcher's own jobs, if this process dispatches, are not the
+/// crew's to stop.
+async fn stop_jobs(
+    tasks: &mut JoinSet<(u64, Finished<Instant>, bool)>,
+    registry: &Registry,
+    client: &async_nats::Client,
+    base: &str,
+) {
+    tasks.abort_all();
+    let mut ended = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        // Those that finished meanwhile are reported as such.
+        if let Ok(end) = done {
+            ended.push(end);
+        }
+    }
+    let stopped: Vec<u64> = {
+        let mut r = roster(registry);
+        let ids: Vec<u64> = r.jobs.values().filter(|j| !j.mine).map(|j| j.id).collect();
+        for id in &ids {
+            r.jobs.remove(id);
+        }
+        ids
+    };
+    for id in stopped {
+        match ended.iter().find(|e| e.0 == id) {
+            Some((_, how, panicked)) => {
+                publish_done(client, base, id, *how, *panicked, false).await
+            }
+            None => publish_done(client, base, id, Finished::Done, false, true).await,
+        }
+    }
+}
+
+async fn next(sub: &mut Option<async_nats::Subscriber>) -> Option<async_nats::Message> {
     match sub {
         Some(s) => s.next().await,
         None => std::future::pending().await,
@@ -924,6 +1300,28 @@ mod tests {
         assert!(
             matches!(parked, Ended::Parked { seq: 4, due_ms } if due_ms > 9_000 && due_ms <= 10_000)
         );
+    }
+
+    /// Review of the crew, finding 5: a request that timed out at the
+    /// dispatcher could still start at the helper after the dispatcher had
+    /// taken it for lost. It now names the helper's last beat at which it
+    /// may start; and an old dispatcher's requests are refused once a new
+    /// one has synced the helper.
+    #[test]
+    fn a_job_request_is_refused_once_late_or_from_a_replaced_dispatcher() {
+        let mut r = Roster::default();
+        assert_eq!(r.admits(7, 5, 1), Err("fenced"), "serves no one yet");
+        r.serving = Some(7);
+        assert_eq!(r.admits(7, 5, 5), Ok(()));
+        assert_eq!(r.admits(7, 5, 6), Err("late"));
+        assert_eq!(
+            r.admits(8, 9, 1),
+            Err("fenced"),
+            "not the dispatcher it serves"
+        );
+        assert!(r.replaced(8));
+        assert!(!r.replaced(7));
+        assert!(!Roster::default().replaced(7), "nobody synced it yet");
     }
 
     #[test]

@@ -58,7 +58,6 @@ pub(super) struct Active<'a, H> {
     pub dlq: &'a DeadLetters,
     pub handler: Arc<H>,
     pub readiness: &'a Readiness,
-    pub me: i32,
     pub worker: &'a Arc<Worker>,
 }
 
@@ -118,14 +117,16 @@ impl<'a, H: Handler> Active<'a, H> {
         let cfg = self.cfg;
         self.readiness
             .not_ready("taking over: resuming from the ack floor");
-        let crew_stop = CancellationToken::new();
+        // Whatever way this period ends, even before it starts pumping, its
+        // view of the crew stops listening (and syncing) with it.
+        let crew_stop = CancellationToken::new().drop_guard();
         let crew = Crew::start(
             self.js.client(),
             self.pool.clone(),
             &cfg.stream,
             &cfg.durable,
-            self.me,
-            crew_stop.clone(),
+            self.worker.clone(),
+            crew_stop.token().clone(),
         )
         .await?;
         // Past half of max_ack_pending waiting in memory, busy keys spill
@@ -135,7 +136,7 @@ impl<'a, H: Handler> Active<'a, H> {
             .filter(|&m| m > 0)
             .map_or(10_000, |m| (m / 2).max(1));
         let mut scheduler = Scheduler::new(cfg.concurrency, high_water);
-        let adopted = crew.adopt(self.pool, &cfg.stream, &cfg.durable).await;
+        let adopted = crew.adopt(self.pool, &cfg.stream, &cfg.durable).await?;
         for (running, _) in &adopted {
             scheduler.adopt(running.key.clone());
         }
@@ -173,7 +174,7 @@ impl<'a, H: Handler> Active<'a, H> {
             active: self,
             consumer,
             crew,
-            _crew_stop: crew_stop.drop_guard(),
+            _crew_stop: crew_stop,
             scheduler,
             shared,
             stop,
@@ -276,7 +277,11 @@ impl<H: Handler> Dispatch<'_, H> {
                 biased;
                 _ = shutdown.cancelled() => return Ended::Shutdown,
                 Some(done) = self.tasks.join_next() => self.job_ended(done),
-                _ = crew_tick.tick() => self.crew_beat(),
+                _ = crew_tick.tick() => {
+                    if self.crew_beat() {
+                        return Ended::LeaseLost;
+                    }
+                }
                 _ = sleep_until(wake), if wake.is_some() => {
                     let jobs = self.scheduler.wake(Instant::now());
                     self.start(jobs);
@@ -321,8 +326,12 @@ impl<H: Handler> Dispatch<'_, H> {
                 None
             };
             if counted && remote.is_none() {
+                if !crew::register(&self.registry, self.crew.me(), id, &key, retry) {
+                    // Replaced: the pump ends at the next crew beat, and
+                    // the message, unacked, goes to the new dispatcher.
+                    continue;
+                }
                 self.local_running.fetch_add(1, Ordering::Relaxed);
-                crew::register(&self.registry, id, &key, retry);
             }
             let shared = self.shared.clone();
             let crew = self.crew.clone();
@@ -345,8 +354,16 @@ impl<H: Handler> Dispatch<'_, H> {
                         }
                         Sent::Refused => {
                             crew.unreserve(member);
+                            if !crew::register(&registry, crew.me(), id, &key, retry) {
+                                return JobEnd {
+                                    id,
+                                    key,
+                                    how: Finished::Done,
+                                    panicked: false,
+                                    local: false,
+                                };
+                            }
                             local_running.fetch_add(1, Ordering::Relaxed);
-                            crew::register(&registry, id, &key, retry);
                         }
                     }
                 }
@@ -400,9 +417,7 @@ impl<H: Handler> Dispatch<'_, H> {
             return;
         };
         if local {
-            if let Ok(mut r) = self.registry.lock() {
-                r.remove(&id);
-            }
+            crew::roster(&self.registry).jobs.remove(&id);
         }
         if panicked {
             // Before the key's lane goes on: what waits behind the lost
@@ -422,9 +437,14 @@ impl<H: Handler> Dispatch<'_, H> {
     }
 
     /// Every crew beat: the crew's room joins the scheduler's, and readiness
-    /// says who runs what.
-    fn crew_beat(&mut self) {
+    /// says who runs what. True when another dispatcher has synced this
+    /// process: the lease is gone even if its connection has not said so.
+    fn crew_beat(&mut self) -> bool {
         let cfg = self.active.cfg;
+        if crew::roster(&self.registry).replaced(self.crew.me()) {
+            tracing::warn!("another process took over as dispatcher");
+            return true;
+        }
         let jobs = self
             .scheduler
             .set_concurrency(cfg.concurrency + self.crew.capacity(), Instant::now());
@@ -437,6 +457,7 @@ impl<H: Handler> Dispatch<'_, H> {
             cfg.durable,
             self.crew.helpers() + 1,
         ));
+        false
     }
 
     fn report_health(&mut self) {
@@ -617,7 +638,7 @@ impl<H: Handler> Dispatch<'_, H> {
         self.pending_task.abort();
         self.remote_jobs.set(0.0);
         if matches!(ended, Ended::LeaseLost) {
-            self.abandon_jobs();
+            self.abandon_jobs().await;
             lease.release().await;
             return;
         }
@@ -639,9 +660,7 @@ impl<H: Handler> Dispatch<'_, H> {
                             end.panicked,
                         )
                         .await;
-                        if let Ok(mut r) = self.registry.lock() {
-                            r.remove(&end.id);
-                        }
+                        crew::roster(&self.registry).jobs.remove(&end.id);
                     }
                 }
                 Ok(Some(Err(_))) => {}
@@ -651,20 +670,20 @@ impl<H: Handler> Dispatch<'_, H> {
                         running = self.tasks.len(),
                         "shutdown timeout: unfinished deliveries will be redelivered"
                     );
-                    self.abandon_jobs();
+                    self.abandon_jobs().await;
                     break;
                 }
             }
         }
     }
 
-    /// Stop this period's jobs; the crew no longer hears of them.
-    fn abandon_jobs(&mut self) {
+    /// Stop this period's jobs, and only once they have stopped stop
+    /// listing them: an unlisted job is run again by the next dispatcher.
+    async fn abandon_jobs(&mut self) {
         self.stop.cancel();
         self.tasks.abort_all();
-        if let Ok(mut r) = self.registry.lock() {
-            r.retain(|_, j| !j.mine);
-        }
+        while self.tasks.join_next().await.is_some() {}
+        crew::roster(&self.registry).jobs.retain(|_, j| !j.mine);
     }
 }
 

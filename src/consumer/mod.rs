@@ -166,11 +166,11 @@ pub async fn run<H: Handler>(
     // Every process of the durable works (SPEC §11, `crew`): whichever
     // holds the lease dispatches, and all run the jobs it hands out.
     let member = Member::join(&pool, &cfg.stream, &cfg.durable).await?;
-    let me = member.id;
     let worker = Arc::new(Worker {
         registry: Default::default(),
         dispatching: AtomicBool::new(false),
         processes: AtomicUsize::new(1),
+        member: std::sync::atomic::AtomicI32::new(member.id),
     });
     let worker_task = tokio::spawn(crew::work(
         new_shared(
@@ -190,7 +190,7 @@ pub async fn run<H: Handler>(
         cfg.shutdown_timeout,
     ));
     let ended = dispatch(
-        &cfg, &pool, &js, &stream, &consumer, &dlq, handler, &readiness, &shutdown, me, &worker,
+        &cfg, &pool, &js, &stream, &consumer, &dlq, handler, &readiness, &shutdown, &worker,
     )
     .await;
     match &ended {
@@ -215,12 +215,19 @@ async fn dispatch<H: Handler>(
     handler: Arc<H>,
     readiness: &Readiness,
     shutdown: &CancellationToken,
-    me: i32,
     worker: &Arc<Worker>,
 ) -> Result<()> {
     let standby = metrics::gauge!(m::CONSUMER_STANDBY);
     let mut standby_logged = false;
     loop {
+        // A process cut off from NATS could neither reach the crew nor
+        // pull: holding the lease, it would only keep the others waiting.
+        if js.client().connection_state() != async_nats::connection::State::Connected {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(LEASE_ASK) => continue,
+            }
+        }
         let lease = match Lease::try_acquire(pool, &cfg.stream, &cfg.durable).await {
             Ok(Some(lease)) => lease,
             Ok(None) => {
@@ -253,7 +260,6 @@ async fn dispatch<H: Handler>(
             dlq,
             handler: handler.clone(),
             readiness,
-            me,
             worker,
         };
         worker.dispatching.store(true, Ordering::Relaxed);

@@ -81,6 +81,9 @@ struct Head<T> {
 
 struct Lane<M, T> {
     running: bool,
+    /// Further jobs of the key adopted at a takeover, running beside the
+    /// first: the key is busy until every one has ended.
+    also_running: usize,
     queued: bool,
     waiting: VecDeque<M>,
     /// The oldest parked message of the key.
@@ -99,6 +102,7 @@ impl<M, T> Default for Lane<M, T> {
     fn default() -> Self {
         Self {
             running: false,
+            also_running: 0,
             queued: false,
             waiting: VecDeque::new(),
             parked: None,
@@ -284,10 +288,11 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
     /// over): the key is busy until it [`finish`](Self::finish)es.
     pub fn adopt(&mut self, key: String) {
         let lane = self.lanes.entry(key).or_default();
-        if !lane.running {
-            lane.running = true;
-            self.running += 1;
+        if lane.running {
+            lane.also_running += 1;
         }
+        lane.running = true;
+        self.running += 1;
     }
 
     /// Whether a newly pulled message could start: a free slot, and no key
@@ -371,7 +376,9 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         }
         self.running = self.running.saturating_sub(1);
         if let Some(lane) = self.lanes.get_mut(key) {
-            lane.running = false;
+            let more = lane.also_running > 0;
+            lane.also_running = lane.also_running.saturating_sub(1);
+            lane.running = more;
             match how {
                 Finished::Done | Finished::Spilled { .. } => {}
                 Finished::Parked { seq, due } => {
@@ -394,7 +401,7 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
             lane.settle_spill(now);
             if lane.idle() {
                 self.lanes.remove(key);
-            } else {
+            } else if !more {
                 self.offer(key.to_owned(), now, &mut started);
             }
         }
@@ -522,6 +529,28 @@ mod tests {
         assert_eq!(arrive(&mut s, "b", 2), vec![], "no free slot");
         assert_eq!(s.set_concurrency(2, 0), vec![deliver("b", 2)]);
         assert_eq!(s.finish("a", Finished::Done, 0), vec![deliver("a", 1)]);
+    }
+
+    /// Review of the crew, finding 6: two jobs of one key adopted at a
+    /// takeover (a previous dispatcher's, from two processes). The first to
+    /// end freed the key, and its next message ran beside the second.
+    #[test]
+    fn a_key_adopted_twice_stays_busy_until_both_jobs_end() {
+        let mut s = S::new(4, 100);
+        s.adopt("a".into());
+        s.adopt("a".into());
+        assert_eq!(arrive(&mut s, "a", 3), vec![], "behind the adopted jobs");
+        assert_eq!(
+            s.finish("a", Finished::Parked { seq: 1, due: 5 }, 0),
+            vec![],
+            "one adopted job of the key still runs"
+        );
+        assert_eq!(s.running(), 1);
+        assert_eq!(
+            s.finish("a", Finished::Done, 0),
+            vec![("a".into(), Job::ParkBehind(m("a", 3)))],
+            "the key goes on behind its parked head"
+        );
     }
 
     #[test]

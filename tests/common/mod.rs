@@ -1243,3 +1243,57 @@ pub fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
     }
     dir
 }
+
+/// A TCP proxy on a free loopback port in front of `target` ("host:port"):
+/// the way to partition one process from a server (NATS, here) while
+/// everything else keeps it. [`cut`](Proxy::cut) closes every connection
+/// through it and refuses new ones until [`heal`](Proxy::heal).
+pub struct Proxy {
+    pub port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cuts: tokio::sync::watch::Sender<u64>,
+}
+
+impl Proxy {
+    pub async fn start(target: &str) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (cuts, _) = tokio::sync::watch::channel(0u64);
+        let (flag, watch, target) = (cut.clone(), cuts.clone(), target.to_owned());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if flag.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let mut cut = watch.subscribe();
+                let target = target.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy { port, cut, cuts }
+    }
+
+    /// `nats://` URL through the proxy.
+    pub fn nats_url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cuts.send_modify(|n| *n += 1);
+    }
+
+    pub fn heal(&self) {
+        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
