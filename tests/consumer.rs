@@ -3492,10 +3492,13 @@ async fn three_processes_of_a_rust_handler_durable_keep_exactly_once_effects_acr
             .spawn()
             .unwrap()
     };
+    // Member locks: the lease's connection holds a second lock (the
+    // dispatcher's tag) beside the lease itself.
     let members = || async {
         sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            "SELECT count(*) FROM pg_locks l WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             AND NOT EXISTS (SELECT 1 FROM pg_locks x WHERE x.pid = l.pid AND x.locktype = 'advisory' AND x.objsubid = 1)",
         )
         .fetch_one(&pool)
         .await
@@ -3875,8 +3878,12 @@ impl Crew {
     }
 
     fn process(&self, name: &str, nats_url: &str) -> Service {
+        self.process_via(name, &self.url, nats_url)
+    }
+
+    fn process_via(&self, name: &str, db_url: &str, nats_url: &str) -> Service {
         Service::consumer_named(
-            &self.url,
+            db_url,
             nats_url,
             &self.stream,
             self.ctx,
@@ -3978,6 +3985,59 @@ async fn a_new_dispatcher_waits_for_a_live_process_it_cannot_hear_before_running
     })
     .await;
     proxy.heal();
+    wait_processed(&crew.pool, crew.ctx, 2).await;
+    let overlaps = crew.spans.overlaps(k1);
+    assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");
+}
+
+/// Review of the crew, finding 2 (its Postgres side): a helper cut off from
+/// Postgres while it runs K/1, its member lock then freed by the server (a
+/// dead peer found by keepalives, an idle-session timeout, an operator's
+/// `pg_terminate_backend`). The dispatcher took the job for lost at once
+/// and ran K/1 again, while the helper's own check of its lock waited
+/// forever on the silent connection and its call went on. The helper's
+/// check is bounded and runs every beat, it stops its jobs first, and the
+/// dispatcher gives it a grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_helper_that_loses_its_member_lock_stops_its_job_before_the_dispatcher_runs_it_again() {
+    let crew = Crew::new("c_crewlock", "ccrewlock").await;
+    let nats = stack().nats_url;
+    let proxy = Proxy::start(&pg_target(&crew.url)).await;
+    let mut a = crew.process("crewlock-a", &nats);
+    a.wait_ready();
+    let b = crew.process_via("crewlock-b", &proxy.pg_url(&crew.url), &nats);
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
+    crew.publish(x, "x", 1_000).await;
+    crew.called(x).await;
+    crew.publish(k1, "k", 15_000).await;
+    crew.called(k1).await;
+    assert_eq!(running_jobs(&[&b], 1.0).await, 0, "B runs K/1");
+    wait_processed(&crew.pool, crew.ctx, 1).await;
+    let (_, ready) = b.http_get("/readyz").await;
+    let member: i64 = ready
+        .split("crew member ")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("B's /readyz names its crew member: {ready}"));
+    proxy.freeze();
+    let closed: bool = sqlx::query_scalar(
+        "SELECT bool_or(pg_terminate_backend(pid)) FROM pg_locks \
+         WHERE locktype = 'advisory' AND objsubid = 2 AND objid::text::bigint = $1",
+    )
+    .bind(member)
+    .fetch_one(&crew.pool)
+    .await
+    .unwrap();
+    assert!(closed, "B's member lock is held by a backend");
+    eventually(T, "K/1 called again", || async {
+        crew.spans.started(k1) >= 2
+    })
+    .await;
     wait_processed(&crew.pool, crew.ctx, 2).await;
     let overlaps = crew.spans.overlaps(k1);
     assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");

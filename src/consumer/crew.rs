@@ -17,35 +17,41 @@
 //! first run has stopped.** So:
 //!
 //! - Every process serves one dispatcher at a time. A new dispatcher first
-//!   *syncs* every live process: from then on that process refuses jobs
-//!   from anyone else (an old dispatcher that has not noticed it lost the
-//!   lease), and its answer lists what it runs, which the new dispatcher
-//!   adopts (their keys stay busy until each reports). A live process that
-//!   does not answer is waited for until it must have stopped its jobs
-//!   (below). Only then does the new dispatcher reset the durable to its ack
-//!   floor.
+//!   *syncs* every live process. A process honours a sync only from the
+//!   member that holds the lease *now* (the lease's connection also holds a
+//!   tag lock keyed by the holder's member id, see `lease::held_by`), so an
+//!   old dispatcher that has not noticed it lost the lease cannot take a
+//!   process back. From then on that process refuses jobs from anyone else,
+//!   and its answer lists what it runs, which the new dispatcher adopts
+//!   (their keys stay busy until each reports). A live process that does
+//!   not answer is waited for until it must have stopped its jobs (below).
+//!   Only then does the new dispatcher reset the durable to its ack floor.
 //! - A job request expires: it names the helper's beat after which it must
 //!   be refused, so a request that arrives late cannot start a job the
 //!   dispatcher has already given up on.
 //! - Who is alive is Postgres's word: each process holds a session advisory
 //!   lock (its member lock) for as long as it lives, and a kill -9 closes
 //!   that connection and frees it at once. A helper checks its lock every
-//!   [`BEAT`], and hears its own beats come back through NATS; when either
-//!   fails it stops the jobs it runs ([`FENCE`]). The dispatcher takes a job
-//!   for lost only later: [`GRACE`] after the helper's lock went, [`SILENT`]
-//!   after it last heard the helper (while it hears itself), or when a beat
-//!   past the job's start no longer lists it. A lost job is handled as one
-//!   that panicked here: what the inbox holds decides, and a reset to the
-//!   ack floor brings back an unacked message, in order.
+//!   [`BEAT`] (bounded by [`PING`]), and the dispatcher acknowledges every
+//!   beat it hears from a process serving it; a helper whose lock fails, or
+//!   that has had no acknowledgement for [`FENCE`], stops the jobs it runs.
+//!   The dispatcher takes a job for lost only later: [`GRACE`] after the
+//!   helper's lock went, [`SILENT`] after it last heard the helper (while it
+//!   hears itself), or when a beat past the job's start no longer lists it.
+//!   A lost job is handled as one that panicked here: what the inbox holds
+//!   decides, and a reset to the ack floor brings back an unacked message,
+//!   in order. A dispatcher's own process cut off the same way ends its
+//!   period (its own jobs stopped first) when others could take over.
 //!
 //! A process stopped (SIGSTOP, a long pause) cannot stop its own jobs: like
 //! any lease without a fencing token at the handler, a pause longer than
-//! [`FENCE`] can let one call overlap its repeat.
+//! [`FENCE`] can let one call overlap its repeat. So can a process cut off
+//! from NATS *and* Postgres at once, just as a new dispatcher takes over.
 //!
 //! Subjects (core NATS, outside any stream): `_OUTBOX_CREW.{stream}.{durable}`
 //! `.s.hello` and `.s.done` (one subscription, so a job's end is never read
 //! after a beat that no longer lists it), `.job.{member}` (requests),
-//! `.sync.{member}` and `.echo.{member}`.
+//! `.sync.{member}` and `.ack.{member}` (the dispatcher heard this member).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
@@ -442,6 +448,7 @@ impl Crew {
         pool: PgPool,
         stream: &str,
         durable: &str,
+        me: i32,
         worker: Arc<Worker>,
         stop: CancellationToken,
     ) -> Result<Crew> {
@@ -454,7 +461,7 @@ impl Crew {
             inner: Arc::new(CrewInner {
                 client,
                 base,
-                me: worker.member.load(Ordering::Relaxed),
+                me,
                 worker,
                 state: Mutex::new(State {
                     helpers: HashMap::new(),
@@ -502,7 +509,10 @@ impl Crew {
                     let Some(msg) = msg else { break };
                     if msg.subject.ends_with(".hello") {
                         if let Ok(h) = serde_json::from_slice::<Hello>(&msg.payload) {
-                            self.heard(h);
+                            if let Some(member) = self.heard(h) {
+                                let ack = self.inner.client.publish(format!("{}.ack.{member}", self.inner.base), Bytes::new());
+                                let _ = tokio::time::timeout(BEAT / 5, ack).await;
+                            }
                         }
                     } else if let Ok(d) = serde_json::from_slice::<Done>(&msg.payload) {
                         if let Some(w) = self.state().waiting.remove(&d.id) {
@@ -512,10 +522,13 @@ impl Crew {
                     }
                 }
                 _ = tick.tick() => {
-                    let Ok(Ok(alive)) = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable)).await else {
-                        continue;
-                    };
+                    // Without an answer from Postgres, silence still counts.
+                    let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable)).await;
                     let mut s = self.state();
+                    let alive = match alive {
+                        Ok(Ok(alive)) => alive,
+                        _ => s.alive.clone(),
+                    };
                     let now = Instant::now();
                     let known: Vec<i32> = s
                         .helpers
@@ -557,7 +570,9 @@ impl Crew {
         self.state().waiting.clear();
     }
 
-    fn heard(&self, h: Hello) {
+    /// A process's beat. Returns the member to acknowledge: one that serves
+    /// this dispatcher (the acknowledgement is what keeps its jobs running).
+    fn heard(&self, h: Hello) -> Option<i32> {
         let me = self.inner.me;
         let mut s = self.state();
         if h.member == self.inner.worker.member.load(Ordering::Relaxed) {
@@ -569,6 +584,7 @@ impl Crew {
         // A process that serves no one (it just joined) or an old
         // dispatcher is synced before it is sent anything.
         let sync = h.serving != Some(me) && !h.leaving && s.syncing.insert(member);
+        let ack = (h.serving == Some(me)).then_some(member);
         s.helpers.insert(
             h.member,
             Helper {
@@ -606,6 +622,7 @@ impl Crew {
                 crew.state().syncing.remove(&member);
             });
         }
+        ack
     }
 
     /// Make `member` serve this dispatcher; its answer lists what it runs.
@@ -798,6 +815,7 @@ impl Crew {
     ) -> Result<Vec<(Running, EndRx)>> {
         let started = Instant::now();
         let mut answers: HashMap<i32, Hello> = HashMap::new();
+        let mut adopted = Vec::new();
         loop {
             let live = tokio::time::timeout(LIVENESS, alive(pool, stream, durable))
                 .await
@@ -812,6 +830,21 @@ impl Crew {
                 let got = futures::future::join_all(ask.iter().map(|m| self.sync(*m))).await;
                 for (m, answer) in ask.iter().zip(got) {
                     if let Some(a) = answer {
+                        // Waited for at once: an end may come before the
+                        // takeover is done.
+                        let mut s = self.state();
+                        for running in &a.running {
+                            let (tx, rx) = oneshot::channel();
+                            s.waiting.insert(
+                                running.id,
+                                Waiter {
+                                    member: *m,
+                                    since_beat: a.beat,
+                                    tx,
+                                },
+                            );
+                            adopted.push((running.clone(), rx));
+                        }
                         answers.insert(*m, a);
                     }
                 }
@@ -855,22 +888,6 @@ impl Crew {
                 });
             }
             tokio::time::sleep(BEAT / 5).await;
-        }
-        let mut s = self.state();
-        let mut adopted = Vec::new();
-        for (member, answer) in answers {
-            for running in answer.running {
-                let (tx, rx) = oneshot::channel();
-                s.waiting.insert(
-                    running.id,
-                    Waiter {
-                        member,
-                        since_beat: answer.beat,
-                        tx,
-                    },
-                );
-                adopted.push((running, rx));
-            }
         }
         Ok(adopted)
     }
@@ -971,13 +988,18 @@ pub(super) struct Worker {
     pub processes: AtomicUsize,
     /// This process's member id now (a new one after its lock was lost).
     pub member: AtomicI32,
+    /// Counts the times this process was cut off from the crew (its lock
+    /// lost, or the dispatcher no longer acknowledging it). A dispatcher
+    /// period that sees it move ends: others may take the lease and run its
+    /// jobs.
+    pub fences: std::sync::atomic::AtomicU64,
 }
 
 /// The subscriptions of one membership.
 struct Subs {
     jobs: Option<async_nats::Subscriber>,
     sync: Option<async_nats::Subscriber>,
-    echo: Option<async_nats::Subscriber>,
+    ack: Option<async_nats::Subscriber>,
 }
 
 impl Subs {
@@ -997,18 +1019,22 @@ impl Subs {
         Subs {
             jobs: if leaving { None } else { sub("job").await },
             sync: sub("sync").await,
-            echo: sub("echo").await,
+            ack: sub("ack").await,
         }
     }
 
     fn complete(&self, leaving: bool) -> bool {
-        (leaving || self.jobs.is_some()) && self.sync.is_some() && self.echo.is_some()
+        (leaving || self.jobs.is_some()) && self.sync.is_some() && self.ack.is_some()
     }
 }
 
 /// Run the jobs the dispatcher sends, and say every beat what this process
 /// runs, until `shutdown`; then finish them (bounded by `timeout`) and keep
 /// saying what runs until nothing does.
+///
+/// Nothing in this loop waits longer than [`PING`]: the checks that stop
+/// this process's jobs (its lock, the dispatcher's acknowledgements) must
+/// come every beat, or the dispatcher's [`GRACE`] would not cover them.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn work<H: Handler>(
     shared: Arc<Shared<H>>,
@@ -1028,11 +1054,12 @@ pub(super) async fn work<H: Handler>(
     let mut tasks: JoinSet<(u64, Finished<Instant>, bool)> = JoinSet::new();
     let mut beat = tokio::time::interval(BEAT);
     let mut beat_no: u64 = 0;
-    let mut echoed = Instant::now();
+    // When the dispatcher last said it heard this process.
+    let mut acked = Instant::now();
+    let mut unheard = false;
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     let mut leaving: Option<Instant> = None;
     let running_gauge = metrics::gauge!(m::CONSUMER_RUNNING_JOBS);
-    let processes_gauge = metrics::gauge!(m::CONSUMER_PROCESSES);
     loop {
         if leaving.is_some() && tasks.is_empty() && roster(&worker.registry).jobs.is_empty() {
             break;
@@ -1059,6 +1086,14 @@ pub(super) async fn work<H: Handler>(
             req = next(&mut subs.sync) => {
                 let Some(req) = req else { subs.sync = None; continue };
                 let (Some(reply), Ok(sync)) = (req.reply.clone(), serde_json::from_slice::<Sync>(&req.payload)) else { continue };
+                // Only the process holding the lease now may take this one
+                // over: an old dispatcher that has not noticed it lost the
+                // lease must not take it back from the new one.
+                let holds = tokio::time::timeout(PING, super::lease::held_by(&pool, &cfg.stream, &cfg.durable, sync.from)).await;
+                if !matches!(holds, Ok(Ok(true))) {
+                    bounded(client.publish(reply, "not the dispatcher".into())).await;
+                    continue;
+                }
                 // From now on only `sync.from` is served; the answer lists
                 // everything started before.
                 let hello = {
@@ -1067,89 +1102,94 @@ pub(super) async fn work<H: Handler>(
                     hello(&r, member.id, capacity, leaving.is_some(), beat_no)
                 };
                 if let Ok(body) = serde_json::to_vec(&hello) {
-                    let _ = client.publish(reply, body.into()).await;
+                    bounded(client.publish(reply, body.into())).await;
                 }
             }
             req = next(&mut subs.jobs) => {
                 let Some(req) = req else { subs.jobs = None; continue };
                 let Some(reply) = req.reply.clone() else { continue };
                 if tasks.len() >= capacity || leaving.is_some() {
-                    let _ = client.publish(reply, "full".into()).await;
+                    bounded(client.publish(reply, "full".into())).await;
                     continue;
                 }
                 let Some((head, job)) = decode(&req, &js) else {
-                    let _ = client.publish(reply, "bad".into()).await;
+                    bounded(client.publish(reply, "bad".into())).await;
                     continue;
                 };
                 let admitted = {
                     let mut r = roster(&worker.registry);
-                    let admitted = r.admits(head.from, head.until, beat_no);
+                    // Unheard, a job would soon be stopped again.
+                    let admitted = if acked.elapsed() >= FENCE { Err("unheard") } else { r.admits(head.from, head.until, beat_no) };
                     if admitted.is_ok() {
                         r.jobs.insert(head.id, Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false });
                     }
                     admitted
                 };
                 if let Err(why) = admitted {
-                    let _ = client.publish(reply, why.into()).await;
+                    bounded(client.publish(reply, why.into())).await;
                     continue;
                 }
-                let _ = client.publish(reply, format!("ok {beat_no}").into()).await;
+                bounded(client.publish(reply, format!("ok {beat_no}").into())).await;
                 let shared = shared.clone();
                 tasks.spawn(async move {
                     let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
                     (head.id, how, panicked)
                 });
             }
-            echo = next(&mut subs.echo) => {
-                match echo {
-                    Some(_) => echoed = Instant::now(),
-                    None => subs.echo = None,
+            ack = next(&mut subs.ack) => {
+                match ack {
+                    Some(_) => acked = Instant::now(),
+                    None => subs.ack = None,
                 }
             }
             _ = beat.tick() => {
                 beat_no += 1;
                 let hello = hello(&roster(&worker.registry), member.id, capacity, leaving.is_some(), beat_no);
                 running_gauge.set(hello.running.len() as f64);
-                // Bounded: with NATS gone the client's queue fills, and the
-                // checks below must still run.
                 if let Ok(body) = serde_json::to_vec(&hello) {
-                    let _ = tokio::time::timeout(BEAT / 5, client.publish(format!("{base}.s.hello"), body.into())).await;
+                    bounded(client.publish(format!("{base}.s.hello"), body.into())).await;
                 }
-                let _ = tokio::time::timeout(BEAT / 5, client.publish(format!("{base}.echo.{}", member.id), Bytes::new())).await;
                 if !subs.complete(leaving.is_some()) {
                     subs = Subs::open(&client, &base, member.id, leaving.is_some()).await;
                 }
-                // Unheard, this process's jobs are soon taken for lost and
-                // run again elsewhere: they stop first.
-                if echoed.elapsed() >= FENCE && !tasks.is_empty() {
-                    tracing::warn!(jobs = tasks.len(), "cannot hear this process's own crew beats (NATS unreachable?): stopping the jobs it runs for the dispatcher, which runs them again");
+                // The dispatcher takes this process's jobs for lost once it
+                // has not heard it for SILENT: they stop first. Its
+                // acknowledgement is the proof of being heard both ways (a
+                // process that only hears itself may be unheard).
+                let now_unheard = acked.elapsed() >= FENCE;
+                if now_unheard && !unheard {
+                    worker.fences.fetch_add(1, Ordering::Relaxed);
+                }
+                unheard = now_unheard;
+                if unheard && !tasks.is_empty() {
+                    tracing::warn!(jobs = tasks.len(), "the dispatcher has not acknowledged this process for {FENCE:?} (NATS unreachable?): stopping the jobs it runs for it, which it runs again");
                     stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
                 }
-                if leaving.is_none() && !member.held().await {
-                    tracing::warn!("lost the crew membership (its Postgres connection failed): stopping the jobs it runs for the dispatcher, and joining again");
+                if !member.held().await {
+                    tracing::warn!("lost the crew membership (its Postgres connection failed): stopping the jobs this process runs, and joining again");
+                    worker.fences.fetch_add(1, Ordering::Relaxed);
                     stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
-                    match Member::join(&pool, &cfg.stream, &cfg.durable).await {
-                        Ok(m) => {
+                    match tokio::time::timeout(PING, Member::join(&pool, &cfg.stream, &cfg.durable)).await {
+                        Ok(Ok(m)) => {
                             member = m;
                             worker.member.store(member.id, Ordering::Relaxed);
-                            subs = Subs::open(&client, &base, member.id, false).await;
-                            echoed = Instant::now();
+                            subs = Subs::open(&client, &base, member.id, leaving.is_some()).await;
                         }
-                        Err(e) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
+                        Ok(Err(e)) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
+                        Err(_) => tracing::warn!("cannot join the crew again (Postgres does not answer); retrying"),
                     }
                 }
             }
             _ = liveness.tick() => {
-                if let Ok(Ok(live)) = tokio::time::timeout(Duration::from_secs(2), alive(&pool, &cfg.stream, &cfg.durable)).await {
-                    worker.processes.store(live.len(), Ordering::Relaxed);
-                    processes_gauge.set(live.len() as f64);
-                }
+                // Off the loop: during a Postgres outage it waits its timeout.
+                tokio::spawn(count_processes(pool.clone(), cfg.stream.clone(), cfg.durable.clone(), worker.clone()));
                 if !worker.dispatching.load(Ordering::Relaxed) && leaving.is_none() {
                     let n = worker.processes.load(Ordering::Relaxed);
                     readiness.ready();
                     readiness.note(format!(
-                        "one of {n} process(es) of durable {}: another dispatches; this one runs the jobs it is sent ({} running, room for {capacity})",
+                        "one of {n} process(es) of durable {}: another dispatches; this one (crew member {}, its advisory lock's objid in pg_locks) runs the jobs it is sent ({} running, room for {capacity})",
                         cfg.durable,
+                        member.id,
                         tasks.len()
                     ));
                 }
@@ -1157,6 +1197,21 @@ pub(super) async fn work<H: Handler>(
         }
     }
     running_gauge.set(0.0);
+}
+
+async fn count_processes(pool: PgPool, stream: String, durable: String, worker: Arc<Worker>) {
+    if let Ok(Ok(live)) =
+        tokio::time::timeout(Duration::from_secs(2), alive(&pool, &stream, &durable)).await
+    {
+        worker.processes.store(live.len(), Ordering::Relaxed);
+        metrics::gauge!(m::CONSUMER_PROCESSES).set(live.len() as f64);
+    }
+}
+
+/// A core NATS publish that cannot hold the loop up (with NATS gone, the
+/// client's queue fills and a publish waits).
+async fn bounded<F: std::future::Future>(publish: F) {
+    let _ = tokio::time::timeout(BEAT / 5, publish).await;
 }
 
 fn hello(r: &Roster, member: i32, capacity: usize, leaving: bool, beat: u64) -> Hello {

@@ -58,6 +58,8 @@ pub(super) struct Active<'a, H> {
     pub dlq: &'a DeadLetters,
     pub handler: Arc<H>,
     pub readiness: &'a Readiness,
+    /// This process's crew member id, which tags the lease it holds.
+    pub me: i32,
     pub worker: &'a Arc<Worker>,
 }
 
@@ -125,6 +127,7 @@ impl<'a, H: Handler> Active<'a, H> {
             self.pool.clone(),
             &cfg.stream,
             &cfg.durable,
+            self.me,
             self.worker.clone(),
             crew_stop.token().clone(),
         )
@@ -171,6 +174,7 @@ impl<'a, H: Handler> Active<'a, H> {
         let connects = stats.connects.load(Ordering::Relaxed);
         let mut dispatch = Dispatch {
             registry: self.worker.registry.clone(),
+            fences: self.worker.fences.load(Ordering::Relaxed),
             active: self,
             consumer,
             crew,
@@ -220,6 +224,8 @@ struct Dispatch<'a, H> {
     tasks: JoinSet<JobEnd>,
     /// The jobs this process runs as dispatcher, for its crew beats.
     registry: Registry,
+    /// [`Worker::fences`] when the period began.
+    fences: u64,
     /// Deliveries and retries this process runs; past `--concurrency`,
     /// they go to the crew.
     local_running: Arc<AtomicUsize>,
@@ -445,6 +451,10 @@ impl<H: Handler> Dispatch<'_, H> {
             tracing::warn!("another process took over as dispatcher");
             return true;
         }
+        if self.cut_off() {
+            tracing::warn!("this process was cut off from the crew (its member lock, or NATS): giving the lease up so that another process takes over");
+            return true;
+        }
         let jobs = self
             .scheduler
             .set_concurrency(cfg.concurrency + self.crew.capacity(), Instant::now());
@@ -458,6 +468,15 @@ impl<H: Handler> Dispatch<'_, H> {
             self.crew.helpers() + 1,
         ));
         false
+    }
+
+    /// This process was cut off from the crew since the period began, and
+    /// another process could take over and run its jobs. Alone, it keeps
+    /// the lease (nobody else could run them).
+    fn cut_off(&self) -> bool {
+        let worker = self.active.worker;
+        worker.fences.load(Ordering::Relaxed) != self.fences
+            && worker.processes.load(Ordering::Relaxed) > 1
     }
 
     fn report_health(&mut self) {
@@ -648,7 +667,16 @@ impl<H: Handler> Dispatch<'_, H> {
         let client = self.active.js.client();
         let deadline = Instant::now() + cfg.shutdown_timeout;
         while !self.tasks.is_empty() {
-            match tokio::time::timeout_at(deadline.into(), self.tasks.join_next()).await {
+            // Handed over, its running jobs are the next dispatcher's to
+            // wait for; cut off from the crew, they must stop before it
+            // takes them for lost.
+            if self.active.worker.fences.load(Ordering::Relaxed) != self.fences {
+                tracing::warn!("cut off from the crew while finishing: stopping this process's jobs, which the next dispatcher runs again");
+                self.abandon_jobs().await;
+                break;
+            }
+            let step = (Instant::now() + crew::BEAT).min(deadline);
+            match tokio::time::timeout_at(step.into(), self.tasks.join_next()).await {
                 Ok(Some(Ok(end))) => {
                     if end.local {
                         crew::report(
@@ -665,6 +693,7 @@ impl<H: Handler> Dispatch<'_, H> {
                 }
                 Ok(Some(Err(_))) => {}
                 Ok(None) => break,
+                Err(_) if Instant::now() < deadline => {}
                 Err(_) => {
                     tracing::warn!(
                         running = self.tasks.len(),

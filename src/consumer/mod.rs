@@ -171,6 +171,7 @@ pub async fn run<H: Handler>(
         dispatching: AtomicBool::new(false),
         processes: AtomicUsize::new(1),
         member: std::sync::atomic::AtomicI32::new(member.id),
+        fences: Default::default(),
     });
     let worker_task = tokio::spawn(crew::work(
         new_shared(
@@ -228,7 +229,8 @@ async fn dispatch<H: Handler>(
                 _ = tokio::time::sleep(LEASE_ASK) => continue,
             }
         }
-        let lease = match Lease::try_acquire(pool, &cfg.stream, &cfg.durable).await {
+        let member = worker.member.load(Ordering::Relaxed);
+        let lease = match Lease::try_acquire(pool, &cfg.stream, &cfg.durable, Some(member)).await {
             Ok(Some(lease)) => lease,
             Ok(None) => {
                 standby.set(1.0);
@@ -260,6 +262,7 @@ async fn dispatch<H: Handler>(
             dlq,
             handler: handler.clone(),
             readiness,
+            me: member,
             worker,
         };
         worker.dispatching.store(true, Ordering::Relaxed);

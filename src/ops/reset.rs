@@ -90,7 +90,7 @@ pub async fn run(
     // flight while it starts over: refuse while an instance holds its lease,
     // and hold the lease ourselves meanwhile.
     let Some(lease) =
-        crate::consumer::lease::Lease::try_acquire(pool, stream_name, durable).await?
+        crate::consumer::lease::Lease::try_acquire(pool, stream_name, durable, None).await?
     else {
         return Err(Error::setup(format!(
             "durable {durable} is being consumed (an `outbox-relay consume` instance holds its lease): stop its consumers, reset, then start them again"

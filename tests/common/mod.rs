@@ -1245,42 +1245,64 @@ pub fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
 }
 
 /// A TCP proxy on a free loopback port in front of `target` ("host:port"):
-/// the way to partition one process from a server (NATS, here) while
-/// everything else keeps it. [`cut`](Proxy::cut) closes every connection
-/// through it and refuses new ones until [`heal`](Proxy::heal).
+/// the way to partition one process from a server while everything else
+/// keeps it. [`cut`](Proxy::cut) closes every connection through it and
+/// refuses new ones (a peer that says it is gone); [`freeze`](Proxy::freeze)
+/// keeps every connection open and lets nothing through (a network that
+/// drops packets). [`heal`](Proxy::heal) lets new connections through again.
 pub struct Proxy {
     pub port: u16,
-    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    cuts: tokio::sync::watch::Sender<u64>,
+    mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    changes: tokio::sync::watch::Sender<u64>,
 }
+
+const OPEN: u8 = 0;
+const CUT: u8 = 1;
+const FROZEN: u8 = 2;
 
 impl Proxy {
     pub async fn start(target: &str) -> Proxy {
         use std::sync::atomic::Ordering;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (cuts, _) = tokio::sync::watch::channel(0u64);
-        let (flag, watch, target) = (cut.clone(), cuts.clone(), target.to_owned());
+        let mode = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(OPEN));
+        let (changes, _) = tokio::sync::watch::channel(0u64);
+        let (flag, watch, target) = (mode.clone(), changes.clone(), target.to_owned());
+        // Frozen connections are kept here, open, until the test ends.
+        let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
-                if flag.load(Ordering::SeqCst) {
-                    continue;
+                match flag.load(Ordering::SeqCst) {
+                    CUT => continue,
+                    FROZEN => {
+                        held.lock().unwrap().push(inbound);
+                        continue;
+                    }
+                    _ => {}
                 }
-                let mut cut = watch.subscribe();
-                let target = target.clone();
+                let mut changed = watch.subscribe();
+                let (target, flag, held) = (target.clone(), flag.clone(), held.clone());
                 tokio::spawn(async move {
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
                         return;
                     };
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = cut.changed() => {}
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => return,
+                        _ = changed.changed() => {}
+                    }
+                    if flag.load(Ordering::SeqCst) == FROZEN {
+                        let mut held = held.lock().unwrap();
+                        held.push(inbound);
+                        held.push(outbound);
                     }
                 });
             }
         });
-        Proxy { port, cut, cuts }
+        Proxy {
+            port,
+            mode,
+            changes,
+        }
     }
 
     /// `nats://` URL through the proxy.
@@ -1288,12 +1310,35 @@ impl Proxy {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// `url` (a Postgres URL on 127.0.0.1) through the proxy instead.
+    pub fn pg_url(&self, url: &str) -> String {
+        url.replace(&pg_target(url), &format!("127.0.0.1:{}", self.port))
+    }
+
+    fn set(&self, mode: u8) {
+        self.mode.store(mode, std::sync::atomic::Ordering::SeqCst);
+        self.changes.send_modify(|n| *n += 1);
+    }
+
     pub fn cut(&self) {
-        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
-        self.cuts.send_modify(|n| *n += 1);
+        self.set(CUT);
+    }
+
+    pub fn freeze(&self) {
+        self.set(FROZEN);
     }
 
     pub fn heal(&self) {
-        self.cut.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.mode.store(OPEN, std::sync::atomic::Ordering::SeqCst);
     }
+}
+
+/// The "127.0.0.1:port" of a Postgres URL.
+pub fn pg_target(url: &str) -> String {
+    let at = url.find("127.0.0.1:").expect("a Postgres URL on 127.0.0.1");
+    let port: String = url[at + 10..]
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    format!("127.0.0.1:{port}")
 }
