@@ -3911,6 +3911,36 @@ impl Crew {
         })
         .await;
     }
+
+    /// With dispatcher `a` and helper `b` formed: X (taking `x_ms`) holds
+    /// A's only slot, so K/1 (15 s) goes to B. Returns K/1's id once B runs it.
+    async fn k1_running_on_b(&self, a: &Service, b: &Service, x_ms: u64) -> Uuid {
+        eventually(T, "two processes of the durable", || async {
+            a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+        })
+        .await;
+        let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
+        self.publish(x, "x", x_ms).await;
+        self.called(x).await;
+        self.publish(k1, "k", 15_000).await;
+        self.called(k1).await;
+        assert_eq!(running_jobs(&[b], 1.0).await, 0, "B runs K/1");
+        k1
+    }
+
+    async fn called_again(&self, k1: Uuid) {
+        eventually(T, "K/1 called again", || async {
+            self.spans.started(k1) >= 2
+        })
+        .await;
+    }
+
+    /// Both messages processed, and K/1's two calls one after the other.
+    async fn assert_k1_ran_once_at_a_time(&self, k1: Uuid) {
+        wait_processed(&self.pool, self.ctx, 2).await;
+        let overlaps = self.spans.overlaps(k1);
+        assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");
+    }
 }
 
 /// Review of the crew, finding 2: a helper cut off from NATS (its
@@ -3927,26 +3957,11 @@ async fn a_helper_cut_off_from_nats_stops_its_job_before_the_dispatcher_runs_it_
     let mut a = crew.process("crewcut-a", &nats);
     a.wait_ready();
     let b = crew.process("crewcut-b", &proxy.nats_url());
-    eventually(T, "two processes of the durable", || async {
-        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
-    })
-    .await;
-    // X holds A's only slot, so K/1 goes to B.
-    let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
-    crew.publish(x, "x", 2_000).await;
-    crew.called(x).await;
-    crew.publish(k1, "k", 15_000).await;
-    crew.called(k1).await;
-    assert_eq!(running_jobs(&[&b], 1.0).await, 0, "B runs K/1");
+    let k1 = crew.k1_running_on_b(&a, &b, 2_000).await;
     proxy.cut();
-    eventually(T, "K/1 called again", || async {
-        crew.spans.started(k1) >= 2
-    })
-    .await;
+    crew.called_again(k1).await;
     proxy.heal();
-    wait_processed(&crew.pool, crew.ctx, 2).await;
-    let overlaps = crew.spans.overlaps(k1);
-    assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");
+    crew.assert_k1_ran_once_at_a_time(k1).await;
 }
 
 /// Review of the crew, finding 4: a new dispatcher took over after hearing
@@ -3962,16 +3977,7 @@ async fn a_new_dispatcher_waits_for_a_live_process_it_cannot_hear_before_running
     let mut a = crew.process("crewadopt-a", &nats);
     a.wait_ready();
     let b = crew.process("crewadopt-b", &proxy.nats_url());
-    eventually(T, "two processes of the durable", || async {
-        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
-    })
-    .await;
-    let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
-    crew.publish(x, "x", 1_000).await;
-    crew.called(x).await;
-    crew.publish(k1, "k", 15_000).await;
-    crew.called(k1).await;
-    assert_eq!(running_jobs(&[&b], 1.0).await, 0, "B runs K/1");
+    let k1 = crew.k1_running_on_b(&a, &b, 1_000).await;
     wait_processed(&crew.pool, crew.ctx, 1).await;
     let c = crew.process("crewadopt-c", &nats);
     eventually(T, "three processes of the durable", || async {
@@ -3980,14 +3986,9 @@ async fn a_new_dispatcher_waits_for_a_live_process_it_cannot_hear_before_running
     .await;
     proxy.cut();
     a.kill9();
-    eventually(T, "K/1 called again", || async {
-        crew.spans.started(k1) >= 2
-    })
-    .await;
+    crew.called_again(k1).await;
     proxy.heal();
-    wait_processed(&crew.pool, crew.ctx, 2).await;
-    let overlaps = crew.spans.overlaps(k1);
-    assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");
+    crew.assert_k1_ran_once_at_a_time(k1).await;
 }
 
 /// Review of the crew, finding 2 (its Postgres side): a helper cut off from
@@ -4006,16 +4007,7 @@ async fn a_helper_that_loses_its_member_lock_stops_its_job_before_the_dispatcher
     let mut a = crew.process("crewlock-a", &nats);
     a.wait_ready();
     let b = crew.process_via("crewlock-b", &proxy.pg_url(&crew.url), &nats);
-    eventually(T, "two processes of the durable", || async {
-        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
-    })
-    .await;
-    let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
-    crew.publish(x, "x", 1_000).await;
-    crew.called(x).await;
-    crew.publish(k1, "k", 15_000).await;
-    crew.called(k1).await;
-    assert_eq!(running_jobs(&[&b], 1.0).await, 0, "B runs K/1");
+    let k1 = crew.k1_running_on_b(&a, &b, 1_000).await;
     wait_processed(&crew.pool, crew.ctx, 1).await;
     let (_, ready) = b.http_get("/readyz").await;
     let member: i64 = ready
@@ -4034,11 +4026,6 @@ async fn a_helper_that_loses_its_member_lock_stops_its_job_before_the_dispatcher
     .await
     .unwrap();
     assert!(closed, "B's member lock is held by a backend");
-    eventually(T, "K/1 called again", || async {
-        crew.spans.started(k1) >= 2
-    })
-    .await;
-    wait_processed(&crew.pool, crew.ctx, 2).await;
-    let overlaps = crew.spans.overlaps(k1);
-    assert!(overlaps.is_empty(), "K/1 ran twice at once: {overlaps:?}");
+    crew.called_again(k1).await;
+    crew.assert_k1_ran_once_at_a_time(k1).await;
 }
