@@ -4029,3 +4029,109 @@ async fn a_helper_that_loses_its_member_lock_stops_its_job_before_the_dispatcher
     crew.called_again(k1).await;
     crew.assert_k1_ran_once_at_a_time(k1).await;
 }
+
+/// A call of [`FirstCallSlow`]: its message, when it began, whether it
+/// ran to its end.
+type SlowCall = (Uuid, Instant, Arc<AtomicBool>);
+
+/// A Rust handler whose first call takes 3 s; each call records when it
+/// began and whether it ran to its end.
+#[derive(Clone, Default)]
+struct FirstCallSlow {
+    calls: Arc<Mutex<Vec<SlowCall>>>,
+}
+
+impl outbox_relay::consumer::Handler for FirstCallSlow {
+    async fn handle(
+        &self,
+        _tx: &mut sqlx::PgConnection,
+        d: &outbox_relay::consumer::Delivery,
+    ) -> outbox_relay::consumer::Outcome {
+        let ended = Arc::new(AtomicBool::new(false));
+        let first = {
+            let mut calls = self.calls.lock().unwrap();
+            calls.push((d.message_id, Instant::now(), ended.clone()));
+            calls.len() == 1
+        };
+        if first {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
+        ended.store(true, Ordering::SeqCst);
+        outbox_relay::consumer::Outcome::Processed
+    }
+}
+
+/// Once `consumer::run` has returned, no Rust handler call is made or goes
+/// on: a call queued for the shared inbox transaction when its job was
+/// stopped is dropped, and a call in progress is cut off with its
+/// transaction (rolled back; the message comes again). Before, the
+/// transaction writer outlived the consumer: it finished the slow call and
+/// then made the queued one, seconds after `run` had returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_rust_handler_call_runs_after_the_consumer_has_stopped() {
+    let stack = stack();
+    let (url, _) = fresh_db(&stack, "c_after_stop").await;
+    // Four connections: one shared-transaction writer (a quarter of them),
+    // so the second message's call queues behind the first's.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cafter", DUP).await;
+    let mut cfg = rust_cfg(&stream, "after", "cafter");
+    cfg.shutdown_timeout = Duration::from_millis(300);
+    let handler = FirstCallSlow::default();
+    let consumer = RustConsumer::start(cfg, &pool, &js, handler.clone());
+
+    let first = Uuid::new_v4();
+    publish(&js, "cafter.e", Some(first), "a", b"{}").await;
+    let deadline = Instant::now() + T;
+    while handler.calls.lock().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the first call never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The second message, of another aggregate, is delivered while the
+    // first call runs: its job waits for the writer.
+    let second = Uuid::new_v4();
+    publish(&js, "cafter.e", Some(second), "b", b"{}").await;
+    loop {
+        let info = js
+            .get_consumer_from_stream::<jetstream::consumer::pull::Config, _, _>("after", &stream)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .clone();
+        if info.num_ack_pending == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second message was never delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    consumer.stop().await;
+    let stopped = Instant::now();
+
+    // Past the end of the slow call: anything still running would show.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let calls = handler.calls.lock().unwrap().clone();
+    let late: Vec<_> = calls.iter().filter(|(_, at, _)| *at > stopped).collect();
+    assert!(
+        late.is_empty(),
+        "calls made after the consumer stopped: {late:?}"
+    );
+    let finished: Vec<_> = calls
+        .iter()
+        .filter(|(_, _, ended)| ended.load(Ordering::SeqCst))
+        .map(|(id, _, _)| *id)
+        .collect();
+    assert!(
+        finished.is_empty(),
+        "calls that went on after the consumer stopped: {finished:?} (first {first}, second {second})"
+    );
+}

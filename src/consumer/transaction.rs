@@ -61,9 +61,21 @@ struct Request {
     reply: oneshot::Sender<Result<Ran, BatchError>>,
 }
 
-/// Handle on the group writers; they end when it is dropped.
+/// Handle on the group writers. Dropped (the consumer has stopped), it
+/// stops them, a group in progress included: its transaction rolls back and
+/// its messages come again. Left running, a writer would go on calling the
+/// handler, queued requests too, after `consumer::run` had returned.
 pub struct Transactions {
     requests: mpsc::Sender<Request>,
+    writers: Vec<tokio::task::AbortHandle>,
+}
+
+impl Drop for Transactions {
+    fn drop(&mut self) {
+        for w in &self.writers {
+            w.abort();
+        }
+    }
 }
 
 impl Transactions {
@@ -79,10 +91,10 @@ impl Transactions {
             stream: settings.stream,
             max_group: settings.max_group.clamp(1, MAX_GROUP),
         });
-        for _ in 0..workers {
-            tokio::spawn(work(ctx.clone(), rx.clone()));
-        }
-        Self { requests }
+        let writers = (0..workers)
+            .map(|_| tokio::spawn(work(ctx.clone(), rx.clone())).abort_handle())
+            .collect();
+        Self { requests, writers }
     }
 
     /// Claim, handle and complete `delivery` (its `delivered` is set from
