@@ -67,15 +67,8 @@ struct Request {
 /// handler, queued requests too, after `consumer::run` had returned.
 pub struct Transactions {
     requests: mpsc::Sender<Request>,
-    writers: Vec<tokio::task::AbortHandle>,
-}
-
-impl Drop for Transactions {
-    fn drop(&mut self) {
-        for w in &self.writers {
-            w.abort();
-        }
-    }
+    /// Dropped with the handle, a `JoinSet` aborts its tasks.
+    _writers: tokio::task::JoinSet<()>,
 }
 
 impl Transactions {
@@ -91,10 +84,14 @@ impl Transactions {
             stream: settings.stream,
             max_group: settings.max_group.clamp(1, MAX_GROUP),
         });
-        let writers = (0..workers)
-            .map(|_| tokio::spawn(work(ctx.clone(), rx.clone())).abort_handle())
-            .collect();
-        Self { requests, writers }
+        let mut writers = tokio::task::JoinSet::new();
+        for _ in 0..workers {
+            writers.spawn(work(ctx.clone(), rx.clone()));
+        }
+        Self {
+            requests,
+            _writers: writers,
+        }
     }
 
     /// Claim, handle and complete `delivery` (its `delivered` is set from
