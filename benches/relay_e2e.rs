@@ -21,7 +21,7 @@
 //! ```
 //!
 //! Against any deployment: `cargo bench --bench relay_e2e -- <flags>` with
-//! DATABASE_URL, NATS_URL, RELAY_PID (for CPU and memory), NATS_PID (nats-server CPU) and the relay
+//! DATABASE_URL, NATS_URL, RELAY_PID (for CPU and memory), NATS_PID (nats-server CPU; comma-separated PIDs are summed, the nodes of a cluster) and the relay
 //! running with `--context bench`.
 
 mod common;
@@ -624,7 +624,7 @@ fn committed_batches() -> Option<f64> {
 /// Which NATS `scripts/bench.sh` started (`BENCH_NATS_CLUSTER`).
 fn nats_setup() -> &'static str {
     if std::env::var("BENCH_NATS_CLUSTER").is_ok_and(|v| v == "1") {
-        "3-node NATS cluster, R3 stream"
+        "3-node NATS cluster, R3 stream (nats-server CPU: the three nodes summed)"
     } else {
         "one nats-server, R1 stream"
     }

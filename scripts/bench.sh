@@ -43,13 +43,13 @@ scripts/stack.sh up "$STACK_DIR" >/dev/null
 RELAY_ARGS=()
 if [ "${BENCH_NATS_CLUSTER:-0}" = 1 ]; then
   # The relay publishes to an R3 stream on a 3-node cluster; the harness
-  # reads from the first node. nats-server CPU is then not sampled.
+  # reads from the first node. nats-server CPU is the three nodes' sum.
   scripts/stack.sh nats-cluster-up "$CLUSTER_DIR" >/dev/null
   # shellcheck disable=SC1091
   . "$CLUSTER_DIR/env"
   echo "export NATS_URL=$NATS_CLUSTER_URL" >>"$STACK_DIR/env"
   NATS_URL="${NATS_CLUSTER_URL%%,*}"
-  unset NATS_PID
+  NATS_PID="$(cat "$CLUSTER_DIR"/n1.pid),$(cat "$CLUSTER_DIR"/n2.pid),$(cat "$CLUSTER_DIR"/n3.pid)"
   RELAY_ARGS=(--stream-replicas 3)
 fi
 "$BIN" migrate 2>/dev/null

@@ -36,9 +36,14 @@ pub fn env(k: &str, mode: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k} not set: run through scripts/bench.sh {mode}"))
 }
 
-/// utime + stime of a process, in seconds.
-pub fn cpu_seconds(pid: &str) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+/// utime + stime of a process (or of several), in seconds.
+pub fn cpu_seconds(pids: &str) -> f64 {
+    // A comma-separated list sums its processes (the nodes of a cluster).
+    pids.split(',').map(cpu_seconds_of).sum()
+}
+
+fn cpu_seconds_of(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid.trim())).unwrap_or_default();
     let fields: Vec<&str> = stat
         .rsplit(')')
         .next()
