@@ -48,6 +48,7 @@ struct Args {
     txn_size: u64,
     payload: usize,
     producers: u64,
+    arrivals: Arrivals,
     phases: Vec<String>,
     big_txn: u64,
     poll_batch: i64,
@@ -63,6 +64,7 @@ fn parse_args() -> Args {
         txn_size: 50,
         payload: 256,
         producers: 2,
+        arrivals: Arrivals::Poisson,
         phases: vec!["raw".into(), "cdc".into(), "poll".into()],
         big_txn: 0,
         poll_batch: 500,
@@ -73,7 +75,7 @@ fn parse_args() -> Args {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     let usage = "flags: --events N --rate EV_PER_S|0 --txn-size N --payload BYTES --producers N \
-                 --phases raw,cdc,poll,raw-emit,emit --big-txn ROWS --poll-batch N --poll-interval-ms MS \
+                 --arrivals poisson|even|lockstep --phases raw,cdc,poll,raw-emit,emit --big-txn ROWS --poll-batch N --poll-interval-ms MS \
                  --slot NAME --out DIR";
     while i < argv.len() {
         let v = argv.get(i + 1).cloned().unwrap_or_default();
@@ -87,6 +89,14 @@ fn parse_args() -> Args {
             "--txn-size" => a.txn_size = num("--txn-size").max(1),
             "--payload" => a.payload = num("--payload") as usize,
             "--producers" => a.producers = num("--producers").max(1),
+            "--arrivals" => {
+                a.arrivals = match v.as_str() {
+                    "poisson" => Arrivals::Poisson,
+                    "even" => Arrivals::Even,
+                    "lockstep" => Arrivals::Lockstep,
+                    other => panic!("--arrivals takes poisson, even or lockstep, got {other:?}"),
+                }
+            }
             "--phases" => a.phases = v.split(',').map(str::to_owned).collect(),
             "--big-txn" => a.big_txn = num("--big-txn"),
             "--poll-batch" => a.poll_batch = num("--poll-batch") as i64,
@@ -110,6 +120,34 @@ fn parse_args() -> Args {
         );
     }
     a
+}
+
+/// When the paced producers (`--rate`) commit. Each producer commits
+/// `rate / producers / txn_size` transactions a second; the choice is how
+/// the producers' commits fall relative to each other, which matters to a
+/// relay that keeps one atomic batch in flight: a transaction that commits
+/// while the one before it awaits its ack waits for that ack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arrivals {
+    /// Independent producers: exponential gaps, each producer on its own
+    /// schedule (the usual model of many clients). Commits sometimes coincide.
+    Poisson,
+    /// Evenly spaced: producer p starts p/N of an interval after the first.
+    Even,
+    /// Every producer commits at the same instants (the harness's schedule
+    /// before `--arrivals`): N transactions together, the worst case for one
+    /// batch in flight.
+    Lockstep,
+}
+
+impl Arrivals {
+    fn as_str(self) -> &'static str {
+        match self {
+            Arrivals::Poisson => "poisson",
+            Arrivals::Even => "even",
+            Arrivals::Lockstep => "lockstep",
+        }
+    }
 }
 
 fn env(k: &str) -> String {
@@ -220,16 +258,28 @@ async fn produce(
         let txns = per_producer / txn_size;
         let interval = (a.rate > 0)
             .then(|| Duration::from_secs_f64(txn_size as f64 * a.producers as f64 / a.rate as f64));
+        let arrivals = a.arrivals;
+        let producers = a.producers;
         tasks.push(tokio::spawn(async move {
-            let mut tick = interval.map(|i| {
-                let mut t = tokio::time::interval(i);
-                t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-                t
-            });
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(p);
+            // Absolute times, so the rate holds whatever each insert takes.
+            let mut next = tokio::time::Instant::now();
+            if let (Some(i), Arrivals::Even) = (interval, arrivals) {
+                next += i.mul_f64(p as f64 / producers as f64);
+            }
             let mut out = HashMap::with_capacity((txns * txn_size) as usize);
             for t in 0..txns {
-                if let Some(tick) = tick.as_mut() {
-                    tick.tick().await;
+                if let Some(i) = interval {
+                    let gap = match arrivals {
+                        // Inverse transform: -ln(U) is exponential with mean 1.
+                        Arrivals::Poisson => i.mul_f64(-(1.0 - rng.gen::<f64>()).ln()),
+                        Arrivals::Even | Arrivals::Lockstep => i,
+                    };
+                    if t > 0 || arrivals == Arrivals::Poisson {
+                        next += gap;
+                    }
+                    tokio::time::sleep_until(next).await;
                 }
                 let ids: Vec<Uuid> = (0..txn_size).map(|_| Uuid::new_v4()).collect();
                 let aggs: Vec<String> = (0..txn_size)
@@ -655,7 +705,7 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
         if a.rate == 0 {
             "flat out".to_owned()
         } else {
-            format!("{}/s", a.rate)
+            format!("{}/s ({} arrivals)", a.rate, a.arrivals.as_str())
         },
         publish_mode(),
         nats_setup()
@@ -933,6 +983,7 @@ async fn main() {
         "args": {
             "events": a.events, "rate": a.rate, "txn_size": a.txn_size, "payload": a.payload,
             "producers": a.producers, "poll_batch": a.poll_batch,
+            "arrivals": (a.rate > 0).then_some(a.arrivals.as_str()),
             "publish_mode": publish_mode(),
             "nats": nats_setup(),
             "schemas": std::env::var("OUTBOX_SCHEMAS").ok(),
