@@ -18,6 +18,7 @@
 //! already holds ([`publish::stored_tail`]). A kill -9 takes the same path,
 //! so the path is exercised, not hoped for.
 
+mod acks;
 mod backfill;
 pub(crate) mod batch;
 pub(crate) mod decode;

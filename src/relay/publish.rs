@@ -17,8 +17,6 @@
 //! stream holds), each next one goes solo too.
 
 use std::borrow::Cow;
-use std::future::IntoFuture;
-use std::pin::Pin;
 use std::time::Duration;
 
 use async_nats::header::{HeaderName, HeaderValue, IntoHeaderName};
@@ -27,12 +25,10 @@ use std::collections::{HashMap, VecDeque};
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, stream, Context};
 use async_nats::HeaderMap;
-use futures::stream::{FuturesOrdered, StreamExt};
-use futures::Future;
-use std::sync::Arc;
+use futures::stream::StreamExt;
 use std::time::Instant;
-use tokio::sync::Notify;
 
+use super::acks::{Inbox, Next};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::config::PublishMode;
@@ -614,8 +610,6 @@ pub struct Ack {
     pub result: Result<bool>,
 }
 
-type AckFuture = Pin<Box<dyn Future<Output = Result<bool, PublishError>> + Send>>;
-
 /// How long the oldest message may wait for its ack before the publisher
 /// takes its leader for gone (at most `--publish-timeout`). A stream leader
 /// that dies takes the acks of what it held with it, and with no later
@@ -666,8 +660,10 @@ struct Outage {
 
 pub struct Publisher {
     js: Context,
-    inflight: FuturesOrdered<AckFuture>,
-    /// The messages behind `inflight`, in the same order.
+    nats: async_nats::Client,
+    /// The answers to what is in flight; opened with the first publish.
+    acks: Option<Inbox>,
+    /// The messages behind `acks`, in the same order.
     sent: VecDeque<Sent>,
     /// Messages queued to go out again, in order, before anything new (see
     /// [`Publisher::next_ack`]).
@@ -684,11 +680,6 @@ pub struct Publisher {
     refusals: Refusals,
     stall: Duration,
     max_probe_timeout: Duration,
-    /// Raised by any in-flight message the stream refused for want of a
-    /// leader or out of order: the ones before it, still unanswered, may be
-    /// waiting out their ack timeout at a leader that is gone. A new one
-    /// for each set of copies, so an old copy's signal cannot reach them.
-    trouble: Arc<Notify>,
     outage: Option<Outage>,
 }
 
@@ -703,8 +694,9 @@ impl Publisher {
         refusals: Refusals,
     ) -> Self {
         Self {
+            nats: js.client(),
             js,
-            inflight: FuturesOrdered::new(),
+            acks: None,
             sent: VecDeque::new(),
             parked: VecDeque::new(),
             bytes: 0,
@@ -715,7 +707,6 @@ impl Publisher {
             refusals,
             stall: STALL.min(publish_timeout),
             max_probe_timeout: publish_timeout.max(PROBE_TIMEOUT),
-            trouble: Arc::new(Notify::new()),
             outage: None,
         }
     }
@@ -745,8 +736,13 @@ impl Publisher {
     pub fn has_room(&self) -> bool {
         !self.solo_pending
             && self.parked.is_empty()
-            && self.inflight.len() < self.max_inflight
-            && (self.bytes < self.max_bytes || self.inflight.is_empty())
+            && self.unanswered() < self.max_inflight
+            && (self.bytes < self.max_bytes || self.unanswered() == 0)
+    }
+
+    /// Copies handed to the connection whose answer has not been taken.
+    fn unanswered(&self) -> usize {
+        self.acks.as_ref().map_or(0, |a| a.queue.len())
     }
 
     /// Messages handed over and not yet acked, including any waiting to be
@@ -790,48 +786,44 @@ impl Publisher {
     /// Cancel-safe: nothing changes until the connection took the message.
     /// A `probe` waits for its ack a shorter time, growing per outage.
     async fn send(&mut self, mut sent: Sent, probe: bool) -> Result<()> {
-        let prev = self.chain.clone();
         let msg = &sent.msg;
-        let headers = header_map(msg.headers.clone(), prev.clone());
-        let publish = jetstream::message::PublishMessage::build()
-            .payload(msg.body.clone())
-            .headers(headers);
-        let ack = self
-            .js
-            .send_publish(msg.subject.clone(), publish)
+        let send_error = |e: Box<dyn std::error::Error + Send + Sync>| {
+            metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+            Error::Publish {
+                id: msg.msg_id.clone(),
+                failure: PublishFailure::Send,
+                source: e,
+            }
+        };
+        if self.acks.is_none() {
+            let inbox = Inbox::open(&self.nats)
+                .await
+                .map_err(|e| send_error(Box::new(e)))?;
+            self.acks = Some(inbox);
+        }
+        let Some(acks) = self.acks.as_mut() else {
+            return Ok(());
+        };
+        let prev = self.chain.as_deref();
+        let headers = header_map(msg.headers.clone(), prev.map(str::to_owned));
+        self.nats
+            .publish_with_reply_and_headers(
+                msg.subject.clone(),
+                acks.reply(),
+                headers,
+                msg.body.clone(),
+            )
             .await
-            .map_err(|e| {
-                metrics::counter!(m::PUBLISH_ERRORS).increment(1);
-                Error::Publish {
-                    id: msg.msg_id.clone(),
-                    failure: PublishFailure::Send,
-                    source: Box::new(e),
-                }
-            })?;
+            .map_err(|e| send_error(Box::new(e)))?;
+        let probe_deadline = self
+            .outage
+            .filter(|_| probe)
+            .map(|o| Instant::now() + o.probe_timeout);
+        acks.queue.push(probe_deadline);
         if prev.is_none() {
             self.solo_pending = true;
         }
         self.chain = Some(msg.msg_id.clone());
-        let trouble = self.trouble.clone();
-        let wait = self.outage.filter(|_| probe).map(|o| o.probe_timeout);
-        self.inflight.push_back(Box::pin(async move {
-            let ack = ack.into_future();
-            let result = match wait {
-                Some(wait) => tokio::time::timeout(wait, ack)
-                    .await
-                    .unwrap_or_else(|_| Err(PublishError::new(PublishErrorKind::TimedOut))),
-                None => ack.await,
-            };
-            if result.as_ref().is_err_and(|e| {
-                matches!(
-                    e.kind(),
-                    PublishErrorKind::StreamNotFound | PublishErrorKind::WrongLastMessageId
-                )
-            }) {
-                trouble.notify_one();
-            }
-            result.map(|a| a.duplicate)
-        }));
         sent.at = Instant::now();
         self.sent.push_back(sent);
         Ok(())
@@ -858,7 +850,7 @@ impl Publisher {
     /// dedupes by id).
     pub async fn next_ack(&mut self) -> Option<Ack> {
         loop {
-            if self.inflight.is_empty() && !self.parked.is_empty() {
+            if self.unanswered() == 0 && !self.parked.is_empty() {
                 if let Some(o) = self.outage {
                     if o.since.elapsed() > OUTAGE_BUDGET {
                         let e = self.gave_up();
@@ -871,13 +863,16 @@ impl Publisher {
                 }
             }
             let stall_at = self.sent.front().map(|s| s.at + self.stall);
+            let acks = self.acks.as_mut()?;
             let result = tokio::select! {
                 biased;
-                r = self.inflight.next() => r?,
-                _ = self.trouble.notified() => {
-                    self.ride_out(None, "the stream refused a later message", false);
-                    continue;
-                }
+                next = acks.next() => match next? {
+                    Next::Ack(r) => r,
+                    Next::Trouble => {
+                        self.ride_out(None, "the stream refused a later message", false);
+                        continue;
+                    }
+                },
                 _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()),
                     if stall_at.is_some() => {
                     self.ride_out(None, "no ack in time", false);
@@ -903,7 +898,7 @@ impl Publisher {
                         // nothing may chain from it: the next goes alone
                         // too. (With more in flight, those chained to it are
                         // refused and sent again in order instead.)
-                        if duplicate && self.inflight.is_empty() {
+                        if duplicate && self.unanswered() == 0 {
                             self.chain = None;
                         }
                     }
@@ -1029,8 +1024,9 @@ impl Publisher {
         queue.extend(self.sent.drain(..));
         queue.extend(self.parked.drain(..));
         self.parked = queue;
-        self.inflight = FuturesOrdered::new();
-        self.trouble = Arc::new(Notify::new());
+        if let Some(acks) = self.acks.as_mut() {
+            acks.queue.forget();
+        }
         self.chain = None;
         self.solo_pending = false;
     }

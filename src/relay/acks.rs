@@ -1,0 +1,386 @@
+//! JetStream's answers to the per-event publishes, read from one inbox
+//! subscription per session.
+//!
+//! async-nats' JetStream publish makes each message a request: a semaphore
+//! permit, a fresh inbox name, an entry in the client's reply map, a
+//! channel, a boxed future and an ack timer, per event. Measured on this
+//! project's box (docs/guide/benchmarks.md, "What a cheaper ack path would
+//! buy") that path cost 4.05 µs of client CPU per message against 3.00-3.15
+//! for plain publishes whose reply subject is `<inbox>.<n>` under one
+//! wildcard subscription, the answers matched by `n`. The publisher already
+//! keeps its messages in publish order, so `n` is a counter and the books
+//! are a queue ([`AckQueue`], no I/O); [`Inbox`] feeds it from the
+//! subscription.
+//!
+//! An answer is read the way async-nats reads it: a `503` status is no
+//! stream listening (`StreamNotFound`), an `error` object maps its code
+//! (`WrongLastMessageId`, `WrongLastSequence`, else `Other` carrying the
+//! API error), and an ack says whether it was a duplicate.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use async_nats::jetstream;
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::StatusCode;
+use futures::StreamExt;
+use serde::Deserialize;
+
+/// One publish's outcome: `Ok(duplicate)`.
+pub type Answer = Result<bool, PublishError>;
+
+/// What the inbox says next.
+#[derive(Debug)]
+pub enum Next {
+    /// The oldest message's answer (or its probe timing out).
+    Ack(Answer),
+    /// A later message was refused for want of a stream or out of order:
+    /// the ones before it, still unanswered, may be waiting at a leader
+    /// that is gone.
+    Trouble,
+}
+
+#[derive(Debug)]
+struct Slot {
+    answer: Option<Answer>,
+    /// A probe's own ack timeout.
+    deadline: Option<Instant>,
+}
+
+/// The messages in flight, oldest first, each with its answer once in.
+/// Tokens count up for the life of the queue, so an answer to a copy that
+/// was forgotten (sent again under a new token) is recognised and dropped.
+#[derive(Debug, Default)]
+pub struct AckQueue {
+    /// Token of the oldest slot.
+    first: u64,
+    slots: VecDeque<Slot>,
+    trouble: bool,
+}
+
+impl AckQueue {
+    /// The token the next [`push`](Self::push) gets.
+    pub fn next_token(&self) -> u64 {
+        self.first + self.slots.len() as u64
+    }
+
+    pub fn push(&mut self, deadline: Option<Instant>) -> u64 {
+        let token = self.next_token();
+        self.slots.push_back(Slot {
+            answer: None,
+            deadline,
+        });
+        token
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Forget everything in flight: it is being sent again, and late
+    /// answers to these copies must not count for the new ones.
+    pub fn forget(&mut self) {
+        self.first = self.next_token();
+        self.slots.clear();
+        self.trouble = false;
+    }
+
+    /// Record an answer. Answers to forgotten copies, to unknown tokens and
+    /// repeated answers are dropped.
+    pub fn answer(&mut self, token: u64, answer: Answer) {
+        let Some(i) = token.checked_sub(self.first) else {
+            return;
+        };
+        let Some(slot) = usize::try_from(i).ok().and_then(|i| self.slots.get_mut(i)) else {
+            return;
+        };
+        if slot.answer.is_some() {
+            return;
+        }
+        if i > 0
+            && answer.as_ref().is_err_and(|e| {
+                matches!(
+                    e.kind(),
+                    PublishErrorKind::StreamNotFound | PublishErrorKind::WrongLastMessageId
+                )
+            })
+        {
+            self.trouble = true;
+        }
+        slot.answer = Some(answer);
+    }
+
+    /// The oldest message's answer if it is in, or a timeout if its probe
+    /// deadline passed; else a later message's trouble, once.
+    pub fn take(&mut self, now: Instant) -> Option<Next> {
+        let front = self.slots.front()?;
+        let timed_out = front.answer.is_none() && front.deadline.is_some_and(|d| d <= now);
+        if front.answer.is_some() || timed_out {
+            let slot = self.slots.pop_front()?;
+            self.first += 1;
+            let answer = slot
+                .answer
+                .unwrap_or_else(|| Err(PublishError::new(PublishErrorKind::TimedOut)));
+            return Some(Next::Ack(answer));
+        }
+        std::mem::take(&mut self.trouble).then_some(Next::Trouble)
+    }
+
+    /// When the oldest message's probe times out, if it is a probe.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.slots
+            .front()
+            .filter(|s| s.answer.is_none())
+            .and_then(|s| s.deadline)
+    }
+}
+
+/// The token of a reply subject under `prefix` (`<inbox>.`).
+pub fn token(prefix: &str, subject: &str) -> Option<u64> {
+    subject.strip_prefix(prefix)?.parse().ok()
+}
+
+/// Read one answer as async-nats' JetStream publish reads it.
+pub fn read(status: Option<StatusCode>, payload: &[u8]) -> Answer {
+    if status == Some(StatusCode::NO_RESPONDERS) {
+        return Err(PublishError::new(PublishErrorKind::StreamNotFound));
+    }
+    #[derive(Deserialize)]
+    struct Body {
+        error: Option<jetstream::Error>,
+        seq: Option<u64>,
+        #[serde(default)]
+        duplicate: bool,
+    }
+    let body: Body = serde_json::from_slice(payload)
+        .map_err(|e| PublishError::with_source(PublishErrorKind::Other, e))?;
+    match (body.error, body.seq) {
+        (Some(error), _) => {
+            let kind = match error.error_code() {
+                jetstream::ErrorCode::STREAM_WRONG_LAST_MESSAGE_ID => {
+                    PublishErrorKind::WrongLastMessageId
+                }
+                jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE => {
+                    PublishErrorKind::WrongLastSequence
+                }
+                _ => PublishErrorKind::Other,
+            };
+            Err(PublishError::with_source(kind, error))
+        }
+        (None, Some(_)) => Ok(body.duplicate),
+        (None, None) => Err(PublishError::with_source(
+            PublishErrorKind::Other,
+            format!(
+                "not a publish ack: {}",
+                String::from_utf8_lossy(&payload[..payload.len().min(200)])
+            ),
+        )),
+    }
+}
+
+/// The session's reply inbox and the queue it feeds.
+pub struct Inbox {
+    sub: async_nats::Subscriber,
+    /// `<inbox>.`: a reply subject is this and a token.
+    prefix: String,
+    pub queue: AckQueue,
+}
+
+impl Inbox {
+    pub async fn open(nats: &async_nats::Client) -> Result<Self, async_nats::SubscribeError> {
+        let inbox = nats.new_inbox();
+        let sub = nats.subscribe(format!("{inbox}.*")).await?;
+        Ok(Self {
+            sub,
+            prefix: format!("{inbox}."),
+            queue: AckQueue::default(),
+        })
+    }
+
+    /// Where the answer to the next pushed message goes.
+    pub fn reply(&self) -> String {
+        format!("{}{}", self.prefix, self.queue.next_token())
+    }
+
+    /// The next [`Next`]; `None` when nothing is in flight. Cancel-safe:
+    /// an answer read is recorded before anything else is awaited.
+    pub async fn next(&mut self) -> Option<Next> {
+        loop {
+            if let Some(next) = self.queue.take(Instant::now()) {
+                return Some(next);
+            }
+            if self.queue.is_empty() {
+                return None;
+            }
+            let deadline = self.queue.deadline();
+            tokio::select! {
+                biased;
+                m = self.sub.next() => match m {
+                    Some(m) => {
+                        if let Some(t) = token(&self.prefix, m.subject.as_str()) {
+                            self.queue.answer(t, read(m.status, &m.payload));
+                        }
+                    }
+                    // The client is closed: nothing will answer.
+                    None => {
+                        let t = self.queue.first;
+                        self.queue
+                            .answer(t, Err(PublishError::new(PublishErrorKind::BrokenPipe)));
+                    }
+                },
+                _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now).into()),
+                    if deadline.is_some() => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    fn ok(n: &Next) -> Option<bool> {
+        match n {
+            Next::Ack(Ok(d)) => Some(*d),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn answers_come_out_in_publish_order() {
+        let mut q = AckQueue::default();
+        let a = q.push(None);
+        let b = q.push(None);
+        q.answer(b, Ok(true));
+        assert!(q.take(Instant::now()).is_none(), "b waits for a");
+        q.answer(a, Ok(false));
+        assert_eq!(q.take(Instant::now()).as_ref().and_then(ok), Some(false));
+        assert_eq!(q.take(Instant::now()).as_ref().and_then(ok), Some(true));
+        assert!(q.is_empty());
+    }
+
+    #[test]
+    fn forgotten_copies_and_unknown_tokens_do_not_count() {
+        let mut q = AckQueue::default();
+        let old = q.push(None);
+        q.forget();
+        let new = q.push(None);
+        assert_ne!(old, new);
+        q.answer(old, Ok(false));
+        q.answer(new + 7, Ok(false));
+        assert!(q.take(Instant::now()).is_none());
+        q.answer(new, Ok(true));
+        q.answer(new, Ok(false));
+        assert_eq!(q.take(Instant::now()).as_ref().and_then(ok), Some(true));
+    }
+
+    #[test]
+    fn a_later_refusal_for_want_of_a_stream_is_trouble_once() {
+        let mut q = AckQueue::default();
+        q.push(None);
+        let b = q.push(None);
+        q.answer(b, Err(PublishError::new(PublishErrorKind::StreamNotFound)));
+        assert!(matches!(q.take(Instant::now()), Some(Next::Trouble)));
+        assert!(q.take(Instant::now()).is_none());
+    }
+
+    #[test]
+    fn the_oldest_refused_is_its_answer_not_trouble() {
+        let mut q = AckQueue::default();
+        let a = q.push(None);
+        q.answer(a, Err(PublishError::new(PublishErrorKind::StreamNotFound)));
+        assert!(matches!(
+            q.take(Instant::now()),
+            Some(Next::Ack(Err(e))) if e.kind() == PublishErrorKind::StreamNotFound
+        ));
+    }
+
+    #[test]
+    fn a_probe_times_out_at_its_deadline() {
+        let mut q = AckQueue::default();
+        let now = Instant::now();
+        q.push(Some(now + Duration::from_millis(5)));
+        assert_eq!(q.deadline(), Some(now + Duration::from_millis(5)));
+        assert!(q.take(now).is_none());
+        assert!(matches!(
+            q.take(now + Duration::from_millis(5)),
+            Some(Next::Ack(Err(e))) if e.kind() == PublishErrorKind::TimedOut
+        ));
+    }
+
+    #[test]
+    fn answers_read_as_async_nats_reads_them() {
+        assert_eq!(read(None, br#"{"stream":"S","seq":7}"#).ok(), Some(false));
+        assert_eq!(
+            read(None, br#"{"stream":"S","seq":7,"duplicate":true}"#).ok(),
+            Some(true)
+        );
+        let kind = |r: Answer| r.err().map(|e| e.kind());
+        assert_eq!(
+            kind(read(Some(StatusCode::NO_RESPONDERS), b"")),
+            Some(PublishErrorKind::StreamNotFound)
+        );
+        assert_eq!(
+            kind(read(
+                None,
+                br#"{"error":{"code":400,"err_code":10070,"description":"wrong last msg ID: x"}}"#
+            )),
+            Some(PublishErrorKind::WrongLastMessageId)
+        );
+        let refused = read(
+            None,
+            br#"{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum allowed"}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(refused.kind(), PublishErrorKind::Other);
+        let api = std::error::Error::source(&refused)
+            .and_then(|s| s.downcast_ref::<jetstream::Error>())
+            .map(|a| a.error_code());
+        assert_eq!(
+            api,
+            Some(jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)
+        );
+        assert_eq!(kind(read(None, b"{}")), Some(PublishErrorKind::Other));
+        assert_eq!(kind(read(None, b"")), Some(PublishErrorKind::Other));
+    }
+
+    #[test]
+    fn tokens_are_read_only_under_the_prefix() {
+        assert_eq!(token("_INBOX.abc.", "_INBOX.abc.42"), Some(42));
+        assert_eq!(token("_INBOX.abc.", "_INBOX.abd.42"), None);
+        assert_eq!(token("_INBOX.abc.", "_INBOX.abc.4x"), None);
+    }
+
+    proptest! {
+        /// However answers arrive (any order, repeats, stale copies), each
+        /// message's own answer comes out, in publish order.
+        #[test]
+        fn each_answer_comes_out_in_order(n in 1usize..40, order in proptest::collection::vec(0usize..40, 0..120), stale in 0u64..5) {
+            let mut q = AckQueue::default();
+            for _ in 0..stale { q.push(None); }
+            q.forget();
+            let tokens: Vec<u64> = (0..n).map(|_| q.push(None)).collect();
+            let mut out = Vec::new();
+            let mut feed: Vec<usize> = order.into_iter().filter(|&i| i < n).collect();
+            feed.extend(0..n);
+            for i in feed {
+                // Token parity tells the duplicate flag: each answer is its own.
+                q.answer(tokens[i], Ok(tokens[i].is_multiple_of(2)));
+                if stale > 0 {
+                    q.answer(i as u64 % stale, Ok(false));
+                }
+                while let Some(Next::Ack(a)) = q.take(Instant::now()) {
+                    out.push(a.ok());
+                }
+            }
+            let want: Vec<Option<bool>> = tokens.iter().map(|t| Some(t.is_multiple_of(2))).collect();
+            prop_assert_eq!(out, want);
+        }
+    }
+}
