@@ -25,7 +25,7 @@
 //! running with `--context bench`.
 
 mod common;
-use common::{cpu_seconds, rss_mib};
+use common::{cpu_seconds, receiver, rss_mib};
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -408,11 +408,11 @@ async fn run_phase(
         "poll" => Some("benchpoll.>"),
         _ => None,
     };
-    let mut sub = match subject {
-        Some(s) => Some(client.subscribe(s).await.expect("subscribe")),
-        None => None,
-    };
-    client.flush().await.expect("flush");
+    let received_at: receiver::Received = Arc::new(Mutex::new(Vec::with_capacity(
+        (a.events / a.producers / a.txn_size * a.txn_size * a.producers) as usize,
+    )));
+    let receiver =
+        subject.map(|s| receiver::Receiver::start(&env("NATS_URL"), s, received_at.clone()));
     let stop_poll = tokio_util::sync::CancellationToken::new();
     let poller = (phase == "poll").then(|| {
         tokio::spawn(polling_relay(
@@ -438,8 +438,6 @@ async fn run_phase(
         committed.clone(),
     ));
 
-    let received_at: Arc<Mutex<Vec<(Uuid, Instant)>>> =
-        Arc::new(Mutex::new(Vec::with_capacity(expected as usize)));
     let mut samples = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.tick().await;
@@ -460,14 +458,8 @@ async fn run_phase(
             break;
         }
         tokio::select! {
-            msg = async { sub.as_mut()?.next().await }, if sub.is_some() && !done_receiving => {
-                let Some(msg) = msg else { break };
-                let now = Instant::now();
-                last_receipt = now;
-                if let Some(id) = msg.headers.as_ref().and_then(|h| h.get(wire::MSG_ID)).and_then(|v| Uuid::parse_str(v.as_str()).ok()) {
-                    received_at.lock().unwrap().push((id, now));
-                }
-            }
+            // The receiver thread records arrivals; this only looks.
+            _ = tokio::time::sleep(Duration::from_millis(20)), if subject.is_some() && !done_receiving => {}
             done = async { producers.as_mut()?.await.ok() }, if producers.is_some() => {
                 commits = done.expect("producers");
                 producers = None;
@@ -502,19 +494,13 @@ async fn run_phase(
             }
         }
     }
-    // Late duplicates would show up here.
-    if let Some(sub) = sub.as_mut() {
-        while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(500), sub.next()).await
-        {
-            if let Some(id) = msg
-                .headers
-                .as_ref()
-                .and_then(|h| h.get(wire::MSG_ID))
-                .and_then(|v| Uuid::parse_str(v.as_str()).ok())
-            {
-                received_at.lock().unwrap().push((id, Instant::now()));
-            }
+    if let Some(r) = receiver {
+        if let Some(&(_, last)) = received_at.lock().unwrap().last() {
+            last_receipt = last;
         }
+        // Late duplicates would show up here.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        r.stop();
     }
     stop_poll.cancel();
     if let Some(p) = poller {

@@ -1,6 +1,8 @@
 //! What the load benches share: their flags and environment.
 #![allow(dead_code)]
 
+pub mod receiver;
+
 /// `--name N` from the command line, else `default`.
 pub fn arg(name: &str, default: u64) -> u64 {
     let argv: Vec<String> = std::env::args().collect();
