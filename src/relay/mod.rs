@@ -123,13 +123,21 @@ pub async fn run(
     m::register_relay();
     let dsn = Dsn::parse(&cfg.database_url)?;
     let pool = dsn.pool(2).await?;
-    let nats = crate::nats::connect(&cfg.nats, format!("outbox-relay:{}", cfg.slot)).await?;
+    // The acks of the per-event publishes share one subscription: room for
+    // a window of them and a window of stale copies' late answers, so none
+    // is dropped (which would stall the window until it is sent again).
+    let nats = crate::nats::connect_with(
+        &cfg.nats,
+        format!("outbox-relay:{}", cfg.slot),
+        Some((cfg.max_inflight * 2 + 1024).max(65_536)),
+    )
+    .await?;
     ready.watch_nats(nats.clone());
     let js = jetstream::ContextBuilder::new()
         .timeout(cfg.publish_timeout)
-        // Our window bounds what is in flight; the slack is for copies the
-        // publisher dropped to resend, whose permits async-nats keeps until
-        // their ack timeout.
+        // Only atomic batches' commits are JetStream requests now (the
+        // per-event path answers through its own inbox); our window bounds
+        // them, with slack for resent copies.
         .max_ack_inflight(cfg.max_inflight * 2 + 16)
         .backpressure_on_inflight(true)
         .build(nats.clone());

@@ -680,6 +680,8 @@ pub struct Publisher {
     refusals: Refusals,
     stall: Duration,
     max_probe_timeout: Duration,
+    /// How long handing one message to the client may take.
+    publish_timeout: Duration,
     outage: Option<Outage>,
 }
 
@@ -707,6 +709,7 @@ impl Publisher {
             refusals,
             stall: STALL.min(publish_timeout),
             max_probe_timeout: publish_timeout.max(PROBE_TIMEOUT),
+            publish_timeout,
             outage: None,
         }
     }
@@ -806,15 +809,27 @@ impl Publisher {
         };
         let prev = self.chain.as_deref();
         let headers = header_map(msg.headers.clone(), prev.map(str::to_owned));
-        self.nats
-            .publish_with_reply_and_headers(
-                msg.subject.clone(),
-                acks.reply(),
-                headers,
-                msg.body.clone(),
-            )
-            .await
-            .map_err(|e| send_error(Box::new(e)))?;
+        // Bounded: with NATS gone the client stops taking messages once its
+        // command queue is full, and a wait without end would keep the
+        // session from its stall clock and from shutdown.
+        let handed = self.nats.publish_with_reply_and_headers(
+            msg.subject.clone(),
+            acks.reply(),
+            headers,
+            msg.body.clone(),
+        );
+        match tokio::time::timeout(self.publish_timeout, handed).await {
+            Ok(r) => r.map_err(|e| send_error(Box::new(e)))?,
+            Err(_) => {
+                return Err(send_error(
+                    format!(
+                        "the NATS client took no message for {:?} (disconnected?)",
+                        self.publish_timeout
+                    )
+                    .into(),
+                ))
+            }
+        }
         let probe_deadline = self
             .outage
             .filter(|_| probe)

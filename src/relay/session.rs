@@ -147,7 +147,18 @@ impl<'a> Session<'a> {
     }
 
     pub async fn run(&mut self, shutdown: &CancellationToken) -> Result<Stopped> {
-        let mut open = self.open().await?;
+        // Opening can wait without end: a backfill of millions of rows, or
+        // a stream lookup while NATS is gone and the client's command queue
+        // is full (async-nats bounds a request's answer, not its sending).
+        // A stop ends it where it is, as a crash would, which every step of
+        // opening survives (see `backfill`).
+        let mut open = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => {
+                return Ok(Stopped { confirmed: self.watermark.confirmed() });
+            }
+            open = self.open() => open?,
+        };
         if let Err(e) = self.pump(&mut open, shutdown).await {
             open.client.abort();
             return Err(e);
