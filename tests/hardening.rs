@@ -512,3 +512,24 @@ async fn sigterm_ends_a_relay_whose_nats_is_gone_within_its_shutdown_timeout() {
     let st = consumer.term(Duration::from_secs(20));
     assert!(st.success(), "a graceful exit: {st:?}");
 }
+
+/// The same with the relay's window full behind the outage: the client
+/// stops taking publishes once its command queue (2,048) is full, well
+/// inside the window (4,096), and async-nats bounds a request's answer but
+/// not its sending. A publish with no time limit held the session, and so
+/// did the next session's opening, so neither the stall clock nor SIGTERM
+/// reached the relay until NATS came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_relay_whose_publishes_wait_on_a_nats_outage() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_natsfull").await;
+    let mut nats = OwnNats::start(&stack, "natsfull");
+    let mut relay = Service::relay(&url, &nats.url, "natsfull", &["--publish-timeout", "2s"]);
+    insert_txn(&pool, 0, 0, 1, 8).await;
+    read_stream(&nats.url, &wire::stream_name("natsfull"), 1, T).await;
+    nats.down();
+    insert_txn(&pool, 0, 1, 3000, 8).await;
+    // Past the stall clock: a relay that can still act has noticed.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    relay.term(Duration::from_secs(30));
+}

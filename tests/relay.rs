@@ -656,38 +656,6 @@ async fn nats_restart_under_load_loses_nothing_and_keeps_order() {
     .await;
 }
 
-/// With NATS gone, the client stops taking publishes once its command queue
-/// (2,048) is full, well inside the relay's window (4,096): a publish that
-/// waited for room with no time limit held the session, so neither the
-/// stall clock nor SIGTERM could reach it until NATS came back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_stops_a_relay_whose_publishes_wait_on_a_nats_outage() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "t_natsfull").await;
-    let mut nats = OwnNats::start(&stack, "natsfull");
-    let mut relay = Service::relay(&url, &nats.url, "natsfull", &["--publish-timeout", "2s"]);
-    let stream = wire::stream_name("natsfull");
-    sqlx::query(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         VALUES (gen_random_uuid(), 'order', 'a1', 'placed', '{}')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    read_stream(&nats.url, &stream, 1, T).await;
-    nats.down();
-    sqlx::query(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         SELECT gen_random_uuid(), 'order', 'a' || (g % 10), 'placed', '{}' FROM generate_series(1, 3000) g",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    // Past the stall clock: a relay that can still act has noticed.
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    relay.term(Duration::from_secs(30));
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
     let stack = stack();
