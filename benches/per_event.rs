@@ -70,12 +70,16 @@ fn per_event(c: &mut Criterion) {
     g.bench_function("decode", |b| b.iter(|| decode(black_box(&data))));
     g.bench_function("row", |b| b.iter(|| layout.row(black_box(&insert.values))));
     g.bench_function("route", |b| {
-        b.iter(|| router.route(black_box(&row), pos, 1 << 20))
+        b.iter_batched(
+            || row.clone(),
+            |r| router.route_committed(r, pos, None, 1 << 20),
+            criterion::BatchSize::SmallInput,
+        )
     });
     g.bench_function("headers", |b| {
-        b.iter_batched(
+        b.iter_batched_ref(
             || router.route(&row, pos, 1 << 20),
-            |msg| header_map(msg.headers, Some(msg.msg_id)),
+            |msg| header_map(&msg.headers, Some(&msg.msg_id), &[]),
             criterion::BatchSize::SmallInput,
         )
     });
@@ -100,7 +104,11 @@ fn per_event(c: &mut Criterion) {
         b.iter(|| registry.check(black_box("order_placed"), 2, black_box(&row.payload)))
     });
     g.bench_function("route_with_schema", |b| {
-        b.iter(|| checked.route(black_box(&row), pos, 1 << 20))
+        b.iter_batched(
+            || row.clone(),
+            |r| checked.route_committed(r, pos, None, 1 << 20),
+            criterion::BatchSize::SmallInput,
+        )
     });
     g.bench_function("decode_row_route", |b| {
         b.iter(|| {
@@ -108,7 +116,7 @@ fn per_event(c: &mut Criterion) {
                 unreachable!()
             };
             let row = layout.row(&i.values).expect("row");
-            router.route(&row, pos, 1 << 20)
+            router.route_committed(row, pos, None, 1 << 20)
         })
     });
     g.finish();

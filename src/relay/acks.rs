@@ -188,6 +188,9 @@ pub struct Inbox {
     /// `<inbox>.`: a reply subject is this and a token.
     prefix: String,
     pub queue: AckQueue,
+    /// Any instant, for [`AckQueue::take`] when no probe deadline is
+    /// pending and the time cannot matter: a clock read per ack saved.
+    opened: Instant,
 }
 
 impl Inbox {
@@ -198,6 +201,7 @@ impl Inbox {
             sub,
             prefix: format!("{inbox}."),
             queue: AckQueue::default(),
+            opened: Instant::now(),
         })
     }
 
@@ -210,13 +214,14 @@ impl Inbox {
     /// an answer read is recorded before anything else is awaited.
     pub async fn next(&mut self) -> Option<Next> {
         loop {
-            if let Some(next) = self.queue.take(Instant::now()) {
+            let deadline = self.queue.deadline();
+            let now = deadline.map_or(self.opened, |_| Instant::now());
+            if let Some(next) = self.queue.take(now) {
                 return Some(next);
             }
             if self.queue.is_empty() {
                 return None;
             }
-            let deadline = self.queue.deadline();
             tokio::select! {
                 biased;
                 m = self.sub.next() => match m {

@@ -470,7 +470,7 @@ async fn publish_snapshot(
                         skipped += 1;
                         continue;
                     }
-                    Ok(r) => router.route(&r, pos, max_payload),
+                    Ok(r) => router.route_committed(r, pos, None, max_payload),
                     Err(e) => {
                         router.bad_row(l.id(&values).map(|u| u.to_string()), pos, &e.to_string())
                     }

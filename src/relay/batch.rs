@@ -43,7 +43,6 @@ use std::future::IntoFuture;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use async_nats::header::{HeaderName, HeaderValue};
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, Context};
 use futures::Future;
@@ -445,24 +444,20 @@ impl Batcher {
         while cur.next < n {
             let i = cur.next;
             let q = &cur.msgs[i];
-            let mut headers = header_map(q.msg.headers.clone(), None);
             let last = i + 1 == n;
-            if n > 1 {
-                headers.insert(
-                    HeaderName::from_static(wire::BATCH_ID),
-                    HeaderValue::from(cur.id.as_str()),
-                );
-                headers.insert(
-                    HeaderName::from_static(wire::BATCH_SEQUENCE),
-                    HeaderValue::from((i + 1).to_string()),
-                );
-                if last {
-                    headers.insert(
-                        HeaderName::from_static(wire::BATCH_COMMIT),
-                        HeaderValue::from("1"),
-                    );
-                }
-            }
+            let sequence = (i + 1).to_string();
+            let batch = [
+                (wire::BATCH_ID, cur.id.as_str()),
+                (wire::BATCH_SEQUENCE, sequence.as_str()),
+                (wire::BATCH_COMMIT, "1"),
+            ];
+            // One message alone is a plain publish; the commit header only on the last.
+            let extra = match (n > 1, last) {
+                (false, _) => &batch[..0],
+                (true, false) => &batch[..2],
+                (true, true) => &batch[..],
+            };
+            let headers = header_map(&q.msg.headers, None, extra);
             let send_error = |e: Box<dyn std::error::Error + Send + Sync>| {
                 metrics::counter!(m::PUBLISH_ERRORS).increment(1);
                 Error::Publish {

@@ -291,7 +291,7 @@ impl Stage {
         let ticket = wm.register();
         let msg = match row {
             Ok(row) => self.router.route_committed(
-                &row,
+                row,
                 pos,
                 Some(txn.commit_time_micros),
                 self.max_payload,

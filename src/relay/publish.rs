@@ -577,26 +577,32 @@ pub async fn backfill_resume(
     Ok(resume)
 }
 
-/// The NATS header block of one event. Owned names and values move into
-/// the map and our static names are not copied: this runs once per event.
+/// The NATS header block of one send of an event: its own headers, the
+/// order chain and `extra` (the batch's). This runs once per event and
+/// send, and the message keeps its headers for a send again, so the values
+/// are copied once, straight into the map; our static names are not copied.
 /// Values were checked for CR/LF when routed (async-nats panics on them).
 pub fn header_map(
-    headers: Vec<(Cow<'static, str>, String)>,
-    expected_last_msg_id: Option<String>,
+    headers: &[(Cow<'static, str>, String)],
+    expected_last_msg_id: Option<&str>,
+    extra: &[(&'static str, &str)],
 ) -> HeaderMap {
     let mut map = HeaderMap::new();
     for (k, v) in headers {
         let name = match k {
             Cow::Borrowed(name) => HeaderName::from_static(name),
-            Cow::Owned(name) => name.into_header_name(),
+            Cow::Owned(name) => name.as_str().into_header_name(),
         };
-        map.insert(name, HeaderValue::from(v));
+        map.insert(name, HeaderValue::from(v.as_str()));
     }
     if let Some(prev) = expected_last_msg_id {
         map.insert(
             HeaderName::from_static(wire::EXPECTED_LAST_MSG_ID),
             HeaderValue::from(prev),
         );
+    }
+    for &(k, v) in extra {
+        map.insert(HeaderName::from_static(k), HeaderValue::from(v));
     }
     map
 }
@@ -683,6 +689,9 @@ pub struct Publisher {
     /// How long handing one message to the client may take.
     publish_timeout: Duration,
     outage: Option<Outage>,
+    /// A stand-in for a `Sent::at` not yet handed over, so a new message
+    /// costs no clock read before the one taken when it is.
+    epoch: Instant,
 }
 
 impl Publisher {
@@ -711,6 +720,7 @@ impl Publisher {
             max_probe_timeout: publish_timeout.max(PROBE_TIMEOUT),
             publish_timeout,
             outage: None,
+            epoch: Instant::now(),
         }
     }
 
@@ -767,15 +777,17 @@ impl Publisher {
         msg: OutMessage,
     ) -> Result<()> {
         let size = msg.wire_size();
-        let sent = Sent {
+        let mut sent = Sent {
             ticket,
             commit_micros,
             msg,
-            at: Instant::now(),
+            // Set when handed over.
+            at: self.epoch,
         };
         if self.parked.is_empty() {
             self.send(sent, false).await?;
         } else {
+            sent.at = Instant::now();
             // Never ahead of what waits to go again: the caller's select
             // checked `has_room` before `next_ack` parked them (in the same
             // poll), and a message sent now would go unchained, before its
@@ -808,17 +820,29 @@ impl Publisher {
             return Ok(());
         };
         let prev = self.chain.as_deref();
-        let headers = header_map(msg.headers.clone(), prev.map(str::to_owned));
-        // Bounded: with NATS gone the client stops taking messages once its
-        // command queue is full, and a wait without end would keep the
-        // session from its stall clock and from shutdown.
+        let headers = header_map(&msg.headers, prev, &[]);
         let handed = self.nats.publish_with_reply_and_headers(
             msg.subject.clone(),
             acks.reply(),
             headers,
             msg.body.clone(),
         );
-        match tokio::time::timeout(self.publish_timeout, handed).await {
+        // Bounded: with NATS gone the client stops taking messages once its
+        // command queue is full, and a wait without end would keep the
+        // session from its stall clock and from shutdown. The client takes
+        // almost every message at once, so the timer is only armed when it
+        // does not: arming it costs a clock read per event.
+        let mut handed = std::pin::pin!(handed);
+        let once = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(std::future::Future::poll(handed.as_mut(), cx))
+        });
+        let handed = match once.await {
+            std::task::Poll::Ready(r) => Ok(r),
+            std::task::Poll::Pending => {
+                tokio::time::timeout(self.publish_timeout, handed.as_mut()).await
+            }
+        };
+        match handed {
             Ok(r) => r.map_err(|e| send_error(Box::new(e)))?,
             Err(_) => {
                 return Err(send_error(
@@ -830,16 +854,14 @@ impl Publisher {
                 ))
             }
         }
-        let probe_deadline = self
-            .outage
-            .filter(|_| probe)
-            .map(|o| Instant::now() + o.probe_timeout);
+        let now = Instant::now();
+        let probe_deadline = self.outage.filter(|_| probe).map(|o| now + o.probe_timeout);
         acks.queue.push(probe_deadline);
         if prev.is_none() {
             self.solo_pending = true;
         }
         self.chain = Some(msg.msg_id.clone());
-        sent.at = Instant::now();
+        sent.at = now;
         self.sent.push_back(sent);
         Ok(())
     }

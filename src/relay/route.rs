@@ -224,26 +224,27 @@ impl Router {
 
     /// Route a row. `max_payload` is the server's limit; an oversized message
     /// is dead-lettered with an empty body.
+    #[cfg(any(test, feature = "testing"))]
     pub fn route(&self, row: &OutboxRow, pos: Position, max_payload: usize) -> OutMessage {
-        self.route_committed(row, pos, None, max_payload)
+        self.route_committed(row.clone(), pos, None, max_payload)
     }
 
     /// [`Self::route`] for a row read from the WAL, whose transaction
     /// committed at `commit_micros` (Postgres epoch): the envelope's
-    /// `ingestedAt`.
+    /// `ingestedAt`. The row's strings move into the headers: this runs
+    /// once per event.
     pub fn route_committed(
         &self,
-        row: &OutboxRow,
+        row: OutboxRow,
         pos: Position,
         commit_micros: Option<i64>,
         max_payload: usize,
     ) -> OutMessage {
         let subject = match &row.subject {
             Some(s) => s.clone(),
-            None => self.template.render(row, self.partitions),
+            None => self.template.render(&row, self.partitions),
         };
         let msg_id = row.id.to_string();
-        let mut headers = self.standard_headers(row, &msg_id, pos);
         let mut reason = if subject_problem(&subject).is_some() {
             Some(DlqReason::InvalidSubject)
         } else if subject.len() > MAX_SUBJECT_BYTES {
@@ -255,24 +256,15 @@ impl Router {
         } else {
             None
         };
-        if headers.iter().any(|(_, v)| !header_value_ok(v)) {
-            reason.get_or_insert(DlqReason::InvalidHeader);
-        }
-        if let Some(extra) = &row.headers {
-            match user_headers(extra) {
-                Ok(extra) => headers.extend(extra),
-                Err(()) => {
-                    reason.get_or_insert(DlqReason::InvalidHeader);
-                }
-            }
-        }
+        let extra = row.headers.as_deref().map(user_headers);
+        let mut schema_id = None;
         let mut schema_problem = None;
         if let Some(live) = &self.schemas {
             let schemas = live.current();
             match schemas.check(&row.event_type, row.event_version, &row.payload) {
-                Verdict::Valid(id) => headers.push((Cow::Borrowed(wire::SCHEMA), id.to_owned())),
+                Verdict::Valid(id) => schema_id = Some(id.to_owned()),
                 Verdict::Invalid(id, detail) => {
-                    headers.push((Cow::Borrowed(wire::SCHEMA), id.to_owned()));
+                    schema_id = Some(id.to_owned());
                     schema_problem = Some((DlqReason::SchemaInvalid, detail));
                 }
                 Verdict::Missing => {
@@ -290,23 +282,32 @@ impl Router {
             }
         }
         let body = if self.envelope {
-            let schema_uri = headers
-                .iter()
-                .rev()
-                .find(|(k, _)| k == wire::SCHEMA)
-                .map(|(_, v)| v.as_str());
             let ingested_at = commit_micros.and_then(super::outbox_row::micros_to_rfc3339);
             envelope(
-                row,
+                &row,
                 &Provenance {
                     context: &self.context,
-                    schema_uri,
+                    schema_uri: schema_id.as_deref(),
                     ingested_at: ingested_at.as_deref(),
                 },
             )
         } else {
             row.payload.clone()
         };
+        let mut headers = self.standard_headers(row, &msg_id, pos);
+        if headers.iter().any(|(_, v)| !header_value_ok(v)) {
+            reason.get_or_insert(DlqReason::InvalidHeader);
+        }
+        match extra {
+            Some(Ok(extra)) => headers.extend(extra),
+            Some(Err(())) => {
+                reason.get_or_insert(DlqReason::InvalidHeader);
+            }
+            None => {}
+        }
+        if let Some(id) = schema_id {
+            headers.push((Cow::Borrowed(wire::SCHEMA), id));
+        }
         let msg = OutMessage {
             subject,
             msg_id,
@@ -357,19 +358,19 @@ impl Router {
 
     fn standard_headers(
         &self,
-        row: &OutboxRow,
+        row: OutboxRow,
         msg_id: &str,
         pos: Position,
     ) -> Vec<(Cow<'static, str>, String)> {
         let mut h = Vec::with_capacity(12);
         let mut push = |name: &'static str, value: String| h.push((Cow::Borrowed(name), value));
         push(wire::MSG_ID, msg_id.to_owned());
-        push(wire::EVENT_TYPE, row.event_type.clone());
+        push(wire::EVENT_TYPE, row.event_type);
         push(wire::EVENT_VERSION, row.event_version.to_string());
-        push(wire::AGGREGATE_TYPE, row.aggregate_type.clone());
-        push(wire::AGGREGATE_ID, row.aggregate_id.clone());
-        if let Some(t) = &row.occurred_at {
-            push(wire::OCCURRED_AT, t.clone());
+        push(wire::AGGREGATE_TYPE, row.aggregate_type);
+        push(wire::AGGREGATE_ID, row.aggregate_id);
+        if let Some(t) = row.occurred_at {
+            push(wire::OCCURRED_AT, t);
         }
         if let Some(c) = row.correlation_id {
             push(wire::CORRELATION_ID, c.to_string());
@@ -751,7 +752,7 @@ mod tests {
         let pos = POS;
         // 2026-11-21T21:31:43.5Z in Postgres-epoch microseconds.
         let commit = 1_795_296_703_500_000 - super::super::outbox_row::PG_EPOCH_UNIX_MICROS;
-        let msg = router.route_committed(&r, pos, Some(commit), 1 << 20);
+        let msg = router.route_committed(r.clone(), pos, Some(commit), 1 << 20);
         assert!(msg
             .headers
             .iter()
