@@ -532,4 +532,19 @@ async fn sigterm_stops_a_relay_whose_publishes_wait_on_a_nats_outage() {
     // Past the stall clock: a relay that can still act has noticed.
     tokio::time::sleep(Duration::from_secs(4)).await;
     relay.term(Duration::from_secs(30));
+    // Stopped while its next session was opening, it reports what the
+    // process confirmed, not that session's nothing (it logged 0/0).
+    let log = relay.log_text();
+    let said = log
+        .lines()
+        .rev()
+        .find_map(|l| l.split("relay stopped confirmed_lsn=").nth(1))
+        .unwrap_or_else(|| panic!("no stop line in the log:\n{log}"));
+    let slot = slot_confirmed(&pool, &wire::slot_name("natsfull"))
+        .await
+        .expect("the slot");
+    assert!(
+        lsn(said.trim()) >= slot,
+        "the stop line says {said}, the slot was confirmed to {slot:#X}"
+    );
 }

@@ -99,6 +99,8 @@ async fn lag_gauge(clock: Arc<LagClock>, stop: CancellationToken) {
 /// What the process reports when it stops.
 #[derive(Debug, Clone, Copy)]
 pub struct Stopped {
+    /// The last position this process confirmed to the slot, over all
+    /// its sessions (0/0: none).
     pub confirmed: Lsn,
 }
 
@@ -168,10 +170,14 @@ pub async fn run(
     // standby must survive what the active relay survives).
     let mut proven = false;
     let mut standby_logged = false;
+    // What this process confirmed, over all its sessions: one stopped
+    // while opening has confirmed nothing itself. LSNs only grow.
+    let mut confirmed = Lsn::ZERO;
     loop {
         let started = Instant::now();
         let mut session = Session::new(&env);
         let result = session.run(&shutdown).await;
+        confirmed = confirmed.max(session.confirmed());
         proven |= session.streamed();
         standby_logged &= !session.streamed();
         metrics::gauge!(m::STREAMING).set(0.0);
@@ -182,7 +188,9 @@ pub async fn run(
         match result {
             Ok(stopped) => {
                 crate::nats::flush_on_exit(&nats).await;
-                return Ok(stopped);
+                return Ok(Stopped {
+                    confirmed: confirmed.max(stopped.confirmed),
+                });
             }
             Err(e) if e.is_slot_busy() => {
                 proven = true;
@@ -196,7 +204,7 @@ pub async fn run(
                 ready.not_ready(format!("standby: {e}; taking over when it frees"));
                 tokio::select! {
                     _ = shutdown.cancelled() => {
-                        return Ok(Stopped { confirmed: session.confirmed() });
+                        return Ok(Stopped { confirmed });
                     }
                     _ = tokio::time::sleep(STANDBY_POLL) => {}
                 }
@@ -209,7 +217,7 @@ pub async fn run(
                 tracing::warn!(error = %e, retry_in = ?backoff, "relay session ended; reconnecting");
                 tokio::select! {
                     _ = shutdown.cancelled() => {
-                        return Ok(Stopped { confirmed: session.confirmed() });
+                        return Ok(Stopped { confirmed });
                     }
                     _ = tokio::time::sleep(backoff) => {}
                 }
