@@ -6,6 +6,8 @@
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
 #   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--max-ack-pending N] [--out DIR]
+#   scripts/bench.sh publish-paths [--messages N] [--txns-per-s N] [--out DIR]
+#     (no relay: async-nats against a hand-written HPUB writer, client CPU per message)
 # Relay runs publish as OUTBOX_PUBLISH_MODE says (auto, batch or event; default auto).
 # BENCH_NATS_CLUSTER=1: against an R3 stream on a local 3-node NATS cluster.
 # BENCH_RELAY_BIN=PATH: run that relay binary instead of this checkout's
@@ -19,11 +21,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 MODE=relay
-case "${1:-}" in relay|consumer|prune|pipeline) MODE="$1"; shift ;; esac
+case "${1:-}" in relay|consumer|prune|pipeline|publish-paths) MODE="$1"; shift ;; esac
 BENCH=relay_e2e
 [ "$MODE" = consumer ] && BENCH=consumer_throughput
 [ "$MODE" = prune ] && BENCH=prune_load
 [ "$MODE" = pipeline ] && BENCH=pipeline
+[ "$MODE" = publish-paths ] && BENCH=publish_paths
 
 cargo build --release --quiet --bin outbox-relay
 BIN="${BENCH_RELAY_BIN:-$ROOT/target/release/outbox-relay}"
@@ -52,6 +55,11 @@ if [ "${BENCH_NATS_CLUSTER:-0}" = 1 ]; then
   NATS_URL="${NATS_CLUSTER_URL%%,*}"
   NATS_PID="$(cat "$CLUSTER_DIR"/n1.pid),$(cat "$CLUSTER_DIR"/n2.pid),$(cat "$CLUSTER_DIR"/n3.pid)"
   RELAY_ARGS=(--stream-replicas 3)
+fi
+if [ "$MODE" = publish-paths ]; then
+  export NATS_URL NATS_PID
+  timeout 900 cargo bench --quiet --bench "$BENCH" -- "$@"
+  exit
 fi
 "$BIN" migrate 2>/dev/null
 if [ "$MODE" = consumer ]; then
