@@ -519,6 +519,40 @@ async fn sigterm_ends_a_relay_whose_nats_is_gone_within_its_shutdown_timeout() {
 /// not its sending. A publish with no time limit held the session, and so
 /// did the next session's opening, so neither the stall clock nor SIGTERM
 /// reached the relay until NATS came back.
+/// A session that ended with events in flight left
+/// `outbox_relay_inflight_events` at its last value: a relay waiting for NATS
+/// (or a standby) reported events in flight that no session held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_between_sessions_reports_nothing_in_flight() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_idlegauge").await;
+    let mut nats = OwnNats::start(&stack, "idlegauge");
+    let relay = Service::relay(&url, &nats.url, "idlegauge", &["--publish-timeout", "2s"]);
+    insert_txn(&pool, 0, 0, 1, 8).await;
+    read_stream(&nats.url, &wire::stream_name("idlegauge"), 1, T).await;
+    nats.down();
+    // More than the client's command queue takes: the session ends.
+    insert_txn(&pool, 0, 1, 3000, 8).await;
+    eventually(T, "the session ended", || async {
+        let m = relay.scrape().await;
+        m.value("outbox_relay_streaming") == Some(0.0)
+            && m.value("outbox_relay_session_restarts_total") >= Some(1.0)
+    })
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "nothing in flight between sessions",
+        || async {
+            let m = relay.scrape().await;
+            m.value("outbox_relay_inflight_events") == Some(0.0)
+                && m.value("outbox_relay_inflight_bytes") == Some(0.0)
+        },
+    )
+    .await;
+    nats.up();
+    read_stream(&nats.url, &wire::stream_name("idlegauge"), 3001, T).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_a_relay_whose_publishes_wait_on_a_nats_outage() {
     let stack = stack();

@@ -181,6 +181,10 @@ pub async fn run(
         proven |= session.streamed();
         standby_logged &= !session.streamed();
         metrics::gauge!(m::STREAMING).set(0.0);
+        // What the session had in flight is no one's now: the next session
+        // publishes it again.
+        metrics::gauge!(m::INFLIGHT_EVENTS).set(0.0);
+        metrics::gauge!(m::INFLIGHT_BYTES).set(0.0);
         match &result {
             Ok(_) => ready.not_ready("shutting down"),
             Err(e) => ready.not_ready(format!("not streaming: {e}")),
