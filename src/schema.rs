@@ -278,7 +278,12 @@ fn type_of(rel: &Path) -> Option<(String, i64)> {
         .components()
         .map(|c| c.as_os_str().to_str())
         .collect::<Option<_>>()?;
-    if parts.is_empty() || parts.iter().any(|p| p.is_empty()) {
+    // The path becomes the schema's id, an `Outbox-Schema` header value.
+    if parts.is_empty()
+        || parts
+            .iter()
+            .any(|p| p.is_empty() || p.chars().any(char::is_control))
+    {
         return None;
     }
     Some((parts.join("."), version))
@@ -342,6 +347,10 @@ mod tests {
         assert_eq!(type_of(Path::new("v1.json")), None);
         assert_eq!(type_of(Path::new("a/b/schema.json")), None);
         assert_eq!(type_of(Path::new("a/b/vx.json")), None);
+        // The path is the schema's id, sent as the `Outbox-Schema` header:
+        // a line break there would end the header block (async-nats panics).
+        assert_eq!(type_of(Path::new("shop/order\nplaced/v1.json")), None);
+        assert_eq!(type_of(Path::new("shop\r/placed/v1.json")), None);
     }
 
     #[test]
