@@ -49,6 +49,10 @@ struct Args {
     payload: usize,
     producers: u64,
     arrivals: Arrivals,
+    /// Where latency ends: `routed` (a core subscription: the server
+    /// routes a message as it stores it) or `stored` (a JetStream push
+    /// consumer: delivered once stored, on R3 once replicated).
+    stored: bool,
     phases: Vec<String>,
     big_txn: u64,
     poll_batch: i64,
@@ -65,6 +69,7 @@ fn parse_args() -> Args {
         payload: 256,
         producers: 2,
         arrivals: Arrivals::Poisson,
+        stored: false,
         phases: vec!["raw".into(), "cdc".into(), "poll".into()],
         big_txn: 0,
         poll_batch: 500,
@@ -75,7 +80,7 @@ fn parse_args() -> Args {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     let usage = "flags: --events N --rate EV_PER_S|0 --txn-size N --payload BYTES --producers N \
-                 --arrivals poisson|even|lockstep --phases raw,cdc,poll,raw-emit,emit --big-txn ROWS --poll-batch N --poll-interval-ms MS \
+                 --arrivals poisson|even|lockstep --receive routed|stored --phases raw,cdc,poll,raw-emit,emit --big-txn ROWS --poll-batch N --poll-interval-ms MS \
                  --slot NAME --out DIR";
     while i < argv.len() {
         let v = argv.get(i + 1).cloned().unwrap_or_default();
@@ -95,6 +100,13 @@ fn parse_args() -> Args {
                     "even" => Arrivals::Even,
                     "lockstep" => Arrivals::Lockstep,
                     other => panic!("--arrivals takes poisson, even or lockstep, got {other:?}"),
+                }
+            }
+            "--receive" => {
+                a.stored = match v.as_str() {
+                    "routed" => false,
+                    "stored" => true,
+                    other => panic!("--receive takes routed or stored, got {other:?}"),
                 }
             }
             "--phases" => a.phases = v.split(',').map(str::to_owned).collect(),
@@ -403,16 +415,42 @@ async fn run_phase(
     relay_pid: Option<&str>,
     nats_pid: Option<&str>,
 ) -> PhaseResult {
-    let subject = match phase {
-        "cdc" | "emit" => Some("bench.>"),
-        "poll" => Some("benchpoll.>"),
+    let mut subject = match phase {
+        "cdc" | "emit" => Some("bench.>".to_owned()),
+        "poll" => Some("benchpoll.>".to_owned()),
         _ => None,
+    };
+    // `--receive stored`: the relay's phases end at a push consumer's
+    // delivery instead, which the server makes once the message is stored.
+    let consumer = if a.stored && relayed(phase) {
+        let deliver = format!("_BENCH_STORED.{}", uuid::Uuid::new_v4().simple());
+        let stream = async_nats::jetstream::new(client.clone())
+            .get_stream(wire::stream_name("bench"))
+            .await
+            .expect("the relay's stream");
+        let name = format!("bench_stored_{}", uuid::Uuid::new_v4().simple());
+        stream
+            .create_consumer(async_nats::jetstream::consumer::push::Config {
+                durable_name: Some(name.clone()),
+                deliver_subject: deliver.clone(),
+                deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::New,
+                ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+                filter_subject: "bench.>".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("a push consumer");
+        subject = Some(deliver);
+        Some((stream, name))
+    } else {
+        None
     };
     let received_at: receiver::Received = Arc::new(Mutex::new(Vec::with_capacity(
         (a.events / a.producers / a.txn_size * a.txn_size * a.producers) as usize,
     )));
-    let receiver =
-        subject.map(|s| receiver::Receiver::start(&env("NATS_URL"), s, received_at.clone()));
+    let receiver = subject
+        .as_deref()
+        .map(|s| receiver::Receiver::start(&env("NATS_URL"), s, received_at.clone()));
     let stop_poll = tokio_util::sync::CancellationToken::new();
     let poller = (phase == "poll").then(|| {
         tokio::spawn(polling_relay(
@@ -501,6 +539,9 @@ async fn run_phase(
         // Late duplicates would show up here.
         tokio::time::sleep(Duration::from_millis(500)).await;
         r.stop();
+    }
+    if let Some((stream, name)) = consumer {
+        let _ = stream.delete_consumer(&name).await;
     }
     stop_poll.cancel();
     if let Some(p) = poller {
@@ -970,6 +1011,7 @@ async fn main() {
             "events": a.events, "rate": a.rate, "txn_size": a.txn_size, "payload": a.payload,
             "producers": a.producers, "poll_batch": a.poll_batch,
             "arrivals": (a.rate > 0).then_some(a.arrivals.as_str()),
+            "receive": if a.stored { "stored" } else { "routed" },
             "publish_mode": publish_mode(),
             "nats": nats_setup(),
             "schemas": std::env::var("OUTBOX_SCHEMAS").ok(),

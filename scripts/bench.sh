@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Load runs on a throwaway local stack with a release build.
 #   scripts/bench.sh [relay] [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES]
-#                    [--arrivals poisson|even|lockstep]
+#                    [--arrivals poisson|even|lockstep] [--receive routed|stored]
 #                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
