@@ -519,20 +519,37 @@ async fn sigterm_ends_a_relay_whose_nats_is_gone_within_its_shutdown_timeout() {
 /// not its sending. A publish with no time limit held the session, and so
 /// did the next session's opening, so neither the stall clock nor SIGTERM
 /// reached the relay until NATS came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_relay_whose_publishes_wait_on_a_nats_outage() {
+    let stack = stack();
+    let (pool, _nats, mut relay) = relay_behind_a_full_outage(&stack, "natsfull").await;
+    // Past the stall clock: a relay that can still act has noticed.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    relay.term(Duration::from_secs(30));
+    // Stopped while its next session was opening, it reports what the
+    // process confirmed, not that session's nothing (it logged 0/0).
+    let log = relay.log_text();
+    let said = log
+        .lines()
+        .rev()
+        .find_map(|l| l.split("relay stopped confirmed_lsn=").nth(1))
+        .unwrap_or_else(|| panic!("no stop line in the log:\n{log}"));
+    let slot = slot_confirmed(&pool, &wire::slot_name("natsfull"))
+        .await
+        .expect("the slot");
+    assert!(
+        lsn(said.trim()) >= slot,
+        "the stop line says {said}, the slot was confirmed to {slot:#X}"
+    );
+}
+
 /// A session that ended with events in flight left
 /// `outbox_relay_inflight_events` at its last value: a relay waiting for NATS
 /// (or a standby) reported events in flight that no session held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_between_sessions_reports_nothing_in_flight() {
     let stack = stack();
-    let (url, pool) = fresh_db(&stack, "t_idlegauge").await;
-    let mut nats = OwnNats::start(&stack, "idlegauge");
-    let relay = Service::relay(&url, &nats.url, "idlegauge", &["--publish-timeout", "2s"]);
-    insert_txn(&pool, 0, 0, 1, 8).await;
-    read_stream(&nats.url, &wire::stream_name("idlegauge"), 1, T).await;
-    nats.down();
-    // More than the client's command queue takes: the session ends.
-    insert_txn(&pool, 0, 1, 3000, 8).await;
+    let (_pool, mut nats, relay) = relay_behind_a_full_outage(&stack, "idlegauge").await;
     eventually(T, "the session ended", || async {
         let m = relay.scrape().await;
         m.value("outbox_relay_streaming") == Some(0.0)
@@ -553,32 +570,19 @@ async fn a_relay_between_sessions_reports_nothing_in_flight() {
     read_stream(&nats.url, &wire::stream_name("idlegauge"), 3001, T).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_stops_a_relay_whose_publishes_wait_on_a_nats_outage() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "t_natsfull").await;
-    let mut nats = OwnNats::start(&stack, "natsfull");
-    let mut relay = Service::relay(&url, &nats.url, "natsfull", &["--publish-timeout", "2s"]);
+/// A relay (`--publish-timeout 2s`) that published one event, then lost
+/// NATS with 3,000 more to publish: more than the client's command queue
+/// (2,048) takes, so a publish waits on the outage.
+async fn relay_behind_a_full_outage(
+    stack: &Stack,
+    context: &str,
+) -> (sqlx::PgPool, OwnNats, Service) {
+    let (url, pool) = fresh_db(stack, &format!("t_{context}")).await;
+    let mut nats = OwnNats::start(stack, context);
+    let relay = Service::relay(&url, &nats.url, context, &["--publish-timeout", "2s"]);
     insert_txn(&pool, 0, 0, 1, 8).await;
-    read_stream(&nats.url, &wire::stream_name("natsfull"), 1, T).await;
+    read_stream(&nats.url, &wire::stream_name(context), 1, T).await;
     nats.down();
     insert_txn(&pool, 0, 1, 3000, 8).await;
-    // Past the stall clock: a relay that can still act has noticed.
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    relay.term(Duration::from_secs(30));
-    // Stopped while its next session was opening, it reports what the
-    // process confirmed, not that session's nothing (it logged 0/0).
-    let log = relay.log_text();
-    let said = log
-        .lines()
-        .rev()
-        .find_map(|l| l.split("relay stopped confirmed_lsn=").nth(1))
-        .unwrap_or_else(|| panic!("no stop line in the log:\n{log}"));
-    let slot = slot_confirmed(&pool, &wire::slot_name("natsfull"))
-        .await
-        .expect("the slot");
-    assert!(
-        lsn(said.trim()) >= slot,
-        "the stop line says {said}, the slot was confirmed to {slot:#X}"
-    );
+    (pool, nats, relay)
 }
