@@ -777,17 +777,16 @@ impl Publisher {
         msg: OutMessage,
     ) -> Result<()> {
         let size = msg.wire_size();
-        let mut sent = Sent {
+        let sent = Sent {
             ticket,
             commit_micros,
             msg,
-            // Set when handed over.
+            // Set when handed over (`send`); only a sent message's is read.
             at: self.epoch,
         };
         if self.parked.is_empty() {
             self.send(sent, false).await?;
         } else {
-            sent.at = Instant::now();
             // Never ahead of what waits to go again: the caller's select
             // checked `has_room` before `next_ack` parked them (in the same
             // poll), and a message sent now would go unchained, before its
