@@ -11,25 +11,11 @@ use crate::error::{Error, Result};
 /// [`NatsArgs::validate`] (the commands' `validate` runs it). `name` shows in
 /// the server's connection list. Errors name the servers without credentials.
 pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client> {
-    connect_with(args, name, None).await
-}
-
-/// [`connect`], with room for `subscription_capacity` messages waiting in
-/// each subscription (async-nats drops what does not fit; its default is
-/// 65,536).
-pub async fn connect_with(
-    args: &NatsArgs,
-    name: String,
-    subscription_capacity: Option<usize>,
-) -> Result<async_nats::Client> {
     let servers = redact_url(&args.nats_url);
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .connection_timeout(Duration::from_secs(5))
         .max_reconnects(None);
-    if let Some(capacity) = subscription_capacity {
-        opts = opts.subscription_capacity(capacity);
-    }
     if let Some(ca) = &args.nats_ca {
         opts = opts.add_root_certificates(ca.clone()).require_tls(true);
     }

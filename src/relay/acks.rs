@@ -1,5 +1,5 @@
-//! JetStream's answers to the per-event publishes, read from one inbox
-//! subscription per session.
+//! JetStream's answers to the per-event publishes, read off the session's
+//! publish link ([`super::link`]), which subscribes to one inbox for them.
 //!
 //! async-nats' JetStream publish makes each message a request: a semaphore
 //! permit, a fresh inbox name, an entry in the client's reply map, a
@@ -10,7 +10,7 @@
 //! wildcard subscription, the answers matched by `n`. The publisher already
 //! keeps its messages in publish order, so `n` is a counter and the books
 //! are a queue ([`AckQueue`], no I/O); [`Inbox`] feeds it from the
-//! subscription.
+//! link.
 //!
 //! An answer is read the way async-nats reads it: a `503` status is no
 //! stream listening (`StreamNotFound`), an `error` object maps its code
@@ -23,8 +23,10 @@ use std::time::Instant;
 use async_nats::jetstream;
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::StatusCode;
-use futures::StreamExt;
 use serde::Deserialize;
+
+use super::link::Link;
+use super::route::OutMessage;
 
 /// One publish's outcome: `Ok(duplicate)`.
 pub type Answer = Result<bool, PublishError>;
@@ -182,11 +184,11 @@ pub fn read(status: Option<StatusCode>, payload: &[u8]) -> Answer {
     }
 }
 
-/// The session's reply inbox and the queue it feeds.
+/// The session's publish link and the queue its answers feed.
 pub struct Inbox {
-    sub: async_nats::Subscriber,
-    /// `<inbox>.`: a reply subject is this and a token.
-    prefix: String,
+    link: Link,
+    /// The link failed: nothing more will be answered on it.
+    dead: bool,
     pub queue: AckQueue,
     /// Any instant, for [`AckQueue::take`] when no probe deadline is
     /// pending and the time cannot matter: a clock read per ack saved.
@@ -194,20 +196,31 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    pub async fn open(nats: &async_nats::Client) -> Result<Self, async_nats::SubscribeError> {
-        let inbox = nats.new_inbox();
-        let sub = nats.subscribe(format!("{inbox}.*")).await?;
-        Ok(Self {
-            sub,
-            prefix: format!("{inbox}."),
+    pub fn new(link: Link) -> Self {
+        Self {
+            link,
+            dead: false,
             queue: AckQueue::default(),
             opened: Instant::now(),
-        })
+        }
     }
 
-    /// Where the answer to the next pushed message goes.
-    pub fn reply(&self) -> String {
-        format!("{}{}", self.prefix, self.queue.next_token())
+    /// Queue a message whose answer is the next pushed slot's; `false`:
+    /// the link is gone.
+    pub fn publish(&mut self, msg: &OutMessage, expected_last_msg_id: Option<&str>) -> bool {
+        !self.dead
+            && self.link.publish(
+                &msg.subject,
+                self.queue.next_token(),
+                &msg.headers,
+                expected_last_msg_id,
+                &msg.body,
+            )
+    }
+
+    /// The link failed: what is in flight on it will not be answered.
+    pub fn broken(&self) -> bool {
+        self.dead || self.link.broken()
     }
 
     /// The next [`Next`]; `None` when nothing is in flight. Cancel-safe:
@@ -222,19 +235,21 @@ impl Inbox {
             if self.queue.is_empty() {
                 return None;
             }
+            if self.dead {
+                // Nothing will answer: the oldest fails, and the publisher
+                // sends everything again on a new link.
+                let t = self.queue.first;
+                self.queue
+                    .answer(t, Err(PublishError::new(PublishErrorKind::BrokenPipe)));
+                continue;
+            }
             tokio::select! {
                 biased;
-                m = self.sub.next() => match m {
-                    Some(m) => {
-                        if let Some(t) = token(&self.prefix, m.subject.as_str()) {
-                            self.queue.answer(t, read(m.status, &m.payload));
-                        }
-                    }
-                    // The client is closed: nothing will answer.
-                    None => {
-                        let t = self.queue.first;
-                        self.queue
-                            .answer(t, Err(PublishError::new(PublishErrorKind::BrokenPipe)));
+                a = self.link.next_answer() => match a {
+                    Ok((token, answer)) => self.queue.answer(token, answer),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the publish connection failed");
+                        self.dead = true;
                     }
                 },
                 _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now).into()),

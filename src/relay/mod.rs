@@ -23,6 +23,7 @@ mod backfill;
 pub(crate) mod batch;
 pub(crate) mod decode;
 pub(crate) mod emitted;
+pub(crate) mod link;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;
 pub(crate) mod publish;
@@ -125,15 +126,9 @@ pub async fn run(
     m::register_relay();
     let dsn = Dsn::parse(&cfg.database_url)?;
     let pool = dsn.pool(2).await?;
-    // The acks of the per-event publishes share one subscription: room for
-    // a window of them and a window of stale copies' late answers, so none
-    // is dropped (which would stall the window until it is sent again).
-    let nats = crate::nats::connect_with(
-        &cfg.nats,
-        format!("outbox-relay:{}", cfg.slot),
-        Some((cfg.max_inflight * 2 + 1024).max(65_536)),
-    )
-    .await?;
+    // Set-up, tail scans and batches; the per-event path publishes on a
+    // connection of its own (`link`).
+    let nats = crate::nats::connect(&cfg.nats, format!("outbox-relay:{}", cfg.slot)).await?;
     ready.watch_nats(nats.clone());
     let js = jetstream::ContextBuilder::new()
         .timeout(cfg.publish_timeout)

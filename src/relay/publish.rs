@@ -29,6 +29,7 @@ use futures::stream::StreamExt;
 use std::time::Instant;
 
 use super::acks::{Inbox, Next};
+use super::link::Dialer;
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::config::PublishMode;
@@ -645,6 +646,13 @@ struct Sent {
     at: Instant,
 }
 
+/// What became of a message handed to the link.
+enum Sending {
+    Sent,
+    /// The link broke; the message is given back.
+    Broken(Sent, String),
+}
+
 /// Where a message the server refuses goes instead.
 #[derive(Debug, Clone)]
 pub struct Refusals {
@@ -666,8 +674,10 @@ struct Outage {
 
 pub struct Publisher {
     js: Context,
-    nats: async_nats::Client,
-    /// The answers to what is in flight; opened with the first publish.
+    /// Opens the publish link: with the first publish, and again after it
+    /// breaks or goes silent.
+    dialer: Dialer,
+    /// The link and the answers to what is in flight on it.
     acks: Option<Inbox>,
     /// The messages behind `acks`, in the same order.
     sent: VecDeque<Sent>,
@@ -686,8 +696,6 @@ pub struct Publisher {
     refusals: Refusals,
     stall: Duration,
     max_probe_timeout: Duration,
-    /// How long handing one message to the client may take.
-    publish_timeout: Duration,
     outage: Option<Outage>,
     /// A stand-in for a `Sent::at` not yet handed over, so a new message
     /// costs no clock read before the one taken when it is.
@@ -699,14 +707,15 @@ impl Publisher {
     /// ack by it); a stall is declared well before it.
     pub fn new(
         js: Context,
+        dialer: Dialer,
         max_inflight: usize,
         max_bytes: usize,
         publish_timeout: Duration,
         refusals: Refusals,
     ) -> Self {
         Self {
-            nats: js.client(),
             js,
+            dialer,
             acks: None,
             sent: VecDeque::new(),
             parked: VecDeque::new(),
@@ -718,7 +727,6 @@ impl Publisher {
             refusals,
             stall: STALL.min(publish_timeout),
             max_probe_timeout: publish_timeout.max(PROBE_TIMEOUT),
-            publish_timeout,
             outage: None,
             epoch: Instant::now(),
         }
@@ -785,7 +793,10 @@ impl Publisher {
             at: self.epoch,
         };
         if self.parked.is_empty() {
-            self.send(sent, false).await?;
+            if let Sending::Broken(sent, why) = self.send(sent, false).await? {
+                self.parked.push_back(sent);
+                self.ride_out(None, &why, false);
+            }
         } else {
             // Never ahead of what waits to go again: the caller's select
             // checked `has_room` before `next_ack` parked them (in the same
@@ -797,61 +808,38 @@ impl Publisher {
         Ok(())
     }
 
-    /// Cancel-safe: nothing changes until the connection took the message.
-    /// A `probe` waits for its ack a shorter time, growing per outage.
-    async fn send(&mut self, mut sent: Sent, probe: bool) -> Result<()> {
-        let msg = &sent.msg;
-        let send_error = |e: Box<dyn std::error::Error + Send + Sync>| {
-            metrics::counter!(m::PUBLISH_ERRORS).increment(1);
-            Error::Publish {
-                id: msg.msg_id.clone(),
-                failure: PublishFailure::Send,
-                source: e,
+    /// Hand one message to the link, dialing one first if there is none
+    /// or it broke. Cancel-safe: nothing changes until the link took the
+    /// message. A `probe` waits for its ack a shorter time, growing per
+    /// outage. A message a broken link could not take comes back, with
+    /// why; no server taking a new link ends the session (the relay
+    /// reconnects from scratch, as it does when NATS is down at start).
+    async fn send(&mut self, mut sent: Sent, probe: bool) -> Result<Sending> {
+        let broken = |sent| Ok(Sending::Broken(sent, "the publish connection broke".into()));
+        if self.acks.as_ref().is_some_and(Inbox::broken) {
+            if self.unanswered() > 0 {
+                // What is in flight on it must go again first.
+                return broken(sent);
             }
-        };
-        if self.acks.is_none() {
-            let inbox = Inbox::open(&self.nats)
-                .await
-                .map_err(|e| send_error(Box::new(e)))?;
-            self.acks = Some(inbox);
+            self.acks = None;
         }
-        let Some(acks) = self.acks.as_mut() else {
-            return Ok(());
+        let acks = match self.acks.as_mut() {
+            Some(acks) => acks,
+            None => match self.dialer.dial().await {
+                Ok(link) => self.acks.insert(Inbox::new(link)),
+                Err(e) => {
+                    metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+                    return Err(Error::Publish {
+                        id: sent.msg.msg_id.clone(),
+                        failure: PublishFailure::Send,
+                        source: Box::new(e),
+                    });
+                }
+            },
         };
         let prev = self.chain.as_deref();
-        let headers = header_map(&msg.headers, prev, &[]);
-        let handed = self.nats.publish_with_reply_and_headers(
-            msg.subject.clone(),
-            acks.reply(),
-            headers,
-            msg.body.clone(),
-        );
-        // Bounded: with NATS gone the client stops taking messages once its
-        // command queue is full, and a wait without end would keep the
-        // session from its stall clock and from shutdown. The client takes
-        // almost every message at once, so the timer is only armed when it
-        // does not: arming it costs a clock read per event.
-        let mut handed = std::pin::pin!(handed);
-        let once = std::future::poll_fn(|cx| {
-            std::task::Poll::Ready(std::future::Future::poll(handed.as_mut(), cx))
-        });
-        let handed = match once.await {
-            std::task::Poll::Ready(r) => Ok(r),
-            std::task::Poll::Pending => {
-                tokio::time::timeout(self.publish_timeout, handed.as_mut()).await
-            }
-        };
-        match handed {
-            Ok(r) => r.map_err(|e| send_error(Box::new(e)))?,
-            Err(_) => {
-                return Err(send_error(
-                    format!(
-                        "the NATS client took no message for {:?} (disconnected?)",
-                        self.publish_timeout
-                    )
-                    .into(),
-                ))
-            }
+        if !acks.publish(&sent.msg, prev) {
+            return broken(sent);
         }
         let now = Instant::now();
         let probe_deadline = self.outage.filter(|_| probe).map(|o| now + o.probe_timeout);
@@ -859,10 +847,10 @@ impl Publisher {
         if prev.is_none() {
             self.solo_pending = true;
         }
-        self.chain = Some(msg.msg_id.clone());
+        self.chain = Some(sent.msg.msg_id.clone());
         sent.at = now;
         self.sent.push_back(sent);
-        Ok(())
+        Ok(Sending::Sent)
     }
 
     /// The next ack, in publish order. Three kinds of refusal are settled
@@ -899,7 +887,13 @@ impl Publisher {
                 }
             }
             let stall_at = self.sent.front().map(|s| s.at + self.stall);
-            let acks = self.acks.as_mut()?;
+            let Some(acks) = self.acks.as_mut() else {
+                if self.parked.is_empty() {
+                    return None;
+                }
+                // No link: the outage clock paces the next dial.
+                continue;
+            };
             let result = tokio::select! {
                 biased;
                 next = acks.next() => match next? {
@@ -912,6 +906,9 @@ impl Publisher {
                 _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()),
                     if stall_at.is_some() => {
                     self.ride_out(None, "no ack in time", false);
+                    // Silence may be a dead connection the socket has not
+                    // noticed: the probes go on a new one.
+                    self.acks = None;
                     continue;
                 }
             };
@@ -980,6 +977,10 @@ impl Publisher {
                 Err(e) if leaderless(&e) => {
                     let timed_out = matches!(e.kind(), PublishErrorKind::TimedOut);
                     self.ride_out(Some(sent), &e.to_string(), timed_out);
+                    if timed_out {
+                        // As for a stall: a new connection for the next probe.
+                        self.acks = None;
+                    }
                 }
                 Err(e) => {
                     self.bytes = self.bytes.saturating_sub(sent.msg.wire_size());
@@ -1073,7 +1074,11 @@ impl Publisher {
         let probe = self.outage.is_some();
         while let Some(front) = self.parked.front() {
             let next = front.clone();
-            self.send(next, probe).await?;
+            if let Sending::Broken(_, why) = self.send(next, probe).await? {
+                // It stays at the head; the outage paces the next try.
+                self.ride_out(None, &why, false);
+                return Ok(());
+            }
             self.parked.pop_front();
             if probe {
                 break;
@@ -1082,7 +1087,7 @@ impl Publisher {
         Ok(())
     }
 
-    /// A resend that could not be handed to the connection ends the session.
+    /// A resend that could not be handed to a link ends the session.
     fn failed(&mut self, e: Error) -> Ack {
         let ticket = self
             .sent

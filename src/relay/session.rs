@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::backfill;
 use super::batch::Batcher;
 use super::decode::{Resume, Stage, Step};
+use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
 use super::watermark::Watermark;
@@ -258,9 +259,12 @@ impl<'a> Session<'a> {
             // What the publisher adds (the order chain, the batch headers)
             // must fit too: a row that only fits without them is too large.
             .saturating_sub(publish::HEADER_RESERVE);
+        let dialer = Dialer::new(&cfg.nats, format!("outbox-relay:{}:publish", cfg.slot))
+            .map_err(|e| Error::Config(e.to_string()))?;
         let mut publisher = Batcher::new(
             Publisher::new(
                 js.clone(),
+                dialer,
                 cfg.max_inflight,
                 cfg.max_inflight_bytes,
                 cfg.publish_timeout,

@@ -1,0 +1,1070 @@
+//! The per-event publisher's own NATS connection: `HPUB` out, acks in.
+//!
+//! Through async-nats every event cost a header map (a hash map of owned
+//! names and values, built and dropped per message), a command on the
+//! client's channel and a subscription hand-off for its ack. Measured by
+//! `scripts/bench.sh publish-paths` on this project's box, that path costs
+//! 3.45-3.70 µs of client CPU per message flat out against 1.85-1.95 for a
+//! writer that puts the header block straight into its output buffer and
+//! reads the acks off the socket (docs/guide/benchmarks.md). So the hot path
+//! has its own connection; everything else (stream set-up, tail scans,
+//! batches' commits) stays on the async-nats client.
+//!
+//! The link does as little as a publisher needs: the handshake (INFO,
+//! optional TLS, CONNECT with the configured authentication, one wildcard
+//! `SUB` for the acks, PING/PONG), `HPUB`, and reading `MSG`/`HMSG` answers.
+//! It does not reconnect: a link that breaks answers nothing more, and the
+//! publisher, which treats silence and a broken link as an outage, dials a
+//! new one when it sends again ([`Dialer`]).
+//!
+//! Two small tasks serve a link. The writer writes what [`Link::publish`]
+//! appended to a buffer; on the relay's one-thread runtime it runs when
+//! the session has nothing left to do, so a transaction's events leave in
+//! one write. The reader parses answers into a queue the session takes
+//! them from, and answers the server's PINGs, busy or idle.
+
+use std::borrow::Cow;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::{ServerAddr, StatusCode};
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::Notify;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::acks::{self, Answer};
+use crate::config::NatsArgs;
+use crate::wire;
+
+/// How long one server may take to accept and finish the handshake.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// A control line (INFO lists a cluster's URLs) longer than this is not
+/// NATS.
+const MAX_LINE: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("{server}: {source}")]
+    Io {
+        server: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{server}: {message}")]
+    Handshake { server: String, message: String },
+    #[error("the connection closed")]
+    Closed,
+    #[error("the server broke the protocol: {0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// How the link authenticates: what `--nats-user`/`--nats-token`/
+/// `--nats-creds` say (validated to be at most one).
+#[derive(Clone)]
+enum Auth {
+    None,
+    UserPass(String, String),
+    Token(String),
+    /// A user JWT and the seed that signs the server's nonce.
+    Creds {
+        jwt: String,
+        seed: String,
+    },
+}
+
+/// Opens links to the configured servers, in turn, plus the servers a
+/// cluster announces.
+pub struct Dialer {
+    servers: Vec<ServerAddr>,
+    /// The server to try first: the one after the last that failed.
+    next: usize,
+    auth: Auth,
+    /// Built when a server first needs it.
+    tls: Option<Arc<rustls::ClientConfig>>,
+    /// For the TLS files.
+    args: NatsArgs,
+    /// TLS even where neither the URL nor the server asks for it.
+    require_tls: bool,
+    name: String,
+}
+
+impl Dialer {
+    /// From settings that passed [`NatsArgs::validate`]; the files they
+    /// name are read here.
+    pub fn new(args: &NatsArgs, name: String) -> Result<Self, LinkError> {
+        let servers = args
+            .servers()
+            .map_err(|e| LinkError::Config(e.to_string()))?;
+        let auth = match (&args.nats_user, &args.nats_password, &args.nats_token) {
+            (Some(u), Some(p), _) => Auth::UserPass(u.clone(), p.clone()),
+            (_, _, Some(t)) => Auth::Token(t.clone()),
+            _ => match &args.nats_creds {
+                Some(path) => {
+                    let text = std::fs::read_to_string(path).map_err(|e| {
+                        LinkError::Config(format!("--nats-creds {}: {e}", path.display()))
+                    })?;
+                    let (jwt, seed) = parse_creds(&text).ok_or_else(|| {
+                        LinkError::Config(format!(
+                            "--nats-creds {}: no user JWT and seed in it",
+                            path.display()
+                        ))
+                    })?;
+                    Auth::Creds { jwt, seed }
+                }
+                None => Auth::None,
+            },
+        };
+        Ok(Self {
+            servers,
+            next: 0,
+            auth,
+            tls: None,
+            args: args.clone(),
+            require_tls: args.nats_tls || args.nats_ca.is_some(),
+            name,
+        })
+    }
+
+    /// A link to the first server that takes one, trying each once.
+    pub async fn dial(&mut self) -> Result<Link, LinkError> {
+        let mut last = None;
+        for _ in 0..self.servers.len() {
+            let i = self.next % self.servers.len();
+            let addr = self.servers[i].clone();
+            match tokio::time::timeout(DIAL_TIMEOUT, self.dial_one(&addr)).await {
+                Ok(Ok((link, info))) => {
+                    self.learn(&info.connect_urls);
+                    return Ok(link);
+                }
+                Ok(Err(e)) => last = Some(e),
+                Err(_) => {
+                    last = Some(LinkError::Handshake {
+                        server: where_(&addr),
+                        message: format!("no connection within {DIAL_TIMEOUT:?}"),
+                    })
+                }
+            }
+            self.next = i + 1;
+        }
+        Err(last.unwrap_or(LinkError::Config("no NATS server to dial".into())))
+    }
+
+    /// Servers a cluster announces (INFO `connect_urls`) join the list, as
+    /// the async-nats client adds them: a relay given one URL of a cluster
+    /// still finds the others when that one dies.
+    fn learn(&mut self, urls: &[String]) {
+        let scheme = if self.require_tls { "tls" } else { "nats" };
+        for url in urls {
+            let Ok(addr) = format!("{scheme}://{url}").parse::<ServerAddr>() else {
+                continue;
+            };
+            if !self
+                .servers
+                .iter()
+                .any(|s| s.host() == addr.host() && s.port() == addr.port())
+            {
+                self.servers.push(addr);
+            }
+        }
+    }
+
+    async fn dial_one(
+        &mut self,
+        addr: &ServerAddr,
+    ) -> Result<(Link, async_nats::ServerInfo), LinkError> {
+        let server = where_(addr);
+        let io = |source| LinkError::Io {
+            server: server.clone(),
+            source,
+        };
+        let mut tcp = tokio::net::TcpStream::connect((addr.host(), addr.port()))
+            .await
+            .map_err(io)?;
+        tcp.set_nodelay(true).map_err(io)?;
+        let mut rbuf = BytesMut::with_capacity(64 * 1024);
+        let info = match next_op(&mut tcp, &mut rbuf).await? {
+            Op::Info(json) => {
+                serde_json::from_slice::<async_nats::ServerInfo>(&json).map_err(|e| {
+                    LinkError::Handshake {
+                        server: server.clone(),
+                        message: format!("unreadable INFO: {e}"),
+                    }
+                })?
+            }
+            other => {
+                return Err(LinkError::Handshake {
+                    server,
+                    message: format!("expected INFO, got {}", other.name()),
+                })
+            }
+        };
+        let prefix = format!("_INBOX.{}.", uuid::Uuid::new_v4().simple());
+        let mut hello = b"CONNECT ".to_vec();
+        let connect = self.connect_info(&info, addr)?;
+        serde_json::to_writer(&mut hello, &connect).map_err(|e| LinkError::Handshake {
+            server: server.clone(),
+            message: format!("CONNECT: {e}"),
+        })?;
+        hello.extend_from_slice(format!("\r\nSUB {prefix}* 1\r\nPING\r\n").as_bytes());
+        // Nothing follows INFO until the client speaks, so no byte of a TLS
+        // stream can sit in `rbuf` yet.
+        let (reader, writer): (Reader, Writer) =
+            if self.require_tls || addr.tls_required() || info.tls_required {
+                let config = match &self.tls {
+                    Some(c) => c.clone(),
+                    None => {
+                        let c = Arc::new(tls_config(&self.args)?);
+                        self.tls = Some(c.clone());
+                        c
+                    }
+                };
+                let name = rustls::pki_types::ServerName::try_from(addr.host().to_owned())
+                    .map_err(|e| LinkError::Handshake {
+                        server: server.clone(),
+                        message: format!("not a TLS server name: {e}"),
+                    })?;
+                let mut tls = tokio_rustls::TlsConnector::from(config)
+                    .connect(name, tcp)
+                    .await
+                    .map_err(|e| LinkError::Handshake {
+                        server: server.clone(),
+                        message: format!("TLS: {e}"),
+                    })?;
+                greet(&mut tls, &mut rbuf, &hello, &server).await?;
+                let (r, w) = tokio::io::split(tls);
+                (Box::new(r), Box::new(w))
+            } else {
+                greet(&mut tcp, &mut rbuf, &hello, &server).await?;
+                let (r, w) = tcp.into_split();
+                (Box::new(r), Box::new(w))
+            };
+        let shared = Arc::new(Shared::default());
+        let stop = CancellationToken::new();
+        tokio::spawn(write_out(shared.clone(), writer, stop.clone()));
+        tokio::spawn(read_in(
+            shared.clone(),
+            reader,
+            rbuf,
+            prefix.clone(),
+            stop.clone(),
+        ));
+        Ok((
+            Link {
+                shared,
+                _tasks: stop.drop_guard(),
+                prefix,
+                max_payload: info.max_payload,
+            },
+            info,
+        ))
+    }
+
+    fn connect_info(
+        &self,
+        info: &async_nats::ServerInfo,
+        addr: &ServerAddr,
+    ) -> Result<async_nats::ConnectInfo, LinkError> {
+        let mut c = async_nats::ConnectInfo {
+            verbose: false,
+            pedantic: false,
+            user_jwt: None,
+            nkey: None,
+            signature: None,
+            name: Some(self.name.clone()),
+            echo: false,
+            lang: "rust".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            protocol: async_nats::Protocol::Dynamic,
+            tls_required: self.require_tls || addr.tls_required(),
+            user: None,
+            pass: None,
+            auth_token: None,
+            headers: true,
+            no_responders: true,
+        };
+        match &self.auth {
+            Auth::None => {}
+            Auth::UserPass(u, p) => {
+                c.user = Some(u.clone());
+                c.pass = Some(p.clone());
+            }
+            Auth::Token(t) => c.auth_token = Some(t.clone()),
+            Auth::Creds { jwt, seed } => {
+                c.user_jwt = Some(jwt.clone());
+                c.signature = Some(sign_nonce(seed, &info.nonce).ok_or_else(|| {
+                    LinkError::Config("--nats-creds: the seed in the file does not sign".into())
+                })?);
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// `host:port`, never a URL's credentials.
+fn where_(addr: &ServerAddr) -> String {
+    format!("{}:{}", addr.host(), addr.port())
+}
+
+type Reader = Box<dyn AsyncRead + Send + Unpin>;
+type Writer = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// The server's root certificates and our client certificate.
+fn tls_config(args: &NatsArgs) -> Result<rustls::ClientConfig, LinkError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    match &args.nats_ca {
+        Some(ca) => {
+            for cert in CertificateDer::pem_file_iter(ca)
+                .map_err(|e| LinkError::Config(format!("--nats-ca {}: {e}", ca.display())))?
+            {
+                let cert = cert
+                    .map_err(|e| LinkError::Config(format!("--nats-ca {}: {e}", ca.display())))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| LinkError::Config(format!("--nats-ca {}: {e}", ca.display())))?;
+            }
+        }
+        None => {
+            let native = rustls_native_certs::load_native_certs();
+            roots.add_parsable_certificates(native.certs);
+        }
+    }
+    let builder = rustls::ClientConfig::builder().with_root_certificates(roots);
+    match (&args.nats_tls_cert, &args.nats_tls_key) {
+        (Some(cert), Some(key)) => {
+            let certs = CertificateDer::pem_file_iter(cert)
+                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| {
+                    LinkError::Config(format!("--nats-tls-cert {}: {e}", cert.display()))
+                })?;
+            let key = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| LinkError::Config(format!("--nats-tls-key {}: {e}", key.display())))?;
+            builder
+                .with_client_auth_cert(certs, key)
+                .map_err(|e| LinkError::Config(format!("--nats-tls-cert/--nats-tls-key: {e}")))
+        }
+        _ => Ok(builder.with_no_client_auth()),
+    }
+}
+
+/// The user JWT and nkey seed of a `.creds` file: each is the first
+/// non-empty line after its `BEGIN` marker.
+fn parse_creds(text: &str) -> Option<(String, String)> {
+    let after = |marker: &str| {
+        let mut lines = text.lines().map(str::trim);
+        lines.find(|l| l.contains("BEGIN") && l.contains(marker))?;
+        lines.find(|l| !l.is_empty()).map(str::to_owned)
+    };
+    Some((after("JWT")?, after("SEED")?))
+}
+
+/// The server's nonce signed by the seed, base64url without padding.
+fn sign_nonce(seed: &str, nonce: &str) -> Option<String> {
+    use base64::Engine as _;
+    let key = nkeys::KeyPair::from_seed(seed).ok()?;
+    let sig = key.sign(nonce.as_bytes()).ok()?;
+    Some(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sig))
+}
+
+/// What the session and the link's two tasks share: bytes to write, and
+/// answers read.
+#[derive(Default)]
+struct Shared {
+    out: Mutex<OutState>,
+    /// The writer's: the buffer filled from empty.
+    wrote: Notify,
+    answers: Mutex<Answers>,
+    /// The session's: an answer came in, or the link closed.
+    answered: Notify,
+}
+
+#[derive(Default)]
+struct OutState {
+    buf: Vec<u8>,
+    /// Large bodies, not copied: each goes out at its offset in `buf`.
+    bodies: Vec<(usize, Bytes)>,
+    broken: bool,
+}
+
+/// A body at least this large is written from the message's own bytes
+/// instead of being copied into the buffer: the window may hold 16 MiB of
+/// them, and a copy would hold it twice.
+const COPY_MAX: usize = 16 * 1024;
+
+#[derive(Default)]
+struct Answers {
+    queue: VecDeque<(u64, Answer)>,
+    /// Why the link closed, once it has.
+    closed: Option<String>,
+}
+
+impl Shared {
+    /// Append with `fill`; `false` if the link is gone.
+    fn push(&self, fill: impl FnOnce(&mut OutState)) -> bool {
+        let Ok(mut s) = self.out.lock() else {
+            return false;
+        };
+        if s.broken {
+            return false;
+        }
+        let was_empty = s.buf.is_empty();
+        fill(&mut s);
+        drop(s);
+        if was_empty {
+            self.wrote.notify_one();
+        }
+        true
+    }
+
+    fn answer(&self, token: u64, answer: Answer) {
+        if let Ok(mut a) = self.answers.lock() {
+            a.queue.push_back((token, answer));
+        }
+        self.answered.notify_one();
+    }
+
+    /// Nothing more goes out or comes in.
+    fn close(&self, why: String) {
+        if let Ok(mut s) = self.out.lock() {
+            s.broken = true;
+            s.buf = Vec::new();
+            s.bodies = Vec::new();
+        }
+        if let Ok(mut a) = self.answers.lock() {
+            a.closed.get_or_insert(why);
+        }
+        self.answered.notify_one();
+    }
+
+    fn broken(&self) -> bool {
+        self.out.lock().map_or(true, |s| s.broken)
+    }
+}
+
+/// Write whatever gathered, each time the buffer fills from empty, until
+/// stopped or the connection fails. The buffer holds only what the
+/// publisher's window lets in flight, so it is bounded in bytes and count
+/// by `--max-inflight-bytes` and `--max-inflight`.
+async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) {
+    const KEEP: usize = 256 * 1024;
+    let mut spare = Vec::with_capacity(64 * 1024);
+    let mut bodies = Vec::new();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = shared.wrote.notified() => {}
+        }
+        loop {
+            match shared.out.lock() {
+                Ok(mut s) if !s.buf.is_empty() => {
+                    std::mem::swap(&mut s.buf, &mut spare);
+                    std::mem::swap(&mut s.bodies, &mut bodies);
+                }
+                _ => break,
+            }
+            let written = tokio::select! {
+                _ = stop.cancelled() => return,
+                r = async {
+                    let mut at = 0;
+                    for (offset, body) in &bodies {
+                        w.write_all(&spare[at..*offset]).await?;
+                        w.write_all(body).await?;
+                        at = *offset;
+                    }
+                    w.write_all(&spare[at..]).await?;
+                    w.flush().await
+                } => r,
+            };
+            spare.clear();
+            bodies.clear();
+            // A burst of large rows must not pin its size for the session.
+            spare.shrink_to(KEEP);
+            if let Err(e) = written {
+                shared.close(format!("writing: {e}"));
+                return;
+            }
+        }
+    }
+}
+
+/// Read answers (and the server's PINGs) until stopped or the connection
+/// ends. Always reading, idle or not, keeps the server from closing the
+/// connection as stale and notices a closed one before the next publish.
+/// Answers wait at most a window's worth (each copy sent is answered once).
+async fn read_in(
+    shared: Arc<Shared>,
+    mut r: Reader,
+    mut rbuf: BytesMut,
+    prefix: String,
+    stop: CancellationToken,
+) {
+    loop {
+        let op = tokio::select! {
+            _ = stop.cancelled() => return,
+            op = next_op(&mut r, &mut rbuf) => op,
+        };
+        match op {
+            Ok(Op::Msg {
+                subject,
+                status,
+                payload,
+            }) => {
+                let token = std::str::from_utf8(&subject)
+                    .ok()
+                    .and_then(|s| acks::token(&prefix, s));
+                if let Some(token) = token {
+                    let status = status.and_then(|s| StatusCode::from_u16(s).ok());
+                    shared.answer(token, acks::read(status, &payload));
+                }
+            }
+            Ok(Op::Ping) => {
+                shared.push(|s| s.buf.extend_from_slice(b"PONG\r\n"));
+            }
+            Ok(Op::Err(text)) => {
+                // A permission refused a publish: the server keeps the
+                // connection (it closes it on the fatal ones) and the
+                // message goes unanswered, which the stall clock handles.
+                tracing::warn!(error = %text, "NATS refused something on the publish connection");
+            }
+            Ok(Op::Pong | Op::Ok | Op::Info(_)) => {}
+            Err(e) => {
+                shared.close(e.to_string());
+                return;
+            }
+        }
+    }
+}
+
+/// One connection's publishes and their answers.
+pub struct Link {
+    shared: Arc<Shared>,
+    /// Stops the reader and the writer.
+    _tasks: DropGuard,
+    /// `<inbox>.`: a reply subject is this and a token.
+    prefix: String,
+    /// The server's `max_payload`: a larger message would make it close
+    /// the connection, so it is answered here instead.
+    max_payload: usize,
+}
+
+impl Link {
+    /// Queue one message whose answer comes back under `token`. `false`:
+    /// the connection is gone, nothing was queued.
+    pub fn publish(
+        &mut self,
+        subject: &str,
+        token: u64,
+        headers: &[(Cow<'static, str>, String)],
+        expected_last_msg_id: Option<&str>,
+        body: &Bytes,
+    ) -> bool {
+        let expected = expected_last_msg_id.map(|id| (wire::EXPECTED_LAST_MSG_ID, id));
+        let size = header_block_len(headers, expected) + body.len();
+        if size > self.max_payload {
+            if self.shared.broken() {
+                return false;
+            }
+            self.shared.answer(
+                token,
+                Err(PublishError::new(PublishErrorKind::MaxPayloadExceeded)),
+            );
+            return true;
+        }
+        let prefix = &self.prefix;
+        self.shared.push(|s| {
+            encode_head(
+                &mut s.buf,
+                subject,
+                prefix,
+                token,
+                headers,
+                expected,
+                body.len(),
+            );
+            if body.len() < COPY_MAX {
+                s.buf.extend_from_slice(body);
+            } else {
+                let at = s.buf.len();
+                s.bodies.push((at, body.clone()));
+            }
+            s.buf.extend_from_slice(b"\r\n");
+        })
+    }
+
+    pub fn broken(&self) -> bool {
+        self.shared.broken()
+    }
+
+    /// The next answer: a reply token and what it says. Cancel-safe:
+    /// answers wait in the shared queue.
+    pub async fn next_answer(&mut self) -> Result<(u64, Answer), LinkError> {
+        loop {
+            {
+                let mut a = self.shared.answers.lock().map_err(|_| LinkError::Closed)?;
+                if let Some(answer) = a.queue.pop_front() {
+                    return Ok(answer);
+                }
+                if let Some(why) = &a.closed {
+                    return Err(LinkError::Protocol(why.clone()));
+                }
+            }
+            // A notification sent since the check is kept as a permit.
+            self.shared.answered.notified().await;
+        }
+    }
+}
+
+/// CONNECT, the ack subscription and a PING; the PONG says the server took
+/// them (an authentication failure answers `-ERR` instead).
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    rbuf: &mut BytesMut,
+    hello: &[u8],
+    server: &str,
+) -> Result<(), LinkError> {
+    let io = |source| LinkError::Io {
+        server: server.to_owned(),
+        source,
+    };
+    stream.write_all(hello).await.map_err(io)?;
+    stream.flush().await.map_err(io)?;
+    loop {
+        match next_op(stream, rbuf).await? {
+            Op::Pong => return Ok(()),
+            Op::Err(text) => {
+                return Err(LinkError::Handshake {
+                    server: server.to_owned(),
+                    message: format!("refused: {text}"),
+                })
+            }
+            // `+OK`, a newer INFO, a PING before our PONG.
+            _ => {}
+        }
+    }
+}
+
+/// One protocol operation off the socket, read into `rbuf` as needed.
+async fn next_op<R: AsyncRead + Unpin + ?Sized>(
+    reader: &mut R,
+    rbuf: &mut BytesMut,
+) -> Result<Op, LinkError> {
+    loop {
+        if let Some((op, used)) = parse(rbuf).map_err(LinkError::Protocol)? {
+            rbuf.advance(used);
+            return Ok(op);
+        }
+        if rbuf.capacity() - rbuf.len() < 16 * 1024 {
+            rbuf.reserve(64 * 1024);
+        }
+        let n = reader
+            .read_buf(rbuf)
+            .await
+            .map_err(|source| LinkError::Io {
+                server: "publish connection".into(),
+                source,
+            })?;
+        if n == 0 {
+            return Err(LinkError::Closed);
+        }
+    }
+}
+
+/// A server operation; payloads are copied out (acks are small).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Op {
+    Msg {
+        subject: Vec<u8>,
+        /// `HMSG`'s status line code (`503`: no responders).
+        status: Option<u16>,
+        payload: Vec<u8>,
+    },
+    Info(Vec<u8>),
+    Ping,
+    Pong,
+    Ok,
+    Err(String),
+}
+
+impl Op {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Msg { .. } => "MSG",
+            Op::Info(_) => "INFO",
+            Op::Ping => "PING",
+            Op::Pong => "PONG",
+            Op::Ok => "+OK",
+            Op::Err(_) => "-ERR",
+        }
+    }
+}
+
+/// The first complete operation in `buf` and the bytes it takes, or
+/// `None` until more arrives.
+pub fn parse(buf: &[u8]) -> Result<Option<(Op, usize)>, String> {
+    let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
+        if buf.len() > MAX_LINE {
+            return Err(format!("a control line over {MAX_LINE} bytes"));
+        }
+        return Ok(None);
+    };
+    let line = &buf[..eol];
+    let after = eol + 2;
+    let (verb, rest) = match line.iter().position(|&b| b == b' ' || b == b'\t') {
+        Some(i) => (&line[..i], &line[i + 1..]),
+        None => (line, &line[line.len()..]),
+    };
+    let upper = verb.to_ascii_uppercase();
+    let op = match upper.as_slice() {
+        b"PING" => Op::Ping,
+        b"PONG" => Op::Pong,
+        b"+OK" => Op::Ok,
+        b"-ERR" => Op::Err(
+            String::from_utf8_lossy(rest)
+                .trim()
+                .trim_matches('\'')
+                .to_owned(),
+        ),
+        b"INFO" => Op::Info(rest.to_vec()),
+        b"MSG" | b"HMSG" => {
+            let fields: Vec<&[u8]> = rest
+                .split(|&b| b == b' ' || b == b'\t')
+                .filter(|f| !f.is_empty())
+                .collect();
+            let number = |f: &[u8]| -> Result<usize, String> {
+                std::str::from_utf8(f)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| format!("bad size in {:?}", String::from_utf8_lossy(line)))
+            };
+            let headed = upper.as_slice() == b"HMSG";
+            // MSG subject sid [reply] size; HMSG subject sid [reply] hdr total.
+            let sizes = if headed { 2 } else { 1 };
+            if fields.len() < 2 + sizes || fields.len() > 3 + sizes {
+                return Err(format!("bad {:?}", String::from_utf8_lossy(line)));
+            }
+            let total = number(fields[fields.len() - 1])?;
+            let header_len = if headed {
+                number(fields[fields.len() - 2])?
+            } else {
+                0
+            };
+            if header_len > total {
+                return Err(format!("bad sizes in {:?}", String::from_utf8_lossy(line)));
+            }
+            let end = after + total;
+            if buf.len() < end + 2 {
+                return Ok(None);
+            }
+            if &buf[end..end + 2] != b"\r\n" {
+                return Err(format!(
+                    "no CRLF after the payload of {:?}",
+                    String::from_utf8_lossy(line)
+                ));
+            }
+            let status = headed
+                .then(|| status_of(&buf[after..after + header_len]))
+                .flatten();
+            return Ok(Some((
+                Op::Msg {
+                    subject: fields[0].to_vec(),
+                    status,
+                    payload: buf[after + header_len..end].to_vec(),
+                },
+                end + 2,
+            )));
+        }
+        _ => {
+            return Err(format!(
+                "unknown operation {:?}",
+                String::from_utf8_lossy(&line[..line.len().min(64)])
+            ))
+        }
+    };
+    Ok(Some((op, after)))
+}
+
+/// The code on a header block's `NATS/1.0 <code> [text]` line.
+fn status_of(block: &[u8]) -> Option<u16> {
+    let first = block.split(|&b| b == b'\r').next()?;
+    let rest = first.strip_prefix(b"NATS/1.0")?;
+    let code = rest.split(|&b| b == b' ').find(|f| !f.is_empty())?;
+    std::str::from_utf8(code).ok()?.parse().ok()
+}
+
+/// "NATS/1.0\r\n", "name: value\r\n" each, "\r\n".
+fn header_block_len(
+    headers: &[(Cow<'static, str>, String)],
+    expected: Option<(&str, &str)>,
+) -> usize {
+    let line = |k: &str, v: &str| k.len() + v.len() + 4;
+    10 + headers.iter().map(|(k, v)| line(k, v)).sum::<usize>()
+        + expected.map_or(0, |(k, v)| line(k, v))
+        + 2
+}
+
+/// `HPUB <subject> <prefix><token> <header bytes> <total bytes>` and the
+/// header block; the body and a CRLF follow. Names and values were checked
+/// for CR/LF when routed.
+fn encode_head(
+    out: &mut Vec<u8>,
+    subject: &str,
+    prefix: &str,
+    token: u64,
+    headers: &[(Cow<'static, str>, String)],
+    expected: Option<(&str, &str)>,
+    body_len: usize,
+) {
+    let block = header_block_len(headers, expected);
+    out.reserve(subject.len() + prefix.len() + 64 + block + body_len.min(COPY_MAX));
+    out.extend_from_slice(b"HPUB ");
+    out.extend_from_slice(subject.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(prefix.as_bytes());
+    push_decimal(out, token as usize);
+    out.push(b' ');
+    push_decimal(out, block);
+    out.push(b' ');
+    push_decimal(out, block + body_len);
+    out.extend_from_slice(b"\r\nNATS/1.0\r\n");
+    let mut line = |k: &str, v: &str| {
+        out.extend_from_slice(k.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(v.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    };
+    for (k, v) in headers {
+        line(k, v);
+    }
+    if let Some((k, v)) = expected {
+        line(k, v);
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[i..]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn headers() -> Vec<(Cow<'static, str>, String)> {
+        vec![
+            (Cow::Borrowed("Nats-Msg-Id"), "e1".to_owned()),
+            (
+                Cow::Owned("Outbox-Event-Type".to_owned()),
+                "tick".to_owned(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn an_hpub_carries_its_header_block_and_body_with_their_sizes() {
+        let mut out = Vec::new();
+        encode_head(
+            &mut out,
+            "ctx.load",
+            "_INBOX.x.",
+            42,
+            &headers(),
+            Some(("Nats-Expected-Last-Msg-Id", "e0")),
+            2,
+        );
+        out.extend_from_slice(b"{}\r\n");
+        let block = "NATS/1.0\r\nNats-Msg-Id: e1\r\nOutbox-Event-Type: tick\r\nNats-Expected-Last-Msg-Id: e0\r\n\r\n";
+        let want = format!(
+            "HPUB ctx.load _INBOX.x.42 {} {}\r\n{block}{{}}\r\n",
+            block.len(),
+            block.len() + 2
+        );
+        assert_eq!(String::from_utf8(out).unwrap(), want);
+        assert_eq!(
+            header_block_len(&headers(), Some(("Nats-Expected-Last-Msg-Id", "e0"))),
+            block.len()
+        );
+    }
+
+    /// Small bodies are copied into the buffer, large ones written from
+    /// their own bytes at their place: the stream is the same.
+    #[tokio::test]
+    async fn the_writer_puts_large_bodies_in_their_place() {
+        let shared = Arc::new(Shared::default());
+        let (ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let stop = CancellationToken::new();
+        tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
+        let big = Bytes::from(vec![b'b'; COPY_MAX + 1]);
+        let mut link = Link {
+            shared: shared.clone(),
+            _tasks: stop.drop_guard(),
+            prefix: "_I.".into(),
+            max_payload: 1 << 20,
+        };
+        let mut want = Vec::new();
+        for (token, body) in [
+            (1, Bytes::from_static(b"s1")),
+            (2, big.clone()),
+            (3, Bytes::from_static(b"s3")),
+        ] {
+            assert!(link.publish("a.b", token, &headers(), None, &body));
+            encode_head(&mut want, "a.b", "_I.", token, &headers(), None, body.len());
+            want.extend_from_slice(&body);
+            want.extend_from_slice(b"\r\n");
+        }
+        let mut got = vec![0; want.len()];
+        theirs.read_exact(&mut got).await.unwrap();
+        assert!(
+            got == want,
+            "the bytes written differ from the messages encoded"
+        );
+        // Too large for the server: answered here, never written.
+        let huge = Bytes::from(vec![b'h'; 1 << 20]);
+        assert!(link.publish("a.b", 4, &headers(), None, &huge));
+        let (token, answer) = link.next_answer().await.unwrap();
+        assert_eq!(token, 4);
+        assert_eq!(
+            answer.unwrap_err().kind(),
+            PublishErrorKind::MaxPayloadExceeded
+        );
+        // The other end gone: the link says so, and takes nothing more.
+        drop(theirs);
+        assert!(link.publish("a.b", 5, &headers(), None, &Bytes::from_static(b"x")));
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !link.broken() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the writer notices");
+        assert!(!link.publish("a.b", 6, &headers(), None, &Bytes::from_static(b"x")));
+    }
+
+    #[test]
+    fn decimals() {
+        for n in [0usize, 7, 10, 99, 1234567890, usize::MAX] {
+            let mut out = Vec::new();
+            push_decimal(&mut out, n);
+            assert_eq!(String::from_utf8(out).unwrap(), n.to_string());
+        }
+    }
+
+    #[test]
+    fn server_operations() {
+        let ops = b"INFO {\"max_payload\":1}\r\nPING\r\n+OK\r\n-ERR 'Permissions Violation for Publish to x'\r\nMSG _INBOX.a.7 1 5\r\nhello\r\nHMSG _INBOX.a.8 1 16 16\r\nNATS/1.0 503\r\n\r\n\r\nhmsg _INBOX.a.9 1 _R 12 14\r\nNATS/1.0\r\n\r\nok\r\nPONG\r\n";
+        let mut at = 0;
+        let mut got = Vec::new();
+        while let Some((op, used)) = parse(&ops[at..]).unwrap() {
+            got.push(op);
+            at += used;
+        }
+        assert_eq!(at, ops.len());
+        assert_eq!(
+            got,
+            vec![
+                Op::Info(b"{\"max_payload\":1}".to_vec()),
+                Op::Ping,
+                Op::Ok,
+                Op::Err("Permissions Violation for Publish to x".into()),
+                Op::Msg {
+                    subject: b"_INBOX.a.7".to_vec(),
+                    status: None,
+                    payload: b"hello".to_vec()
+                },
+                Op::Msg {
+                    subject: b"_INBOX.a.8".to_vec(),
+                    status: Some(503),
+                    payload: vec![]
+                },
+                Op::Msg {
+                    subject: b"_INBOX.a.9".to_vec(),
+                    status: None,
+                    payload: b"ok".to_vec()
+                },
+                Op::Pong,
+            ]
+        );
+    }
+
+    #[test]
+    fn what_is_not_nats_is_an_error() {
+        assert!(parse(b"HELLO\r\n").is_err());
+        assert!(parse(b"MSG a 1 x\r\n").is_err());
+        assert!(parse(b"MSG a 1 2\r\nabcd\r\n").is_err());
+        assert!(parse(b"HMSG a 1 9 2\r\n").is_err());
+        assert_eq!(parse(&[b'x'; 100]).unwrap(), None);
+        assert!(parse(&vec![b'x'; MAX_LINE + 1]).is_err());
+    }
+
+    #[test]
+    fn creds_files_give_their_jwt_and_seed() {
+        let text = "-----BEGIN NATS USER JWT-----\neyJhbGciOi.x.y\n------END NATS USER JWT------\n\n************************* IMPORTANT *************************\nNKEY Seed printed below can be used to sign and prove identity.\n\n-----BEGIN USER NKEY SEED-----\nSUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4\n------END USER NKEY SEED------\n";
+        assert_eq!(
+            parse_creds(text),
+            Some((
+                "eyJhbGciOi.x.y".to_owned(),
+                "SUAIBDPBAUTWCWBKIO6XHQNINK5FWJW4OHLXC3HQ2KFE4PEJUA44CNHTC4".to_owned()
+            ))
+        );
+        assert_eq!(parse_creds("-----BEGIN NATS USER JWT-----\nx\n"), None);
+    }
+
+    #[test]
+    fn a_nonce_is_signed_by_the_seed() {
+        use base64::Engine as _;
+        let user = nkeys::KeyPair::new_user();
+        let seed = user.seed().unwrap();
+        let sig = sign_nonce(&seed, "nonce-1").unwrap();
+        let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(sig)
+            .unwrap();
+        user.verify(b"nonce-1", &raw).unwrap();
+        assert_eq!(sign_nonce("not a seed", "n"), None);
+    }
+
+    proptest! {
+        /// However the socket cuts the bytes, the same operations come out.
+        #[test]
+        fn operations_survive_any_split(cuts in proptest::collection::vec(0usize..120, 0..6)) {
+            let ops: &[u8] = b"PING\r\nMSG _INBOX.a.1 1 9\r\n{\"seq\":1}\r\nHMSG _INBOX.a.2 1 16 20\r\nNATS/1.0 503\r\n\r\nabcd\r\nPONG\r\n";
+            let whole = {
+                let mut at = 0;
+                let mut v = Vec::new();
+                while let Some((op, used)) = parse(&ops[at..]).unwrap() { v.push(op); at += used; }
+                v
+            };
+            prop_assert_eq!(whole.len(), 4);
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(ops.len())).collect();
+            cuts.sort_unstable();
+            cuts.push(ops.len());
+            let mut buf = Vec::new();
+            let mut got = Vec::new();
+            let mut fed = 0;
+            for c in cuts {
+                buf.extend_from_slice(&ops[fed..c]);
+                fed = c;
+                while let Some((op, used)) = parse(&buf).unwrap() {
+                    got.push(op);
+                    buf.drain(..used);
+                }
+            }
+            prop_assert_eq!(got, whole);
+        }
+    }
+}
