@@ -656,6 +656,54 @@ async fn nats_restart_under_load_loses_nothing_and_keeps_order() {
     .await;
 }
 
+/// The publish connection answers the server's PINGs while idle: a server
+/// that pings every second and allows one unanswered ping would otherwise
+/// close it as stale between two events, and the next event would find it
+/// gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_publish_connection_answers_the_servers_pings() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_idleping").await;
+    let conf = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nats-idleping.conf");
+    std::fs::write(&conf, "ping_interval: \"1s\"\nping_max: 1\n").unwrap();
+    let nats = OwnNats::start_with(&stack, "idleping", &["-c", conf.to_str().unwrap()]);
+    let relay = Service::relay(&url, &nats.url, "idleping", &[]);
+    let mut sent = insert_txn(&pool, 0, 0, 3, 8).await;
+    read_stream(&nats.url, &wire::stream_name("idleping"), 3, T).await;
+    // Idle through four of the server's pings: the subject of the test.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    sent.extend(insert_txn(&pool, 0, 3, 3, 8).await);
+    let got = read_stream(&nats.url, &wire::stream_name("idleping"), 6, T).await;
+    assert_exactly_once_in_order(&got, &sent.into_iter().collect());
+    let log = relay.log_text();
+    assert!(
+        !log.contains("the publish connection failed") && !log.contains("Stale Connection"),
+        "the publish connection was closed while idle:\n{log}"
+    );
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_publish_resends_total"), Some(0.0));
+}
+
+/// A server list whose first entry accepts connections and never speaks
+/// (a hung host): the publish connection gives it up after its handshake
+/// timeout and publishes through the next server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_first_server_is_passed_over() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_silentfirst").await;
+    let nats = OwnNats::start(&stack, "silentfirst");
+    // Connections queue in its backlog; nothing is ever read or written.
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let servers = format!("nats://{},{}", hole.local_addr().unwrap(), nats.url);
+    let relay = Service::relay(&url, &servers, "silentfirst", &[]);
+    let sent = insert_txn(&pool, 0, 0, 20, 8).await;
+    let got = read_stream(&nats.url, &wire::stream_name("silentfirst"), 20, T).await;
+    assert_exactly_once_in_order(&got, &sent.into_iter().collect());
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_session_restarts_total"), Some(0.0));
+    drop(hole);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn walsender_terminated_while_ack_held_never_confirms_past_it() {
     let stack = stack();

@@ -139,6 +139,9 @@ impl Dialer {
             match tokio::time::timeout(DIAL_TIMEOUT, self.dial_one(&addr)).await {
                 Ok(Ok((link, info))) => {
                     self.learn(&info.connect_urls);
+                    // The next dial (this link broke or went silent) tries
+                    // another server first.
+                    self.next = i + 1;
                     return Ok(link);
                 }
                 Ok(Err(e)) => last = Some(e),
@@ -186,6 +189,10 @@ impl Dialer {
             .await
             .map_err(io)?;
         tcp.set_nodelay(true).map_err(io)?;
+        // Dropped, the link resets the connection: bytes it could not send
+        // are discarded, never delivered minutes later (after a partition)
+        // behind what a newer link sent.
+        tcp.set_zero_linger().map_err(io)?;
         let mut rbuf = BytesMut::with_capacity(64 * 1024);
         let info = match next_op(&mut tcp, &mut rbuf).await? {
             Op::Info(json) => {
@@ -599,6 +606,11 @@ impl Link {
 
     pub fn broken(&self) -> bool {
         self.shared.broken()
+    }
+
+    /// The `max_payload` of the server the link is on.
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
     }
 
     /// The next answer: a reply token and what it says. Cancel-safe:

@@ -29,7 +29,7 @@ use futures::stream::StreamExt;
 use std::time::Instant;
 
 use super::acks::{Inbox, Next};
-use super::link::Dialer;
+use super::link::{Dialer, Link, LinkError};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::config::PublishMode;
@@ -674,9 +674,13 @@ struct Outage {
 
 pub struct Publisher {
     js: Context,
-    /// Opens the publish link: with the first publish, and again after it
-    /// breaks or goes silent.
-    dialer: Dialer,
+    /// Opens the publish link: at the session's start ([`Self::connect`]),
+    /// and again when it broke or went silent.
+    dialer: Option<Dialer>,
+    /// A dial under way. It runs as a task of its own, so a caller that is
+    /// dropped (the session's select) does not cut it short: the next call
+    /// waits for the same dial, which ends in a link or an error.
+    dialing: tokio::task::JoinSet<(Dialer, std::result::Result<Link, LinkError>)>,
     /// The link and the answers to what is in flight on it.
     acks: Option<Inbox>,
     /// The messages behind `acks`, in the same order.
@@ -715,7 +719,8 @@ impl Publisher {
     ) -> Self {
         Self {
             js,
-            dialer,
+            dialer: Some(dialer),
+            dialing: tokio::task::JoinSet::new(),
             acks: None,
             sent: VecDeque::new(),
             parked: VecDeque::new(),
@@ -793,7 +798,10 @@ impl Publisher {
             at: self.epoch,
         };
         if self.parked.is_empty() {
-            if let Sending::Broken(sent, why) = self.send(sent, false).await? {
+            // Never a dial here: the session cannot stop while this
+            // runs. Without a link the message waits, and `next_ack`
+            // dials.
+            if let Sending::Broken(sent, why) = self.send(sent, false, false).await? {
                 self.parked.push_back(sent);
                 self.ride_out(None, &why, false);
             }
@@ -808,25 +816,72 @@ impl Publisher {
         Ok(())
     }
 
-    /// Hand one message to the link, dialing one first if there is none
-    /// or it broke. Cancel-safe: nothing changes until the link took the
-    /// message. A `probe` waits for its ack a shorter time, growing per
-    /// outage. A message a broken link could not take comes back, with
-    /// why; no server taking a new link ends the session (the relay
+    /// Open the publish link (the session's first dial, made while the
+    /// session opens and can still be stopped).
+    pub async fn connect(&mut self) -> Result<()> {
+        if self.acks.is_none() {
+            let link = self.dial().await.map_err(|e| {
+                metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+                Error::Publish {
+                    id: String::new(),
+                    failure: PublishFailure::Send,
+                    source: Box::new(e),
+                }
+            })?;
+            self.open(link);
+        }
+        Ok(())
+    }
+
+    /// Cancel-safe: a dropped call leaves the dial running.
+    async fn dial(&mut self) -> std::result::Result<Link, LinkError> {
+        if self.dialing.is_empty() {
+            let Some(mut dialer) = self.dialer.take() else {
+                return Err(LinkError::Config("no dialer".into()));
+            };
+            self.dialing.spawn(async move {
+                let link = dialer.dial().await;
+                (dialer, link)
+            });
+        }
+        match self.dialing.join_next().await {
+            Some(Ok((dialer, link))) => {
+                self.dialer = Some(dialer);
+                link
+            }
+            Some(Err(e)) => Err(LinkError::Config(format!("the dial failed: {e}"))),
+            None => Err(LinkError::Config("no dial under way".into())),
+        }
+    }
+
+    fn open(&mut self, link: Link) {
+        // A dead letter must fit the server the link landed on too.
+        let fits = link.max_payload().saturating_sub(HEADER_RESERVE);
+        self.refusals.max_message = self.refusals.max_message.min(fits);
+        self.acks = Some(Inbox::new(link));
+    }
+
+    /// Hand one message to the link; with `may_dial`, dial one first if
+    /// there is none or it broke. Cancel-safe: nothing changes until the
+    /// link took the message. A `probe` waits for its ack a shorter time,
+    /// growing per outage. A message the link could not take comes back,
+    /// with why; no server taking a new link ends the session (the relay
     /// reconnects from scratch, as it does when NATS is down at start).
-    async fn send(&mut self, mut sent: Sent, probe: bool) -> Result<Sending> {
-        let broken = |sent| Ok(Sending::Broken(sent, "the publish connection broke".into()));
+    async fn send(&mut self, mut sent: Sent, probe: bool, may_dial: bool) -> Result<Sending> {
+        let broken = |sent, why: &str| Ok(Sending::Broken(sent, why.into()));
         if self.acks.as_ref().is_some_and(Inbox::broken) {
             if self.unanswered() > 0 {
                 // What is in flight on it must go again first.
-                return broken(sent);
+                return broken(sent, "the publish connection broke");
             }
             self.acks = None;
         }
-        let acks = match self.acks.as_mut() {
-            Some(acks) => acks,
-            None => match self.dialer.dial().await {
-                Ok(link) => self.acks.insert(Inbox::new(link)),
+        if self.acks.is_none() {
+            if !may_dial {
+                return broken(sent, "no publish connection");
+            }
+            match self.dial().await {
+                Ok(link) => self.open(link),
                 Err(e) => {
                     metrics::counter!(m::PUBLISH_ERRORS).increment(1);
                     return Err(Error::Publish {
@@ -835,11 +890,14 @@ impl Publisher {
                         source: Box::new(e),
                     });
                 }
-            },
+            }
+        }
+        let Some(acks) = self.acks.as_mut() else {
+            return broken(sent, "no publish connection");
         };
         let prev = self.chain.as_deref();
         if !acks.publish(&sent.msg, prev) {
-            return broken(sent);
+            return broken(sent, "the publish connection broke");
         }
         let now = Instant::now();
         let probe_deadline = self.outage.filter(|_| probe).map(|o| now + o.probe_timeout);
@@ -886,12 +944,16 @@ impl Publisher {
                     return Some(self.failed(e));
                 }
             }
-            let stall_at = self.sent.front().map(|s| s.at + self.stall);
-            let Some(acks) = self.acks.as_mut() else {
+            if self.unanswered() == 0 {
                 if self.parked.is_empty() {
                     return None;
                 }
-                // No link: the outage clock paces the next dial.
+                // Nothing went out (no link, or a broken one): the outage
+                // clock, set by then, paces the next try.
+                continue;
+            }
+            let stall_at = self.sent.front().map(|s| s.at + self.stall);
+            let Some(acks) = self.acks.as_mut() else {
                 continue;
             };
             let result = tokio::select! {
@@ -1052,10 +1114,13 @@ impl Publisher {
     }
 
     /// Put everything unacked back in the queue, `first` (just taken off
-    /// the books) at its head, and forget the old copies' futures. What was
-    /// in flight was refused or is unknown; the server handles a
-    /// connection's messages in order, so old copies are answered before
-    /// new ones arrive.
+    /// the books) at its head, and forget the old copies' answers. What
+    /// was in flight was refused or is unknown. On the same link the server
+    /// handles old copies before new ones. Copies left on a link that was
+    /// dropped may still be handled after the new ones: a chained copy
+    /// then fails its order check or dedupes, and a solo one dedupes by id
+    /// within the duplicate window; the dropped link resets its socket
+    /// (zero linger), so its unsent bytes never arrive late.
     fn requeue(&mut self, first: Option<Sent>) {
         let mut queue: VecDeque<Sent> = first.into_iter().collect();
         queue.extend(self.sent.drain(..));
@@ -1074,7 +1139,7 @@ impl Publisher {
         let probe = self.outage.is_some();
         while let Some(front) = self.parked.front() {
             let next = front.clone();
-            if let Sending::Broken(_, why) = self.send(next, probe).await? {
+            if let Sending::Broken(_, why) = self.send(next, probe, true).await? {
                 // It stays at the head; the outage paces the next try.
                 self.ride_out(None, &why, false);
                 return Ok(());

@@ -277,6 +277,7 @@ impl<'a> Session<'a> {
             nats.clone(),
             cfg.stream.clone(),
         );
+        publisher.per_event().connect().await?;
         let router = |source: &str| {
             Router::new(
                 &cfg.context,
