@@ -25,11 +25,25 @@ use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::StatusCode;
 use serde::Deserialize;
 
-use super::link::Link;
+use super::link::{Link, Reply};
 use super::route::OutMessage;
+use crate::wire;
 
 /// One publish's outcome: `Ok(duplicate)`.
 pub type Answer = Result<bool, PublishError>;
+
+/// A batch commit's outcome.
+pub type CommitAnswer = Result<Stored, PublishError>;
+
+/// What a positive answer says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub duplicate: bool,
+    /// The id of the batch a commit's answer is for; none on a publish
+    /// that was not a batch (and from a server that ignored the batch
+    /// headers).
+    pub batch: Option<String>,
+}
 
 /// What the inbox says next.
 #[derive(Debug)]
@@ -141,13 +155,13 @@ impl AckQueue {
     }
 }
 
-/// The token of a reply subject under `prefix` (`<inbox>.`).
-pub fn token(prefix: &str, subject: &str) -> Option<u64> {
-    subject.strip_prefix(prefix)?.parse().ok()
-}
-
 /// Read one answer as async-nats' JetStream publish reads it.
 pub fn read(status: Option<StatusCode>, payload: &[u8]) -> Answer {
+    read_commit(status, payload).map(|s| s.duplicate)
+}
+
+/// [`read`], keeping the batch id a commit's answer carries.
+pub fn read_commit(status: Option<StatusCode>, payload: &[u8]) -> CommitAnswer {
     if status == Some(StatusCode::NO_RESPONDERS) {
         return Err(PublishError::new(PublishErrorKind::StreamNotFound));
     }
@@ -157,6 +171,7 @@ pub fn read(status: Option<StatusCode>, payload: &[u8]) -> Answer {
         seq: Option<u64>,
         #[serde(default)]
         duplicate: bool,
+        batch: Option<String>,
     }
     let body: Body = serde_json::from_slice(payload)
         .map_err(|e| PublishError::with_source(PublishErrorKind::Other, e))?;
@@ -173,7 +188,10 @@ pub fn read(status: Option<StatusCode>, payload: &[u8]) -> Answer {
             };
             Err(PublishError::with_source(kind, error))
         }
-        (None, Some(_)) => Ok(body.duplicate),
+        (None, Some(_)) => Ok(Stored {
+            duplicate: body.duplicate,
+            batch: body.batch,
+        }),
         (None, None) => Err(PublishError::with_source(
             PublishErrorKind::Other,
             format!(
@@ -208,14 +226,21 @@ impl Inbox {
     /// Queue a message whose answer is the next pushed slot's; `false`:
     /// the link is gone.
     pub fn publish(&mut self, msg: &OutMessage, expected_last_msg_id: Option<&str>) -> bool {
+        let chain = expected_last_msg_id.map(|id| (wire::EXPECTED_LAST_MSG_ID, id));
         !self.dead
             && self.link.publish(
                 &msg.subject,
-                self.queue.next_token(),
+                Reply::Ack(self.queue.next_token()),
                 &msg.headers,
-                expected_last_msg_id,
+                chain.as_slice(),
                 &msg.body,
             )
+    }
+
+    /// The link itself, for the batch path (which uses it only while
+    /// nothing per-event is in flight).
+    pub fn link(&mut self) -> &mut Link {
+        &mut self.link
     }
 
     /// The link failed: what is in flight on it will not be answered.
@@ -368,13 +393,6 @@ mod tests {
         );
         assert_eq!(kind(read(None, b"{}")), Some(PublishErrorKind::Other));
         assert_eq!(kind(read(None, b"")), Some(PublishErrorKind::Other));
-    }
-
-    #[test]
-    fn tokens_are_read_only_under_the_prefix() {
-        assert_eq!(token("_INBOX.abc.", "_INBOX.abc.42"), Some(42));
-        assert_eq!(token("_INBOX.abc.", "_INBOX.abd.42"), None);
-        assert_eq!(token("_INBOX.abc.", "_INBOX.abc.4x"), None);
     }
 
     proptest! {

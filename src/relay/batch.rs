@@ -39,16 +39,15 @@
 //! the server stages a batch in a store of its own.
 
 use std::collections::VecDeque;
-use std::future::IntoFuture;
-use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, Context};
-use futures::Future;
 use pgwire_replication::Lsn;
 
-use super::publish::{self, header_map, Ack, Publisher, Tail};
+use super::acks::CommitAnswer;
+use super::link::Reply;
+use super::publish::{self, Ack, Publisher, Tail};
 use super::route::OutMessage;
 use super::watermark::Ticket;
 use crate::error::{Error, PublishFailure, Result};
@@ -73,13 +72,6 @@ const OUTAGE_BUDGET: Duration = Duration::from_secs(60);
 /// Times a batch the server lost track of goes again as a batch before it
 /// goes one event at a time.
 const BATCH_RETRIES: u32 = 3;
-
-type CommitFuture = Pin<
-    Box<
-        dyn Future<Output = std::result::Result<jetstream::publish::PublishAck, PublishError>>
-            + Send,
-    >,
->;
 
 struct Queued {
     ticket: Ticket,
@@ -116,7 +108,8 @@ struct InFlight {
     /// How many were handed to the connection (the sending is resumable:
     /// `next_ack` may be dropped between two messages).
     next: usize,
-    commit: Option<CommitFuture>,
+    /// The reply token of its commit, once handed to the link.
+    commit: Option<u64>,
     /// When the commit was handed over: the stall clock.
     committed_at: Instant,
     /// Not sent before this (a pause after a refusal that may pass).
@@ -132,7 +125,6 @@ struct InFlight {
 pub struct Batcher {
     per_event: Publisher,
     batches: bool,
-    nats: async_nats::Client,
     js: Context,
     stream: String,
     lineage: Option<Lineage>,
@@ -164,24 +156,20 @@ pub struct Batcher {
     /// Unique per process and session, so batch ids never meet an old one.
     prefix: String,
     counter: u64,
+    /// The last commit's reply token.
+    commits: u64,
 }
 
 impl Batcher {
     /// `batches`: publish in atomic batches (else everything goes through
     /// `per_event`). The per-event window bounds what is queued and in
     /// flight here too, in bytes, and in count up to two batches.
-    pub fn new(
-        per_event: Publisher,
-        batches: bool,
-        nats: async_nats::Client,
-        stream: String,
-    ) -> Self {
+    pub fn new(per_event: Publisher, batches: bool, stream: String) -> Self {
         let (js, max_count, max_bytes, stall) = per_event.settings();
         metrics::gauge!(m::PUBLISH_BATCHES).set(if batches { 1.0 } else { 0.0 });
         Self {
             per_event,
             batches,
-            nats,
             js,
             stream,
             lineage: None,
@@ -204,6 +192,7 @@ impl Batcher {
             pause: FIRST_PAUSE,
             prefix: uuid::Uuid::new_v4().simple().to_string(),
             counter: 0,
+            commits: 0,
         }
     }
 
@@ -416,31 +405,50 @@ impl Batcher {
                 self.look_up().await;
                 continue;
             }
-            let Some(commit) = cur.commit.as_mut() else {
+            let Some(token) = cur.commit else {
                 // Sent in full without a commit in hand: only a look-up
                 // can say what happened.
                 cur.lookup = true;
                 continue;
             };
             let stall_at = cur.committed_at + self.stall;
-            let answer = tokio::select! {
-                biased;
-                r = commit => Some(r),
-                _ = tokio::time::sleep_until(stall_at.into()) => None,
+            let answer = match self.per_event.link() {
+                None => Some(Err(PublishError::new(PublishErrorKind::BrokenPipe))),
+                Some(link) => tokio::select! {
+                    biased;
+                    r = link.next_commit() => match r {
+                        Ok((t, answer)) if t == token => Some(answer),
+                        // An earlier copy's answer, come late.
+                        Ok(_) => continue,
+                        Err(_) => Some(Err(PublishError::new(PublishErrorKind::BrokenPipe))),
+                    },
+                    _ = tokio::time::sleep_until(stall_at.into()) => None,
+                },
             };
-            // Answered: the future is spent, whatever comes next.
-            cur.commit = None;
+            if answer.is_none() {
+                // Silence may be a dead connection the socket has not
+                // noticed: the next batch goes on a new one.
+                self.per_event.drop_link();
+            }
+            if let Some(cur) = self.current.as_mut() {
+                cur.commit = None;
+            }
             self.settle(answer);
         }
     }
 
-    /// Hand the current batch's unsent messages to the connection, the
-    /// last as the commit, whose ack is awaited.
+    /// Hand the current batch's unsent messages to the link, the last as
+    /// the commit, whose answer is awaited. Cancel-safe: only a dial is
+    /// awaited, before anything is handed over.
     async fn send_rest(&mut self) -> Result<()> {
         let Some(cur) = self.current.as_mut() else {
             return Ok(());
         };
         let n = cur.msgs.len();
+        if cur.next >= n {
+            return Ok(());
+        }
+        let link = self.per_event.batch_link().await?;
         while cur.next < n {
             let i = cur.next;
             let q = &cur.msgs[i];
@@ -457,34 +465,25 @@ impl Batcher {
                 (true, false) => &batch[..2],
                 (true, true) => &batch[..],
             };
-            let headers = header_map(&q.msg.headers, None, extra);
-            let send_error = |e: Box<dyn std::error::Error + Send + Sync>| {
-                metrics::counter!(m::PUBLISH_ERRORS).increment(1);
-                Error::Publish {
-                    id: q.msg.msg_id.clone(),
-                    failure: PublishFailure::Send,
-                    source: e,
-                }
-            };
-            if last {
-                let publish = jetstream::message::PublishMessage::build()
-                    .payload(q.msg.body.clone())
-                    .headers(headers);
-                let ack = self
-                    .js
-                    .send_publish(q.msg.subject.clone(), publish)
-                    .await
-                    .map_err(|e| send_error(Box::new(e)))?;
-                cur.commit = Some(ack.into_future());
-                cur.committed_at = Instant::now();
+            // The server answers only the commit; the others carry no
+            // reply subject.
+            let reply = if last {
+                Reply::Commit(self.commits + 1)
             } else {
-                // Not a JetStream publish: the server answers only the
-                // commit (an empty reply would break the client's ack
-                // parsing), and checks the sequence for gaps.
-                self.nats
-                    .publish_with_headers(q.msg.subject.clone(), headers, q.msg.body.clone())
-                    .await
-                    .map_err(|e| send_error(Box::new(e)))?;
+                Reply::None
+            };
+            if !link.publish(&q.msg.subject, reply, &q.msg.headers, extra, &q.msg.body) {
+                // The link broke mid-batch: the server drops what it got
+                // of it as incomplete, and the stream's tail tells.
+                metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+                cur.next = n;
+                cur.commit = None;
+                return Ok(());
+            }
+            if last {
+                self.commits += 1;
+                cur.commit = Some(self.commits);
+                cur.committed_at = Instant::now();
             }
             cur.next += 1;
         }
@@ -493,10 +492,7 @@ impl Batcher {
 
     /// Settle the current batch by its commit's answer (`None`: none in
     /// time).
-    fn settle(
-        &mut self,
-        answer: Option<std::result::Result<jetstream::publish::PublishAck, PublishError>>,
-    ) {
+    fn settle(&mut self, answer: Option<CommitAnswer>) {
         let Some(cur) = self.current.as_mut() else {
             return;
         };
@@ -533,7 +529,7 @@ impl Batcher {
             return;
         }
         match answer {
-            Some(Ok(ack)) if n == 1 || ack.batch_id.as_deref() == Some(cur.id.as_str()) => {
+            Some(Ok(ack)) if n == 1 || ack.batch.as_deref() == Some(cur.id.as_str()) => {
                 metrics::counter!(m::BATCHES, "result" => "committed").increment(1);
                 let cur = self.current.take().expect("checked above");
                 self.current_bytes = 0;

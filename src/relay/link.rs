@@ -35,9 +35,23 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::acks::{self, Answer};
+use super::acks::{self, Answer, CommitAnswer};
 use crate::config::NatsArgs;
-use crate::wire;
+
+/// How a message is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    /// Not at all: a batch's message before its commit (the server answers
+    /// only the commit).
+    None,
+    /// A per-event publish: its ack, under this token.
+    Ack(u64),
+    /// A batch's commit: the batch's ack, under this token.
+    Commit(u64),
+}
+
+/// A commit's reply subject is `<inbox>.c<token>`, an ack's `<inbox>.<token>`.
+const COMMIT: u8 = b'c';
 
 /// How long one server may take to accept and finish the handshake.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -389,6 +403,8 @@ struct Shared {
     answers: Mutex<Answers>,
     /// The session's: an answer came in, or the link closed.
     answered: Notify,
+    /// The session's: a commit's answer came in, or the link closed.
+    committed: Notify,
 }
 
 #[derive(Default)]
@@ -407,6 +423,7 @@ const COPY_MAX: usize = 16 * 1024;
 #[derive(Default)]
 struct Answers {
     queue: VecDeque<(u64, Answer)>,
+    commits: VecDeque<(u64, CommitAnswer)>,
     /// Why the link closed, once it has.
     closed: Option<String>,
 }
@@ -436,6 +453,13 @@ impl Shared {
         self.answered.notify_one();
     }
 
+    fn commit_answer(&self, token: u64, answer: CommitAnswer) {
+        if let Ok(mut a) = self.answers.lock() {
+            a.commits.push_back((token, answer));
+        }
+        self.committed.notify_one();
+    }
+
     /// Nothing more goes out or comes in.
     fn close(&self, why: String) {
         if let Ok(mut s) = self.out.lock() {
@@ -447,6 +471,7 @@ impl Shared {
             a.closed.get_or_insert(why);
         }
         self.answered.notify_one();
+        self.committed.notify_one();
     }
 
     fn broken(&self) -> bool {
@@ -522,12 +547,18 @@ async fn read_in(
                 status,
                 payload,
             }) => {
-                let token = std::str::from_utf8(&subject)
+                let status = status.and_then(|s| StatusCode::from_u16(s).ok());
+                let tail = std::str::from_utf8(&subject)
                     .ok()
-                    .and_then(|s| acks::token(&prefix, s));
-                if let Some(token) = token {
-                    let status = status.and_then(|s| StatusCode::from_u16(s).ok());
-                    shared.answer(token, acks::read(status, &payload));
+                    .and_then(|s| s.strip_prefix(prefix.as_str()));
+                if let Some(tail) = tail {
+                    if let Some(token) = tail.strip_prefix(COMMIT as char) {
+                        if let Ok(token) = token.parse() {
+                            shared.commit_answer(token, acks::read_commit(status, &payload));
+                        }
+                    } else if let Ok(token) = tail.parse() {
+                        shared.answer(token, acks::read(status, &payload));
+                    }
                 }
             }
             Ok(Op::Ping) => {
@@ -561,26 +592,29 @@ pub struct Link {
 }
 
 impl Link {
-    /// Queue one message whose answer comes back under `token`. `false`:
-    /// the connection is gone, nothing was queued.
+    /// Queue one message, its headers followed by `extra`, answered as
+    /// `reply` says. `false`: the connection is gone, nothing was queued.
     pub fn publish(
         &mut self,
         subject: &str,
-        token: u64,
+        reply: Reply,
         headers: &[(Cow<'static, str>, String)],
-        expected_last_msg_id: Option<&str>,
+        extra: &[(&str, &str)],
         body: &Bytes,
     ) -> bool {
-        let expected = expected_last_msg_id.map(|id| (wire::EXPECTED_LAST_MSG_ID, id));
-        let size = header_block_len(headers, expected) + body.len();
+        let size = header_block_len(headers, extra) + body.len();
         if size > self.max_payload {
             if self.shared.broken() {
                 return false;
             }
-            self.shared.answer(
-                token,
-                Err(PublishError::new(PublishErrorKind::MaxPayloadExceeded)),
-            );
+            let refused = || PublishError::new(PublishErrorKind::MaxPayloadExceeded);
+            match reply {
+                Reply::Ack(token) => self.shared.answer(token, Err(refused())),
+                Reply::Commit(token) => self.shared.commit_answer(token, Err(refused())),
+                // Unanswered: the batch's commit goes without it, and the
+                // server refuses the batch as incomplete.
+                Reply::None => {}
+            }
             return true;
         }
         let prefix = &self.prefix;
@@ -589,9 +623,9 @@ impl Link {
                 &mut s.buf,
                 subject,
                 prefix,
-                token,
+                reply,
                 headers,
-                expected,
+                extra,
                 body.len(),
             );
             if body.len() < COPY_MAX {
@@ -628,6 +662,23 @@ impl Link {
             }
             // A notification sent since the check is kept as a permit.
             self.shared.answered.notified().await;
+        }
+    }
+
+    /// The next answer to a batch's commit ([`Reply::Commit`]).
+    /// Cancel-safe, as [`Self::next_answer`].
+    pub async fn next_commit(&mut self) -> Result<(u64, CommitAnswer), LinkError> {
+        loop {
+            {
+                let mut a = self.shared.answers.lock().map_err(|_| LinkError::Closed)?;
+                if let Some(answer) = a.commits.pop_front() {
+                    return Ok(answer);
+                }
+                if let Some(why) = &a.closed {
+                    return Err(LinkError::Protocol(why.clone()));
+                }
+            }
+            self.shared.committed.notified().await;
         }
     }
 }
@@ -810,36 +861,41 @@ fn status_of(block: &[u8]) -> Option<u16> {
 }
 
 /// "NATS/1.0\r\n", "name: value\r\n" each, "\r\n".
-fn header_block_len(
-    headers: &[(Cow<'static, str>, String)],
-    expected: Option<(&str, &str)>,
-) -> usize {
+fn header_block_len(headers: &[(Cow<'static, str>, String)], extra: &[(&str, &str)]) -> usize {
     let line = |k: &str, v: &str| k.len() + v.len() + 4;
     10 + headers.iter().map(|(k, v)| line(k, v)).sum::<usize>()
-        + expected.map_or(0, |(k, v)| line(k, v))
+        + extra.iter().map(|(k, v)| line(k, v)).sum::<usize>()
         + 2
 }
 
-/// `HPUB <subject> <prefix><token> <header bytes> <total bytes>` and the
-/// header block; the body and a CRLF follow. Names and values were checked
-/// for CR/LF when routed.
+/// `HPUB <subject> [<reply>] <header bytes> <total bytes>` and the header
+/// block (the message's headers, then `extra`); the body and a CRLF
+/// follow. Names and values were checked for CR/LF when routed.
 fn encode_head(
     out: &mut Vec<u8>,
     subject: &str,
     prefix: &str,
-    token: u64,
+    reply: Reply,
     headers: &[(Cow<'static, str>, String)],
-    expected: Option<(&str, &str)>,
+    extra: &[(&str, &str)],
     body_len: usize,
 ) {
-    let block = header_block_len(headers, expected);
+    let block = header_block_len(headers, extra);
     out.reserve(subject.len() + prefix.len() + 64 + block + body_len.min(COPY_MAX));
     out.extend_from_slice(b"HPUB ");
     out.extend_from_slice(subject.as_bytes());
     out.push(b' ');
-    out.extend_from_slice(prefix.as_bytes());
-    push_decimal(out, token as usize);
-    out.push(b' ');
+    match reply {
+        Reply::None => {}
+        Reply::Ack(token) | Reply::Commit(token) => {
+            out.extend_from_slice(prefix.as_bytes());
+            if matches!(reply, Reply::Commit(_)) {
+                out.push(COMMIT);
+            }
+            push_decimal(out, token as usize);
+            out.push(b' ');
+        }
+    }
     push_decimal(out, block);
     out.push(b' ');
     push_decimal(out, block + body_len);
@@ -853,9 +909,26 @@ fn encode_head(
     for (k, v) in headers {
         line(k, v);
     }
-    if let Some((k, v)) = expected {
+    for (k, v) in extra {
         line(k, v);
     }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// One per-event message as the link writes it (for the per-event bench).
+#[cfg(any(test, feature = "testing"))]
+pub fn encode_message(out: &mut Vec<u8>, msg: &super::route::OutMessage, chain: Option<&str>) {
+    let chain = chain.map(|id| (crate::wire::EXPECTED_LAST_MSG_ID, id));
+    encode_head(
+        out,
+        &msg.subject,
+        "_INBOX.0123456789abcdef0123456789abcdef.",
+        Reply::Ack(1_000_000),
+        &msg.headers,
+        chain.as_slice(),
+        msg.body.len(),
+    );
+    out.extend_from_slice(&msg.body);
     out.extend_from_slice(b"\r\n");
 }
 
@@ -895,9 +968,9 @@ mod tests {
             &mut out,
             "ctx.load",
             "_INBOX.x.",
-            42,
+            Reply::Ack(42),
             &headers(),
-            Some(("Nats-Expected-Last-Msg-Id", "e0")),
+            &[("Nats-Expected-Last-Msg-Id", "e0")],
             2,
         );
         out.extend_from_slice(b"{}\r\n");
@@ -909,7 +982,7 @@ mod tests {
         );
         assert_eq!(String::from_utf8(out).unwrap(), want);
         assert_eq!(
-            header_block_len(&headers(), Some(("Nats-Expected-Last-Msg-Id", "e0"))),
+            header_block_len(&headers(), &[("Nats-Expected-Last-Msg-Id", "e0")]),
             block.len()
         );
     }
@@ -930,25 +1003,41 @@ mod tests {
             max_payload: 1 << 20,
         };
         let mut want = Vec::new();
-        for (token, body) in [
-            (1, Bytes::from_static(b"s1")),
-            (2, big.clone()),
-            (3, Bytes::from_static(b"s3")),
+        let extra = [("Nats-Batch-Id", "b1")];
+        for (reply, body) in [
+            (Reply::Ack(1), Bytes::from_static(b"s1")),
+            (Reply::None, big.clone()),
+            (Reply::Commit(3), Bytes::from_static(b"s3")),
         ] {
-            assert!(link.publish("a.b", token, &headers(), None, &body));
-            encode_head(&mut want, "a.b", "_I.", token, &headers(), None, body.len());
+            assert!(link.publish("a.b", reply, &headers(), &extra, &body));
+            encode_head(
+                &mut want,
+                "a.b",
+                "_I.",
+                reply,
+                &headers(),
+                &extra,
+                body.len(),
+            );
             want.extend_from_slice(&body);
             want.extend_from_slice(b"\r\n");
         }
         let mut got = vec![0; want.len()];
         theirs.read_exact(&mut got).await.unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HPUB a.b _I.1 "), "{text:.40}");
+        assert!(
+            text.contains("HPUB a.b 73 16458\r\n"),
+            "a batch's message has no reply subject"
+        );
+        assert!(text.contains("HPUB a.b _I.c3 "), "a commit's reply subject");
         assert!(
             got == want,
             "the bytes written differ from the messages encoded"
         );
         // Too large for the server: answered here, never written.
         let huge = Bytes::from(vec![b'h'; 1 << 20]);
-        assert!(link.publish("a.b", 4, &headers(), None, &huge));
+        assert!(link.publish("a.b", Reply::Ack(4), &headers(), &[], &huge));
         let (token, answer) = link.next_answer().await.unwrap();
         assert_eq!(token, 4);
         assert_eq!(
@@ -957,7 +1046,13 @@ mod tests {
         );
         // The other end gone: the link says so, and takes nothing more.
         drop(theirs);
-        assert!(link.publish("a.b", 5, &headers(), None, &Bytes::from_static(b"x")));
+        assert!(link.publish(
+            "a.b",
+            Reply::Ack(5),
+            &headers(),
+            &[],
+            &Bytes::from_static(b"x")
+        ));
         tokio::time::timeout(Duration::from_secs(5), async {
             while !link.broken() {
                 tokio::task::yield_now().await;
@@ -965,7 +1060,59 @@ mod tests {
         })
         .await
         .expect("the writer notices");
-        assert!(!link.publish("a.b", 6, &headers(), None, &Bytes::from_static(b"x")));
+        assert!(!link.publish(
+            "a.b",
+            Reply::Ack(6),
+            &headers(),
+            &[],
+            &Bytes::from_static(b"x")
+        ));
+    }
+
+    /// Acks and commits' answers go to their own queues, whatever comes
+    /// between them; a PING is answered; the end of the connection ends
+    /// both queues once they are drained.
+    #[tokio::test]
+    async fn the_reader_sorts_answers_and_answers_pings() {
+        let shared = Arc::new(Shared::default());
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let (r, w) = tokio::io::split(ours);
+        let stop = CancellationToken::new();
+        tokio::spawn(write_out(shared.clone(), Box::new(w), stop.clone()));
+        tokio::spawn(read_in(
+            shared.clone(),
+            Box::new(r),
+            BytesMut::new(),
+            "_I.".into(),
+            stop.clone(),
+        ));
+        let mut link = Link {
+            shared,
+            _tasks: stop.drop_guard(),
+            prefix: "_I.".into(),
+            max_payload: 1 << 20,
+        };
+        let ack = br#"{"stream":"S","seq":1}"#;
+        let commit = br#"{"stream":"S","seq":3,"batch":"b1","count":2}"#;
+        let mut wire = format!("MSG _I.c9 1 {}\r\n", commit.len()).into_bytes();
+        wire.extend_from_slice(commit);
+        wire.extend_from_slice(b"\r\nPING\r\nMSG _OTHER.1 1 2\r\n{}\r\n");
+        wire.extend_from_slice(format!("MSG _I.7 1 {}\r\n", ack.len()).as_bytes());
+        wire.extend_from_slice(ack);
+        wire.extend_from_slice(b"\r\n");
+        theirs.write_all(&wire).await.unwrap();
+        let (token, answer) = link.next_answer().await.unwrap();
+        assert_eq!((token, answer.ok()), (7, Some(false)));
+        let (token, answer) = link.next_commit().await.unwrap();
+        assert_eq!(token, 9);
+        assert_eq!(answer.unwrap().batch.as_deref(), Some("b1"));
+        let mut pong = [0; 6];
+        theirs.read_exact(&mut pong).await.unwrap();
+        assert_eq!(&pong, b"PONG\r\n");
+        drop(theirs);
+        assert!(link.next_answer().await.is_err());
+        assert!(link.next_commit().await.is_err());
+        assert!(link.broken());
     }
 
     #[test]

@@ -16,10 +16,8 @@
 //! publishes come back as duplicates (a backfill republishing what the
 //! stream holds), each next one goes solo too.
 
-use std::borrow::Cow;
 use std::time::Duration;
 
-use async_nats::header::{HeaderName, HeaderValue, IntoHeaderName};
 use std::collections::{HashMap, VecDeque};
 
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
@@ -578,36 +576,6 @@ pub async fn backfill_resume(
     Ok(resume)
 }
 
-/// The NATS header block of one send of an event: its own headers, the
-/// order chain and `extra` (the batch's). This runs once per event and
-/// send, and the message keeps its headers for a send again, so the values
-/// are copied once, straight into the map; our static names are not copied.
-/// Values were checked for CR/LF when routed (async-nats panics on them).
-pub fn header_map(
-    headers: &[(Cow<'static, str>, String)],
-    expected_last_msg_id: Option<&str>,
-    extra: &[(&'static str, &str)],
-) -> HeaderMap {
-    let mut map = HeaderMap::new();
-    for (k, v) in headers {
-        let name = match k {
-            Cow::Borrowed(name) => HeaderName::from_static(name),
-            Cow::Owned(name) => name.as_str().into_header_name(),
-        };
-        map.insert(name, HeaderValue::from(v.as_str()));
-    }
-    if let Some(prev) = expected_last_msg_id {
-        map.insert(
-            HeaderName::from_static(wire::EXPECTED_LAST_MSG_ID),
-            HeaderValue::from(prev),
-        );
-    }
-    for &(k, v) in extra {
-        map.insert(HeaderName::from_static(k), HeaderValue::from(v));
-    }
-    map
-}
-
 /// JetStream's answer to one publish.
 pub struct Ack {
     pub ticket: Ticket,
@@ -851,6 +819,45 @@ impl Publisher {
             }
             Some(Err(e)) => Err(LinkError::Config(format!("the dial failed: {e}"))),
             None => Err(LinkError::Config("no dial under way".into())),
+        }
+    }
+
+    /// The link, for the batch path's messages, dialed if there is none
+    /// or it broke. Batches go only while nothing per-event is in flight.
+    pub(super) async fn batch_link(&mut self) -> Result<&mut Link> {
+        if self.acks.as_ref().is_some_and(Inbox::broken) && self.unanswered() == 0 {
+            self.acks = None;
+        }
+        if self.acks.is_none() {
+            match self.dial().await {
+                Ok(link) => self.open(link),
+                Err(e) => {
+                    metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+                    return Err(Error::Publish {
+                        id: String::new(),
+                        failure: PublishFailure::Send,
+                        source: Box::new(e),
+                    });
+                }
+            }
+        }
+        self.link().ok_or_else(|| Error::Publish {
+            id: String::new(),
+            failure: PublishFailure::Send,
+            source: "no publish connection".into(),
+        })
+    }
+
+    /// The link as it is, if any (the batch path awaits its commits on it).
+    pub(super) fn link(&mut self) -> Option<&mut Link> {
+        self.acks.as_mut().map(Inbox::link)
+    }
+
+    /// The link went silent: the next message goes on a new one. Only
+    /// while nothing per-event is in flight on it.
+    pub(super) fn drop_link(&mut self) {
+        if self.unanswered() == 0 {
+            self.acks = None;
         }
     }
 

@@ -274,7 +274,6 @@ impl<'a> Session<'a> {
                 },
             ),
             shape.batches,
-            nats.clone(),
             cfg.stream.clone(),
         );
         publisher.per_event().connect().await?;
