@@ -263,3 +263,111 @@ async fn nats_token_auth_and_the_token_stays_out_of_logs() {
     );
     assert!(!err.contains("not-the-token"), "{err}");
 }
+
+/// A NATS JWT, signed by `signer` (what `nsc` writes; the server checks
+/// the signature chain operator → account → user).
+fn nats_jwt(signer: &nkeys::KeyPair, sub: &str, name: &str, nats: serde_json::Value) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let header = b64.encode(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let iat = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = serde_json::json!({
+        "jti": uuid::Uuid::new_v4().simple().to_string().to_uppercase(),
+        "iat": iat,
+        "iss": signer.public_key(),
+        "name": name,
+        "sub": sub,
+        "nats": nats,
+    });
+    let body = b64.encode(claims.to_string());
+    let sig = signer.sign(format!("{header}.{body}").as_bytes()).unwrap();
+    format!("{header}.{body}.{}", b64.encode(sig))
+}
+
+/// `--nats-creds` against a server in operator mode: the relay's client and
+/// its publish connection both sign the server's nonce with the file's seed
+/// and present its user JWT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_creds_file_auth() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_creds").await;
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    // JetStream in operator mode needs a system account.
+    let system = nkeys::KeyPair::new_account();
+    let unlimited = serde_json::json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1,
+        "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+    });
+    let op_jwt = nats_jwt(
+        &operator,
+        &operator.public_key(),
+        "op",
+        serde_json::json!({"type": "operator", "version": 2}),
+    );
+    let acc_jwt = nats_jwt(
+        &operator,
+        &account.public_key(),
+        "acc",
+        serde_json::json!({"type": "account", "version": 2, "limits": unlimited}),
+    );
+    let sys_jwt = nats_jwt(
+        &operator,
+        &system.public_key(),
+        "SYS",
+        serde_json::json!({"type": "account", "version": 2}),
+    );
+    let user_jwt = nats_jwt(
+        &account,
+        &user.public_key(),
+        "relay",
+        serde_json::json!({"type": "user", "version": 2, "pub": {}, "sub": {},
+            "subs": -1, "data": -1, "payload": -1}),
+    );
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let conf = dir.join("nats-creds.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "operator: {op_jwt}\nsystem_account: {sys}\nresolver: MEMORY\nresolver_preload: {{\n  {acc}: {acc_jwt}\n  {sys}: {sys_jwt}\n}}\n",
+            acc = account.public_key(),
+            sys = system.public_key(),
+        ),
+    )
+    .unwrap();
+    let creds = dir.join("relay.creds");
+    std::fs::write(
+        &creds,
+        format!(
+            "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\
+             NKEY Seed printed below can be used to sign and prove identity.\n\n\
+             -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+            user.seed().unwrap()
+        ),
+    )
+    .unwrap();
+    let nats = OwnNats::start_with(&stack, "creds", &["-c", conf.to_str().unwrap()]);
+    let relay = Service::relay(
+        &url,
+        &nats.url,
+        "creds",
+        &["--nats-creds", creds.to_str().unwrap()],
+    );
+    let sent: HashSet<uuid::Uuid> = insert_txn(&pool, 1, 0, 10, 16).await.into_iter().collect();
+    let client = async_nats::ConnectOptions::with_credentials_file(&creds)
+        .await
+        .unwrap()
+        .connect(&nats.url)
+        .await
+        .unwrap();
+    let got = read_stream_with(client, &wire::stream_name("creds"), 10, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(m.value("outbox_relay_session_restarts_total"), Some(0.0));
+}

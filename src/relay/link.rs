@@ -144,6 +144,15 @@ impl Dialer {
         })
     }
 
+    /// The servers it dials, `host:port` each (no credentials).
+    pub fn servers(&self) -> String {
+        self.servers
+            .iter()
+            .map(where_)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// A link to the first server that takes one, trying each once.
     pub async fn dial(&mut self) -> Result<Link, LinkError> {
         let mut last = None;

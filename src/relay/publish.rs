@@ -789,10 +789,12 @@ impl Publisher {
     pub async fn connect(&mut self) -> Result<()> {
         if self.acks.is_none() {
             let link = self.dial().await.map_err(|e| {
-                metrics::counter!(m::PUBLISH_ERRORS).increment(1);
-                Error::Publish {
-                    id: String::new(),
-                    failure: PublishFailure::Send,
+                let servers = self
+                    .dialer
+                    .as_ref()
+                    .map_or_else(String::new, Dialer::servers);
+                Error::NatsConnect {
+                    servers: format!("{servers} (publish connection)"),
                     source: Box::new(e),
                 }
             })?;
