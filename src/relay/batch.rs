@@ -388,8 +388,15 @@ impl Batcher {
                     None => return std::future::pending().await,
                 }
             }
-            if let Err(e) = self.send_rest().await {
-                return Some(self.failed(e));
+            match self.send_rest().await {
+                Ok(true) => {}
+                Ok(false) => {
+                    // The link broke under the batch: paced, and counted
+                    // against the outage budget, like any unanswered commit.
+                    self.settle(Some(Err(PublishError::new(PublishErrorKind::BrokenPipe))));
+                    continue;
+                }
+                Err(e) => return Some(self.failed(e)),
             }
             let Some(cur) = self.current.as_mut() else {
                 continue;
@@ -426,6 +433,14 @@ impl Batcher {
                 },
             };
             if answer.is_none() {
+                if self.per_event.link().is_some_and(|l| l.still_sending()) {
+                    // Late because the batch has not left yet (a large one
+                    // on a slow network): the clock starts again.
+                    if let Some(cur) = self.current.as_mut() {
+                        cur.committed_at = Instant::now();
+                    }
+                    continue;
+                }
                 // Silence may be a dead connection the socket has not
                 // noticed: the next batch goes on a new one.
                 self.per_event.drop_link();
@@ -438,15 +453,16 @@ impl Batcher {
     }
 
     /// Hand the current batch's unsent messages to the link, the last as
-    /// the commit, whose answer is awaited. Cancel-safe: only a dial is
-    /// awaited, before anything is handed over.
-    async fn send_rest(&mut self) -> Result<()> {
+    /// the commit, whose answer is awaited; `false` if the link broke under
+    /// it. Cancel-safe: only a dial is awaited, before anything is handed
+    /// over.
+    async fn send_rest(&mut self) -> Result<bool> {
         let Some(cur) = self.current.as_mut() else {
-            return Ok(());
+            return Ok(true);
         };
         let n = cur.msgs.len();
         if cur.next >= n {
-            return Ok(());
+            return Ok(true);
         }
         let link = self.per_event.batch_link().await?;
         while cur.next < n {
@@ -478,7 +494,7 @@ impl Batcher {
                 metrics::counter!(m::PUBLISH_ERRORS).increment(1);
                 cur.next = n;
                 cur.commit = None;
-                return Ok(());
+                return Ok(false);
             }
             if last {
                 self.commits += 1;
@@ -487,7 +503,7 @@ impl Batcher {
             }
             cur.next += 1;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Settle the current batch by its commit's answer (`None`: none in

@@ -25,6 +25,7 @@
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -289,6 +290,7 @@ impl Dialer {
                 _tasks: stop.drop_guard(),
                 prefix,
                 max_payload: info.max_payload,
+                sent_mark: 0,
             },
             info,
         ))
@@ -414,10 +416,14 @@ struct Shared {
     answered: Notify,
     /// The session's: a commit's answer came in, or the link closed.
     committed: Notify,
+    /// Bytes ever written to the socket.
+    written: AtomicU64,
 }
 
 #[derive(Default)]
 struct OutState {
+    /// Bytes ever queued (what the writer's count catches up to).
+    queued: u64,
     buf: Vec<u8>,
     /// Large bodies, not copied: each goes out at its offset in `buf`.
     bodies: Vec<(usize, Bytes)>,
@@ -447,7 +453,14 @@ impl Shared {
             return false;
         }
         let was_empty = s.buf.is_empty();
+        let (len, bodies) = (s.buf.len(), s.bodies.len());
         fill(&mut s);
+        let added = s.buf.len() - len
+            + s.bodies[bodies..]
+                .iter()
+                .map(|(_, b)| b.len())
+                .sum::<usize>();
+        s.queued += added as u64;
         drop(s);
         if was_empty {
             self.wrote.notify_one();
@@ -514,11 +527,11 @@ async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) 
                 r = async {
                     let mut at = 0;
                     for (offset, body) in &bodies {
-                        w.write_all(&spare[at..*offset]).await?;
-                        w.write_all(body).await?;
+                        send_all(&mut w, &spare[at..*offset], &shared.written).await?;
+                        send_all(&mut w, body, &shared.written).await?;
                         at = *offset;
                     }
-                    w.write_all(&spare[at..]).await?;
+                    send_all(&mut w, &spare[at..], &shared.written).await?;
                     w.flush().await
                 } => r,
             };
@@ -532,6 +545,20 @@ async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) 
             }
         }
     }
+}
+
+/// `write_all`, counting each partial write: a large write in progress
+/// shows as progress ([`Link::still_sending`]).
+async fn send_all(w: &mut Writer, mut buf: &[u8], written: &AtomicU64) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        let n = w.write(buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        written.fetch_add(n as u64, Ordering::Relaxed);
+        buf = &buf[n..];
+    }
+    Ok(())
 }
 
 /// Read answers (and the server's PINGs) until stopped or the connection
@@ -598,6 +625,8 @@ pub struct Link {
     /// The server's `max_payload`: a larger message would make it close
     /// the connection, so it is answered here instead.
     max_payload: usize,
+    /// The writer's count at the last [`Self::still_sending`].
+    sent_mark: u64,
 }
 
 impl Link {
@@ -649,6 +678,19 @@ impl Link {
 
     pub fn broken(&self) -> bool {
         self.shared.broken()
+    }
+
+    /// Whether the writer is still behind what was queued and wrote
+    /// something since the last call: an answer that is late because its
+    /// message has not left yet (a large batch on a slow network) is not
+    /// silence. A writer that made no progress for a whole call interval
+    /// (a server that stopped reading) is.
+    pub fn still_sending(&mut self) -> bool {
+        let written = self.shared.written.load(Ordering::Relaxed);
+        let queued = self.shared.out.lock().map_or(0, |s| s.queued);
+        let moving = written < queued && written > self.sent_mark;
+        self.sent_mark = written;
+        moving
     }
 
     /// The `max_payload` of the server the link is on.
@@ -1010,6 +1052,7 @@ mod tests {
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
             max_payload: 1 << 20,
+            sent_mark: 0,
         };
         let mut want = Vec::new();
         let extra = [("Nats-Batch-Id", "b1")];
@@ -1100,6 +1143,7 @@ mod tests {
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
             max_payload: 1 << 20,
+            sent_mark: 0,
         };
         let ack = br#"{"stream":"S","seq":1}"#;
         let commit = br#"{"stream":"S","seq":3,"batch":"b1","count":2}"#;
@@ -1122,6 +1166,56 @@ mod tests {
         assert!(link.next_answer().await.is_err());
         assert!(link.next_commit().await.is_err());
         assert!(link.broken());
+    }
+
+    /// Bytes still leaving, slowly, are not silence; a writer stuck since
+    /// the last look, or done, is.
+    #[tokio::test]
+    async fn a_link_still_sending_is_told_from_a_silent_one() {
+        let shared = Arc::new(Shared::default());
+        let (ours, mut theirs) = tokio::io::duplex(256);
+        let stop = CancellationToken::new();
+        tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
+        let mut link = Link {
+            shared: shared.clone(),
+            _tasks: stop.drop_guard(),
+            prefix: "_I.".into(),
+            max_payload: 1 << 20,
+            sent_mark: 0,
+        };
+        let written = || shared.written.load(Ordering::Relaxed);
+        async fn until(what: &str, done: impl Fn() -> bool) {
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !done() {
+                assert!(std::time::Instant::now() < deadline, "timed out: {what}");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let body = Bytes::from(vec![b'x'; 4096]);
+        assert!(link.publish("a.b", Reply::Ack(1), &headers(), &[], &body));
+        // The pipe holds 256 bytes: the writer is stuck behind them.
+        until("the pipe full", || written() == 256).await;
+        assert!(link.still_sending(), "it wrote since the last look");
+        assert!(!link.still_sending(), "no progress since the last look");
+        let mut chunk = [0u8; 1024];
+        theirs.read_exact(&mut chunk).await.unwrap();
+        until("more written", || written() > 256).await;
+        assert!(link.still_sending(), "it wrote since the last look");
+        let mut head = Vec::new();
+        encode_head(
+            &mut head,
+            "a.b",
+            "_I.",
+            Reply::Ack(1),
+            &headers(),
+            &[],
+            body.len(),
+        );
+        let total = head.len() + body.len() + 2;
+        let mut rest = vec![0u8; total - chunk.len()];
+        theirs.read_exact(&mut rest).await.unwrap();
+        until("all written", || written() == total as u64).await;
+        assert!(!link.still_sending(), "everything left");
     }
 
     #[test]

@@ -976,6 +976,14 @@ impl Publisher {
                 },
                 _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()),
                     if stall_at.is_some() => {
+                    if acks.link().still_sending() {
+                        // Late because it has not left yet: the clock
+                        // starts again.
+                        if let Some(oldest) = self.sent.front_mut() {
+                            oldest.at = Instant::now();
+                        }
+                        continue;
+                    }
                     self.ride_out(None, "no ack in time", false);
                     // Silence may be a dead connection the socket has not
                     // noticed: the probes go on a new one.
