@@ -701,10 +701,28 @@ impl Link {
     /// The next answer: a reply token and what it says. Cancel-safe:
     /// answers wait in the shared queue.
     pub async fn next_answer(&mut self) -> Result<(u64, Answer), LinkError> {
+        self.next_from(|a| a.queue.pop_front(), &self.shared.answered)
+            .await
+    }
+
+    /// The next answer to a batch's commit ([`Reply::Commit`]).
+    /// Cancel-safe, as [`Self::next_answer`].
+    pub async fn next_commit(&mut self) -> Result<(u64, CommitAnswer), LinkError> {
+        self.next_from(|a| a.commits.pop_front(), &self.shared.committed)
+            .await
+    }
+
+    /// What `take` finds in the answers, waiting on `wake` until there is
+    /// something, or the link's end once nothing is left.
+    async fn next_from<T>(
+        &self,
+        take: impl Fn(&mut Answers) -> Option<T>,
+        wake: &Notify,
+    ) -> Result<T, LinkError> {
         loop {
             {
                 let mut a = self.shared.answers.lock().map_err(|_| LinkError::Closed)?;
-                if let Some(answer) = a.queue.pop_front() {
+                if let Some(answer) = take(&mut a) {
                     return Ok(answer);
                 }
                 if let Some(why) = &a.closed {
@@ -712,24 +730,7 @@ impl Link {
                 }
             }
             // A notification sent since the check is kept as a permit.
-            self.shared.answered.notified().await;
-        }
-    }
-
-    /// The next answer to a batch's commit ([`Reply::Commit`]).
-    /// Cancel-safe, as [`Self::next_answer`].
-    pub async fn next_commit(&mut self) -> Result<(u64, CommitAnswer), LinkError> {
-        loop {
-            {
-                let mut a = self.shared.answers.lock().map_err(|_| LinkError::Closed)?;
-                if let Some(answer) = a.commits.pop_front() {
-                    return Ok(answer);
-                }
-                if let Some(why) = &a.closed {
-                    return Err(LinkError::Protocol(why.clone()));
-                }
-            }
-            self.shared.committed.notified().await;
+            wake.notified().await;
         }
     }
 }

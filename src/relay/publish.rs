@@ -830,19 +830,7 @@ impl Publisher {
         if self.acks.as_ref().is_some_and(Inbox::broken) && self.unanswered() == 0 {
             self.acks = None;
         }
-        if self.acks.is_none() {
-            match self.dial().await {
-                Ok(link) => self.open(link),
-                Err(e) => {
-                    metrics::counter!(m::PUBLISH_ERRORS).increment(1);
-                    return Err(Error::Publish {
-                        id: String::new(),
-                        failure: PublishFailure::Send,
-                        source: Box::new(e),
-                    });
-                }
-            }
-        }
+        self.ensure_link("").await?;
         self.link().ok_or_else(|| Error::Publish {
             id: String::new(),
             failure: PublishFailure::Send,
@@ -861,6 +849,23 @@ impl Publisher {
         if self.unanswered() == 0 {
             self.acks = None;
         }
+    }
+
+    /// Dial a link if there is none. No server taking one ends the
+    /// session (`id`: the event waiting for it, if any).
+    async fn ensure_link(&mut self, id: &str) -> Result<()> {
+        if self.acks.is_none() {
+            let link = self.dial().await.map_err(|e| {
+                metrics::counter!(m::PUBLISH_ERRORS).increment(1);
+                Error::Publish {
+                    id: id.to_owned(),
+                    failure: PublishFailure::Send,
+                    source: Box::new(e),
+                }
+            })?;
+            self.open(link);
+        }
+        Ok(())
     }
 
     fn open(&mut self, link: Link) {
@@ -889,17 +894,7 @@ impl Publisher {
             if !may_dial {
                 return broken(sent, "no publish connection");
             }
-            match self.dial().await {
-                Ok(link) => self.open(link),
-                Err(e) => {
-                    metrics::counter!(m::PUBLISH_ERRORS).increment(1);
-                    return Err(Error::Publish {
-                        id: sent.msg.msg_id.clone(),
-                        failure: PublishFailure::Send,
-                        source: Box::new(e),
-                    });
-                }
-            }
+            self.ensure_link(&sent.msg.msg_id).await?;
         }
         let Some(acks) = self.acks.as_mut() else {
             return broken(sent, "no publish connection");
