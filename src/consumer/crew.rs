@@ -111,11 +111,10 @@ pub(super) struct Member {
 
 impl Member {
     pub async fn join(pool: &PgPool, stream: &str, durable: &str) -> Result<Member> {
-        let mut conn = pool
-            .acquire()
-            .await
-            .map_err(Error::pg("connecting for the crew membership"))?
-            .detach();
+        // Time-bounded like the lease: a frozen or cut-off process's lock
+        // goes within LEASE_TTL, and with it the crew's wait for its jobs.
+        let mut conn =
+            super::lease::bounded_session(pool, "connecting for the crew membership").await?;
         let name = lock_name(stream, durable);
         loop {
             // Positive, so pg_locks shows it as written.
@@ -509,8 +508,11 @@ impl Crew {
                     let Some(msg) = msg else { break };
                     if msg.subject.ends_with(".hello") {
                         if let Ok(h) = serde_json::from_slice::<Hello>(&msg.payload) {
-                            if let Some(member) = self.heard(h) {
-                                let ack = self.inner.client.publish(format!("{}.ack.{member}", self.inner.base), Bytes::new());
+                            if let Some((member, beat)) = self.heard(h) {
+                                // The beat heard: the helper's proof runs
+                                // from when it sent it, not from when this
+                                // answer reaches it (after a freeze, say).
+                                let ack = self.inner.client.publish(format!("{}.ack.{member}", self.inner.base), beat.to_string().into());
                                 let _ = tokio::time::timeout(BEAT / 5, ack).await;
                             }
                         }
@@ -570,9 +572,10 @@ impl Crew {
         self.state().waiting.clear();
     }
 
-    /// A process's beat. Returns the member to acknowledge: one that serves
-    /// this dispatcher (the acknowledgement is what keeps its jobs running).
-    fn heard(&self, h: Hello) -> Option<i32> {
+    /// A process's beat. Returns the member to acknowledge, and its beat:
+    /// one that serves this dispatcher (the acknowledgement is what keeps
+    /// its jobs running).
+    fn heard(&self, h: Hello) -> Option<(i32, u64)> {
         let me = self.inner.me;
         let mut s = self.state();
         if h.member == self.inner.worker.member.load(Ordering::Relaxed) {
@@ -584,7 +587,7 @@ impl Crew {
         // A process that serves no one (it just joined) or an old
         // dispatcher is synced before it is sent anything.
         let sync = h.serving != Some(me) && !h.leaving && s.syncing.insert(member);
-        let ack = (h.serving == Some(me)).then_some(member);
+        let ack = (h.serving == Some(me)).then_some((member, beat));
         s.helpers.insert(
             h.member,
             Helper {
@@ -1054,8 +1057,20 @@ pub(super) async fn work<H: Handler>(
     let mut tasks: JoinSet<(u64, Finished<Instant>, bool)> = JoinSet::new();
     let mut beat = tokio::time::interval(BEAT);
     let mut beat_no: u64 = 0;
-    // When the dispatcher last said it heard this process.
+    // When each recent beat was sent, to date the dispatcher's answers.
+    let mut sent: std::collections::VecDeque<(u64, Instant)> = Default::default();
+    // When this process sent the newest beat the dispatcher acknowledged,
+    // and the newest successful check of its member lock: the proof its
+    // jobs need to start a call ends FENCE after the first, and before the
+    // server could free the lock after the second.
     let mut acked = Instant::now();
+    let mut member_proven = Instant::now();
+    let prove = |acked: Instant, member_proven: Instant| {
+        shared
+            .proof
+            .set((acked + FENCE).min(super::lease::proof_end(member_proven)));
+    };
+    prove(acked, member_proven);
     let mut unheard = false;
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     let mut leaving: Option<Instant> = None;
@@ -1119,7 +1134,7 @@ pub(super) async fn work<H: Handler>(
                 let admitted = {
                     let mut r = roster(&worker.registry);
                     // Unheard, a job would soon be stopped again.
-                    let admitted = if acked.elapsed() >= FENCE { Err("unheard") } else { r.admits(head.from, head.until, beat_no) };
+                    let admitted = if !shared.proof.holds() { Err("unheard") } else { r.admits(head.from, head.until, beat_no) };
                     if admitted.is_ok() {
                         r.jobs.insert(head.id, Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false });
                     }
@@ -1138,12 +1153,27 @@ pub(super) async fn work<H: Handler>(
             }
             ack = next(&mut subs.ack) => {
                 match ack {
-                    Some(_) => acked = Instant::now(),
+                    Some(msg) => {
+                        // An empty answer is from a dispatcher that does not
+                        // name the beat (an older version): dated now.
+                        let at = match std::str::from_utf8(&msg.payload).ok().and_then(|b| b.parse::<u64>().ok()) {
+                            Some(b) => sent.iter().find(|(n, _)| *n == b).map(|(_, t)| *t),
+                            None => Some(Instant::now()),
+                        };
+                        if let Some(at) = at.filter(|at| *at > acked) {
+                            acked = at;
+                            prove(acked, member_proven);
+                        }
+                    }
                     None => subs.ack = None,
                 }
             }
             _ = beat.tick() => {
                 beat_no += 1;
+                sent.push_back((beat_no, Instant::now()));
+                if sent.len() > 64 {
+                    sent.pop_front();
+                }
                 let hello = hello(&roster(&worker.registry), member.id, capacity, leaving.is_some(), beat_no);
                 running_gauge.set(hello.running.len() as f64);
                 if let Ok(body) = serde_json::to_vec(&hello) {
@@ -1165,13 +1195,18 @@ pub(super) async fn work<H: Handler>(
                     tracing::warn!(jobs = tasks.len(), "the dispatcher has not acknowledged this process for {FENCE:?} (NATS unreachable?): stopping the jobs it runs for it, which it runs again");
                     stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
                 }
-                if !member.held().await {
+                let pinged = Instant::now();
+                if member.held().await {
+                    member_proven = pinged;
+                    prove(acked, member_proven);
+                } else {
                     tracing::warn!("lost the crew membership (its Postgres connection failed): stopping the jobs this process runs, and joining again");
                     worker.fences.fetch_add(1, Ordering::Relaxed);
                     stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
                     match tokio::time::timeout(PING, Member::join(&pool, &cfg.stream, &cfg.durable)).await {
                         Ok(Ok(m)) => {
                             member = m;
+                            member_proven = Instant::now();
                             worker.member.store(member.id, Ordering::Relaxed);
                             subs = Subs::open(&client, &base, member.id, leaving.is_some()).await;
                         }
@@ -1311,9 +1346,18 @@ pub(super) async fn run_caught<H: Handler>(
         .catch_unwind()
         .await
     {
-        Ok(how) => (how, false),
-        Err(_) => {
-            tracing::error!(key, "a delivery panicked (the handler?)");
+        Ok(Some(how)) => (how, false),
+        // Cut short before its outcome was settled: nothing of it is in the
+        // inbox or acked, which is what a panic leaves too.
+        cut => {
+            if cut.is_err() {
+                tracing::error!(key, "a delivery panicked (the handler?)");
+            } else {
+                tracing::debug!(
+                    key,
+                    "a job was cut short (stopping, or no right to start it)"
+                );
+            }
             // A parked message stays the key's head and is tried again
             // later; a pulled one is unacked and comes again, in order,
             // after a reset.

@@ -17,6 +17,7 @@ use uuid::Uuid;
 use super::dead_letter::{self, DeadLetters};
 use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, Claim};
+use super::lease::Proof;
 use super::scheduler::{Finished, Job};
 use super::transaction::{self, Ran, Transactions};
 use super::ConsumeConfig;
@@ -62,6 +63,12 @@ pub(super) struct Shared<H> {
     pub stream: jetstream::stream::Stream,
     /// Ends every job's waiting (shutdown, or this instance lost its lease).
     pub stop: CancellationToken,
+    /// Whether this process may start a handler call for these jobs now:
+    /// the lease's proof for the dispatcher's own jobs, the dispatcher's
+    /// acknowledgements and the member lock for a helper's. Read right
+    /// before each call, so a process that thaws after a freeze, or whose
+    /// right lapsed while a job waited, calls nothing.
+    pub proof: Proof,
     /// Dead letters that could not be stored yet, for `/readyz`.
     pub dlq_failing: AtomicUsize,
     /// Claims and completions of detached (HTTP) calls, batched.
@@ -87,12 +94,14 @@ const MAX_PERSIST_BACKOFF: Duration = Duration::from_secs(10);
 
 /// Run one job of the scheduler to its end. A pulled message is acked only
 /// after its outcome is in the inbox (or the DLQ), and kept alive with
-/// progress acks meanwhile.
+/// progress acks meanwhile. `None`: cut short (the consumer stops, or this
+/// process may no longer start work, see [`Shared::proof`]) before its
+/// outcome was settled; the caller handles it as a panicked job.
 pub(super) async fn run_job<H: Handler>(
     shared: &Shared<H>,
     key: &str,
     job: Job<jetstream::Message>,
-) -> Finished<Instant> {
+) -> Option<Finished<Instant>> {
     if let Job::Deliver(msg) | Job::ParkBehind(msg) | Job::Spill(msg) = &job {
         if header(msg, wire::REPLAY_FOR).is_some_and(|d| d != shared.cfg.durable) {
             // Another durable's replayed dead letter: not ours to handle,
@@ -102,17 +111,17 @@ pub(super) async fn run_job<H: Handler>(
                 Job::Spill(_) => Finished::Spilled { seq: None },
                 _ => Finished::Done,
             };
-            return settle_pulled(msg, Some(how)).await;
+            return settle_pulled(shared, msg, Some(how)).await;
         }
     }
     match job {
         Job::Spill(msg) => {
             let outcome =
                 keep_alive(shared, &msg, std::pin::pin!(park_behind(shared, key, &msg))).await;
-            match settle_pulled(&msg, outcome).await {
+            match settle_pulled(shared, &msg, outcome).await? {
                 // Parked: the key goes on from it once its running job ends.
-                Finished::Parked { seq, .. } => Finished::Spilled { seq: Some(seq) },
-                _ => Finished::Spilled { seq: None },
+                Finished::Parked { seq, .. } => Some(Finished::Spilled { seq: Some(seq) }),
+                _ => Some(Finished::Spilled { seq: None }),
             }
         }
         Job::Deliver(msg) => {
@@ -122,7 +131,7 @@ pub(super) async fn run_job<H: Handler>(
                 std::pin::pin!(deliver_pulled(shared, key, &msg)),
             )
             .await;
-            settle_pulled(&msg, outcome).await
+            settle_pulled(shared, &msg, outcome).await
         }
         Job::ParkBehind(msg) => {
             let outcome =
@@ -130,29 +139,34 @@ pub(super) async fn run_job<H: Handler>(
             // Behind the key's parked head, or, when JetStream delivers an
             // older message again after a reset (a crash while it ran),
             // ahead of it: the scheduler keeps the oldest.
-            settle_pulled(&msg, outcome).await
+            settle_pulled(shared, &msg, outcome).await
         }
-        Job::Retry { seq } => retry(shared, key, seq).await.unwrap_or(Finished::Done),
+        Job::Retry { seq } => retry(shared, key, seq).await,
     }
 }
 
-/// Ack what is settled; a job cut short (stop) NAKs, so JetStream delivers
-/// the message again at once.
-async fn settle_pulled(
+/// Ack what is settled. A job cut short NAKs, so JetStream delivers the
+/// message again at once, unless this process may no longer start work:
+/// the message is the next dispatcher's then, and a NAK would only send it
+/// a second copy.
+async fn settle_pulled<H>(
+    shared: &Shared<H>,
     msg: &jetstream::Message,
     outcome: Option<Finished<Instant>>,
-) -> Finished<Instant> {
+) -> Option<Finished<Instant>> {
     match outcome {
         Some(finished) => {
             // A lost ack means a redelivery, which the inbox answers.
             if let Err(e) = msg.ack().await {
                 tracing::warn!(error = %e, "ack failed; the message will be redelivered");
             }
-            finished
+            Some(finished)
         }
         None => {
-            let _ = msg.ack_with(AckKind::Nak(None)).await;
-            Finished::Done
+            if shared.proof.holds() {
+                let _ = msg.ack_with(AckKind::Nak(None)).await;
+            }
+            None
         }
     }
 }
@@ -381,6 +395,9 @@ async fn run_handler<H: Handler>(
     // The Rust handler's paths are boxed: inline, their transactions made
     // every job's future (boxed and copied once per message, the HTTP
     // handler's too) 15 KB larger.
+    if !shared.proof.holds() {
+        return None;
+    }
     if let (Some(group), false) = (&shared.transactions, parked) {
         let delivery = parts.delivery(id, 0);
         return Box::pin(persist(shared, "the inbox transaction", || {
@@ -477,6 +494,11 @@ async fn run_handler<H: Handler>(
             Claim::Parked { seq } => return Some(Ran::Parked { seq }),
         }
     };
+    // The claim may have waited (a batch, a retried write): the right to
+    // call is checked again right before the call.
+    if !shared.proof.holds() {
+        return None;
+    }
     let delivery = parts.delivery(id, attempts);
     let outcome = handler::call(|| shared.handler.handle_detached(&delivery)).await;
     if outcome != Outcome::Processed {

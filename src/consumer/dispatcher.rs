@@ -97,11 +97,11 @@ impl<'a, H: Handler> Active<'a, H> {
     pub(super) async fn run(
         self,
         consumer: Consumer,
-        mut lease: Lease,
+        lease: Lease,
         shutdown: &CancellationToken,
     ) -> Result<Ended> {
-        let mut dispatch = self.open(consumer, shutdown).await?;
-        let ended = dispatch.pump(&mut lease, shutdown).await;
+        let mut dispatch = self.open(consumer, &lease, shutdown).await?;
+        let ended = dispatch.pump(&lease, shutdown).await;
         dispatch.drain(&ended, lease).await;
         tracing::info!("consumer stopped dispatching");
         Ok(ended)
@@ -114,6 +114,7 @@ impl<'a, H: Handler> Active<'a, H> {
     async fn open(
         self,
         mut consumer: Consumer,
+        lease: &Lease,
         shutdown: &CancellationToken,
     ) -> Result<Dispatch<'a, H>> {
         let cfg = self.cfg;
@@ -148,6 +149,10 @@ impl<'a, H: Handler> Active<'a, H> {
         for (key, seq, wait) in heads {
             scheduler.load_parked(key, seq, now + wait);
         }
+        // A previous dispatcher that froze or was cut off may still have
+        // pull requests waiting at the server: what the reset delivers
+        // again would go to them, and its later messages here, out of order.
+        old_pulls_gone(&mut consumer).await;
         let rewound = reset_to_ack_floor(&mut consumer, "taking over").await;
         if let Some(from) = rewound {
             scheduler.rewound(from);
@@ -160,6 +165,7 @@ impl<'a, H: Handler> Active<'a, H> {
             self.dlq,
             self.handler.clone(),
             stop.clone(),
+            lease.proof(),
         );
         let messages = pull_stream(&consumer, cfg)
             .await
@@ -264,24 +270,31 @@ struct Dispatch<'a, H> {
 
 impl<H: Handler> Dispatch<'_, H> {
     /// Until shutdown or a lost lease: each branch is one reason to wake.
-    async fn pump(&mut self, lease: &mut Lease, shutdown: &CancellationToken) -> Ended {
+    async fn pump(&mut self, lease: &Lease, shutdown: &CancellationToken) -> Ended {
         let cfg = self.active.cfg;
         tracing::info!(stream = %cfg.stream, durable = %cfg.durable, parked_aggregates = self.scheduler.parked_keys(), "consuming");
         self.active.readiness.ready();
         let mut crew_tick = tokio::time::interval(crew::BEAT);
         let mut progress =
             tokio::time::interval((cfg.ack_wait / 3).max(Duration::from_millis(100)));
-        let mut lease_check = tokio::time::interval(LEASE_POLL);
+        let mut health = tokio::time::interval(LEASE_POLL);
+        let lease_lost = lease.lost();
         let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
         let mut quiet_check = tokio::time::interval(QUIET_PULL);
         metrics::gauge!(m::CONSUMER_PENDING).set(self.consumer.cached_info().num_pending as f64);
         loop {
+            // Checked at every wake-up: a process that thaws after a freeze
+            // runs a branch or two before its keeper hears the lease is gone.
+            if !self.shared.proof.holds() {
+                return Ended::LeaseLost;
+            }
             let wake = self.scheduler.next_wake();
             let rebuild_at = self.rebuild.as_ref().map(|r| r.at);
             let pulling = self.messages.is_some() && self.scheduler.can_pull();
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ended::Shutdown,
+                _ = lease_lost.cancelled() => return Ended::LeaseLost,
                 Some(done) = self.tasks.join_next() => self.job_ended(done),
                 _ = crew_tick.tick() => {
                     if self.crew_beat() {
@@ -292,12 +305,7 @@ impl<H: Handler> Dispatch<'_, H> {
                     let jobs = self.scheduler.wake(Instant::now());
                     self.start(jobs);
                 }
-                _ = lease_check.tick() => {
-                    if !matches!(tokio::time::timeout(JS_REQUEST, lease.held()).await, Ok(true)) {
-                        return Ended::LeaseLost;
-                    }
-                    self.report_health();
-                }
+                _ = health.tick() => self.report_health(),
                 _ = reconnect_check.tick() => self.check_reconnect(),
                 _ = quiet_check.tick() => self.check_quiet(),
                 _ = progress.tick() => {
@@ -658,12 +666,12 @@ impl<H: Handler> Dispatch<'_, H> {
         self.remote_jobs.set(0.0);
         if matches!(ended, Ended::LeaseLost) {
             self.abandon_jobs().await;
-            lease.release().await;
+            lease.release();
             return;
         }
         self.active.readiness.not_ready("shutting down");
         self.crew.hand_over();
-        lease.release().await;
+        lease.release();
         let client = self.active.js.client();
         let deadline = Instant::now() + cfg.shutdown_timeout;
         while !self.tasks.is_empty() {
@@ -713,6 +721,29 @@ impl<H: Handler> Dispatch<'_, H> {
         self.tasks.abort_all();
         while self.tasks.join_next().await.is_some() {}
         crew::roster(&self.registry).jobs.retain(|_, j| !j.mine);
+    }
+}
+
+/// Wait until no pull request waits at the durable (they expire within
+/// [`PULL_EXPIRES`]; one whose subscriber is gone goes sooner).
+async fn old_pulls_gone(consumer: &mut Consumer) {
+    let deadline = Instant::now() + PULL_EXPIRES + Duration::from_millis(500);
+    loop {
+        let waiting = match tokio::time::timeout(JS_REQUEST, consumer.info()).await {
+            Ok(Ok(info)) => info.num_waiting,
+            _ => 1,
+        };
+        if waiting == 0 {
+            return;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                waiting,
+                "pull requests of a previous dispatcher still wait at the durable; taking over regardless"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -1,19 +1,97 @@
-//! One active instance per durable: a Postgres session advisory lock.
+//! One active instance per durable: a Postgres session advisory lock that
+//! Postgres itself takes back from a holder gone silent.
 //!
 //! JetStream hands a durable's messages to whichever instance pulls, so two
 //! active instances would run one aggregate's messages at once, and a
 //! message pulled by one and lost with it would come back behind later ones
 //! the other already ran. Per-aggregate order across instances needs one
 //! dispatcher; the others wait (standby, like relays on a slot) and take
-//! over when the lock frees: at once when the holder's connection closes
-//! (a crash, a SIGTERM), within a poll interval otherwise.
+//! over when the lock frees.
+//!
+//! A session lock alone lives as long as its backend, and a backend outlives
+//! a frozen client (SIGSTOP, a VM pause: the kernel still answers) or a
+//! black-holed one (until TCP keepalive reaps it, about 2 h on Linux). So
+//! the lock's connection sets `idle_session_timeout` to [`LEASE_TTL`] and
+//! the holder proves itself every [`RENEW`]: a holder silent for
+//! [`LEASE_TTL`] loses its backend, and the lock with it, whatever its
+//! network or its scheduler does. The holder's own [`Proof`] ends before
+//! that ([`MARGIN`] earlier than the server could act, counted from when the
+//! last successful ping was *sent*), so a process that thaws after a freeze
+//! finds its proof stale and starts nothing, before it has even heard that
+//! its connection is gone.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 
+/// How long Postgres keeps the lock of a holder that said nothing: the
+/// lease connection's `idle_session_timeout`. A standby takes over within
+/// this (plus its ask interval and the crew's accounting) of a freeze.
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(4);
+/// How often the holder proves itself (a ping on the lease connection).
+const RENEW: Duration = Duration::from_secs(1);
+/// A proof ends this much before the server could free the lock.
+const MARGIN: Duration = Duration::from_millis(500);
+/// Connecting for the lease waits no longer (a silent Postgres path would
+/// otherwise hold a standby's ask for the pool's acquire timeout).
+const CONNECT: Duration = Duration::from_secs(5);
+
+/// Until when this process may start work for the durable: handler calls,
+/// hand-offs. Renewed by whoever proves the right (the lease's keeper, a
+/// helper's beats acknowledged by the dispatcher); read before every start.
+#[derive(Clone, Default)]
+pub(crate) struct Proof {
+    /// Milliseconds since [`origin`], plus one; 0 for none.
+    until: Arc<AtomicU64>,
+}
+
+fn origin() -> Instant {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    *ORIGIN.get_or_init(Instant::now)
+}
+
+impl Proof {
+    /// Held until `until` (never moves back: late answers cannot shorten a
+    /// newer proof, nor a stale one lengthen it).
+    pub fn renew(&self, until: Instant) {
+        let ms = until.saturating_duration_since(origin()).as_millis() as u64 + 1;
+        self.until.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// Held until `until`, replacing whatever was held (a helper's proof is
+    /// the earlier of two renewals, which may move it back).
+    pub fn set(&self, until: Instant) {
+        let ms = until.saturating_duration_since(origin()).as_millis() as u64 + 1;
+        self.until.store(ms, Ordering::Relaxed);
+    }
+
+    pub fn revoke(&self) {
+        self.until.store(0, Ordering::Relaxed);
+    }
+
+    pub fn holds(&self) -> bool {
+        let until = self.until.load(Ordering::Relaxed);
+        until > 0 && (origin().elapsed().as_millis() as u64) < until - 1
+    }
+}
+
+/// A proof renewed by a ping sent at `sent` ends here.
+pub(crate) fn proof_end(sent: Instant) -> Instant {
+    sent + LEASE_TTL - MARGIN
+}
+
+/// The lease, while held: its keeper pings the connection every [`RENEW`].
 pub struct Lease {
-    conn: PgConnection,
+    proof: Proof,
+    /// Cancelled by the keeper when the lease is lost.
+    lost: CancellationToken,
+    /// Cancelled to give the lease up.
+    stop: CancellationToken,
 }
 
 /// The lock's name: one per stream and durable.
@@ -47,27 +125,52 @@ pub async fn held_by(
     .await
 }
 
+/// A connection whose session Postgres ends after [`LEASE_TTL`] without a
+/// statement: what holds a session lock on it is time-bounded.
+pub(crate) async fn bounded_session(pool: &PgPool, what: &'static str) -> Result<PgConnection> {
+    let mut conn = tokio::time::timeout(CONNECT, pool.acquire())
+        .await
+        .map_err(|_| Error::pg(what)(sqlx::Error::PoolTimedOut))?
+        .map_err(Error::pg(what))?
+        .detach();
+    sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
+        .bind(format!("{}ms", LEASE_TTL.as_millis()))
+        .execute(&mut conn)
+        .await
+        .map_err(Error::pg(
+            "setting idle_session_timeout (PostgreSQL 14 or newer)",
+        ))?;
+    Ok(conn)
+}
+
 impl Lease {
     /// Take the lock if free, tagged with crew member `member` (see
-    /// [`held_by`]). The connection is detached from the pool: it holds the
-    /// lock for as long as it lives.
+    /// [`held_by`]), on `asking`: the connection a standby asks on, kept
+    /// between asks (made here when there is none; dropped on an error).
+    /// Taken, the connection becomes the lease's.
     pub async fn try_acquire(
         pool: &PgPool,
+        asking: &mut Option<PgConnection>,
         stream: &str,
         durable: &str,
         member: Option<i32>,
     ) -> Result<Option<Lease>> {
-        let mut conn = pool
-            .acquire()
-            .await
-            .map_err(Error::pg("connecting for the consumer lease"))?
-            .detach();
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
-            .bind(lock_name(stream, durable))
-            .fetch_one(&mut conn)
-            .await
-            .map_err(Error::pg("pg_try_advisory_lock"))?;
+        let mut conn = match asking.take() {
+            Some(c) => c,
+            None => bounded_session(pool, "connecting for the consumer lease").await?,
+        };
+        let sent = Instant::now();
+        let got: bool = tokio::time::timeout(
+            RENEW,
+            sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
+                .bind(lock_name(stream, durable))
+                .fetch_one(&mut conn),
+        )
+        .await
+        .map_err(|_| Error::pg("pg_try_advisory_lock")(sqlx::Error::PoolTimedOut))?
+        .map_err(Error::pg("pg_try_advisory_lock"))?;
         if !got {
+            *asking = Some(conn);
             return Ok(None);
         }
         if let Some(member) = member {
@@ -84,16 +187,91 @@ impl Lease {
                 return Ok(None);
             }
         }
-        Ok(Some(Lease { conn }))
+        let proof = Proof::default();
+        proof.renew(proof_end(sent));
+        let (lost, stop) = (CancellationToken::new(), CancellationToken::new());
+        tokio::spawn(keep(conn, proof.clone(), lost.clone(), stop.clone()));
+        Ok(Some(Lease { proof, lost, stop }))
     }
 
-    /// Whether the lock is still held: its connection answers.
-    pub async fn held(&mut self) -> bool {
-        self.conn.ping().await.is_ok()
+    /// Whether (and until when) this process may start work as dispatcher.
+    pub fn proof(&self) -> Proof {
+        self.proof.clone()
     }
 
-    /// Give the lock up (closing the connection releases it).
-    pub async fn release(self) {
-        let _ = self.conn.close().await;
+    /// Fires when the lease is lost (its connection failed or went silent).
+    pub fn lost(&self) -> CancellationToken {
+        self.lost.clone()
+    }
+
+    /// Give the lock up: the keeper closes the connection (at once, or by
+    /// dropping it when the server does not answer). Dropping the lease
+    /// does the same.
+    pub fn release(self) {}
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.proof.revoke();
+        self.stop.cancel();
+    }
+}
+
+/// Prove the lease every [`RENEW`] until `stop`, or until a ping fails or
+/// does not answer within [`RENEW`]: then the lease is lost (the server
+/// frees the lock within [`LEASE_TTL`] of the last ping at the latest).
+async fn keep(
+    mut conn: PgConnection,
+    proof: Proof,
+    lost: CancellationToken,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(RENEW);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => {
+                let _ = tokio::time::timeout(RENEW, conn.close()).await;
+                return;
+            }
+            _ = tick.tick() => {}
+        }
+        let sent = Instant::now();
+        match tokio::time::timeout(RENEW, conn.ping()).await {
+            Ok(Ok(())) => proof.renew(proof_end(sent)),
+            _ => {
+                proof.revoke();
+                lost.cancel();
+                // Dropped, not closed: a silent server would hold the close.
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_proof_holds_until_its_end_and_not_after_a_revoke() {
+        let p = Proof::default();
+        assert!(!p.holds(), "a new proof holds nothing");
+        p.renew(Instant::now() + Duration::from_secs(5));
+        assert!(p.holds());
+        p.renew(Instant::now() - Duration::from_secs(1));
+        assert!(p.holds(), "a late, older renewal does not shorten it");
+        p.set(Instant::now() - Duration::from_millis(1));
+        assert!(!p.holds(), "set moves it back");
+        p.renew(Instant::now() + Duration::from_secs(5));
+        p.revoke();
+        assert!(!p.holds());
+    }
+
+    #[test]
+    fn a_proof_ends_before_the_server_frees_the_lock() {
+        let sent = Instant::now();
+        assert!(proof_end(sent) < sent + LEASE_TTL);
+        assert!(proof_end(sent) > sent + RENEW * 2, "room for a late ping");
     }
 }

@@ -181,6 +181,8 @@ pub async fn run<H: Handler>(
             &dlq,
             handler.clone(),
             CancellationToken::new(),
+            // Renewed by the crew's beats (see `crew::work`).
+            lease::Proof::default(),
         ),
         js.clone(),
         pool.clone(),
@@ -220,6 +222,9 @@ async fn dispatch<H: Handler>(
 ) -> Result<()> {
     let standby = metrics::gauge!(m::CONSUMER_STANDBY);
     let mut standby_logged = false;
+    // One connection for every ask, kept between them (four asks a second
+    // must not be four new Postgres sessions).
+    let mut asking = None;
     loop {
         // A process cut off from NATS could neither reach the crew nor
         // pull: holding the lease, it would only keep the others waiting.
@@ -230,7 +235,15 @@ async fn dispatch<H: Handler>(
             }
         }
         let member = worker.member.load(Ordering::Relaxed);
-        let lease = match Lease::try_acquire(pool, &cfg.stream, &cfg.durable, Some(member)).await {
+        let lease = match Lease::try_acquire(
+            pool,
+            &mut asking,
+            &cfg.stream,
+            &cfg.durable,
+            Some(member),
+        )
+        .await
+        {
             Ok(Some(lease)) => lease,
             Ok(None) => {
                 standby.set(1.0);
@@ -303,6 +316,7 @@ fn new_shared<H: Handler>(
     dlq: &DeadLetters,
     handler: Arc<H>,
     stop: CancellationToken,
+    proof: lease::Proof,
 ) -> Arc<Shared<H>> {
     Arc::new(Shared {
         pool: pool.clone(),
@@ -311,6 +325,7 @@ fn new_shared<H: Handler>(
         cfg: cfg.clone(),
         stream: stream.clone(),
         stop,
+        proof,
         dlq_failing: AtomicUsize::new(0),
         batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
         transactions: handler.in_transaction().then(|| {

@@ -90,7 +90,8 @@ pub async fn run(
     // flight while it starts over: refuse while an instance holds its lease,
     // and hold the lease ourselves meanwhile.
     let Some(lease) =
-        crate::consumer::lease::Lease::try_acquire(pool, stream_name, durable, None).await?
+        crate::consumer::lease::Lease::try_acquire(pool, &mut None, stream_name, durable, None)
+            .await?
     else {
         return Err(Error::setup(format!(
             "durable {durable} is being consumed (an `outbox-relay consume` instance holds its lease): stop its consumers, reset, then start them again"
@@ -120,12 +121,12 @@ pub async fn run(
             .execute(pool)
             .await
             .map_err(Error::pg("taking back the reset's record"))?;
-        lease.release().await;
+        lease.release();
         return Err(Error::setup(format!(
             "JetStream refused the reset of {durable} (ADR-60 needs nats-server 2.14 or later): {e}"
         )));
     }
-    lease.release().await;
+    lease.release();
     Ok(Done {
         from_seq: seq,
         messages: (state.last_sequence + 1).saturating_sub(seq),
