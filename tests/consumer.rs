@@ -4174,6 +4174,57 @@ async fn a_dispatcher_cut_off_from_postgres_loses_the_lease_within_seconds() {
     }
 }
 
+/// Issue 43, item 4: the dispatcher's lease connection is terminated (an
+/// operator's `pg_terminate_backend`; a failover or a restart does the
+/// same) while dozens of calls are in flight. Every running job was
+/// aborted, those whose handler had already answered 200 included, and each
+/// came again: a repeated successful call per job, with one process. A lost
+/// lease must stop *starting* calls and let the running ones finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_repeats_no_successful_call() {
+    let crew = Crew::new("c_leaselost", "cleaselost").await;
+    let nats = stack().nats_url;
+    let mut a = Service::consumer_named(
+        &crew.url,
+        &nats,
+        &crew.stream,
+        crew.ctx,
+        "leaselost-a",
+        &crew.handler_url,
+        &["--context", crew.ctx],
+    );
+    a.wait_ready();
+    const N: usize = 120;
+    let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        crew.publish(*id, &format!("agg{i}"), 600).await;
+    }
+    eventually(T, "calls in flight", || async {
+        crew.spans.calls.lock().unwrap().len() >= 30
+    })
+    .await;
+    let tag = format!("outbox-relay dispatcher {}/{}", crew.stream, crew.ctx);
+    let closed: bool = sqlx::query_scalar(
+        "SELECT bool_or(pg_terminate_backend(pid)) FROM pg_locks \
+         WHERE locktype = 'advisory' AND objsubid = 2 AND classid = hashtext($1)::oid",
+    )
+    .bind(&tag)
+    .fetch_one(&crew.pool)
+    .await
+    .unwrap();
+    assert!(closed, "the lease is held by a backend");
+    wait_processed(&crew.pool, crew.ctx, N).await;
+    let repeated: Vec<(Uuid, usize)> = ids
+        .iter()
+        .map(|id| (*id, crew.spans.started(*id)))
+        .filter(|(_, n)| *n > 1)
+        .collect();
+    assert!(
+        repeated.is_empty(),
+        "successful calls repeated after the lease was lost: {repeated:?}"
+    );
+}
+
 /// A call of [`FirstCallSlow`]: its message, when it began, whether it
 /// ran to its end.
 type SlowCall = (Uuid, Instant, Arc<AtomicBool>);

@@ -81,9 +81,12 @@ const FENCE: Duration = Duration::from_secs(2);
 /// A helper the dispatcher has not heard for this long has stopped its
 /// jobs (it could not hear itself for [`FENCE`]).
 const SILENT: Duration = Duration::from_secs(5);
-/// How long a helper may take to stop its jobs once its member lock is
-/// gone: it checks every [`BEAT`], each check bounded by [`PING`].
-const GRACE: Duration = Duration::from_secs(1);
+/// How long after a helper's member lock went its jobs may still call: its
+/// proof runs [`LEASE_TTL`](super::lease::LEASE_TTL) less a margin from
+/// its last successful check of the lock, and the lock was held then. A
+/// helper that loses its lock's connection (a Postgres restart, a
+/// terminated backend) goes on with its calls while it takes the lock back.
+pub(super) const GRACE: Duration = super::lease::LEASE_TTL;
 /// A member-lock check that takes longer has failed.
 const PING: Duration = Duration::from_millis(500);
 /// How long a helper may take to answer a request or a sync.
@@ -132,6 +135,25 @@ impl Member {
                 return Ok(Member { conn, id });
             }
         }
+    }
+
+    /// Take the lock under `id` again (its connection failed): `None` while
+    /// another session (this process's old one, alive still) holds it.
+    pub async fn join_as(
+        pool: &PgPool,
+        stream: &str,
+        durable: &str,
+        id: i32,
+    ) -> Result<Option<Member>> {
+        let mut conn =
+            super::lease::bounded_session(pool, "connecting for the crew membership").await?;
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
+            .bind(lock_name(stream, durable))
+            .bind(id)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(Error::pg("pg_try_advisory_lock"))?;
+        Ok(got.then_some(Member { conn, id }))
     }
 
     /// The lock is still ours: its connection answers within [`PING`]. A
@@ -1114,7 +1136,7 @@ pub(super) async fn work<H: Handler>(
                 let hello = {
                     let mut r = roster(&worker.registry);
                     r.serving = Some(sync.from);
-                    hello(&r, member.id, capacity, leaving.is_some(), beat_no)
+                    hello(&r, member.id, room(&shared, capacity), leaving.is_some(), beat_no)
                 };
                 if let Ok(body) = serde_json::to_vec(&hello) {
                     bounded(client.publish(reply, body.into())).await;
@@ -1174,7 +1196,7 @@ pub(super) async fn work<H: Handler>(
                 if sent.len() > 64 {
                     sent.pop_front();
                 }
-                let hello = hello(&roster(&worker.registry), member.id, capacity, leaving.is_some(), beat_no);
+                let hello = hello(&roster(&worker.registry), member.id, room(&shared, capacity), leaving.is_some(), beat_no);
                 running_gauge.set(hello.running.len() as f64);
                 if let Ok(body) = serde_json::to_vec(&hello) {
                     bounded(client.publish(format!("{base}.s.hello"), body.into())).await;
@@ -1186,34 +1208,42 @@ pub(super) async fn work<H: Handler>(
                 // has not heard it for SILENT: they stop first. Its
                 // acknowledgement is the proof of being heard both ways (a
                 // process that only hears itself may be unheard).
-                let now_unheard = acked.elapsed() >= FENCE;
-                if now_unheard && !unheard {
-                    worker.fences.fetch_add(1, Ordering::Relaxed);
-                }
-                unheard = now_unheard;
-                if unheard && !tasks.is_empty() {
-                    tracing::warn!(jobs = tasks.len(), "the dispatcher has not acknowledged this process for {FENCE:?} (NATS unreachable?): stopping the jobs it runs for it, which it runs again");
-                    stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
-                }
                 let pinged = Instant::now();
                 if member.held().await {
                     member_proven = pinged;
                     prove(acked, member_proven);
                 } else {
-                    tracing::warn!("lost the crew membership (its Postgres connection failed): stopping the jobs this process runs, and joining again");
-                    worker.fences.fetch_add(1, Ordering::Relaxed);
-                    stop_jobs(&mut tasks, &worker.registry, &client, &base).await;
-                    match tokio::time::timeout(PING, Member::join(&pool, &cfg.stream, &cfg.durable)).await {
-                        Ok(Ok(m)) => {
+                    // Under the same id: the dispatcher waits GRACE before it
+                    // takes a member whose lock went for gone, and a blip
+                    // (a Postgres restart, a terminated backend) must not
+                    // cost the jobs running here. The old session, if it
+                    // lives, holds the id until Postgres ends it (LEASE_TTL).
+                    match tokio::time::timeout(PING, Member::join_as(&pool, &cfg.stream, &cfg.durable, member.id)).await {
+                        Ok(Ok(Some(m))) => {
+                            tracing::info!(member = m.id, "the crew membership's connection failed; took the membership back");
                             member = m;
                             member_proven = Instant::now();
-                            worker.member.store(member.id, Ordering::Relaxed);
-                            subs = Subs::open(&client, &base, member.id, leaving.is_some()).await;
+                            prove(acked, member_proven);
                         }
+                        Ok(Ok(None)) => tracing::warn!("the crew membership's connection failed and its lock is still held; retrying"),
                         Ok(Err(e)) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
                         Err(_) => tracing::warn!("cannot join the crew again (Postgres does not answer); retrying"),
                     }
                 }
+                // The dispatcher takes this process's jobs for lost once it
+                // has not heard it for SILENT, or GRACE after its member
+                // lock went: their calls stop first. The proof (the
+                // dispatcher's acknowledgement of a recent beat, and the
+                // member lock) says whether that can have happened.
+                let now_unheard = !shared.proof.holds();
+                if now_unheard && !unheard {
+                    worker.fences.fetch_add(1, Ordering::Relaxed);
+                    if !tasks.is_empty() {
+                        tracing::warn!(jobs = tasks.len(), "this process cannot prove it is heard by the dispatcher, or holds its member lock (NATS or Postgres unreachable?): cutting the calls it makes for it, which the dispatcher makes again");
+                        stop_jobs(&mut tasks, &worker.registry, &client, &base, &shared.calls).await;
+                    }
+                }
+                unheard = now_unheard;
             }
             _ = liveness.tick() => {
                 // Off the loop: during a Postgres outage it waits its timeout.
@@ -1249,6 +1279,16 @@ async fn bounded<F: std::future::Future>(publish: F) {
     let _ = tokio::time::timeout(BEAT / 5, publish).await;
 }
 
+/// The jobs this process offers to take: none while it cannot prove it is
+/// heard (it would refuse them, one request each).
+fn room<H>(shared: &Shared<H>, capacity: usize) -> usize {
+    if shared.proof.holds() {
+        capacity
+    } else {
+        0
+    }
+}
+
 fn hello(r: &Roster, member: i32, capacity: usize, leaving: bool, beat: u64) -> Hello {
     Hello {
         member,
@@ -1260,38 +1300,25 @@ fn hello(r: &Roster, member: i32, capacity: usize, leaving: bool, beat: u64) -> 
     }
 }
 
-/// Stop every job the dispatcher sent here, wait until each has, and only
-/// then stop listing them: a job unlisted (or reported lost) is run again.
-/// The dispatcher's own jobs, if this process dispatches, are not the
-/// crew's to stop.
+/// Cut the calls in flight of the jobs the dispatcher sent here (no call
+/// starts either: the proof is gone) and report those that end. A cut job
+/// ends as a panicked one (the dispatcher resets to the ack floor); a job
+/// past its call goes on to record its outcome, listed, and is reported
+/// when it ends: cutting it would repeat a call that succeeded. Nothing
+/// waits longer than [`PING`] here.
 async fn stop_jobs(
     tasks: &mut JoinSet<(u64, Finished<Instant>, bool)>,
     registry: &Registry,
     client: &async_nats::Client,
     base: &str,
+    calls: &delivery::Calls,
 ) {
-    tasks.abort_all();
-    let mut ended = Vec::new();
-    while let Some(done) = tasks.join_next().await {
-        // Those that finished meanwhile are reported as such.
-        if let Ok(end) = done {
-            ended.push(end);
-        }
-    }
-    let stopped: Vec<u64> = {
-        let mut r = roster(registry);
-        let ids: Vec<u64> = r.jobs.values().filter(|j| !j.mine).map(|j| j.id).collect();
-        for id in &ids {
-            r.jobs.remove(id);
-        }
-        ids
-    };
-    for id in stopped {
-        match ended.iter().find(|e| e.0 == id) {
-            Some((_, how, panicked)) => {
-                publish_done(client, base, id, *how, *panicked, false).await
-            }
-            None => publish_done(client, base, id, Finished::Done, false, true).await,
+    calls.cut();
+    let deadline = Instant::now() + PING;
+    while let Ok(Some(done)) = tokio::time::timeout_at(deadline.into(), tasks.join_next()).await {
+        if let Ok((id, how, panicked)) = done {
+            roster(registry).jobs.remove(&id);
+            publish_done(client, base, id, how, panicked, false).await;
         }
     }
 }

@@ -69,12 +69,40 @@ pub(super) struct Shared<H> {
     /// before each call, so a process that thaws after a freeze, or whose
     /// right lapsed while a job waited, calls nothing.
     pub proof: Proof,
+    /// Cuts the handler calls in flight (a process cut off from the crew).
+    pub calls: Calls,
     /// Dead letters that could not be stored yet, for `/readyz`.
     pub dlq_failing: AtomicUsize,
     /// Claims and completions of detached (HTTP) calls, batched.
     pub batcher: inbox::Batcher,
     /// Group transactions for a handler that runs inside one.
     pub transactions: Option<Transactions>,
+}
+
+/// The handler calls in flight, to be cut at once: each call watches the
+/// token that was current when it began, and a cut replaces it, so the
+/// calls that start later are not cut with them.
+#[derive(Default)]
+pub(super) struct Calls {
+    current: std::sync::Mutex<CancellationToken>,
+}
+
+impl Calls {
+    pub fn token(&self) -> CancellationToken {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    pub fn cut(&self) {
+        let mut current = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        current.cancel();
+        *current = CancellationToken::new();
+    }
 }
 
 pub(super) fn header(msg: &jetstream::Message, name: &str) -> Option<String> {
@@ -406,72 +434,79 @@ async fn run_handler<H: Handler>(
         .await;
     }
     if shared.handler.in_transaction() {
-        return Box::pin(persist(shared, "the inbox transaction", || async {
-            let mut tx = shared.pool.begin().await?;
-            let attempts = if parked {
-                match inbox::claim_parked(&mut *tx, consumer, id).await? {
-                    Some(a) => a,
-                    None => return Ok::<_, sqlx::Error>(Ran::Gone),
+        // Cut, the transaction rolls back: nothing of the call is kept.
+        let cut = shared.calls.token();
+        return Box::pin(async {
+            tokio::select! {
+                    ran = persist(shared, "the inbox transaction", || async {
+                let mut tx = shared.pool.begin().await?;
+                let attempts = if parked {
+                    match inbox::claim_parked(&mut *tx, consumer, id).await? {
+                        Some(a) => a,
+                        None => return Ok::<_, sqlx::Error>(Ran::Gone),
+                    }
+                } else {
+                    match inbox::claim(
+                        &mut *tx,
+                        consumer,
+                        id,
+                        parts.subject,
+                        parts.seq,
+                        &cfg.stream,
+                    )
+                    .await?
+                    {
+                        Claim::Fresh { attempts } => attempts,
+                        Claim::Processed => {
+                            tx.commit().await?;
+                            return Ok(Ran::Processed { duplicate: true });
+                        }
+                        Claim::Parked { seq } => {
+                            tx.commit().await?;
+                            return Ok(Ran::Parked { seq });
+                        }
+                    }
+                };
+                let delivery = parts.delivery(id, attempts);
+                let outcome = handler::call(|| shared.handler.handle(&mut tx, &delivery)).await;
+                let outcome = match outcome {
+                    Outcome::Processed => match inbox::complete(&mut tx, consumer, id).await {
+                        Ok(()) => {
+                            return match tx.commit().await {
+                                Ok(()) => Ok(Ran::Processed { duplicate: false }),
+                                // Refused at the end (a deferred constraint the
+                                // handler broke): a failed attempt, or the
+                                // message would come back uncounted forever.
+                                Err(e @ sqlx::Error::Database(_)) => Ok(Ran::Failed {
+                                    outcome: Outcome::Retry(format!(
+                                        "its transaction failed to commit: {e}"
+                                    )),
+                                    attempts,
+                                    counted: false,
+                                }),
+                                Err(e) => Err(e),
+                            };
+                        }
+                        // The handler swallowed an error of its transaction: its
+                        // attempt failed, and counts (retrying the statement
+                        // would fail the same way forever).
+                        Err(e) if transaction::aborted(&e) => Outcome::Retry(format!(
+                            "the handler answered processed but left its transaction failed: {e}"
+                        )),
+                        Err(e) => return Err(e),
+                    },
+                    other => other,
+                };
+                tx.rollback().await?;
+                Ok(Ran::Failed {
+                    outcome,
+                    attempts,
+                    counted: false,
+                })
+            }) => ran,
+                    _ = cut.cancelled() => None,
                 }
-            } else {
-                match inbox::claim(
-                    &mut *tx,
-                    consumer,
-                    id,
-                    parts.subject,
-                    parts.seq,
-                    &cfg.stream,
-                )
-                .await?
-                {
-                    Claim::Fresh { attempts } => attempts,
-                    Claim::Processed => {
-                        tx.commit().await?;
-                        return Ok(Ran::Processed { duplicate: true });
-                    }
-                    Claim::Parked { seq } => {
-                        tx.commit().await?;
-                        return Ok(Ran::Parked { seq });
-                    }
-                }
-            };
-            let delivery = parts.delivery(id, attempts);
-            let outcome = handler::call(|| shared.handler.handle(&mut tx, &delivery)).await;
-            let outcome = match outcome {
-                Outcome::Processed => match inbox::complete(&mut tx, consumer, id).await {
-                    Ok(()) => {
-                        return match tx.commit().await {
-                            Ok(()) => Ok(Ran::Processed { duplicate: false }),
-                            // Refused at the end (a deferred constraint the
-                            // handler broke): a failed attempt, or the
-                            // message would come back uncounted forever.
-                            Err(e @ sqlx::Error::Database(_)) => Ok(Ran::Failed {
-                                outcome: Outcome::Retry(format!(
-                                    "its transaction failed to commit: {e}"
-                                )),
-                                attempts,
-                                counted: false,
-                            }),
-                            Err(e) => Err(e),
-                        };
-                    }
-                    // The handler swallowed an error of its transaction: its
-                    // attempt failed, and counts (retrying the statement
-                    // would fail the same way forever).
-                    Err(e) if transaction::aborted(&e) => Outcome::Retry(format!(
-                        "the handler answered processed but left its transaction failed: {e}"
-                    )),
-                    Err(e) => return Err(e),
-                },
-                other => other,
-            };
-            tx.rollback().await?;
-            Ok(Ran::Failed {
-                outcome,
-                attempts,
-                counted: false,
-            })
-        }))
+        })
         .await;
     }
     let attempts = if parked {
@@ -496,11 +531,15 @@ async fn run_handler<H: Handler>(
     };
     // The claim may have waited (a batch, a retried write): the right to
     // call is checked again right before the call.
+    let cut = shared.calls.token();
     if !shared.proof.holds() {
         return None;
     }
     let delivery = parts.delivery(id, attempts);
-    let outcome = handler::call(|| shared.handler.handle_detached(&delivery)).await;
+    let outcome = tokio::select! {
+        outcome = handler::call(|| shared.handler.handle_detached(&delivery)) => outcome,
+        _ = cut.cancelled() => return None,
+    };
     if outcome != Outcome::Processed {
         return Some(Ran::Failed {
             outcome,

@@ -651,46 +651,98 @@ impl<H: Handler> Dispatch<'_, H> {
         self.start(jobs);
     }
 
-    /// No more pulls. What waits is NAKed so the next dispatcher gets it at
-    /// once. With the lease lost, nothing more of ours runs (another process
-    /// may dispatch already); at shutdown the lease is handed over at once
-    /// and this process reports its own jobs as they end, bounded by the
-    /// shutdown timeout.
+    /// No more pulls, and the lease handed over (or lost). At shutdown what
+    /// waits is NAKed so the next dispatcher gets it at once; with the lease
+    /// lost it comes again through the next dispatcher's reset (a NAK from a
+    /// process that thawed after a freeze would only send it a copy).
+    ///
+    /// Running jobs are not aborted: a job past its handler call records its
+    /// outcome, and one whose call is in flight finishes it, while the next
+    /// dispatcher (this process's next period, or another process) adopts
+    /// them from this process's roster and waits for their ends; a job that
+    /// has not called its handler yet calls nothing (the lease's proof is
+    /// gone) and is handled as lost. At shutdown this process waits for them
+    /// (bounded by the shutdown timeout); with the lease lost they finish in
+    /// the background while this process asks for the lease again.
     async fn drain(mut self, ended: &Ended, lease: Lease) {
         let cfg = self.active.cfg;
         self.messages = None;
-        for msg in self.scheduler.take_waiting() {
-            let _ = msg.ack_with(AckKind::Nak(None)).await;
+        let waiting = self.scheduler.take_waiting();
+        if matches!(ended, Ended::Shutdown) {
+            for msg in waiting {
+                let _ = msg.ack_with(AckKind::Nak(None)).await;
+            }
+            self.active.readiness.not_ready("shutting down");
         }
         self.pending_task.abort();
         self.remote_jobs.set(0.0);
-        if matches!(ended, Ended::LeaseLost) {
-            self.abandon_jobs().await;
-            lease.release();
-            return;
-        }
-        self.active.readiness.not_ready("shutting down");
         self.crew.hand_over();
-        lease.release();
-        let client = self.active.js.client();
-        let deadline = Instant::now() + cfg.shutdown_timeout;
-        while !self.tasks.is_empty() {
-            // Handed over, its running jobs are the next dispatcher's to
-            // wait for; cut off from the crew, they must stop before it
-            // takes them for lost.
-            if self.active.worker.fences.load(Ordering::Relaxed) != self.fences {
-                tracing::warn!("cut off from the crew while finishing: stopping this process's jobs, which the next dispatcher runs again");
-                self.abandon_jobs().await;
-                break;
+        drop(lease);
+        let ours = crew::roster(&self.registry)
+            .jobs
+            .values()
+            .filter(|j| j.mine)
+            .map(|j| j.id)
+            .collect();
+        let finishing = Finishing {
+            tasks: std::mem::take(&mut self.tasks),
+            shared: self.shared.clone(),
+            stop: self.stop.clone(),
+            registry: self.registry.clone(),
+            worker: self.active.worker.clone(),
+            fences: self.fences,
+            client: self.active.js.client(),
+            stream: cfg.stream.clone(),
+            durable: cfg.durable.clone(),
+            ours,
+            deadline: Instant::now() + cfg.shutdown_timeout,
+        };
+        match ended {
+            Ended::Shutdown => finishing.run().await,
+            Ended::LeaseLost => {
+                tokio::spawn(finishing.run());
             }
-            let step = (Instant::now() + crew::BEAT).min(deadline);
+        }
+    }
+}
+
+/// The jobs a dispatcher period leaves running when it ends.
+struct Finishing<H> {
+    tasks: JoinSet<JobEnd>,
+    shared: Arc<Shared<H>>,
+    stop: CancellationToken,
+    registry: Registry,
+    worker: Arc<Worker>,
+    /// [`Worker::fences`] when the period began.
+    fences: u64,
+    client: async_nats::Client,
+    stream: String,
+    durable: String,
+    /// The period's own jobs in the roster when it ended.
+    ours: std::collections::HashSet<u64>,
+    deadline: Instant,
+}
+
+impl<H: Handler> Finishing<H> {
+    /// Report each job's end as it comes. Cut off from the crew, nobody can
+    /// adopt them: calls in flight are cut (a job past its call still
+    /// records its outcome). Past the deadline, what runs is stopped.
+    async fn run(mut self) {
+        let mut cut = false;
+        while !self.tasks.is_empty() {
+            if !cut && self.worker.fences.load(Ordering::Relaxed) != self.fences {
+                tracing::warn!("cut off from the crew while finishing: cutting this process's calls in flight, which the next dispatcher makes again");
+                self.shared.calls.cut();
+                cut = true;
+            }
+            let step = (Instant::now() + crew::BEAT).min(self.deadline);
             match tokio::time::timeout_at(step.into(), self.tasks.join_next()).await {
                 Ok(Some(Ok(end))) => {
                     if end.local {
                         crew::report(
-                            &client,
-                            &cfg.stream,
-                            &cfg.durable,
+                            &self.client,
+                            &self.stream,
+                            &self.durable,
                             end.id,
                             end.how,
                             end.panicked,
@@ -701,26 +753,24 @@ impl<H: Handler> Dispatch<'_, H> {
                 }
                 Ok(Some(Err(_))) => {}
                 Ok(None) => break,
-                Err(_) if Instant::now() < deadline => {}
+                Err(_) if Instant::now() < self.deadline => {}
                 Err(_) => {
                     tracing::warn!(
                         running = self.tasks.len(),
                         "shutdown timeout: unfinished deliveries will be redelivered"
                     );
-                    self.abandon_jobs().await;
+                    // Stopped first, unlisted after: an unlisted job is run
+                    // again by the next dispatcher.
+                    self.stop.cancel();
+                    self.tasks.abort_all();
+                    while self.tasks.join_next().await.is_some() {}
+                    crew::roster(&self.registry)
+                        .jobs
+                        .retain(|id, _| !self.ours.contains(id));
                     break;
                 }
             }
         }
-    }
-
-    /// Stop this period's jobs, and only once they have stopped stop
-    /// listing them: an unlisted job is run again by the next dispatcher.
-    async fn abandon_jobs(&mut self) {
-        self.stop.cancel();
-        self.tasks.abort_all();
-        while self.tasks.join_next().await.is_some() {}
-        crew::roster(&self.registry).jobs.retain(|_, j| !j.mine);
     }
 }
 

@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 /// How long Postgres keeps the lock of a holder that said nothing: the
 /// lease connection's `idle_session_timeout`. A standby takes over within
 /// this (plus its ask interval and the crew's accounting) of a freeze.
-pub(crate) const LEASE_TTL: Duration = Duration::from_secs(4);
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(3);
 /// How often the holder proves itself (a ping on the lease connection).
 const RENEW: Duration = Duration::from_secs(1);
 /// A proof ends this much before the server could free the lock.
@@ -273,5 +273,6 @@ mod tests {
         let sent = Instant::now();
         assert!(proof_end(sent) < sent + LEASE_TTL);
         assert!(proof_end(sent) > sent + RENEW * 2, "room for a late ping");
+        assert!(proof_end(sent) < sent + super::super::crew::GRACE);
     }
 }

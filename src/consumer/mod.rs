@@ -326,6 +326,7 @@ fn new_shared<H: Handler>(
         stream: stream.clone(),
         stop,
         proof,
+        calls: Default::default(),
         dlq_failing: AtomicUsize::new(0),
         batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
         transactions: handler.in_transaction().then(|| {
