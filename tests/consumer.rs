@@ -3844,7 +3844,10 @@ async fn span_answer(State(h): State<Spans>, body: Bytes) -> StatusCode {
     if let Some(ms) = body["payload"]["sleep_ms"].as_u64() {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    StatusCode::OK
+    body["payload"]["status"]
+        .as_u64()
+        .and_then(|s| StatusCode::from_u16(s as u16).ok())
+        .unwrap_or(StatusCode::OK)
 }
 
 /// The one process of `crew` that runs `n` jobs for the crew.
@@ -4222,6 +4225,162 @@ async fn a_lost_lease_repeats_no_successful_call() {
     assert!(
         repeated.is_empty(),
         "successful calls repeated after the lease was lost: {repeated:?}"
+    );
+}
+
+/// Issue 43, item 8: at the default flags (`--concurrency 48`,
+/// `--max-ack-pending 50`) the durable let 50 messages out at once and the
+/// dispatcher ran 48 of them itself, so a second process ran about 2: three
+/// processes did 1.04 times what one did. Two processes at the defaults,
+/// with a handler that takes 300 ms, must share the work about evenly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_process_at_the_default_flags_takes_its_share() {
+    let crew = Crew::new("c_share", "cshare").await;
+    let nats = stack().nats_url;
+    let start = |name: &str| {
+        Service::consumer_named(
+            &crew.url,
+            &nats,
+            &crew.stream,
+            crew.ctx,
+            name,
+            &crew.handler_url,
+            &["--context", crew.ctx],
+        )
+    };
+    let mut a = start("share-a");
+    a.wait_ready();
+    let b = start("share-b");
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    const N: usize = 400;
+    for i in 0..N {
+        crew.publish(Uuid::new_v4(), &format!("agg{i}"), 300).await;
+    }
+    wait_processed(&crew.pool, crew.ctx, N).await;
+    let processed = r#"outbox_consumer_messages_total{result="processed"}"#;
+    let by_a = a.scrape().await.value(processed).unwrap_or(0.0);
+    let by_b = b.scrape().await.value(processed).unwrap_or(0.0);
+    assert_eq!(by_a + by_b, N as f64, "every message processed once");
+    assert!(
+        by_a.min(by_b) >= N as f64 * 0.3,
+        "one process did {} of {N}, the other {}",
+        by_a.min(by_b),
+        by_a.max(by_b)
+    );
+}
+
+/// Issue 43, item 9: the dispatcher's figures (parked aggregates, dead
+/// letters failing, messages pending) froze on a process that stopped
+/// dispatching while it lived on, and the autoscaler takes the largest
+/// figure of any process. A, cut off from Postgres, loses the lease to B:
+/// A must report no parked aggregate, B the one there is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_stops_dispatching_reports_no_stale_figures() {
+    let crew = Crew::new("c_stale", "cstale").await;
+    let nats = stack().nats_url;
+    let proxy = Proxy::start(&pg_target(&crew.url)).await;
+    let mut a = crew.process_via("stale-a", &proxy.pg_url(&crew.url), &nats);
+    a.wait_ready();
+    let b = crew.process("stale-b", &nats);
+    eventually(T, "two processes of the durable", || async {
+        b.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    let body = br#"{"status": 500}"#;
+    publish(&crew.js, &format!("{}.e", crew.ctx), Some(Uuid::new_v4()), "x", body).await;
+    eventually(T, "A reports the parked aggregate", || async {
+        a.scrape().await.value("outbox_consumer_parked_aggregates") == Some(1.0)
+    })
+    .await;
+    proxy.cut();
+    eventually(T, "B dispatches", || async {
+        b.scrape().await.value("outbox_consumer_standby") == Some(0.0)
+    })
+    .await;
+    eventually(T, "B reports the parked aggregate", || async {
+        b.scrape().await.value("outbox_consumer_parked_aggregates") == Some(1.0)
+    })
+    .await;
+    eventually(T, "A no longer reports it", || async {
+        a.scrape().await.value("outbox_consumer_parked_aggregates") == Some(0.0)
+    })
+    .await;
+    proxy.heal();
+}
+
+/// Issue 43, item 5: a job lost with its helper let the aggregate's spilled
+/// later message run before the lost one came back. K/1 runs on B; K/2 and
+/// K/3 spill to the inbox (the durable's window is small); B is killed.
+/// The dispatcher took K/1 for lost and went on with K/2, parked behind
+/// it, at once, while the reset that brings K/1 back was still to come:
+/// K/2 reached the handler before K/1's second call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_lost_with_its_helper_comes_back_before_its_spilled_successors() {
+    let crew = Crew::new("c_lostorder", "clostorder").await;
+    let nats = stack().nats_url;
+    let start = |name: &str| {
+        Service::consumer_named(
+            &crew.url,
+            &nats,
+            &crew.stream,
+            crew.ctx,
+            name,
+            &crew.handler_url,
+            &[
+                "--context",
+                crew.ctx,
+                "--concurrency",
+                "1",
+                "--max-ack-pending",
+                "2",
+            ],
+        )
+    };
+    let mut a = start("lostorder-a");
+    a.wait_ready();
+    let mut b = start("lostorder-b");
+    // Two waiting is half the durable's window (2 a process, 4 for the
+    // two): K/2 and K/3, behind busy K, spill.
+    let k1 = crew.k1_running_on_b(&a, &b, 1_500).await;
+    let (k2, k3) = (Uuid::new_v4(), Uuid::new_v4());
+    crew.publish(k2, "k", 10).await;
+    crew.publish(k3, "k", 10).await;
+    for i in 0..4 {
+        crew.publish(Uuid::new_v4(), &format!("y{i}"), 10).await;
+    }
+    // K/2 and K/3 wait in the inbox (spilled), the others ran.
+    eventually(T, "K/2 and K/3 spilled to the inbox", || async {
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages WHERE consumer = $1 \
+             AND message_id = ANY($2) AND parked_until IS NOT NULL",
+        )
+        .bind(crew.ctx)
+        .bind(vec![k2, k3])
+        .fetch_one(&crew.pool)
+        .await
+        .unwrap();
+        rows == 2
+    })
+    .await;
+    wait_processed(&crew.pool, crew.ctx, 5).await;
+    b.kill9();
+    crew.called_again(k1).await;
+    wait_processed(&crew.pool, crew.ctx, 8).await;
+    let (k1s, k2s, k3s) = (
+        crew.spans.starts(k1),
+        crew.spans.starts(k2),
+        crew.spans.starts(k3),
+    );
+    assert_eq!((k2s.len(), k3s.len()), (1, 1), "K/2 and K/3 called once each");
+    assert!(
+        k1s.iter().all(|t| *t < k2s[0]) && k2s[0] < k3s[0],
+        "K/1's calls {:?}, K/2 at {:?}, K/3 at {:?}: out of order",
+        k1s,
+        k2s[0],
+        k3s[0]
     );
 }
 

@@ -39,8 +39,6 @@ pub(super) const LEASE_POLL: Duration = Duration::from_secs(1);
 const MIN_REBUILD_PAUSE: Duration = Duration::from_millis(50);
 /// How long a pull stream may deliver nothing while messages are pending.
 const QUIET_PULL: Duration = Duration::from_secs(5);
-/// A reset that keeps failing (a server without ADR-60) is given up.
-const MAX_RESET_TRIES: u32 = 20;
 /// An ack sent when a job settles has reached the server by then, so a
 /// count asked later no longer includes it.
 const ACK_LANDS: Duration = Duration::from_secs(1);
@@ -133,13 +131,8 @@ impl<'a, H: Handler> Active<'a, H> {
             crew_stop.token().clone(),
         )
         .await?;
-        // Past half of max_ack_pending waiting in memory, busy keys spill
-        // theirs to the inbox, so JetStream never holds back for them.
-        let high_water = usize::try_from(cfg.max_ack_pending)
-            .ok()
-            .filter(|&m| m > 0)
-            .map_or(10_000, |m| (m / 2).max(1));
-        let mut scheduler = Scheduler::new(cfg.concurrency, high_water);
+        let window = consumer.cached_info().config.max_ack_pending;
+        let mut scheduler = Scheduler::new(cfg.concurrency, high_water(window));
         let adopted = crew.adopt(self.pool, &cfg.stream, &cfg.durable).await?;
         for (running, _) in &adopted {
             scheduler.adopt(running.key.clone());
@@ -153,7 +146,14 @@ impl<'a, H: Handler> Active<'a, H> {
         // pull requests waiting at the server: what the reset delivers
         // again would go to them, and its later messages here, out of order.
         old_pulls_gone(&mut consumer).await;
-        let rewound = reset_to_ack_floor(&mut consumer, "taking over").await;
+        let resets = resets_supported(&self.js.client());
+        if !resets {
+            tracing::warn!("nats-server is older than 2.14 (no consumer reset, ADR-60): what a previous dispatcher pulled and did not finish comes back after --ack-wait, behind later messages of its aggregate");
+        }
+        let rewound = match resets {
+            true => reset_to_ack_floor(&mut consumer, "taking over").await,
+            false => None,
+        };
         if let Some(from) = rewound {
             scheduler.rewound(from);
         }
@@ -167,9 +167,17 @@ impl<'a, H: Handler> Active<'a, H> {
             stop.clone(),
             lease.proof(),
         );
-        let messages = pull_stream(&consumer, cfg)
-            .await
-            .map_err(Error::nats("starting the pull subscription"))?;
+        // A reset that failed (an election, say) is tried again before
+        // anything is pulled: pulling first would run later messages ahead
+        // of the unacked ones the reset is to bring back.
+        let (messages, rebuild) = if rewound.is_none() && resets {
+            (None, Some(Rebuild::from_ack_floor()))
+        } else {
+            let messages = pull_stream(&consumer, cfg)
+                .await
+                .map_err(Error::nats("starting the pull subscription"))?;
+            (Some(messages), None)
+        };
         let durable_now = Arc::new(std::sync::Mutex::new(None));
         let pending_task = tokio::spawn(watch_pending(
             consumer.clone(),
@@ -190,8 +198,9 @@ impl<'a, H: Handler> Active<'a, H> {
             stop,
             tasks: JoinSet::new(),
             local_running: Arc::new(AtomicUsize::new(0)),
-            messages: Some(messages),
-            rebuild: None,
+            messages,
+            rebuild,
+            resets,
             rebuild_pause: MIN_REBUILD_PAUSE,
             durable_now,
             pending_task,
@@ -202,6 +211,9 @@ impl<'a, H: Handler> Active<'a, H> {
             stats,
             connects,
             remote_jobs: metrics::gauge!(m::CONSUMER_REMOTE_JOBS),
+            window,
+            window_set: Instant::now(),
+            resize: None,
             parked: metrics::gauge!(m::CONSUMER_PARKED_AGGREGATES),
         };
         for (running, end) in adopted {
@@ -209,6 +221,15 @@ impl<'a, H: Handler> Active<'a, H> {
         }
         Ok(dispatch)
     }
+}
+
+/// Past half of the durable's window waiting in memory, busy keys spill
+/// theirs to the inbox, so JetStream never holds back for them.
+fn high_water(window: i64) -> usize {
+    usize::try_from(window)
+        .ok()
+        .filter(|&m| m > 0)
+        .map_or(10_000, |m| (m / 2).max(1))
 }
 
 async fn inbox_heads(pool: &PgPool, cfg: &ConsumeConfig) -> Result<Vec<(String, u64, Duration)>> {
@@ -243,6 +264,8 @@ struct Dispatch<'a, H> {
     /// still finish meanwhile.
     rebuild: Option<Rebuild>,
     rebuild_pause: Duration,
+    /// The server resets a consumer to its ack floor (nats-server 2.14+).
+    resets: bool,
     durable_now: Arc<std::sync::Mutex<Option<DurableState>>>,
     pending_task: tokio::task::JoinHandle<()>,
     /// A pull request can vanish with a consumer leader without the pull
@@ -266,6 +289,11 @@ struct Dispatch<'a, H> {
     connects: u64,
     remote_jobs: metrics::Gauge,
     parked: metrics::Gauge,
+    /// The durable's max_ack_pending as last set or read, when it was set,
+    /// and a resize on its way (see [`Dispatch::resize_window`]).
+    window: i64,
+    window_set: Instant,
+    resize: Option<tokio::task::JoinHandle<Option<i64>>>,
 }
 
 impl<H: Handler> Dispatch<'_, H> {
@@ -446,6 +474,11 @@ impl<H: Handler> Dispatch<'_, H> {
     /// delivers it again, in stream order.
     fn resume_from_ack_floor(&mut self) {
         drop(self.scheduler.take_waiting());
+        // Parked heads wait for the pull to come back to them from now on,
+        // not from when the reset goes through: a lost job's key goes on
+        // with its next parked message at once, which would otherwise run
+        // before the lost one comes back.
+        self.scheduler.rewound(0);
         self.messages = None;
         self.rebuild = Some(Rebuild::from_ack_floor());
     }
@@ -467,6 +500,7 @@ impl<H: Handler> Dispatch<'_, H> {
             .scheduler
             .set_concurrency(cfg.concurrency + self.crew.capacity(), Instant::now());
         self.start(jobs);
+        self.resize_window();
         let local = self.local_running.load(Ordering::Relaxed);
         let remote = self.tasks.len().saturating_sub(local);
         self.remote_jobs.set(remote as f64);
@@ -476,6 +510,49 @@ impl<H: Handler> Dispatch<'_, H> {
             self.crew.helpers() + 1,
         ));
         false
+    }
+
+    /// The durable's window follows the crew (`window`): resized when the
+    /// processes this dispatcher hears change, and again when the server
+    /// holds another (a process that joined created the durable with its
+    /// own). One resize at a time, off the pump.
+    fn resize_window(&mut self) {
+        use futures::FutureExt;
+        let cfg = self.active.cfg;
+        if let Some(resize) = self.resize.as_mut() {
+            if !resize.is_finished() {
+                return;
+            }
+            if let Some(Ok(Some(w))) = resize.now_or_never() {
+                self.window = w;
+                self.window_set = Instant::now();
+                self.scheduler.set_high_water(high_water(w));
+            }
+            self.resize = None;
+        }
+        let durable = self.durable_now.lock().ok().and_then(|d| *d);
+        if let Some(d) = durable.filter(|d| d.asked > self.window_set + ACK_LANDS) {
+            self.window = d.limit;
+        }
+        let want = super::window(cfg.max_ack_pending, self.crew.helpers() + 1);
+        if want == self.window {
+            return;
+        }
+        let stream = self.active.stream.clone();
+        let config = super::durable_config(cfg, want);
+        self.resize = Some(tokio::spawn(async move {
+            match tokio::time::timeout(JS_REQUEST, stream.update_consumer(config)).await {
+                Ok(Ok(_)) => {
+                    tracing::info!(max_ack_pending = want, "sized the durable's ack-pending window for the crew");
+                    Some(want)
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot size the durable's ack-pending window; retrying");
+                    None
+                }
+                Err(_) => None,
+            }
+        }));
     }
 
     /// This process was cut off from the crew since the period began, and
@@ -557,7 +634,10 @@ impl<H: Handler> Dispatch<'_, H> {
             return;
         };
         if r.reset {
-            if r.tries < MAX_RESET_TRIES {
+            // Tried until it works, for as long as the period lasts: what
+            // it brings back would otherwise come after ack_wait, behind
+            // later messages of its aggregate.
+            if self.resets {
                 r.tries += 1;
                 let Some(from) = reset_to_ack_floor(&mut self.consumer, "lost delivery").await
                 else {
@@ -566,10 +646,11 @@ impl<H: Handler> Dispatch<'_, H> {
                     self.rebuild = Some(r);
                     return;
                 };
+                if r.tries > 1 {
+                    tracing::info!(tries = r.tries, "the reset to the ack floor went through");
+                }
                 self.scheduler.rewound(from);
                 self.rewound_at = Instant::now();
-            } else {
-                tracing::warn!("giving up the reset: the lost delivery comes back after ack_wait");
             }
             // Numbering starts over either way, or the next delivery would
             // look like another gap.
@@ -675,7 +756,12 @@ impl<H: Handler> Dispatch<'_, H> {
             self.active.readiness.not_ready("shutting down");
         }
         self.pending_task.abort();
+        // What this process reports of the period is no longer true: a
+        // standby holds no parked aggregate and no dead letter, and the
+        // autoscaler takes the largest figure of any process.
         self.remote_jobs.set(0.0);
+        self.parked.set(0.0);
+        metrics::gauge!(m::CONSUMER_DLQ_FAILING).set(0.0);
         self.crew.hand_over();
         drop(lease);
         let ours = crew::roster(&self.registry)
@@ -774,6 +860,15 @@ impl<H: Handler> Finishing<H> {
     }
 }
 
+/// Whether the server resets a consumer to its ack floor (ADR-60,
+/// nats-server 2.14 and later).
+fn resets_supported(client: &async_nats::Client) -> bool {
+    let version = client.server_info().version;
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (2, 14)
+}
+
 /// Wait until no pull request waits at the durable (they expire within
 /// [`PULL_EXPIRES`]; one whose subscriber is gone goes sooner).
 async fn old_pulls_gone(consumer: &mut Consumer) {
@@ -835,16 +930,18 @@ struct DurableState {
     /// JetStream holds back at max_ack_pending: quiet then is not a lost
     /// pull request.
     ack_pending_full: bool,
+    /// The durable's max_ack_pending.
+    limit: i64,
 }
 
-/// The pending gauge and [`DurableState`], kept off the dispatcher: during
-/// an election the info request waits out its timeout.
+/// [`DurableState`], kept off the dispatcher: during an election the info
+/// request waits out its timeout. (The pending gauge is every process's,
+/// `super::watch_lag`.)
 async fn watch_pending(
     mut consumer: Consumer,
     now: Arc<std::sync::Mutex<Option<DurableState>>>,
     stop: CancellationToken,
 ) {
-    let pending = metrics::gauge!(m::CONSUMER_PENDING);
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {
         tokio::select! {
@@ -853,13 +950,13 @@ async fn watch_pending(
         }
         let asked = Instant::now();
         if let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await {
-            pending.set(info.num_pending as f64);
             let limit = info.config.max_ack_pending;
             let state = DurableState {
                 asked,
                 num_pending: info.num_pending,
                 num_ack_pending: info.num_ack_pending as u64,
                 ack_pending_full: limit > 0 && info.num_ack_pending as i64 >= limit,
+                limit,
             };
             if let Ok(mut d) = now.lock() {
                 *d = Some(state);

@@ -122,19 +122,17 @@ pub async fn run<H: Handler>(
         let filter = cfg.filter.as_deref().unwrap_or(">");
         warn_unschematized(&stream, filter, schemas).await;
     }
+    // A running crew's dispatcher has sized the window for every process
+    // (see `durable_config`): a process that joins keeps it, or the durable
+    // would hold back until the dispatcher sized it again.
+    let window = match stream.consumer_info(&cfg.durable).await {
+        Ok(info) if cfg.max_ack_pending > 0 && info.config.max_ack_pending > cfg.max_ack_pending => {
+            info.config.max_ack_pending
+        }
+        _ => cfg.max_ack_pending,
+    };
     let consumer = stream
-        .create_consumer(pull::Config {
-            durable_name: Some(cfg.durable.clone()),
-            filter_subject: cfg.filter.clone().unwrap_or_default(),
-            ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: cfg.ack_wait,
-            // Attempts are counted in the inbox (`--max-deliver`); JetStream
-            // redelivers only what a crash or a reset left unacked, and must
-            // never give up on it.
-            max_deliver: -1,
-            max_ack_pending: cfg.max_ack_pending,
-            ..Default::default()
-        })
+        .create_consumer(durable_config(&cfg, window))
         .await
         .map_err(Error::nats(format!("creating consumer {}", cfg.durable)))?;
     let dlq = DeadLetters::new(
@@ -204,6 +202,35 @@ pub async fn run<H: Handler>(
         Err(_) => worker_task.abort(),
     }
     ended
+}
+
+/// The durable, with `window` deliveries unacked at most. The dispatcher
+/// sizes the window from the crew: `--max-ack-pending` for each process it
+/// dispatches for ([`window`]), so every process's `--concurrency` can be
+/// busy at the defaults; a window of one process's size left the others
+/// about two jobs between them.
+fn durable_config(cfg: &ConsumeConfig, window: i64) -> pull::Config {
+    pull::Config {
+        durable_name: Some(cfg.durable.clone()),
+        filter_subject: cfg.filter.clone().unwrap_or_default(),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: cfg.ack_wait,
+        // Attempts are counted in the inbox (`--max-deliver`); JetStream
+        // redelivers only what a crash or a reset left unacked, and must
+        // never give up on it.
+        max_deliver: -1,
+        max_ack_pending: window,
+        ..Default::default()
+    }
+}
+
+/// The durable's ack-pending window for a crew of `processes`: each
+/// process's share (`--max-ack-pending`), or no limit when there is none.
+pub(super) fn window(per_process: i64, processes: usize) -> i64 {
+    if per_process <= 0 {
+        return per_process;
+    }
+    per_process.saturating_mul(i64::try_from(processes.max(1)).unwrap_or(i64::MAX))
 }
 
 /// Ask for the lease until shutdown; dispatch while holding it.
@@ -426,7 +453,10 @@ async fn warn_unschematized(
 /// How often the durable's lag is measured.
 const LAG_TICK: Duration = Duration::from_secs(5);
 
-/// `outbox_consumer_ack_pending_messages` and `outbox_consumer_lag_seconds`:
+/// `outbox_consumer_pending_messages`, `outbox_consumer_ack_pending_messages`
+/// and `outbox_consumer_lag_seconds`, in every process of the durable
+/// (standby or not: a figure only the dispatcher set froze on a process
+/// that stopped dispatching, and the autoscaler takes the largest):
 /// the age of the oldest message the durable has not acked is the stream
 /// time of the first message on its filter past its ack floor.
 async fn watch_lag(
@@ -436,6 +466,7 @@ async fn watch_lag(
     stop: CancellationToken,
 ) {
     let ack_pending = metrics::gauge!(m::CONSUMER_ACK_PENDING);
+    let pending = metrics::gauge!(m::CONSUMER_PENDING);
     let lag = metrics::gauge!(m::CONSUMER_LAG_SECONDS);
     let mut tick = tokio::time::interval(LAG_TICK);
     // The oldest unacked message last seen. While NATS cannot answer,
@@ -459,6 +490,7 @@ async fn watch_lag(
             }
         };
         ack_pending.set(info.num_ack_pending as f64);
+        pending.set(info.num_pending as f64);
         if info.num_pending == 0 && info.num_ack_pending == 0 {
             oldest = None;
             lag.set(0.0);
@@ -484,3 +516,17 @@ const JS_REQUEST: Duration = Duration::from_secs(2);
 const PANIC_PAUSE: Duration = Duration::from_secs(5);
 
 type Consumer = jetstream::consumer::Consumer<pull::Config>;
+
+#[cfg(test)]
+mod tests {
+    use super::window;
+
+    #[test]
+    fn the_window_grows_with_the_crew_and_keeps_no_limit_unlimited() {
+        assert_eq!(window(50, 1), 50);
+        assert_eq!(window(50, 4), 200);
+        assert_eq!(window(50, 0), 50, "the dispatcher counts itself");
+        assert_eq!(window(-1, 4), -1, "no limit stays none");
+        assert_eq!(window(i64::MAX, 3), i64::MAX);
+    }
+}

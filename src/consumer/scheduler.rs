@@ -284,6 +284,12 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         started
     }
 
+    /// The spill mark moved (the durable's window was sized for more or
+    /// fewer processes).
+    pub fn set_high_water(&mut self, high_water: usize) {
+        self.high_water = high_water.max(1);
+    }
+
     /// A job of `key` that another process runs already (found when taking
     /// over): the key is busy until it [`finish`](Self::finish)es.
     pub fn adopt(&mut self, key: String) {
