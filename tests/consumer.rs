@@ -2,6 +2,7 @@
 //! local HTTP handler (axum) whose answers each test scripts per message.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -3838,11 +3839,18 @@ async fn span_answer(State(h): State<Spans>, body: Bytes) -> StatusCode {
     let id = body["message_id"].as_str().unwrap().to_owned();
     let _end = {
         let mut calls = h.calls.lock().unwrap();
-        calls.push((id, Instant::now(), None));
+        calls.push((id.clone(), Instant::now(), None));
         SpanEnd(h.clone(), calls.len() - 1)
     };
     if let Some(ms) = body["payload"]["sleep_ms"].as_u64() {
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    // `fail_first`: that many first calls of the message answer 500.
+    if let Some(n) = body["payload"]["fail_first"].as_u64() {
+        let before = h.calls.lock().unwrap().iter().filter(|c| c.0 == id).count() as u64;
+        if before <= n {
+            return StatusCode::INTERNAL_SERVER_ERROR;
+        }
     }
     body["payload"]["status"]
         .as_u64()
@@ -4290,7 +4298,14 @@ async fn a_process_that_stops_dispatching_reports_no_stale_figures() {
     })
     .await;
     let body = br#"{"status": 500}"#;
-    publish(&crew.js, &format!("{}.e", crew.ctx), Some(Uuid::new_v4()), "x", body).await;
+    publish(
+        &crew.js,
+        &format!("{}.e", crew.ctx),
+        Some(Uuid::new_v4()),
+        "x",
+        body,
+    )
+    .await;
     eventually(T, "A reports the parked aggregate", || async {
         a.scrape().await.value("outbox_consumer_parked_aggregates") == Some(1.0)
     })
@@ -4374,13 +4389,209 @@ async fn a_job_lost_with_its_helper_comes_back_before_its_spilled_successors() {
         crew.spans.starts(k2),
         crew.spans.starts(k3),
     );
-    assert_eq!((k2s.len(), k3s.len()), (1, 1), "K/2 and K/3 called once each");
+    assert_eq!(
+        (k2s.len(), k3s.len()),
+        (1, 1),
+        "K/2 and K/3 called once each"
+    );
     assert!(
         k1s.iter().all(|t| *t < k2s[0]) && k2s[0] < k3s[0],
         "K/1's calls {:?}, K/2 at {:?}, K/3 at {:?}: out of order",
         k1s,
         k2s[0],
         k3s[0]
+    );
+}
+
+/// Issue 43, item 6: a parked message whose copy enters the stream again (a
+/// resync republish; one durable name on two streams) was skipped by its
+/// retry. Parking the copy behind it moved the parked row to the copy's
+/// sequence while the scheduler kept the old one, so the retry found
+/// nothing there and went on to the aggregate's next parked message: K/2
+/// ran before K/1 succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_message_whose_copy_comes_again_keeps_its_place() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_parkcopy").await;
+    let js = js(&stack.nats_url).await;
+    // A short duplicate window: the copy is stored, not deduplicated.
+    let stream = fresh_stream(&js, "cparkcopy", Duration::from_millis(200)).await;
+    let spans = Spans::default();
+    let handler_url = spans.serve().await;
+    let mut a = Service::consumer_named(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "cparkcopy",
+        "parkcopy-a",
+        &handler_url,
+        &["--context", "cparkcopy", "--backoff", "3s"],
+    );
+    a.wait_ready();
+    let (k1, k2) = (Uuid::new_v4(), Uuid::new_v4());
+    let k1_body = br#"{"fail_first": 1}"#;
+    publish(&js, "cparkcopy.e", Some(k1), "k", k1_body).await;
+    publish(&js, "cparkcopy.e", Some(k2), "k", b"{}").await;
+    eventually(T, "K/1 and K/2 parked", || async {
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages WHERE consumer = 'cparkcopy' \
+             AND message_id = ANY($1) AND parked_until IS NOT NULL",
+        )
+        .bind(vec![k1, k2])
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        rows == 2
+    })
+    .await;
+    // K/1's copy, once the duplicate window let it in.
+    let deadline = Instant::now() + T;
+    loop {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(wire::MSG_ID, k1.to_string().as_str());
+        h.insert(wire::AGGREGATE_ID, "k");
+        let ack = js
+            .send_publish(
+                "cparkcopy.e".to_owned(),
+                jetstream::message::PublishMessage::build()
+                    .payload(k1_body.to_vec().into())
+                    .headers(h),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        if !ack.duplicate {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the copy was never stored");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_processed(&pool, "cparkcopy", 2).await;
+    let (k1s, k2s) = (spans.starts(k1), spans.starts(k2));
+    assert_eq!(k2s.len(), 1, "K/2 called once");
+    assert!(
+        k1s.len() >= 2 && k1s.iter().all(|t| *t < k2s[0]),
+        "K/2 called before K/1 succeeded: K/1 at {k1s:?}, K/2 at {:?}",
+        k2s[0]
+    );
+}
+
+/// Issue 43, item 2: a takeover whose reset to the ack floor fails (no
+/// leader yet, a permission, a timeout) was not tried again: the new
+/// dispatcher pulled at once, so K/2 ran while K/1, unacked with the dead
+/// dispatcher, came back only after `--ack-wait`, behind it. The reset is
+/// made to fail for real: the consumer's NATS user may not publish to the
+/// reset API (a configuration reload after the first dispatcher took
+/// over) until the configuration is reloaded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_reset_that_fails_is_tried_again_before_anything_is_pulled() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_resetfail").await;
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("resetfail");
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("nats.conf");
+    let write_conf = |deny: bool| {
+        let deny = if deny {
+            r#", permissions: { publish: { deny: ["$JS.API.CONSUMER.RESET.>"] } }"#
+        } else {
+            ""
+        };
+        std::fs::write(
+            &conf,
+            format!(
+                "accounts {{ APP {{ jetstream: enabled, users: [ \
+                 {{ user: admin, password: admin }}, \
+                 {{ user: consumer, password: consumer{deny} }} ] }} }}\n"
+            ),
+        )
+        .unwrap();
+    };
+    write_conf(false);
+    let nats = OwnNats::start_with(&stack, "resetfail", &["-c", conf.to_str().unwrap()]);
+    let admin = jetstream::new(
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin".into())
+            .connect(&nats.url)
+            .await
+            .unwrap(),
+    );
+    let stream = fresh_stream(&admin, "cresetfail", DUP).await;
+    let spans = Spans::default();
+    let handler_url = spans.serve().await;
+    let start = |name: &str| {
+        Service::consumer_named(
+            &url,
+            &nats.url,
+            &stream,
+            "cresetfail",
+            name,
+            &handler_url,
+            &[
+                "--context",
+                "cresetfail",
+                "--concurrency",
+                "1",
+                "--ack-wait",
+                "30s",
+                "--nats-user",
+                "consumer",
+                "--nats-password",
+                "consumer",
+            ],
+        )
+    };
+    let mut a = start("resetfail-a");
+    a.wait_ready();
+    let b = start("resetfail-b");
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    let (k1, k2) = (Uuid::new_v4(), Uuid::new_v4());
+    publish(
+        &admin,
+        "cresetfail.e",
+        Some(k1),
+        "k",
+        br#"{"sleep_ms": 1000}"#,
+    )
+    .await;
+    eventually(T, "K/1 called", || async { spans.started(k1) > 0 }).await;
+    // From now on the consumer's user may not reset: a reset request of
+    // that user goes unanswered once the reload took.
+    let probe =
+        async_nats::ConnectOptions::with_user_and_password("consumer".into(), "consumer".into())
+            .connect(&nats.url)
+            .await
+            .unwrap();
+    write_conf(true);
+    signal(nats.pid(), "HUP");
+    eventually(T, "the reset API denied to the consumer's user", || async {
+        let ask = probe.request(format!("$JS.API.CONSUMER.RESET.{stream}.none"), "".into());
+        tokio::time::timeout(Duration::from_millis(500), ask)
+            .await
+            .is_err()
+    })
+    .await;
+    a.kill9();
+    publish(&admin, "cresetfail.e", Some(k2), "k", b"{}").await;
+    eventually(T, "B's takeover reset refused", || async {
+        let log = b.log_text();
+        (log.contains("no answer to the consumer reset")
+            || log.contains("cannot reset the consumer"))
+            && b.scrape().await.value("outbox_consumer_standby") == Some(0.0)
+    })
+    .await;
+    write_conf(false);
+    signal(nats.pid(), "HUP");
+    wait_processed(&pool, "cresetfail", 2).await;
+    let (k1s, k2s) = (spans.starts(k1), spans.starts(k2));
+    assert_eq!(k1s.len(), 2, "K/1 called again after its dispatcher died");
+    assert_eq!(k2s.len(), 1, "K/2 called once");
+    assert!(
+        k1s[1] < k2s[0],
+        "K/2 called before K/1 came back: K/1 at {k1s:?}, K/2 at {:?}",
+        k2s[0]
     );
 }
 

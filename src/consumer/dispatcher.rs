@@ -77,6 +77,8 @@ struct Rebuild {
     at: Instant,
     reset: bool,
     tries: u32,
+    /// When the reset was first asked for.
+    since: Instant,
 }
 
 impl Rebuild {
@@ -86,6 +88,17 @@ impl Rebuild {
             at: Instant::now(),
             reset: true,
             tries: 0,
+            since: Instant::now(),
+        }
+    }
+
+    /// Without a reset, after a pause.
+    fn after(pause: Duration) -> Self {
+        Rebuild {
+            at: Instant::now() + pause,
+            reset: false,
+            tries: 0,
+            since: Instant::now(),
         }
     }
 }
@@ -543,7 +556,10 @@ impl<H: Handler> Dispatch<'_, H> {
         self.resize = Some(tokio::spawn(async move {
             match tokio::time::timeout(JS_REQUEST, stream.update_consumer(config)).await {
                 Ok(Ok(_)) => {
-                    tracing::info!(max_ack_pending = want, "sized the durable's ack-pending window for the crew");
+                    tracing::info!(
+                        max_ack_pending = want,
+                        "sized the durable's ack-pending window for the crew"
+                    );
                     Some(want)
                 }
                 Ok(Err(e)) => {
@@ -583,11 +599,7 @@ impl<H: Handler> Dispatch<'_, H> {
             self.connects = now;
             tracing::info!("NATS reconnected; renewing the pull subscription");
             self.messages = None;
-            self.rebuild.get_or_insert(Rebuild {
-                at: Instant::now(),
-                reset: false,
-                tries: 0,
-            });
+            self.rebuild.get_or_insert(Rebuild::after(Duration::ZERO));
         }
     }
 
@@ -634,10 +646,16 @@ impl<H: Handler> Dispatch<'_, H> {
             return;
         };
         if r.reset {
-            // Tried until it works, for as long as the period lasts: what
-            // it brings back would otherwise come after ack_wait, behind
-            // later messages of its aggregate.
-            if self.resets {
+            // Tried until it works, nothing pulled meanwhile: pulling first
+            // would run later messages ahead of what it brings back. Once
+            // ack_wait has passed, every delivery it was to bring back waits
+            // for redelivery, which JetStream serves before anything new:
+            // pulling is then safe without it.
+            let waited_out = r.since.elapsed() >= self.active.cfg.ack_wait;
+            if waited_out && self.resets {
+                tracing::warn!(tries = r.tries, "no reset to the ack floor within ack_wait; pulling without it (JetStream delivers the unacked messages again first)");
+            }
+            if self.resets && !waited_out {
                 r.tries += 1;
                 let Some(from) = reset_to_ack_floor(&mut self.consumer, "lost delivery").await
                 else {
@@ -694,11 +712,7 @@ impl<H: Handler> Dispatch<'_, H> {
                     }
                 }
                 self.messages = None;
-                self.rebuild = Some(Rebuild {
-                    at: Instant::now() + self.rebuild_pause,
-                    reset: false,
-                    tries: 0,
-                });
+                self.rebuild = Some(Rebuild::after(self.rebuild_pause));
                 self.grow_rebuild_pause();
                 return;
             }

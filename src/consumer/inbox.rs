@@ -255,16 +255,22 @@ pub async fn park(
 
 /// Park a pulled message behind its aggregate's parked ones (due at once:
 /// its turn comes when they are done). A processed row stays processed,
-/// unless a reset or replay opens it again. Whether the row is parked now.
+/// unless a reset or replay opens it again. A row parked already keeps its
+/// place (stream, sequence, key): the pulled message is a copy of it (a
+/// republish, or the same durable name on another stream), and the
+/// scheduler retries the row where it was parked. Whether the row is
+/// parked now.
 pub async fn park_behind(pool: &PgPool, p: &Parking<'_>) -> Result<bool, sqlx::Error> {
     let (with, again) = reopen("ARRAY[$2::uuid]", "$6");
+    let kept = "(inbox_messages.parked_until IS NOT NULL AND inbox_messages.processed_at IS NULL)";
     let sql = format!(
         "{with} INSERT INTO inbox_messages \
            (consumer, message_id, subject, aggregate_key, stream_seq, parked_until, stream) \
          VALUES ($1, $2, $3, $4, $5, now(), $6) \
          ON CONFLICT (consumer, message_id) DO UPDATE \
-           SET aggregate_key = excluded.aggregate_key, stream_seq = excluded.stream_seq, \
-               stream = excluded.stream, \
+           SET aggregate_key = CASE WHEN {kept} THEN inbox_messages.aggregate_key ELSE excluded.aggregate_key END, \
+               stream_seq = CASE WHEN {kept} THEN inbox_messages.stream_seq ELSE excluded.stream_seq END, \
+               stream = CASE WHEN {kept} THEN inbox_messages.stream ELSE excluded.stream END, \
                parked_until = coalesce(inbox_messages.parked_until, excluded.parked_until), \
                attempts = CASE WHEN inbox_messages.processed_at IS NOT NULL THEN 0 \
                                ELSE inbox_messages.attempts END, \

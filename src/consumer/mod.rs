@@ -126,7 +126,9 @@ pub async fn run<H: Handler>(
     // (see `durable_config`): a process that joins keeps it, or the durable
     // would hold back until the dispatcher sized it again.
     let window = match stream.consumer_info(&cfg.durable).await {
-        Ok(info) if cfg.max_ack_pending > 0 && info.config.max_ack_pending > cfg.max_ack_pending => {
+        Ok(info)
+            if cfg.max_ack_pending > 0 && info.config.max_ack_pending > cfg.max_ack_pending =>
+        {
             info.config.max_ack_pending
         }
         _ => cfg.max_ack_pending,
