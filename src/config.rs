@@ -659,7 +659,9 @@ pub struct ConsumeArgs {
     )]
     pub max_deliver: i64,
 
-    /// Deliveries JetStream hands this consumer before it must ack some.
+    /// Deliveries JetStream hands this consumer before it must ack some,
+    /// for each process of the durable: the dispatcher sets the durable's
+    /// max_ack_pending to this times the processes it dispatches for.
     #[arg(long, env = "OUTBOX_MAX_ACK_PENDING", default_value_t = 50)]
     pub max_ack_pending: i64,
 
@@ -741,6 +743,13 @@ impl ConsumeArgs {
         }
         if self.ack_wait < Duration::from_secs(1) {
             return Err(Error::Config("--ack-wait must be at least 1s".into()));
+        }
+        // 0 and other negatives meant "unlimited" without saying so.
+        if self.max_deliver == 0 || self.max_deliver < -1 {
+            return Err(Error::Config(format!(
+                "--max-deliver {}: must be at least 1 (attempts before a dead letter), or -1 for unlimited",
+                self.max_deliver
+            )));
         }
         Ok(crate::consumer::ConsumeConfig {
             stream,
@@ -1083,6 +1092,39 @@ mod tests {
         );
         assert!(!line.contains("secret"), "{line}");
         assert!(relay(&["--nats-url", "nats://a:1,,nats://b:2"]).is_err());
+    }
+
+    fn consume(args: &[&str]) -> Result<crate::consumer::ConsumeConfig> {
+        let mut v = vec![
+            "outbox-relay",
+            "consume",
+            "--database-url",
+            "postgres://x@127.0.0.1/db",
+            "--durable",
+            "d",
+            "--handler-url",
+            "http://127.0.0.1:1/h",
+        ];
+        v.extend_from_slice(args);
+        match Cli::try_parse_from(v).unwrap().command {
+            Command::Consume(a) => a.validate(),
+            _ => unreachable!(),
+        }
+    }
+
+    /// Issue 43, item 11: `--max-deliver 0` was taken as unlimited, which
+    /// `--help` does not say (it names -1).
+    #[test]
+    fn max_deliver_is_at_least_one_or_minus_one() {
+        assert_eq!(consume(&[]).unwrap().max_deliver, 20);
+        assert_eq!(consume(&["--max-deliver", "1"]).unwrap().max_deliver, 1);
+        assert_eq!(consume(&["--max-deliver", "-1"]).unwrap().max_deliver, -1);
+        for bad in ["0", "-2"] {
+            let Err(Error::Config(line)) = consume(&["--max-deliver", bad]) else {
+                panic!("--max-deliver {bad} accepted")
+            };
+            assert!(line.contains("-1 for unlimited"), "{line}");
+        }
     }
 
     #[test]

@@ -83,6 +83,38 @@ pub const EMIT_PREFIX: &str = "outbox-relay:event:v1";
 /// version it cannot read stops instead of confirming past the event.
 pub const EMIT_PREFIX_FAMILY: &str = "outbox-relay:event:";
 pub const TRACEPARENT: &str = "traceparent";
+
+/// A W3C `traceparent` the consumer passes on: `version-trace-parent-flags`
+/// in lowercase hex (2, 32, 16 and 2 digits; a later version may add
+/// fields), ids not all zero. Anything else is dropped, as the W3C says a
+/// receiver does: sent as it was, a control character in it made every
+/// HTTP call fail before it left ("handler unreachable"), for as long as
+/// the message was retried.
+pub fn traceparent_valid(value: &str) -> bool {
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let mut parts = value.split('-');
+    let (Some(version), Some(trace), Some(parent), Some(flags)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return false;
+    };
+    let rest_ok = match version {
+        "00" => parts.next().is_none(),
+        "ff" => false,
+        _ => parts.all(|p| p.bytes().all(|b| b.is_ascii_alphanumeric())),
+    };
+    hex(version, 2)
+        && hex(trace, 32)
+        && hex(parent, 16)
+        && hex(flags, 2)
+        && trace.bytes().any(|b| b != b'0')
+        && parent.bytes().any(|b| b != b'0')
+        && rest_ok
+}
 /// HTTP header of the handler call: the message id.
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
@@ -354,6 +386,29 @@ pub fn dlq_stream_name(prefix: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_traceparent_is_passed_on_only_when_it_is_one() {
+        use super::traceparent_valid;
+        let good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        assert!(traceparent_valid(good));
+        assert!(traceparent_valid(
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-future"
+        ));
+        for bad in [
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\u{1}",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b716920\u{1}331-01",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-abc-01",
+            "",
+        ] {
+            assert!(!traceparent_valid(bad), "{bad:?}");
+        }
+    }
     #[test]
     fn a_lineage_holds_ancestor_positions_before_their_switch_point() {
         use super::{Lineage, Position};

@@ -4595,6 +4595,240 @@ async fn a_takeover_reset_that_fails_is_tried_again_before_anything_is_pulled() 
     );
 }
 
+/// Issue 43, item 7: a parked message delivered again (a `consumer reset`
+/// below it here; an ack lost with a crash does the same) still waits its
+/// backoff. The claim of a redelivered parked row said "due now"; here the
+/// dispatcher knew the row's head from the inbox and kept its backoff (this
+/// held before the claim said how long the row is still parked for, which
+/// covers a head the dispatcher does not know).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_message_delivered_again_still_waits_its_backoff() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_redelivered").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "credelivered", DUP).await;
+    let spans = Spans::default();
+    let handler_url = spans.serve().await;
+    let mut a = Service::consumer_named(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "credelivered",
+        "redelivered-a",
+        &handler_url,
+        &["--context", "credelivered", "--backoff", "12s"],
+    );
+    a.wait_ready();
+    let k1 = Uuid::new_v4();
+    publish(
+        &js,
+        "credelivered.e",
+        Some(k1),
+        "k",
+        br#"{"fail_first": 1}"#,
+    )
+    .await;
+    eventually(T, "K/1 parked", || async {
+        let parked: Option<bool> = sqlx::query_scalar(
+            "SELECT parked_until IS NOT NULL FROM inbox_messages \
+             WHERE consumer = 'credelivered' AND message_id = $1",
+        )
+        .bind(k1)
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+        parked == Some(true)
+    })
+    .await;
+    a.term(Duration::from_secs(30));
+    let (code, out) = run_bounded(
+        &[
+            "consumer",
+            "reset",
+            "--database-url",
+            &url,
+            "--nats-url",
+            &stack.nats_url,
+            "--stream",
+            &stream,
+            "--durable",
+            "credelivered",
+            "--seq",
+            "1",
+        ],
+        T,
+    );
+    assert_eq!(code, Some(0), "{out}");
+    a.restart();
+    a.wait_ready();
+    wait_processed(&pool, "credelivered", 1).await;
+    let starts = spans.starts(k1);
+    assert_eq!(starts.len(), 2, "K/1 failed once, then succeeded");
+    assert!(
+        starts[1] - starts[0] >= Duration::from_secs(9),
+        "K/1 retried {:?} after its failure, its 12 s backoff cut short",
+        starts[1] - starts[0]
+    );
+}
+
+/// Issue 43, item 11: a stream that captures the dead-letter subjects
+/// (`dlq.{context}.>` here) was taken as the dead-letter stream: dead
+/// letters went back into the stream being consumed, came back to the
+/// handler as events, and their ids, the originals', were deduplicated.
+/// Refused at start with one line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_captures_the_dead_letter_subjects_is_refused() {
+    let stack = stack();
+    let (url, _) = fresh_db(&stack, "c_dlqcap").await;
+    let js = js(&stack.nats_url).await;
+    let name = wire::stream_name("cdlqcap");
+    let _ = js.delete_stream(&name).await;
+    js.create_stream(stream::Config {
+        name: name.clone(),
+        subjects: vec!["cdlqcap.>".into(), "dlq.cdlqcap.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (code, out) = run_bounded(
+        &[
+            "consume",
+            "--database-url",
+            &url,
+            "--nats-url",
+            &stack.nats_url,
+            "--context",
+            "cdlqcap",
+            "--stream",
+            &name,
+            "--durable",
+            "cdlqcap",
+            "--handler-url",
+            "http://127.0.0.1:9/h",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        Duration::from_secs(30),
+    );
+    assert!(
+        code.is_some_and(|c| c != 0)
+            && out.contains("captures the dead-letter subjects dlq.cdlqcap.>"),
+        "exit {code:?}: {out}"
+    );
+}
+
+/// Issue 43, item 11: a `traceparent` with a control character made every
+/// HTTP call fail before it left (an invalid header value), reported as
+/// "handler unreachable" and retried for about 80 minutes before its dead
+/// letter. A traceparent that is not one is dropped, as the W3C says a
+/// receiver does; a valid one still travels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_traceparent_is_dropped_and_the_call_goes_out() {
+    let f = fixture("c_badtrace", "cbadtrace", "cbadtrace", DUP, &[]).await;
+    let (bad, good) = (Uuid::new_v4(), Uuid::new_v4());
+    for (id, tp) in [
+        (
+            bad,
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\u{1}",
+        ),
+        (
+            good,
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ),
+    ] {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(wire::MSG_ID, id.to_string().as_str());
+        h.insert(wire::AGGREGATE_ID, id.to_string().as_str());
+        h.insert(wire::TRACEPARENT, tp);
+        f.js.send_publish(
+            "cbadtrace.e".to_owned(),
+            jetstream::message::PublishMessage::build()
+                .payload(b"{}".to_vec().into())
+                .headers(h),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    wait_processed(&f.pool, "cbadtrace", 2).await;
+    let calls = f.handler.calls_for(bad);
+    assert_eq!(calls.len(), 1, "called once");
+    assert_eq!(
+        calls[0].traceparent, None,
+        "the malformed traceparent dropped"
+    );
+    assert_eq!(
+        f.handler.calls_for(good)[0].traceparent.as_deref(),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+}
+
+/// Issue 43, item 11: a message within a few hundred bytes of the server's
+/// max_payload, handed to a helper: the request (the message and its head)
+/// was over the limit, the job was taken for lost and reset to the ack
+/// floor, and the reset brought it back to the same helper, over and over
+/// until the dispatcher had a slot of its own. It runs in the dispatcher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_too_large_to_hand_off_runs_in_the_dispatcher() {
+    let crew = Crew::new("c_bighand", "cbighand").await;
+    let nats = stack().nats_url;
+    let mut a = crew.process("bighand-a", &nats);
+    a.wait_ready();
+    let b = crew.process("bighand-b", &nats);
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    let x = Uuid::new_v4();
+    crew.publish(x, "x", 8_000).await;
+    crew.called(x).await;
+    // Y fills the message to 150 bytes short of max_payload.
+    let y = Uuid::new_v4();
+    let mut h = async_nats::HeaderMap::new();
+    h.insert(wire::MSG_ID, y.to_string().as_str());
+    h.insert(wire::AGGREGATE_ID, "y");
+    let max = crew.js.client().server_info().max_payload;
+    let header_len = 10
+        + 2
+        + [
+            (wire::MSG_ID, y.to_string()),
+            (wire::AGGREGATE_ID, "y".into()),
+        ]
+        .iter()
+        .map(|(k, v)| k.len() + v.len() + 4)
+        .sum::<usize>();
+    let pad = "p".repeat(max - header_len - 150 - r#"{"pad":""}"#.len());
+    let body = format!(r#"{{"pad":"{pad}"}}"#);
+    crew.js
+        .send_publish(
+            format!("{}.e", crew.ctx),
+            jetstream::message::PublishMessage::build()
+                .payload(body.into_bytes().into())
+                .headers(h),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_processed(&crew.pool, crew.ctx, 2).await;
+    let x_end = {
+        let calls = crew.spans.calls.lock().unwrap();
+        calls
+            .iter()
+            .find(|c| c.0 == x.to_string())
+            .and_then(|c| c.2)
+            .expect("X's call ended")
+    };
+    let y_calls = crew.spans.starts(y);
+    assert_eq!(y_calls.len(), 1, "Y called once");
+    assert!(
+        y_calls[0] < x_end,
+        "Y waited for X's slot: it could not be handed to B"
+    );
+    drop(b);
+}
+
 /// A call of [`FirstCallSlow`]: its message, when it began, whether it
 /// ran to its end.
 type SlowCall = (Uuid, Instant, Arc<AtomicBool>);

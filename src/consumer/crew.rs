@@ -207,6 +207,9 @@ pub(super) struct Running {
 pub(super) struct Roster {
     pub jobs: HashMap<u64, Running>,
     pub serving: Option<i32>,
+    /// The period of `serving` that synced this process: a request sent in
+    /// an earlier period of the same process is refused.
+    pub period: u64,
 }
 
 impl Roster {
@@ -216,10 +219,17 @@ impl Roster {
         self.serving.is_some_and(|s| s != me)
     }
 
-    /// Whether a job request from dispatcher `from`, to expire after beat
-    /// `until`, may start here at beat `beat`.
-    fn admits(&self, from: i32, until: u64, beat: u64) -> std::result::Result<(), &'static str> {
-        if self.serving != Some(from) {
+    /// Whether a job request from dispatcher `from` in its period
+    /// `period`, to expire after beat `until`, may start here at beat
+    /// `beat`.
+    fn admits(
+        &self,
+        from: i32,
+        period: u64,
+        until: u64,
+        beat: u64,
+    ) -> std::result::Result<(), &'static str> {
+        if self.serving != Some(from) || self.period != period {
             Err("fenced")
         } else if beat > until {
             Err("late")
@@ -246,6 +256,8 @@ struct Hello {
     running: Vec<Running>,
     #[serde(default)]
     serving: Option<i32>,
+    #[serde(default)]
+    period: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -262,6 +274,9 @@ struct Done {
 #[derive(Debug, Serialize, Deserialize)]
 struct Sync {
     from: i32,
+    /// Drawn anew each period as dispatcher.
+    #[serde(default)]
+    period: u64,
 }
 
 /// [`Finished`] on the wire: a due time travels as a delay.
@@ -311,8 +326,10 @@ struct JobHead {
     subject: String,
     #[serde(default)]
     reply: Option<String>,
-    /// The dispatcher that sends it.
+    /// The dispatcher that sends it, and its period.
     from: i32,
+    #[serde(default)]
+    period: u64,
     /// The helper's last beat at which it may still start the job.
     until: u64,
 }
@@ -453,8 +470,9 @@ struct CrewInner {
     client: async_nats::Client,
     base: String,
     /// This dispatcher's name in requests and syncs: the member id this
-    /// process had when the period began.
+    /// process had when the period began, and a number drawn for the period.
     me: i32,
+    period: u64,
     worker: Arc<Worker>,
     state: Mutex<State>,
     /// Set on hand-over: waiting on other processes' jobs stops (the next
@@ -483,6 +501,7 @@ impl Crew {
                 client,
                 base,
                 me,
+                period: new_job_id() ^ (uuid::Uuid::new_v4().as_u128() as u64),
                 worker,
                 state: Mutex::new(State {
                     helpers: HashMap::new(),
@@ -608,8 +627,9 @@ impl Crew {
         s.fail_where(|id, w| w.member == member && beat > w.since_beat && !listed.contains(&id));
         // A process that serves no one (it just joined) or an old
         // dispatcher is synced before it is sent anything.
-        let sync = h.serving != Some(me) && !h.leaving && s.syncing.insert(member);
-        let ack = (h.serving == Some(me)).then_some((member, beat));
+        let ours = h.serving == Some(me) && h.period == self.inner.period;
+        let sync = !ours && !h.leaving && s.syncing.insert(member);
+        let ack = ours.then_some((member, beat));
         s.helpers.insert(
             h.member,
             Helper {
@@ -618,7 +638,7 @@ impl Crew {
                 beat: h.beat,
                 heard: Instant::now(),
                 running: h.running,
-                serving: h.serving,
+                serving: h.serving.filter(|_| h.period == self.inner.period),
             },
         );
         drop(s);
@@ -654,6 +674,7 @@ impl Crew {
     async fn sync(&self, member: i32) -> Option<Hello> {
         let body = serde_json::to_vec(&Sync {
             from: self.inner.me,
+            period: self.inner.period,
         })
         .ok()?;
         let subject = format!("{}.sync.{member}", self.inner.base);
@@ -757,6 +778,7 @@ impl Crew {
                     subject: msg.subject.to_string(),
                     reply: msg.reply.as_ref().map(|r| r.to_string()),
                     from: self.inner.me,
+                    period: self.inner.period,
                     until,
                 },
                 msg.headers.clone(),
@@ -770,6 +792,7 @@ impl Crew {
                     subject: String::new(),
                     reply: None,
                     from: self.inner.me,
+                    period: self.inner.period,
                     until,
                 },
                 None,
@@ -786,6 +809,15 @@ impl Crew {
         };
         payload.push(b'\n');
         payload.extend_from_slice(&body);
+        // The request carries the message and a head: one near the server's
+        // max_payload does not fit. Refused, it runs here (sent, the server
+        // refused it, the job was taken for lost, and the reset that followed
+        // brought it back to the same refusal).
+        let size = payload.len() + headers.as_ref().map_or(0, crate::nats::header_size);
+        if size > self.inner.client.server_info().max_payload {
+            self.state().waiting.remove(&id);
+            return Sent::Refused;
+        }
         let subject = format!("{}.job.{member}", self.inner.base);
         let request = async {
             match headers {
@@ -1136,6 +1168,7 @@ pub(super) async fn work<H: Handler>(
                 let hello = {
                     let mut r = roster(&worker.registry);
                     r.serving = Some(sync.from);
+                    r.period = sync.period;
                     hello(&r, member.id, room(&shared, capacity), leaving.is_some(), beat_no)
                 };
                 if let Ok(body) = serde_json::to_vec(&hello) {
@@ -1156,7 +1189,7 @@ pub(super) async fn work<H: Handler>(
                 let admitted = {
                     let mut r = roster(&worker.registry);
                     // Unheard, a job would soon be stopped again.
-                    let admitted = if !shared.proof.holds() { Err("unheard") } else { r.admits(head.from, head.until, beat_no) };
+                    let admitted = if !shared.proof.holds() { Err("unheard") } else { r.admits(head.from, head.period, head.until, beat_no) };
                     if admitted.is_ok() {
                         r.jobs.insert(head.id, Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false });
                     }
@@ -1297,6 +1330,7 @@ fn hello(r: &Roster, member: i32, capacity: usize, leaving: bool, beat: u64) -> 
         beat,
         running: r.jobs.values().cloned().collect(),
         serving: r.serving,
+        period: r.period,
     }
 }
 
@@ -1436,18 +1470,41 @@ mod tests {
     #[test]
     fn a_job_request_is_refused_once_late_or_from_a_replaced_dispatcher() {
         let mut r = Roster::default();
-        assert_eq!(r.admits(7, 5, 1), Err("fenced"), "serves no one yet");
+        assert_eq!(r.admits(7, 1, 5, 1), Err("fenced"), "serves no one yet");
         r.serving = Some(7);
-        assert_eq!(r.admits(7, 5, 5), Ok(()));
-        assert_eq!(r.admits(7, 5, 6), Err("late"));
+        r.period = 1;
+        assert_eq!(r.admits(7, 1, 5, 5), Ok(()));
+        assert_eq!(r.admits(7, 1, 5, 6), Err("late"));
         assert_eq!(
-            r.admits(8, 9, 1),
+            r.admits(8, 1, 9, 1),
             Err("fenced"),
             "not the dispatcher it serves"
         );
         assert!(r.replaced(8));
         assert!(!r.replaced(7));
         assert!(!Roster::default().replaced(7), "nobody synced it yet");
+    }
+
+    /// Issue 43, item 7: the same process dispatches again (it lost its
+    /// lease and took it back). A request its previous period sent, still
+    /// on its way, came with the same member id and was admitted after the
+    /// new period's sync: a job the new period knew nothing of.
+    #[test]
+    fn a_request_from_a_previous_period_of_the_same_dispatcher_is_refused() {
+        let mut r = Roster {
+            serving: Some(7),
+            period: 1,
+            ..Default::default()
+        };
+        assert_eq!(r.admits(7, 1, 5, 5), Ok(()));
+        // The new period syncs it.
+        r.period = 2;
+        assert_eq!(
+            r.admits(7, 1, 5, 5),
+            Err("fenced"),
+            "the old period's request"
+        );
+        assert_eq!(r.admits(7, 2, 5, 5), Ok(()));
     }
 
     #[test]

@@ -39,6 +39,13 @@ impl DeadLetters {
     ) -> Result<Self> {
         let probe = format!("{prefix}.probe");
         let stream = match js.stream_by_subject(&probe).await {
+            // Stored there, a dead letter would come back as an event of its
+            // own stream (and its id, the original's, be deduplicated).
+            Ok(name) if name == source => {
+                return Err(Error::setup(format!(
+                    "stream {source}, which this consumer reads, captures the dead-letter subjects {prefix}.>: dead letters would come back to the handler as events; choose a --dlq-prefix outside its subjects, or narrow them"
+                )))
+            }
             Ok(name) => {
                 tracing::info!(stream = %name, prefix, "dead letters go to an existing stream");
                 name

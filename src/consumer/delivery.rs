@@ -288,7 +288,9 @@ impl<'a> Parts<'a> {
             occurred_at: self.header(wire::OCCURRED_AT),
             correlation_id: self.header(wire::CORRELATION_ID),
             causation_id: self.header(wire::CAUSATION_ID),
-            traceparent: self.header(wire::TRACEPARENT),
+            traceparent: self
+                .header(wire::TRACEPARENT)
+                .filter(|t| wire::traceparent_valid(t)),
             payload: self.payload.clone(),
             delivered: i64::from(attempts),
         }
@@ -461,9 +463,9 @@ async fn run_handler<H: Handler>(
                             tx.commit().await?;
                             return Ok(Ran::Processed { duplicate: true });
                         }
-                        Claim::Parked { seq } => {
+                        Claim::Parked { seq, wait_ms } => {
                             tx.commit().await?;
-                            return Ok(Ran::Parked { seq });
+                            return Ok(Ran::Parked { seq, wait_ms });
                         }
                     }
                 };
@@ -526,7 +528,7 @@ async fn run_handler<H: Handler>(
         {
             Claim::Fresh { attempts } => attempts,
             Claim::Processed => return Some(Ran::Processed { duplicate: true }),
-            Claim::Parked { seq } => return Some(Ran::Parked { seq }),
+            Claim::Parked { seq, wait_ms } => return Some(Ran::Parked { seq, wait_ms }),
         }
     };
     // The claim may have waited (a batch, a retried write): the right to
@@ -570,9 +572,10 @@ async fn deliver_pulled<H: Handler>(
             count(if duplicate { "duplicate" } else { "processed" });
             Some(Finished::Done)
         }
-        Ran::Parked { seq } => Some(Finished::Parked {
+        // Its backoff still runs: a redelivery does not cut it short.
+        Ran::Parked { seq, wait_ms } => Some(Finished::Parked {
             seq: seq.and_then(|s| u64::try_from(s).ok()).unwrap_or(parts.seq),
-            due: Instant::now(),
+            due: Instant::now() + Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0)),
         }),
         Ran::Gone => Some(Finished::Done),
         Ran::Failed {

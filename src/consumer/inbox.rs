@@ -28,9 +28,11 @@ pub enum Claim {
         attempts: i32,
     },
     Processed,
-    /// Parked already (a redelivery after a reset): it waits its turn.
+    /// Parked already (a redelivery after a reset): it waits its turn, and
+    /// its backoff (`wait_ms` more).
     Parked {
         seq: Option<i64>,
+        wait_ms: i64,
     },
 }
 
@@ -109,9 +111,9 @@ pub async fn claim<'c>(
         "VALUES ($1, $2, $3, 1, $4)",
         "ARRAY[$2::uuid]",
         "$5",
-        "processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
+        PARKED_RETURNING,
     );
-    let (processed, parked, seq, attempts): (bool, bool, Option<i64>, i32) =
+    let (processed, parked, seq, attempts): (bool, Option<i64>, Option<i64>, i32) =
         sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(consumer)
             .bind(id)
@@ -120,13 +122,26 @@ pub async fn claim<'c>(
             .bind(stream)
             .fetch_one(e)
             .await?;
-    Ok(if processed {
-        Claim::Processed
-    } else if parked {
-        Claim::Parked { seq }
-    } else {
-        Claim::Fresh { attempts }
-    })
+    Ok(claimed(processed, parked, seq, attempts))
+}
+
+/// A row of [`claim_many`]: its id, then what [`claimed`] takes.
+type ClaimRow = (Uuid, bool, Option<i64>, Option<i64>, i32);
+
+/// What a claim returns: processed, how long the row is still parked for
+/// (none when it is not parked), its sequence, its attempts.
+const PARKED_RETURNING: &str = "processed_at IS NOT NULL, \
+     (extract(epoch FROM (parked_until - now())) * 1000)::int8, stream_seq, attempts";
+
+fn claimed(processed: bool, parked: Option<i64>, seq: Option<i64>, attempts: i32) -> Claim {
+    match parked {
+        _ if processed => Claim::Processed,
+        Some(wait_ms) => Claim::Parked {
+            seq,
+            wait_ms: wait_ms.max(0),
+        },
+        None => Claim::Fresh { attempts },
+    }
 }
 
 /// A parked message comes up again: count the attempt. `None` when it was
@@ -616,9 +631,9 @@ pub async fn claim_many<'c>(
         "SELECT $1, id, subject, 1, seq FROM unnest($2::uuid[], $3::text[], $4::int8[]) AS t(id, subject, seq)",
         "$2::uuid[]",
         "$5",
-        "message_id, processed_at IS NOT NULL, parked_until IS NOT NULL, stream_seq, attempts",
+        &format!("message_id, {PARKED_RETURNING}"),
     );
-    let rows: Vec<(Uuid, bool, bool, Option<i64>, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+    let rows: Vec<ClaimRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(consumer)
         .bind(ids)
         .bind(subjects)
@@ -629,14 +644,7 @@ pub async fn claim_many<'c>(
     Ok(rows
         .into_iter()
         .map(|(id, processed, parked, seq, attempts)| {
-            let claim = if processed {
-                Claim::Processed
-            } else if parked {
-                Claim::Parked { seq }
-            } else {
-                Claim::Fresh { attempts }
-            };
-            (id, claim)
+            (id, claimed(processed, parked, seq, attempts))
         })
         .collect())
 }

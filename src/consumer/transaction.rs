@@ -38,8 +38,8 @@ pub use super::handler::MAX_GROUP;
 pub(super) enum Ran {
     /// Processed (by this call, or before: `duplicate`).
     Processed { duplicate: bool },
-    /// Parked already (a redelivery after a reset).
-    Parked { seq: Option<i64> },
+    /// Parked already (a redelivery after a reset), for `wait_ms` more.
+    Parked { seq: Option<i64>, wait_ms: i64 },
     /// The handler did not succeed. `counted`: the attempt is in the inbox
     /// row (its claim committed).
     Failed {
@@ -239,8 +239,11 @@ async fn run_group<H: Handler>(
                 books.done.push(Ran::Processed { duplicate: true });
                 continue;
             }
-            Some(Claim::Parked { seq }) => {
-                books.done.push(Ran::Parked { seq: *seq });
+            Some(Claim::Parked { seq, wait_ms }) => {
+                books.done.push(Ran::Parked {
+                    seq: *seq,
+                    wait_ms: *wait_ms,
+                });
                 continue;
             }
             Some(Claim::Fresh { attempts }) => *attempts,
