@@ -28,25 +28,32 @@
 //!   Only then does the new dispatcher reset the durable to its ack floor.
 //! - A job request expires: it names the helper's beat after which it must
 //!   be refused, so a request that arrives late cannot start a job the
-//!   dispatcher has already given up on.
+//!   dispatcher has already given up on; and it names the dispatcher's
+//!   period, so one sent before the same process took the lease back is
+//!   refused too.
 //! - Who is alive is Postgres's word: each process holds a session advisory
-//!   lock (its member lock) for as long as it lives, and a kill -9 closes
-//!   that connection and frees it at once. A helper checks its lock every
-//!   [`BEAT`] (bounded by [`PING`]), and the dispatcher acknowledges every
-//!   beat it hears from a process serving it; a helper whose lock fails, or
-//!   that has had no acknowledgement for [`FENCE`], stops the jobs it runs.
-//!   The dispatcher takes a job for lost only later: [`GRACE`] after the
+//!   lock (its member lock) on a session Postgres ends after
+//!   [`LEASE_TTL`](super::lease::LEASE_TTL) of silence, and a kill -9 frees
+//!   it at once. A helper checks its lock every [`BEAT`] (bounded by
+//!   [`PING`]), and the dispatcher acknowledges every beat it hears from a
+//!   process serving it, naming the beat. A helper's *proof* runs [`FENCE`]
+//!   from the sending of the newest acknowledged beat and less than
+//!   `LEASE_TTL` from its last good check of the lock; every call reads it
+//!   first. Once it lapses the helper offers no room, refuses jobs and cuts
+//!   its calls in flight; a job past its call is never cut (it records its
+//!   outcome). A lock whose connection failed is taken back under the same
+//!   id. The dispatcher takes a job for lost only later: [`GRACE`] after the
 //!   helper's lock went, [`SILENT`] after it last heard the helper (while it
 //!   hears itself), or when a beat past the job's start no longer lists it.
 //!   A lost job is handled as one that panicked here: what the inbox holds
 //!   decides, and a reset to the ack floor brings back an unacked message,
 //!   in order. A dispatcher's own process cut off the same way ends its
-//!   period (its own jobs stopped first) when others could take over.
+//!   period (its calls in flight cut) when others could take over.
 //!
-//! A process stopped (SIGSTOP, a long pause) cannot stop its own jobs: like
-//! any lease without a fencing token at the handler, a pause longer than
-//! [`FENCE`] can let one call overlap its repeat. So can a process cut off
-//! from NATS *and* Postgres at once, just as a new dispatcher takes over.
+//! A call already on the wire when its process froze (SIGSTOP, a VM pause)
+//! may be answered by the handler during the freeze; the new dispatcher,
+//! which cannot know, makes it again. Nothing else of a frozen process runs
+//! once it thaws: its proof has lapsed.
 //!
 //! Subjects (core NATS, outside any stream): `_OUTBOX_CREW.{stream}.{durable}`
 //! `.s.hello` and `.s.done` (one subscription, so a job's end is never read
