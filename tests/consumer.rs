@@ -4829,6 +4829,45 @@ async fn a_message_too_large_to_hand_off_runs_in_the_dispatcher() {
     drop(b);
 }
 
+/// Issue 43, item 1 (helpers): a helper whose path to Postgres goes silent
+/// while NATS is fine went on offering room. The dispatcher handed it jobs,
+/// it could not claim them, stopped them at its next failed check, and each
+/// came back through a reset to the ack floor: a reset per job. A helper
+/// that cannot prove its member lock offers no room and gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_helper_cut_off_from_postgres_is_sent_no_jobs() {
+    let crew = Crew::new("c_helpercut", "chelpercut").await;
+    let nats = stack().nats_url;
+    let proxy = Proxy::start(&pg_target(&crew.url)).await;
+    let mut a = crew.process("helpercut-a", &nats);
+    a.wait_ready();
+    let _b = crew.process_via("helpercut-b", &proxy.pg_url(&crew.url), &nats);
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    proxy.freeze();
+    // B can no longer prove its member lock (at most 2.5 s after its last
+    // check): it offers no room, and Postgres ends its member session
+    // (3 s): the dispatcher counts it out.
+    eventually(T, "the dispatcher counts B out", || async {
+        let (_, ready) = a.http_get("/readyz").await;
+        ready.contains("for 1 process(es)")
+    })
+    .await;
+    let ids: Vec<Uuid> = (0..8).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        crew.publish(*id, &format!("agg{i}"), 200).await;
+    }
+    wait_processed(&crew.pool, crew.ctx, ids.len()).await;
+    proxy.heal();
+    let resets = a.log_text().matches(r#"why="lost delivery""#).count();
+    assert_eq!(resets, 0, "resets to the ack floor for jobs lost in B");
+    for id in &ids {
+        assert_eq!(crew.spans.started(*id), 1, "{id} called once");
+    }
+}
+
 /// A call of [`FirstCallSlow`]: its message, when it began, whether it
 /// ran to its end.
 type SlowCall = (Uuid, Instant, Arc<AtomicBool>);
