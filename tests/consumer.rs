@@ -3872,6 +3872,49 @@ async fn running_jobs(crew: &[&Service], n: f64) -> usize {
     }
 }
 
+/// One consumer process of durable `ctx` (its log `{ctx}-solo`) on a fresh
+/// database and stream, calling a [`Spans`] handler.
+struct OneConsumer {
+    url: String,
+    pool: sqlx::PgPool,
+    js: jetstream::Context,
+    stream: String,
+    spans: Spans,
+    consumer: Service,
+}
+
+impl OneConsumer {
+    async fn start(db: &str, ctx: &str, dup_window: Duration, extra: &[&str]) -> OneConsumer {
+        let stack = stack();
+        let (url, pool) = fresh_db(&stack, db).await;
+        let js = js(&stack.nats_url).await;
+        let stream = fresh_stream(&js, ctx, dup_window).await;
+        let spans = Spans::default();
+        let handler_url = spans.serve().await;
+        let mut args = vec!["--context", ctx];
+        args.extend_from_slice(extra);
+        let name = format!("{ctx}-solo");
+        let mut consumer = Service::consumer_named(
+            &url,
+            &stack.nats_url,
+            &stream,
+            ctx,
+            &name,
+            &handler_url,
+            &args,
+        );
+        consumer.wait_ready();
+        OneConsumer {
+            url,
+            pool,
+            js,
+            stream,
+            spans,
+            consumer,
+        }
+    }
+}
+
 /// A crew of `names` (the first started first: it dispatches), each with
 /// `--concurrency 1`; `via` gives a process its own NATS URL.
 struct Crew {
@@ -4411,34 +4454,21 @@ async fn a_job_lost_with_its_helper_comes_back_before_its_spilled_successors() {
 /// ran before K/1 succeeded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_message_whose_copy_comes_again_keeps_its_place() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_parkcopy").await;
-    let js = js(&stack.nats_url).await;
     // A short duplicate window: the copy is stored, not deduplicated.
-    let stream = fresh_stream(&js, "cparkcopy", Duration::from_millis(200)).await;
-    let spans = Spans::default();
-    let handler_url = spans.serve().await;
-    let mut a = Service::consumer_named(
-        &url,
-        &stack.nats_url,
-        &stream,
-        "cparkcopy",
-        "parkcopy-a",
-        &handler_url,
-        &["--context", "cparkcopy", "--backoff", "3s"],
-    );
-    a.wait_ready();
+    let window = Duration::from_millis(200);
+    let solo = OneConsumer::start("c_parkcopy", "cparkcopy", window, &["--backoff", "3s"]).await;
+    let (js, pool, spans) = (&solo.js, &solo.pool, &solo.spans);
     let (k1, k2) = (Uuid::new_v4(), Uuid::new_v4());
     let k1_body = br#"{"fail_first": 1}"#;
-    publish(&js, "cparkcopy.e", Some(k1), "k", k1_body).await;
-    publish(&js, "cparkcopy.e", Some(k2), "k", b"{}").await;
+    publish(js, "cparkcopy.e", Some(k1), "k", k1_body).await;
+    publish(js, "cparkcopy.e", Some(k2), "k", b"{}").await;
     eventually(T, "K/1 and K/2 parked", || async {
         let rows: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM inbox_messages WHERE consumer = 'cparkcopy' \
              AND message_id = ANY($1) AND parked_until IS NOT NULL",
         )
         .bind(vec![k1, k2])
-        .fetch_one(&pool)
+        .fetch_one(pool)
         .await
         .unwrap();
         rows == 2
@@ -4446,28 +4476,17 @@ async fn a_parked_message_whose_copy_comes_again_keeps_its_place() {
     .await;
     // K/1's copy, once the duplicate window let it in.
     let deadline = Instant::now() + T;
+    let k1_text = k1.to_string();
     loop {
-        let mut h = async_nats::HeaderMap::new();
-        h.insert(wire::MSG_ID, k1.to_string().as_str());
-        h.insert(wire::AGGREGATE_ID, "k");
-        let ack = js
-            .send_publish(
-                "cparkcopy.e".to_owned(),
-                jetstream::message::PublishMessage::build()
-                    .payload(k1_body.to_vec().into())
-                    .headers(h),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        let headers = [(wire::MSG_ID, k1_text.as_str()), (wire::AGGREGATE_ID, "k")];
+        let ack = publish_with(js, "cparkcopy.e", &headers, k1_body).await;
         if !ack.duplicate {
             break;
         }
         assert!(Instant::now() < deadline, "the copy was never stored");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    wait_processed(&pool, "cparkcopy", 2).await;
+    wait_processed(pool, "cparkcopy", 2).await;
     let (k1s, k2s) = (spans.starts(k1), spans.starts(k2));
     assert_eq!(k2s.len(), 1, "K/2 called once");
     assert!(
@@ -4603,44 +4622,25 @@ async fn a_takeover_reset_that_fails_is_tried_again_before_anything_is_pulled() 
 /// covers a head the dispatcher does not know).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_message_delivered_again_still_waits_its_backoff() {
-    let stack = stack();
-    let (url, pool) = fresh_db(&stack, "c_redelivered").await;
-    let js = js(&stack.nats_url).await;
-    let stream = fresh_stream(&js, "credelivered", DUP).await;
-    let spans = Spans::default();
-    let handler_url = spans.serve().await;
-    let mut a = Service::consumer_named(
-        &url,
-        &stack.nats_url,
-        &stream,
-        "credelivered",
-        "redelivered-a",
-        &handler_url,
-        &["--context", "credelivered", "--backoff", "12s"],
-    );
-    a.wait_ready();
+    let mut solo =
+        OneConsumer::start("c_redelivered", "credelivered", DUP, &["--backoff", "12s"]).await;
+    let (nats_url, url, stream) = (stack().nats_url, solo.url.clone(), solo.stream.clone());
+    let (js, pool, spans) = (&solo.js, &solo.pool, &solo.spans);
     let k1 = Uuid::new_v4();
-    publish(
-        &js,
-        "credelivered.e",
-        Some(k1),
-        "k",
-        br#"{"fail_first": 1}"#,
-    )
-    .await;
+    publish(js, "credelivered.e", Some(k1), "k", br#"{"fail_first": 1}"#).await;
     eventually(T, "K/1 parked", || async {
         let parked: Option<bool> = sqlx::query_scalar(
             "SELECT parked_until IS NOT NULL FROM inbox_messages \
              WHERE consumer = 'credelivered' AND message_id = $1",
         )
         .bind(k1)
-        .fetch_optional(&pool)
+        .fetch_optional(pool)
         .await
         .unwrap();
         parked == Some(true)
     })
     .await;
-    a.term(Duration::from_secs(30));
+    solo.consumer.term(Duration::from_secs(30));
     let (code, out) = run_bounded(
         &[
             "consumer",
@@ -4648,7 +4648,7 @@ async fn a_parked_message_delivered_again_still_waits_its_backoff() {
             "--database-url",
             &url,
             "--nats-url",
-            &stack.nats_url,
+            &nats_url,
             "--stream",
             &stream,
             "--durable",
@@ -4659,9 +4659,9 @@ async fn a_parked_message_delivered_again_still_waits_its_backoff() {
         T,
     );
     assert_eq!(code, Some(0), "{out}");
-    a.restart();
-    a.wait_ready();
-    wait_processed(&pool, "credelivered", 1).await;
+    solo.consumer.restart();
+    solo.consumer.wait_ready();
+    wait_processed(pool, "credelivered", 1).await;
     let starts = spans.starts(k1);
     assert_eq!(starts.len(), 2, "K/1 failed once, then succeeded");
     assert!(
@@ -4736,20 +4736,13 @@ async fn a_malformed_traceparent_is_dropped_and_the_call_goes_out() {
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         ),
     ] {
-        let mut h = async_nats::HeaderMap::new();
-        h.insert(wire::MSG_ID, id.to_string().as_str());
-        h.insert(wire::AGGREGATE_ID, id.to_string().as_str());
-        h.insert(wire::TRACEPARENT, tp);
-        f.js.send_publish(
-            "cbadtrace.e".to_owned(),
-            jetstream::message::PublishMessage::build()
-                .payload(b"{}".to_vec().into())
-                .headers(h),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+        let id = id.to_string();
+        let headers = [
+            (wire::MSG_ID, id.as_str()),
+            (wire::AGGREGATE_ID, id.as_str()),
+            (wire::TRACEPARENT, tp),
+        ];
+        publish_with(&f.js, "cbadtrace.e", &headers, b"{}").await;
     }
     wait_processed(&f.pool, "cbadtrace", 2).await;
     let calls = f.handler.calls_for(bad);
@@ -4785,32 +4778,25 @@ async fn a_message_too_large_to_hand_off_runs_in_the_dispatcher() {
     crew.called(x).await;
     // Y fills the message to 150 bytes short of max_payload.
     let y = Uuid::new_v4();
-    let mut h = async_nats::HeaderMap::new();
-    h.insert(wire::MSG_ID, y.to_string().as_str());
-    h.insert(wire::AGGREGATE_ID, "y");
+    let y_text = y.to_string();
+    let headers = [(wire::MSG_ID, y_text.as_str()), (wire::AGGREGATE_ID, "y")];
     let max = crew.js.client().server_info().max_payload;
+    // NATS/1.0 and CRLF, a line a header, the empty line.
     let header_len = 10
         + 2
-        + [
-            (wire::MSG_ID, y.to_string()),
-            (wire::AGGREGATE_ID, "y".into()),
-        ]
-        .iter()
-        .map(|(k, v)| k.len() + v.len() + 4)
-        .sum::<usize>();
+        + headers
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 4)
+            .sum::<usize>();
     let pad = "p".repeat(max - header_len - 150 - r#"{"pad":""}"#.len());
     let body = format!(r#"{{"pad":"{pad}"}}"#);
-    crew.js
-        .send_publish(
-            format!("{}.e", crew.ctx),
-            jetstream::message::PublishMessage::build()
-                .payload(body.into_bytes().into())
-                .headers(h),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    publish_with(
+        &crew.js,
+        &format!("{}.e", crew.ctx),
+        &headers,
+        body.as_bytes(),
+    )
+    .await;
     wait_processed(&crew.pool, crew.ctx, 2).await;
     let x_end = {
         let calls = crew.spans.calls.lock().unwrap();

@@ -1212,7 +1212,7 @@ pub async fn publish_with(
     subject: &str,
     headers: &[(&str, &str)],
     payload: &[u8],
-) {
+) -> async_nats::jetstream::publish::PublishAck {
     let mut h = async_nats::HeaderMap::new();
     for (k, v) in headers {
         h.insert(*k, *v);
@@ -1226,7 +1226,7 @@ pub async fn publish_with(
     .await
     .unwrap()
     .await
-    .unwrap();
+    .unwrap()
 }
 
 /// A schema folder of the test's own: `files` are (path, text).
