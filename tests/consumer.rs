@@ -4854,6 +4854,65 @@ async fn a_helper_cut_off_from_postgres_is_sent_no_jobs() {
     }
 }
 
+/// Issue 43, item 10: failing aggregates, all due for their retry, took
+/// every slot and queued ahead of a healthy aggregate, which waited for
+/// them all. Twelve aggregates fail (1 s a call, retried every 200 ms) on
+/// four slots; a healthy message must start before the retries queued
+/// ahead of it have all had their turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_aggregates_leave_the_healthy_ones_their_share() {
+    let extra = [
+        "--concurrency",
+        "4",
+        "--backoff",
+        "200ms",
+        "--max-deliver",
+        "-1",
+    ];
+    let solo = OneConsumer::start("c_fairshare", "cfairshare", DUP, &extra).await;
+    let failing = br#"{"sleep_ms": 1000, "status": 500}"#;
+    for i in 0..12 {
+        publish(
+            &solo.js,
+            "cfairshare.e",
+            Some(Uuid::new_v4()),
+            &format!("f{i}"),
+            failing,
+        )
+        .await;
+    }
+    eventually(T, "the twelve failing aggregates parked", || async {
+        let parked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages WHERE consumer = 'cfairshare' AND parked_until IS NOT NULL",
+        )
+        .fetch_one(&solo.pool)
+        .await
+        .unwrap();
+        parked == 12
+    })
+    .await;
+    let h = Uuid::new_v4();
+    let published = Instant::now();
+    publish(&solo.js, "cfairshare.e", Some(h), "h", b"{}").await;
+    eventually(T, "the healthy message called", || async {
+        solo.spans.started(h) > 0
+    })
+    .await;
+    let h_start = solo.spans.starts(h)[0];
+    let ahead = solo
+        .spans
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.0 != h.to_string() && c.1 > published && c.1 < h_start)
+        .count();
+    assert!(
+        ahead < 4,
+        "{ahead} failing calls started between the healthy message's publish and its call"
+    );
+}
+
 /// A call of [`FirstCallSlow`]: its message, when it began, whether it
 /// ran to its end.
 type SlowCall = (Uuid, Instant, Arc<AtomicBool>);

@@ -34,7 +34,10 @@
 //!   first, is parked ahead of it, and runs first.
 //!
 //! At most `concurrency` jobs run at once; a key with a job to start but no
-//! free slot waits in a FIFO served before anything new is pulled.
+//! free slot waits in a FIFO served before anything new is pulled. Retries
+//! of parked messages wait in a FIFO of their own and take at most half the
+//! slots (one at least), the two queues taking turns: many failing
+//! aggregates, all due, cannot hold the healthy ones behind them.
 //!
 //! The I/O loop ([`super::run`]) pulls only while [`Scheduler::can_pull`],
 //! runs the jobs that [`arrive`](Scheduler::arrive),
@@ -81,6 +84,8 @@ struct Head<T> {
 
 struct Lane<M, T> {
     running: bool,
+    /// The running job is a retry (counted in `retries_running`).
+    running_retry: bool,
     /// Further jobs of the key adopted at a takeover, running beside the
     /// first: the key is busy until every one has ended.
     also_running: usize,
@@ -102,6 +107,7 @@ impl<M, T> Default for Lane<M, T> {
     fn default() -> Self {
         Self {
             running: false,
+            running_retry: false,
             also_running: 0,
             queued: false,
             waiting: VecDeque::new(),
@@ -130,6 +136,16 @@ impl<M, T: Ord + Copy> Lane<M, T> {
             Some(_) => None,
             None => self.waiting.pop_front().map(Job::Deliver),
         }
+    }
+
+    /// The job [`next_job`](Self::next_job) would start now is a retry.
+    fn next_is_retry(&self, now: T, retry_upto: u64) -> bool {
+        !self.running
+            && !self.spill_mode
+            && self.waiting.is_empty()
+            && self
+                .parked
+                .is_some_and(|h| h.due <= now && h.seq <= retry_upto)
     }
 
     fn has_job(&self, now: T, retry_upto: u64) -> bool {
@@ -197,9 +213,16 @@ pub struct Scheduler<M, T> {
     /// Messages waiting in memory that start spilling busy keys.
     high_water: usize,
     running: usize,
+    /// Running retries (at most [`Scheduler::retry_cap`]).
+    retries_running: usize,
     lanes: HashMap<String, Lane<M, T>>,
     /// Keys with a job to start and no free slot, in the order they asked.
     ready: VecDeque<String>,
+    /// The same for keys whose job is a retry.
+    ready_retries: VecDeque<String>,
+    /// The job started last was a retry: when both queues wait and both may
+    /// start, the other goes first.
+    last_was_retry: bool,
     /// When parked keys come due (entries go stale when a head changes;
     /// [`Scheduler::wake`] checks).
     timers: BTreeSet<(T, String)>,
@@ -212,11 +235,24 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
             concurrency: concurrency.max(1),
             high_water: high_water.max(1),
             running: 0,
+            retries_running: 0,
             lanes: HashMap::new(),
             ready: VecDeque::new(),
+            ready_retries: VecDeque::new(),
+            last_was_retry: false,
             timers: BTreeSet::new(),
             rewind: None,
         }
+    }
+
+    /// Retries running at once at most: half the slots, one at least.
+    fn retry_cap(&self) -> usize {
+        (self.concurrency / 2).max(1)
+    }
+
+    #[cfg(test)]
+    pub fn retries_running(&self) -> usize {
+        self.retries_running
     }
 
     fn retry_upto(&self) -> u64 {
@@ -382,6 +418,10 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         }
         self.running = self.running.saturating_sub(1);
         if let Some(lane) = self.lanes.get_mut(key) {
+            if lane.running_retry {
+                lane.running_retry = false;
+                self.retries_running = self.retries_running.saturating_sub(1);
+            }
             let more = lane.also_running > 0;
             lane.also_running = lane.also_running.saturating_sub(1);
             lane.running = more;
@@ -443,6 +483,7 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
     /// JetStream deliver them again).
     pub fn take_waiting(&mut self) -> Vec<M> {
         self.ready.clear();
+        self.ready_retries.clear();
         let mut taken = Vec::new();
         for (key, lane) in &mut self.lanes {
             taken.extend(lane.waiting.drain(..));
@@ -461,6 +502,7 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
     /// Start the key's next job if a slot is free, else queue the key.
     fn offer(&mut self, key: String, now: T, started: &mut Vec<(String, Job<M>)>) {
         let retry_upto = self.retry_upto();
+        let retry_room = self.retries_running < self.retry_cap();
         let Some(lane) = self.lanes.get_mut(&key) else {
             return;
         };
@@ -471,31 +513,77 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         if lane.queued || !lane.has_job(now, retry_upto) {
             return;
         }
-        if self.running < self.concurrency && self.ready.is_empty() {
+        let retry = lane.next_is_retry(now, retry_upto);
+        let free = self.running < self.concurrency;
+        let now_ok = match retry {
+            true => free && retry_room && self.ready_retries.is_empty(),
+            false => free && self.ready.is_empty(),
+        };
+        if now_ok {
             if let Some(job) = lane.next_job(now, retry_upto) {
                 lane.running = true;
                 self.running += 1;
+                self.last_was_retry = matches!(job, Job::Retry { .. });
+                if self.last_was_retry {
+                    lane.running_retry = true;
+                    self.retries_running += 1;
+                }
                 started.push((key, job));
             }
         } else {
             lane.queued = true;
-            self.ready.push_back(key);
+            match retry {
+                true => self.ready_retries.push_back(key),
+                false => self.ready.push_back(key),
+            }
         }
+    }
+
+    /// The queue to serve next: retries while under their cap, taking
+    /// turns with the others when both wait.
+    fn next_ready(&mut self) -> Option<(String, bool)> {
+        let retry_ok = self.retries_running < self.retry_cap() && !self.ready_retries.is_empty();
+        let other_ok = !self.ready.is_empty();
+        let retry = match (retry_ok, other_ok) {
+            (true, true) => !self.last_was_retry,
+            (true, false) => true,
+            (false, true) => false,
+            (false, false) => return None,
+        };
+        let queue = if retry {
+            &mut self.ready_retries
+        } else {
+            &mut self.ready
+        };
+        queue.pop_front().map(|k| (k, retry))
     }
 
     fn fill(&mut self, now: T, started: &mut Vec<(String, Job<M>)>) {
         let retry_upto = self.retry_upto();
         while self.running < self.concurrency {
-            let Some(key) = self.ready.pop_front() else {
+            let Some((key, from_retries)) = self.next_ready() else {
                 break;
             };
+            let retry_room = self.retries_running < self.retry_cap();
             let Some(lane) = self.lanes.get_mut(&key) else {
                 continue;
             };
             lane.queued = false;
+            // Its job turned into a retry while it waited with the others,
+            // and the retries' share is taken: it waits with the retries.
+            if !from_retries && !retry_room && lane.next_is_retry(now, retry_upto) {
+                lane.queued = true;
+                self.ready_retries.push_back(key);
+                continue;
+            }
             if let Some(job) = lane.next_job(now, retry_upto) {
                 lane.running = true;
                 self.running += 1;
+                self.last_was_retry = matches!(job, Job::Retry { .. });
+                if self.last_was_retry {
+                    lane.running_retry = true;
+                    self.retries_running += 1;
+                }
                 started.push((key, job));
             } else if let (Some(seq), Some(r)) = (lane.held_back(retry_upto), &mut self.rewind) {
                 // Queued before a reset that now holds it back.
@@ -710,6 +798,49 @@ mod tests {
         );
         assert_eq!(s.finish("a", Finished::Done, 0), vec![]);
         assert_eq!(s.wake(5), vec![("a".into(), Job::Retry { seq: 7 })]);
+    }
+
+    /// Issue 43, item 10: ten failing aggregates, all due, took every slot
+    /// and queued ahead of a healthy one, which waited for all of them.
+    /// Retries take half the slots at most, and the two queues take turns.
+    #[test]
+    fn due_retries_leave_the_healthy_aggregates_their_share() {
+        let mut s = S::new(4, 1000);
+        for k in 0..10u64 {
+            s.load_parked(format!("f{k}"), 100 + k, 0);
+        }
+        let started = s.wake(0);
+        assert_eq!(started.len(), 2, "retries take half the slots: {started:?}");
+        assert!(s.can_pull(), "the other half is for pulled messages");
+        assert_eq!(arrive(&mut s, "h", 1), vec![deliver("h", 1)]);
+        assert_eq!(arrive(&mut s, "i", 2), vec![deliver("i", 2)]);
+        assert_eq!(arrive(&mut s, "j", 3), vec![], "every slot is busy");
+        // A retry ends: the next retry and the waiting delivery take turns.
+        let after_retry = s.finish(&started[0].0, Finished::Retried { next: None }, 0);
+        let after_h = s.finish("h", Finished::Done, 0);
+        let mut next: Vec<_> = after_retry.into_iter().chain(after_h).collect();
+        next.sort_by_key(|(k, _)| k.clone());
+        assert_eq!(next.len(), 2, "{next:?}");
+        assert!(next.iter().any(|(k, _)| k == "j"), "j waited its turn only");
+        assert!(s.retries_running() <= 2);
+    }
+
+    #[test]
+    fn with_one_slot_retries_and_deliveries_take_turns() {
+        let mut s = S::new(1, 1000);
+        for k in 0..3u64 {
+            s.load_parked(format!("f{k}"), 100 + k, 0);
+        }
+        let first = s.wake(0);
+        assert_eq!(first.len(), 1);
+        assert_eq!(arrive(&mut s, "h", 1), vec![], "the one slot is taken");
+        let next = s.finish(&first[0].0, Finished::Retried { next: None }, 0);
+        assert_eq!(next, vec![deliver("h", 1)], "the delivery's turn");
+        let next = s.finish("h", Finished::Done, 0);
+        assert!(
+            matches!(next[..], [(_, Job::Retry { .. })]),
+            "then a retry's: {next:?}"
+        );
     }
 
     #[test]
@@ -963,6 +1094,7 @@ mod tests {
                 }
                 prop_assert!(s.running() <= concurrency);
                 prop_assert_eq!(s.running(), w.main_jobs());
+                prop_assert!(s.retries_running() <= (concurrency / 2).max(1));
             }
             // Liveness: everything succeeds from here on, time passes.
             for _ in 0..10_000 {
