@@ -96,6 +96,11 @@ const SILENT: Duration = Duration::from_secs(5);
 pub(super) const GRACE: Duration = super::lease::LEASE_TTL;
 /// A member-lock check that takes longer has failed.
 const PING: Duration = Duration::from_millis(500);
+/// A helper's proof runs this long from its last good member-lock check:
+/// its lock may vanish right after it (a terminated backend, a restart),
+/// and the dispatcher waits [`GRACE`] from when it sees that; the check of
+/// the proof comes each beat, after at most 2 [`PING`]s of the last one.
+const MEMBER_PROOF: Duration = Duration::from_millis(1500);
 /// How long a helper may take to answer a request or a sync.
 const SEND_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often the dispatcher asks Postgres who is alive.
@@ -220,10 +225,14 @@ pub(super) struct Roster {
 }
 
 impl Roster {
-    /// Another process dispatches now: this one must not start jobs as
-    /// dispatcher `me`.
-    pub fn replaced(&self, me: i32) -> bool {
-        self.serving.is_some_and(|s| s != me)
+    /// Another process dispatches now, or this one in a later period: it
+    /// must not start jobs as dispatcher `me` in period `period`.
+    pub fn replaced(&self, me: i32, period: u64) -> bool {
+        match self.serving {
+            Some(s) if s != me => true,
+            Some(_) => self.period != period,
+            None => false,
+        }
     }
 
     /// Whether a job request from dispatcher `from` in its period
@@ -529,8 +538,9 @@ impl Crew {
         Ok(crew)
     }
 
-    pub fn me(&self) -> i32 {
-        self.inner.me
+    /// This dispatcher as the crew knows it: its member id and period.
+    pub fn whoami(&self) -> (i32, u64) {
+        (self.inner.me, self.inner.period)
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -988,18 +998,19 @@ pub(super) async fn await_end<H: Handler>(
     }
 }
 
-/// Record a job this process runs as dispatcher `me`, for its beats. False
-/// when another dispatcher has synced this process since: `me` no longer
-/// holds the lease, and must not start anything.
+/// Record a job this process runs as dispatcher `me` in `period`, for its
+/// beats. False when another dispatcher, or a later period of this one, has
+/// synced this process since: `me` no longer holds the lease as it did, and
+/// must not start anything.
 pub(super) fn register(
     registry: &Registry,
-    me: i32,
+    (me, period): (i32, u64),
     id: u64,
     key: &str,
     retry: Option<u64>,
 ) -> bool {
     let mut r = roster(registry);
-    if r.replaced(me) {
+    if r.replaced(me, period) {
         return false;
     }
     r.jobs.insert(
@@ -1050,7 +1061,8 @@ pub(super) struct Worker {
     pub registry: Registry,
     pub dispatching: AtomicBool,
     pub processes: AtomicUsize,
-    /// This process's member id now (a new one after its lock was lost).
+    /// This process's member id (taken back under the same id when its
+    /// lock's connection fails).
     pub member: AtomicI32,
     /// Counts the times this process was cut off from the crew (its lock
     /// lost, or the dispatcher no longer acknowledging it). A dispatcher
@@ -1122,14 +1134,14 @@ pub(super) async fn work<H: Handler>(
     let mut sent: std::collections::VecDeque<(u64, Instant)> = Default::default();
     // When this process sent the newest beat the dispatcher acknowledged,
     // and the newest successful check of its member lock: the proof its
-    // jobs need to start a call ends FENCE after the first, and before the
-    // server could free the lock after the second.
+    // jobs need to start a call ends FENCE after the first and MEMBER_PROOF
+    // after the second.
     let mut acked = Instant::now();
     let mut member_proven = Instant::now();
     let prove = |acked: Instant, member_proven: Instant| {
         shared
             .proof
-            .set((acked + FENCE).min(super::lease::proof_end(member_proven)));
+            .set((acked + FENCE).min(member_proven + MEMBER_PROOF));
     };
     prove(acked, member_proven);
     let mut unheard = false;
@@ -1231,6 +1243,21 @@ pub(super) async fn work<H: Handler>(
                 }
             }
             _ = beat.tick() => {
+                // First thing each beat, before anything here may wait:
+                // the dispatcher takes this process's jobs for lost once it
+                // has not heard it for SILENT, or GRACE after its member
+                // lock went: their calls stop first. The proof (the
+                // dispatcher's acknowledgement of a recent beat, and the
+                // member lock) says whether that can have happened.
+                let now_unheard = !shared.proof.holds();
+                if now_unheard && !unheard {
+                    worker.fences.fetch_add(1, Ordering::Relaxed);
+                    if !tasks.is_empty() {
+                        tracing::warn!(jobs = tasks.len(), "this process cannot prove it is heard by the dispatcher, or holds its member lock (NATS or Postgres unreachable?): cutting the calls it makes for it, which the dispatcher makes again");
+                        stop_jobs(&mut tasks, &worker.registry, &client, &base, &shared.calls).await;
+                    }
+                }
+                unheard = now_unheard;
                 beat_no += 1;
                 sent.push_back((beat_no, Instant::now()));
                 if sent.len() > 64 {
@@ -1242,12 +1269,10 @@ pub(super) async fn work<H: Handler>(
                     bounded(client.publish(format!("{base}.s.hello"), body.into())).await;
                 }
                 if !subs.complete(leaving.is_some()) {
-                    subs = Subs::open(&client, &base, member.id, leaving.is_some()).await;
+                    if let Ok(s) = tokio::time::timeout(PING, Subs::open(&client, &base, member.id, leaving.is_some())).await {
+                        subs = s;
+                    }
                 }
-                // The dispatcher takes this process's jobs for lost once it
-                // has not heard it for SILENT: they stop first. Its
-                // acknowledgement is the proof of being heard both ways (a
-                // process that only hears itself may be unheard).
                 let pinged = Instant::now();
                 if member.held().await {
                     member_proven = pinged;
@@ -1270,20 +1295,6 @@ pub(super) async fn work<H: Handler>(
                         Err(_) => tracing::warn!("cannot join the crew again (Postgres does not answer); retrying"),
                     }
                 }
-                // The dispatcher takes this process's jobs for lost once it
-                // has not heard it for SILENT, or GRACE after its member
-                // lock went: their calls stop first. The proof (the
-                // dispatcher's acknowledgement of a recent beat, and the
-                // member lock) says whether that can have happened.
-                let now_unheard = !shared.proof.holds();
-                if now_unheard && !unheard {
-                    worker.fences.fetch_add(1, Ordering::Relaxed);
-                    if !tasks.is_empty() {
-                        tracing::warn!(jobs = tasks.len(), "this process cannot prove it is heard by the dispatcher, or holds its member lock (NATS or Postgres unreachable?): cutting the calls it makes for it, which the dispatcher makes again");
-                        stop_jobs(&mut tasks, &worker.registry, &client, &base, &shared.calls).await;
-                    }
-                }
-                unheard = now_unheard;
             }
             _ = liveness.tick() => {
                 // Off the loop: during a Postgres outage it waits its timeout.
@@ -1487,9 +1498,10 @@ mod tests {
             Err("fenced"),
             "not the dispatcher it serves"
         );
-        assert!(r.replaced(8));
-        assert!(!r.replaced(7));
-        assert!(!Roster::default().replaced(7), "nobody synced it yet");
+        assert!(r.replaced(8, 1));
+        assert!(!r.replaced(7, 1));
+        assert!(r.replaced(7, 2), "a later period of the same process");
+        assert!(!Roster::default().replaced(7, 1), "nobody synced it yet");
     }
 
     /// Issue 43, item 7: the same process dispatches again (it lost its

@@ -111,7 +111,14 @@ impl<'a, H: Handler> Active<'a, H> {
         lease: Lease,
         shutdown: &CancellationToken,
     ) -> Result<Ended> {
-        let mut dispatch = self.open(consumer, &lease, shutdown).await?;
+        // Taking over waits on the crew and on old pull requests: a lease
+        // lost meanwhile ends it, or this process would reset the durable
+        // under the next dispatcher.
+        let lost = lease.lost();
+        let mut dispatch = tokio::select! {
+            opened = self.open(consumer, &lease, shutdown) => opened?,
+            _ = lost.cancelled() => return Ok(Ended::LeaseLost),
+        };
         let ended = dispatch.pump(&lease, shutdown).await;
         dispatch.drain(&ended, lease).await;
         tracing::info!("consumer stopped dispatching");
@@ -167,8 +174,13 @@ impl<'a, H: Handler> Active<'a, H> {
             true => reset_to_ack_floor(&mut consumer, "taking over").await,
             false => None,
         };
-        if let Some(from) = rewound {
-            scheduler.rewound(from);
+        match rewound {
+            // Nothing held yet: the scheduler was just made.
+            Some(from) => drop(scheduler.rewound(from, Instant::now())),
+            // Parked heads wait for the reset: before it, a previous
+            // dispatcher's unacked message of their key may come back.
+            None if resets => drop(scheduler.rewound(0, Instant::now())),
+            None => {}
         }
         let stop = shutdown.child_token();
         let shared = new_shared(
@@ -366,6 +378,12 @@ impl<H: Handler> Dispatch<'_, H> {
     /// for it, else in another process of the crew (a refusal runs it here).
     fn start(&mut self, jobs: Vec<(String, Job<Message>)>) {
         let cfg = self.active.cfg;
+        // No right to hand anything out or run it (a thawed process, say):
+        // the period ends at the pump's next turn, and what was let go
+        // comes again through the next dispatcher's reset.
+        if !self.shared.proof.holds() {
+            return;
+        }
         for (key, job) in jobs {
             let id = crew::new_job_id();
             let retry = match &job {
@@ -381,7 +399,7 @@ impl<H: Handler> Dispatch<'_, H> {
                 None
             };
             if counted && remote.is_none() {
-                if !crew::register(&self.registry, self.crew.me(), id, &key, retry) {
+                if !crew::register(&self.registry, self.crew.whoami(), id, &key, retry) {
                     // Replaced: the pump ends at the next crew beat, and
                     // the message, unacked, goes to the new dispatcher.
                     continue;
@@ -409,7 +427,7 @@ impl<H: Handler> Dispatch<'_, H> {
                         }
                         Sent::Refused => {
                             crew.unreserve(member);
-                            if !crew::register(&registry, crew.me(), id, &key, retry) {
+                            if !crew::register(&registry, crew.whoami(), id, &key, retry) {
                                 return JobEnd {
                                     id,
                                     key,
@@ -491,7 +509,8 @@ impl<H: Handler> Dispatch<'_, H> {
         // not from when the reset goes through: a lost job's key goes on
         // with its next parked message at once, which would otherwise run
         // before the lost one comes back.
-        self.scheduler.rewound(0);
+        drop(self.scheduler.rewound(0, Instant::now()));
+        self.rewound_at = Instant::now();
         self.messages = None;
         self.rebuild = Some(Rebuild::from_ack_floor());
     }
@@ -501,7 +520,8 @@ impl<H: Handler> Dispatch<'_, H> {
     /// process: the lease is gone even if its connection has not said so.
     fn crew_beat(&mut self) -> bool {
         let cfg = self.active.cfg;
-        if crew::roster(&self.registry).replaced(self.crew.me()) {
+        let (me, period) = self.crew.whoami();
+        if crew::roster(&self.registry).replaced(me, period) {
             tracing::warn!("another process took over as dispatcher");
             return true;
         }
@@ -612,7 +632,11 @@ impl<H: Handler> Dispatch<'_, H> {
         // JetStream has nothing left to deliver: its message left the
         // stream. It goes on.
         let since = self.last_arrival.max(self.rewound_at);
+        // Not while the reset that will bring held heads' elders back is
+        // still to go through: they are unacked, not pending.
+        let resetting = self.rebuild.as_ref().is_some_and(|r| r.reset);
         if self.scheduler.holds_back()
+            && !resetting
             && durable.is_some_and(|d| d.num_pending == 0 && d.asked > since + ACK_LANDS)
         {
             let jobs = self.scheduler.release(Instant::now());
@@ -667,8 +691,9 @@ impl<H: Handler> Dispatch<'_, H> {
                 if r.tries > 1 {
                     tracing::info!(tries = r.tries, "the reset to the ack floor went through");
                 }
-                self.scheduler.rewound(from);
+                let jobs = self.scheduler.rewound(from, Instant::now());
                 self.rewound_at = Instant::now();
+                self.start(jobs);
             }
             // Numbering starts over either way, or the next delivery would
             // look like another gap.

@@ -46,9 +46,12 @@ const CONNECT: Duration = Duration::from_secs(5);
 /// helper's beats acknowledged by the dispatcher); read before every start.
 #[derive(Clone, Default)]
 pub(crate) struct Proof {
-    /// Milliseconds since [`origin`], plus one; 0 for none.
+    /// Milliseconds since [`origin`], plus one; 0 for none; `u64::MAX`
+    /// once revoked, for good (a renewal on its way cannot bring it back).
     until: Arc<AtomicU64>,
 }
+
+const REVOKED: u64 = u64::MAX;
 
 fn origin() -> Instant {
     static ORIGIN: OnceLock<Instant> = OnceLock::new();
@@ -60,23 +63,33 @@ impl Proof {
     /// newer proof, nor a stale one lengthen it).
     pub fn renew(&self, until: Instant) {
         let ms = until.saturating_duration_since(origin()).as_millis() as u64 + 1;
-        self.until.fetch_max(ms, Ordering::Relaxed);
+        let _ = self
+            .until
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                (now != REVOKED && ms > now).then_some(ms)
+            });
     }
 
     /// Held until `until`, replacing whatever was held (a helper's proof is
     /// the earlier of two renewals, which may move it back).
     pub fn set(&self, until: Instant) {
         let ms = until.saturating_duration_since(origin()).as_millis() as u64 + 1;
-        self.until.store(ms, Ordering::Relaxed);
+        let _ = self
+            .until
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                (now != REVOKED).then_some(ms)
+            });
     }
 
+    /// For good: the lease is gone, and a ping answered late must not
+    /// revive it.
     pub fn revoke(&self) {
-        self.until.store(0, Ordering::Relaxed);
+        self.until.store(REVOKED, Ordering::Relaxed);
     }
 
     pub fn holds(&self) -> bool {
         let until = self.until.load(Ordering::Relaxed);
-        until > 0 && (origin().elapsed().as_millis() as u64) < until - 1
+        until > 0 && until != REVOKED && (origin().elapsed().as_millis() as u64) < until - 1
     }
 }
 
@@ -133,13 +146,17 @@ pub(crate) async fn bounded_session(pool: &PgPool, what: &'static str) -> Result
         .map_err(|_| Error::pg(what)(sqlx::Error::PoolTimedOut))?
         .map_err(Error::pg(what))?
         .detach();
-    sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
-        .bind(format!("{}ms", LEASE_TTL.as_millis()))
-        .execute(&mut conn)
-        .await
-        .map_err(Error::pg(
-            "setting idle_session_timeout (PostgreSQL 14 or newer)",
-        ))?;
+    tokio::time::timeout(
+        RENEW,
+        sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
+            .bind(format!("{}ms", LEASE_TTL.as_millis()))
+            .execute(&mut conn),
+    )
+    .await
+    .map_err(|_| Error::pg(what)(sqlx::Error::PoolTimedOut))?
+    .map_err(Error::pg(
+        "setting idle_session_timeout (PostgreSQL 14 or newer)",
+    ))?;
     Ok(conn)
 }
 
@@ -176,12 +193,16 @@ impl Lease {
         if let Some(member) = member {
             // Only a connection of this process's could hold it (a member id
             // is this process's own lock): not waited for.
-            let tagged: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
-                .bind(tag_name(stream, durable))
-                .bind(member)
-                .fetch_one(&mut conn)
-                .await
-                .map_err(Error::pg("tagging the consumer lease"))?;
+            let tagged: bool = tokio::time::timeout(
+                RENEW,
+                sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
+                    .bind(tag_name(stream, durable))
+                    .bind(member)
+                    .fetch_one(&mut conn),
+            )
+            .await
+            .map_err(|_| Error::pg("tagging the consumer lease")(sqlx::Error::PoolTimedOut))?
+            .map_err(Error::pg("tagging the consumer lease"))?;
             if !tagged {
                 let _ = conn.close().await;
                 return Ok(None);
@@ -266,6 +287,9 @@ mod tests {
         p.renew(Instant::now() + Duration::from_secs(5));
         p.revoke();
         assert!(!p.holds());
+        p.renew(Instant::now() + Duration::from_secs(5));
+        p.set(Instant::now() + Duration::from_secs(5));
+        assert!(!p.holds(), "a revoked proof stays revoked");
     }
 
     #[test]

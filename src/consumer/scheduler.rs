@@ -261,13 +261,13 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
 
     /// JetStream was reset to its ack floor: every message from `from` on
     /// comes again, in stream order. Parked heads at or past it wait until
-    /// the pull passes them ([`passed`](Self::passed)).
-    pub fn rewound(&mut self, from: u64) {
+    /// the pull passes them ([`passed`](Self::passed)); those held before
+    /// (a reset asked for, `from` 0, then done) that lie below it go on.
+    /// Returns the jobs to start now.
+    pub fn rewound(&mut self, from: u64, now: T) -> Vec<(String, Job<M>)> {
         let held = self.rewind.take().map(|r| r.held).unwrap_or_default();
-        self.rewind = Some(Rewind {
-            passed: from.saturating_sub(1),
-            held,
-        });
+        self.rewind = Some(Rewind { passed: 0, held });
+        self.passed(from.saturating_sub(1), now)
     }
 
     /// A message at stream sequence `seq` was pulled: every older one that
@@ -686,7 +686,7 @@ mod tests {
         // b/1 failed earlier (parked, acked: the floor is 1).
         s.load_parked("a".into(), 3, 0);
         s.load_parked("b".into(), 1, 0);
-        s.rewound(2);
+        s.rewound(2, 0);
         assert_eq!(
             s.wake(0),
             vec![("b".into(), Job::Retry { seq: 1 })],
@@ -715,7 +715,7 @@ mod tests {
     fn a_held_head_goes_on_once_nothing_more_comes_back() {
         let mut s = S::new(4, 1000);
         s.load_parked("a".into(), 7, 0);
-        s.rewound(3);
+        s.rewound(3, 0);
         assert_eq!(s.wake(0), vec![]);
         assert_eq!(s.passed(5, 0), vec![], "still short of 7");
         assert_eq!(s.release(0), vec![("a".into(), Job::Retry { seq: 7 })]);
@@ -1039,7 +1039,8 @@ mod tests {
             let floor = (1..=last)
                 .find(|q| !self.acked.contains(q))
                 .unwrap_or(last + 1);
-            s.rewound(floor);
+            let started = s.rewound(floor, self.now);
+            self.start(started);
             self.acked.retain(|&q| q < floor);
             self.again = (floor..=last).collect();
         }
