@@ -130,20 +130,10 @@ impl Member {
         // goes within LEASE_TTL, and with it the crew's wait for its jobs.
         let mut conn =
             super::lease::bounded_session(pool, "connecting for the crew membership").await?;
-        let name = lock_name(stream, durable);
         loop {
             // Positive, so pg_locks shows it as written.
             let id = (uuid::Uuid::new_v4().as_u128() as u32 >> 1) as i32;
-            if id == 0 {
-                continue;
-            }
-            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
-                .bind(&name)
-                .bind(id)
-                .fetch_one(&mut conn)
-                .await
-                .map_err(Error::pg("pg_try_advisory_lock"))?;
-            if got {
+            if id != 0 && lock_as(&mut conn, stream, durable, id).await? {
                 return Ok(Member { conn, id });
             }
         }
@@ -159,12 +149,7 @@ impl Member {
     ) -> Result<Option<Member>> {
         let mut conn =
             super::lease::bounded_session(pool, "connecting for the crew membership").await?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
-            .bind(lock_name(stream, durable))
-            .bind(id)
-            .fetch_one(&mut conn)
-            .await
-            .map_err(Error::pg("pg_try_advisory_lock"))?;
+        let got = lock_as(&mut conn, stream, durable, id).await?;
         Ok(got.then_some(Member { conn, id }))
     }
 
@@ -176,6 +161,16 @@ impl Member {
             Ok(Ok(()))
         )
     }
+}
+
+/// Take the member lock `id` on `conn`, if no other session holds it.
+async fn lock_as(conn: &mut PgConnection, stream: &str, durable: &str, id: i32) -> Result<bool> {
+    sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1), $2)")
+        .bind(lock_name(stream, durable))
+        .bind(id)
+        .fetch_one(conn)
+        .await
+        .map_err(Error::pg("pg_try_advisory_lock"))
 }
 
 /// The members alive now (their lock is held), this one included.
@@ -372,7 +367,7 @@ pub(super) async fn report(
     how: Finished<Instant>,
     panicked: bool,
 ) {
-    publish_done(client, &base(stream, durable), id, how, panicked, false).await;
+    publish_done(client, &base(stream, durable), id, how, panicked).await;
 }
 
 async fn publish_done(
@@ -381,13 +376,14 @@ async fn publish_done(
     id: u64,
     how: Finished<Instant>,
     panicked: bool,
-    lost: bool,
 ) {
     let done = Done {
         id,
         how: Ended::from(how),
         panicked,
-        lost,
+        // A job cut short is now reported as panicked (see `stop_jobs`);
+        // the field stays for what helpers of earlier versions send.
+        lost: false,
     };
     if let Ok(body) = serde_json::to_vec(&done) {
         // Bounded: with NATS gone the client's queue may be full, and the
@@ -1370,7 +1366,7 @@ async fn stop_jobs(
     while let Ok(Some(done)) = tokio::time::timeout_at(deadline.into(), tasks.join_next()).await {
         if let Ok((id, how, panicked)) = done {
             roster(registry).jobs.remove(&id);
-            publish_done(client, base, id, how, panicked, false).await;
+            publish_done(client, base, id, how, panicked).await;
         }
     }
 }

@@ -224,13 +224,10 @@ impl Lease {
     pub fn lost(&self) -> CancellationToken {
         self.lost.clone()
     }
-
-    /// Give the lock up: the keeper closes the connection (at once, or by
-    /// dropping it when the server does not answer). Dropping the lease
-    /// does the same.
-    pub fn release(self) {}
 }
 
+/// Dropping the lease gives the lock up: the keeper closes the connection
+/// (at once, or by dropping it when the server does not answer).
 impl Drop for Lease {
     fn drop(&mut self) {
         self.proof.revoke();

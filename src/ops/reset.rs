@@ -121,12 +121,12 @@ pub async fn run(
             .execute(pool)
             .await
             .map_err(Error::pg("taking back the reset's record"))?;
-        lease.release();
+        drop(lease);
         return Err(Error::setup(format!(
             "JetStream refused the reset of {durable} (ADR-60 needs nats-server 2.14 or later): {e}"
         )));
     }
-    lease.release();
+    drop(lease);
     Ok(Done {
         from_seq: seq,
         messages: (state.last_sequence + 1).saturating_sub(seq),
