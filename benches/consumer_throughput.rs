@@ -103,6 +103,7 @@ async fn main() {
             max_ack_pending: max_ack_pending as i64,
             concurrency: concurrency as usize,
             backoff: vec![Duration::from_secs(1)],
+            max_parked_keys: 100_000,
             dlq_prefix: "dlq.ctp".into(),
             dlq_replicas: 1,
             shutdown_timeout: Duration::from_secs(5),

@@ -56,6 +56,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_ack_pending: 50,
         concurrency: 8,
         backoff: vec![Duration::from_secs(1), Duration::from_secs(30)],
+        max_parked_keys: 100_000,
         dlq_prefix: "dlq.outbox".into(),
         dlq_replicas: 1,
         shutdown_timeout: Duration::from_secs(30),

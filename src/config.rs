@@ -673,6 +673,12 @@ pub struct ConsumeArgs {
     #[arg(long, env = "OUTBOX_CONCURRENCY", default_value_t = 48, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub concurrency: u32,
 
+    /// Failing aggregates the dispatcher keeps in memory (about 300 bytes
+    /// each); past it, the inbox alone holds them until room frees, and
+    /// each message of an aggregate not in memory costs one more inbox read.
+    #[arg(long, env = "OUTBOX_MAX_PARKED_KEYS", default_value_t = 100_000, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_parked_keys: u32,
+
     /// Retry delays by attempt (the message waits parked in the inbox), comma-separated; the last repeats.
     #[arg(long, env = "OUTBOX_BACKOFF", default_value = "1s,5s,30s,2m,5m")]
     pub backoff: String,
@@ -760,6 +766,7 @@ impl ConsumeArgs {
             max_ack_pending: self.max_ack_pending,
             concurrency: self.concurrency as usize,
             backoff,
+            max_parked_keys: self.max_parked_keys as usize,
             dlq_prefix,
             dlq_replicas: self.dlq_replicas,
             shutdown_timeout: self.shutdown_timeout,

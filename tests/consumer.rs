@@ -720,6 +720,7 @@ async fn rust_handler_writes_roll_back_with_the_inbox_row() {
         max_ack_pending: 50,
         concurrency: 8,
         backoff: vec![Duration::from_millis(200)],
+        max_parked_keys: 100_000,
         ..rust_cfg(&stream, "rust", "crust")
     };
     // Published first: with sharing, the first pulls would form groups.
@@ -2324,6 +2325,7 @@ fn rust_cfg(stream: &str, durable: &str, ctx: &str) -> outbox_relay::consumer::C
         max_ack_pending: 1000,
         concurrency: 32,
         backoff: vec![Duration::from_millis(100)],
+        max_parked_keys: 100_000,
         dlq_prefix: wire::consumer_dlq_prefix(ctx),
         dlq_replicas: 1,
         shutdown_timeout: Duration::from_secs(5),
@@ -5017,4 +5019,228 @@ async fn no_rust_handler_call_runs_after_the_consumer_has_stopped() {
         finished.is_empty(),
         "calls that went on after the consumer stopped: {finished:?} (first {first}, second {second})"
     );
+}
+
+/// Issue 43, item 10: parked aggregates were held in memory without bound
+/// and loaded whole at takeover. With `--max-parked-keys 2`, eight
+/// aggregates fail: six are held by the inbox only. Their later messages
+/// must still wait behind them (the inbox is asked), they are read back as
+/// room frees, a restart loads two and leaves the rest in the inbox, and
+/// every message runs once, in its aggregate's order, healthy ones
+/// meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_aggregates_past_the_memory_bound_wait_in_the_inbox_and_keep_their_order() {
+    let extra = [
+        "--concurrency",
+        "4",
+        "--backoff",
+        "1s",
+        "--max-parked-keys",
+        "2",
+    ];
+    let mut solo = OneConsumer::start("c_parkcap", "cparkcap", DUP, &extra).await;
+    let failing = br#"{"fail_first": 2}"#;
+    let mut keys: Vec<(String, Vec<Uuid>)> = Vec::new();
+    for k in 0..8 {
+        let first = Uuid::new_v4();
+        publish(
+            &solo.js,
+            "cparkcap.e",
+            Some(first),
+            &format!("f{k}"),
+            failing,
+        )
+        .await;
+        keys.push((format!("f{k}"), vec![first]));
+    }
+    eventually(T, "the eight failing aggregates parked", || async {
+        let parked: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT aggregate_key) FROM inbox_messages \
+             WHERE consumer = 'cparkcap' AND parked_until IS NOT NULL AND processed_at IS NULL",
+        )
+        .fetch_one(&solo.pool)
+        .await
+        .unwrap();
+        parked == 8
+    })
+    .await;
+    // Later messages of every failing aggregate, held in memory or not.
+    for (key, ids) in &mut keys {
+        for _ in 0..2 {
+            let id = Uuid::new_v4();
+            publish(&solo.js, "cparkcap.e", Some(id), key, b"{}").await;
+            ids.push(id);
+        }
+    }
+    let mut healthy = Vec::new();
+    for i in 0..6 {
+        let id = Uuid::new_v4();
+        publish(&solo.js, "cparkcap.e", Some(id), &format!("h{i}"), b"{}").await;
+        healthy.push(id);
+    }
+    eventually(T, "the healthy messages called", || async {
+        healthy.iter().all(|id| solo.spans.started(*id) == 1)
+    })
+    .await;
+    // A restart (SIGTERM) takes over with more parked than memory holds.
+    assert!(solo.consumer.term(Duration::from_secs(30)).success());
+    solo.consumer.restart();
+    solo.consumer.wait_ready();
+    let total = keys.iter().map(|(_, ids)| ids.len()).sum::<usize>() + healthy.len();
+    eventually(Duration::from_secs(90), "every message processed", || async {
+        let done: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages WHERE consumer = 'cparkcap' AND processed_at IS NOT NULL",
+        )
+        .fetch_one(&solo.pool)
+        .await
+        .unwrap();
+        done as usize == total
+    })
+    .await;
+    for (key, ids) in &keys {
+        assert_eq!(
+            solo.spans.started(ids[0]),
+            3,
+            "{key}: two failures, then success"
+        );
+        for later in &ids[1..] {
+            assert_eq!(
+                solo.spans.started(*later),
+                1,
+                "{key}: a later message called once"
+            );
+        }
+        for pair in ids.windows(2) {
+            let before = *solo.spans.starts(pair[0]).last().unwrap();
+            let after = solo.spans.starts(pair[1])[0];
+            assert!(
+                before < after,
+                "{key}: a later message ran before an earlier one succeeded"
+            );
+        }
+    }
+}
+
+/// Issue 43, item 11: `dlq replay` refused a dead letter it had never sent
+/// (a run stopped between recording the replay and publishing it leaves a
+/// pending record: "already_replayed", and no call ever came), and said
+/// "replayed" for a durable that would never deliver the copy (gone, or
+/// filtered to other subjects).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_sends_a_replay_left_unsent_and_refuses_one_nothing_would_deliver() {
+    let stack = stack();
+    let mut f = fixture("c_dlq_pending", "cdlqp", "cdlqp", DUP, &[]).await;
+    let url = db_url(&stack.admin_url, "c_dlq_pending");
+    let dlq = wire::dlq_stream_name(&wire::consumer_dlq_prefix("cdlqp"));
+    let (first, second) = (Uuid::new_v4(), Uuid::new_v4());
+    for id in [first, second] {
+        publish(
+            &f.js,
+            "cdlqp.e",
+            Some(id),
+            "a",
+            br#"{"answers": [422, 200]}"#,
+        )
+        .await;
+    }
+    wait_processed(&f.pool, "cdlqp", 2).await;
+    let nats = stack.nats_url.as_str();
+    let (ok, out) = run_cli(&[
+        "dlq",
+        "list",
+        "--nats-url",
+        nats,
+        "--stream",
+        &dlq,
+        "--json",
+    ]);
+    assert!(ok, "{out}");
+    let listed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let seq_of = |id: Uuid| {
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["id"] == id.to_string())
+            .unwrap_or_else(|| panic!("{id} not listed: {out}"))["seq"]
+            .as_i64()
+            .unwrap()
+    };
+    // What a run stopped between its two steps leaves: the record, no copy.
+    let created =
+        f.js.get_stream(&dlq)
+            .await
+            .unwrap()
+            .cached_info()
+            .created
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap();
+    sqlx::query(
+        "INSERT INTO dlq_replays (dlq_stream, dlq_created, dlq_seq, consumer, message_id, replayed_by) \
+         VALUES ($1, $2::timestamptz, $3, 'cdlqp', $4, 'a stopped run')",
+    )
+    .bind(&dlq)
+    .bind(&created)
+    .bind(seq_of(first))
+    .bind(first)
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let replay = |id: Uuid| {
+        let id = id.to_string();
+        run_cli(&[
+            "dlq",
+            "replay",
+            "--database-url",
+            &url,
+            "--nats-url",
+            nats,
+            "--stream",
+            &dlq,
+            "--id",
+            &id,
+        ])
+    };
+    let (ok, out) = replay(first);
+    assert!(
+        ok && out.contains("replayed") && !out.contains("already_replayed"),
+        "{out}"
+    );
+    eventually(T, "the handler called once more", || async {
+        f.handler.calls_for(first).len() == 2
+    })
+    .await;
+
+    // A durable filtered to other subjects, then none at all: nothing would
+    // deliver a copy. The dead letter stays, and no replay is recorded.
+    assert!(f.consumer.term(Duration::from_secs(30)).success());
+    let stream = f.js.get_stream(&f.stream).await.unwrap();
+    stream
+        .update_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("cdlqp".into()),
+            filter_subject: "cdlqp.other".into(),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (ok, out) = replay(second);
+    assert!(
+        ok && out.contains("not_replayable") && out.contains("cdlqp.other"),
+        "{out}"
+    );
+    stream.delete_consumer("cdlqp").await.unwrap();
+    let (ok, out) = replay(second);
+    assert!(
+        ok && out.contains("not_replayable") && out.contains("no durable cdlqp"),
+        "{out}"
+    );
+    let recorded: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dlq_replays WHERE message_id = $1")
+            .bind(second)
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(recorded, 0, "a refused replay leaves no record");
+    assert_eq!(f.handler.calls_for(second).len(), 1);
 }

@@ -333,6 +333,9 @@ struct JobHead {
     key: String,
     #[serde(default)]
     retry: Option<u64>,
+    /// A [`Job::Check`]: its key may be parked in the inbox only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    check: bool,
     #[serde(default)]
     subject: String,
     #[serde(default)]
@@ -783,11 +786,12 @@ impl Crew {
             until
         };
         let (head, headers, body) = match job {
-            Job::Deliver(msg) => (
+            Job::Deliver(msg) | Job::Check(msg) => (
                 JobHead {
                     id,
                     key: key.to_owned(),
                     retry: None,
+                    check: matches!(job, Job::Check(_)),
                     subject: msg.subject.to_string(),
                     reply: msg.reply.as_ref().map(|r| r.to_string()),
                     from: self.inner.me,
@@ -802,6 +806,7 @@ impl Crew {
                     id,
                     key: key.to_owned(),
                     retry: Some(*seq),
+                    check: false,
                     subject: String::new(),
                     reply: None,
                     from: self.inner.me,
@@ -1398,10 +1403,14 @@ fn decode(
                 status: None,
                 description: None,
             };
-            Job::Deliver(jetstream::Message {
+            let msg = jetstream::Message {
                 message,
                 context: js.clone(),
-            })
+            };
+            match head.check {
+                true => Job::Check(msg),
+                false => Job::Deliver(msg),
+            }
         }
     };
     Some((head, job))

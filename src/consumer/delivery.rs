@@ -130,7 +130,7 @@ pub(super) async fn run_job<H: Handler>(
     key: &str,
     job: Job<jetstream::Message>,
 ) -> Option<Finished<Instant>> {
-    if let Job::Deliver(msg) | Job::ParkBehind(msg) | Job::Spill(msg) = &job {
+    if let Job::Deliver(msg) | Job::ParkBehind(msg) | Job::Spill(msg) | Job::Check(msg) = &job {
         if header(msg, wire::REPLAY_FOR).is_some_and(|d| d != shared.cfg.durable) {
             // Another durable's replayed dead letter: not ours to handle,
             // nor to park.
@@ -157,6 +157,15 @@ pub(super) async fn run_job<H: Handler>(
                 shared,
                 &msg,
                 std::pin::pin!(deliver_pulled(shared, key, &msg)),
+            )
+            .await;
+            settle_pulled(shared, &msg, outcome).await
+        }
+        Job::Check(msg) => {
+            let outcome = keep_alive(
+                shared,
+                &msg,
+                std::pin::pin!(check_parked(shared, key, &msg)),
             )
             .await;
             settle_pulled(shared, &msg, outcome).await
@@ -705,6 +714,36 @@ async fn dead_letter<H>(
     tracing::warn!(id = original_id, reason, "dead-lettered");
     count("dead_lettered");
     Some(())
+}
+
+/// A pulled message of a key the dispatcher holds no parked state for while
+/// some keys are parked in the inbox only: parked behind them if its key is
+/// one (the dispatcher learns the key's head), else delivered.
+async fn check_parked<H: Handler>(
+    shared: &Shared<H>,
+    key: &str,
+    msg: &jetstream::Message,
+) -> Option<Finished<Instant>> {
+    let head = persist(shared, "reading the key's parked messages", || {
+        inbox::parked_head(&shared.pool, &shared.cfg.durable, &shared.cfg.stream, key)
+    })
+    .await?;
+    let Some((head, wait)) = head else {
+        return deliver_pulled(shared, key, msg).await;
+    };
+    let parked = park_behind(shared, key, msg).await?;
+    let seq = Parts::pulled(msg).seq;
+    Some(match parked {
+        // Older than the head (delivered again after a reset): it leads.
+        Finished::Parked { .. } if seq < head => Finished::Parked {
+            seq,
+            due: Instant::now(),
+        },
+        _ => Finished::Parked {
+            seq: head,
+            due: Instant::now() + wait,
+        },
+    })
 }
 
 /// A pulled message of an aggregate with parked messages waits behind them.

@@ -153,14 +153,24 @@ impl<'a, H: Handler> Active<'a, H> {
         .await?;
         let window = consumer.cached_info().config.max_ack_pending;
         let mut scheduler = Scheduler::new(cfg.concurrency, high_water(window));
+        scheduler.set_parked_cap(cfg.max_parked_keys, PARKED_BYTES);
         let adopted = crew.adopt(self.pool, &cfg.stream, &cfg.durable).await?;
         for (running, _) in &adopted {
             scheduler.adopt(running.key.clone());
         }
-        let heads = inbox_heads(self.pool, cfg).await?;
+        // Soonest due first, as many as memory holds; the rest wait in the
+        // inbox (cold) and are loaded as room frees.
+        let (heads, parked_total) =
+            super::inbox::parked_heads(self.pool, &cfg.durable, &cfg.stream, cfg.max_parked_keys)
+                .await
+                .map_err(Error::pg("reading parked messages"))?;
         let now = Instant::now();
+        let read = heads.len();
         for (key, seq, wait) in heads {
             scheduler.load_parked(key, seq, now + wait);
+        }
+        if parked_total > read as u64 {
+            scheduler.inbox_holds_more();
         }
         // A previous dispatcher that froze or was cut off may still have
         // pull requests waiting at the server: what the reset delivers
@@ -240,6 +250,8 @@ impl<'a, H: Handler> Active<'a, H> {
             window_set: Instant::now(),
             resize: None,
             parked: metrics::gauge!(m::CONSUMER_PARKED_AGGREGATES),
+            parked_total,
+            reload: None,
         };
         for (running, end) in adopted {
             dispatch.await_adopted(running, end);
@@ -257,11 +269,13 @@ fn high_water(window: i64) -> usize {
         .map_or(10_000, |m| (m / 2).max(1))
 }
 
-async fn inbox_heads(pool: &PgPool, cfg: &ConsumeConfig) -> Result<Vec<(String, u64, Duration)>> {
-    super::inbox::parked_heads(pool, &cfg.durable, &cfg.stream)
-        .await
-        .map_err(Error::pg("reading parked messages"))
-}
+/// About the memory parked keys may take, beside `--max-parked-keys`: long
+/// aggregate keys reach it first.
+const PARKED_BYTES: usize = 64 << 20;
+
+/// The inbox's parked heads, read while some are held there only (see
+/// [`Dispatch::reload_parked`]).
+type ParkedHeads = std::result::Result<(Vec<(String, u64, Duration)>, u64), sqlx::Error>;
 
 /// The dispatcher's state between its stages.
 struct Dispatch<'a, H> {
@@ -319,6 +333,12 @@ struct Dispatch<'a, H> {
     window: i64,
     window_set: Instant,
     resize: Option<tokio::task::JoinHandle<Option<i64>>>,
+    /// Aggregates parked in all, as the inbox said when last read (memory
+    /// may hold fewer).
+    parked_total: u64,
+    /// A reload of cold parked keys on its way: what [`Scheduler::cold`]
+    /// said when it began, and the read.
+    reload: Option<(u64, tokio::task::JoinHandle<ParkedHeads>)>,
 }
 
 impl<H: Handler> Dispatch<'_, H> {
@@ -545,6 +565,61 @@ impl<H: Handler> Dispatch<'_, H> {
         false
     }
 
+    /// While parked keys wait in the inbox only, load them back, soonest
+    /// due first, once memory has room for a tenth of its bound (or has
+    /// nothing left to retry). One read at a time, off the pump.
+    fn reload_parked(&mut self) {
+        use futures::FutureExt;
+        let cfg = self.active.cfg;
+        if let Some((cold, read)) = self.reload.as_mut() {
+            if !read.is_finished() {
+                return;
+            }
+            let cold = *cold;
+            match read.now_or_never() {
+                Some(Ok(Ok((heads, total)))) => {
+                    let now = Instant::now();
+                    let read = heads.len();
+                    let mut started = Vec::new();
+                    let mut all = true;
+                    for (key, seq, wait) in heads {
+                        all &= self.scheduler.load_parked(key, seq, now + wait);
+                    }
+                    self.scheduler.refilled(cold, all && total <= read as u64);
+                    self.parked_total = total;
+                    started.extend(self.scheduler.wake(now));
+                    self.start(started);
+                }
+                Some(Ok(Err(e))) => {
+                    tracing::warn!(error = %e, "cannot read parked messages back; retrying")
+                }
+                _ => {}
+            }
+            self.reload = None;
+        }
+        let Some(cold) = self.scheduler.cold() else {
+            return;
+        };
+        let room = self.scheduler.parked_room();
+        let idle = self.scheduler.next_wake().is_none();
+        if room == 0 || (room < cfg.max_parked_keys / 10 && !idle) {
+            return;
+        }
+        // Keys held already come back too: read past them.
+        let limit = room.saturating_add(self.scheduler.parked_keys());
+        let (pool, durable, stream) = (
+            self.active.pool.clone(),
+            cfg.durable.clone(),
+            cfg.stream.clone(),
+        );
+        self.reload = Some((
+            cold,
+            tokio::spawn(async move {
+                super::inbox::parked_heads(&pool, &durable, &stream, limit).await
+            }),
+        ));
+    }
+
     /// The durable's window follows the crew (`window`): resized when the
     /// processes this dispatcher hears change, and again when the server
     /// holds another (a process that joined created the durable with its
@@ -601,7 +676,13 @@ impl<H: Handler> Dispatch<'_, H> {
     }
 
     fn report_health(&mut self) {
-        self.parked.set(self.scheduler.parked_keys() as f64);
+        self.reload_parked();
+        let held = self.scheduler.parked_keys() as u64;
+        let parked = match self.scheduler.cold() {
+            Some(_) => held.max(self.parked_total),
+            None => held,
+        };
+        self.parked.set(parked as f64);
         let failing = self.shared.dlq_failing.load(Ordering::Relaxed);
         metrics::gauge!(m::CONSUMER_DLQ_FAILING).set(failing as f64);
         if failing > 0 {

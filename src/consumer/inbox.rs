@@ -349,36 +349,46 @@ pub async fn finish_failed(
     Ok(())
 }
 
-/// The oldest parked message of every aggregate, and how long until it is
-/// due: what a consumer taking over resumes from.
+/// The oldest parked message of each aggregate, and how long until it is
+/// due, soonest due first, `limit` of them at most: what a consumer taking
+/// over resumes from, and reloads while some are held in the inbox only.
+/// Also how many aggregates are parked in all.
 pub async fn parked_heads(
     pool: &PgPool,
     consumer: &str,
     stream: &str,
-) -> Result<Vec<(String, u64, Duration)>, sqlx::Error> {
-    let rows: Vec<(String, i64, f64)> = sqlx::query_as(
-        "SELECT DISTINCT ON (aggregate_key) aggregate_key, stream_seq, \
-                greatest(0, extract(epoch FROM parked_until - now()))::float8 \
-         FROM inbox_messages \
-         WHERE consumer = $1 AND parked_until IS NOT NULL AND processed_at IS NULL \
-           AND aggregate_key IS NOT NULL AND stream_seq IS NOT NULL \
-           AND (stream = $2 OR stream IS NULL) \
-         ORDER BY aggregate_key, stream_seq",
+    limit: usize,
+) -> Result<(Vec<(String, u64, Duration)>, u64), sqlx::Error> {
+    let rows: Vec<(String, i64, f64, i64)> = sqlx::query_as(
+        "SELECT aggregate_key, stream_seq, \
+                greatest(0, extract(epoch FROM parked_until - now()))::float8, \
+                count(*) OVER () \
+         FROM (SELECT DISTINCT ON (aggregate_key) aggregate_key, stream_seq, parked_until \
+               FROM inbox_messages \
+               WHERE consumer = $1 AND parked_until IS NOT NULL AND processed_at IS NULL \
+                 AND aggregate_key IS NOT NULL AND stream_seq IS NOT NULL \
+                 AND (stream = $2 OR stream IS NULL) \
+               ORDER BY aggregate_key, stream_seq) heads \
+         ORDER BY parked_until, aggregate_key \
+         LIMIT $3",
     )
     .bind(consumer)
     .bind(stream)
+    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
     .fetch_all(pool)
     .await?;
-    Ok(rows
+    let total = rows.first().map_or(0, |r| u64::try_from(r.3).unwrap_or(0));
+    let heads = rows
         .into_iter()
-        .map(|(key, seq, wait)| {
+        .map(|(key, seq, wait, _)| {
             (
                 key,
                 u64::try_from(seq).unwrap_or(0),
                 Duration::try_from_secs_f64(wait).unwrap_or(Duration::ZERO),
             )
         })
-        .collect())
+        .collect();
+    Ok((heads, total))
 }
 
 /// The oldest parked message of one aggregate.
@@ -401,6 +411,34 @@ pub async fn next_parked(
     .fetch_optional(pool)
     .await?;
     Ok(seq.and_then(|s| u64::try_from(s).ok()))
+}
+
+/// The oldest parked message of one aggregate, and how long until it is due.
+pub async fn parked_head(
+    pool: &PgPool,
+    consumer: &str,
+    stream: &str,
+    key: &str,
+) -> Result<Option<(u64, Duration)>, sqlx::Error> {
+    let row: Option<(i64, f64)> = sqlx::query_as(
+        "SELECT stream_seq, greatest(0, extract(epoch FROM parked_until - now()))::float8 \
+         FROM inbox_messages \
+         WHERE consumer = $1 AND aggregate_key = $2 AND parked_until IS NOT NULL \
+           AND processed_at IS NULL AND stream_seq IS NOT NULL \
+           AND (stream = $3 OR stream IS NULL) \
+         ORDER BY stream_seq LIMIT 1",
+    )
+    .bind(consumer)
+    .bind(key)
+    .bind(stream)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|(seq, wait)| {
+        (
+            u64::try_from(seq).unwrap_or(0),
+            Duration::try_from_secs_f64(wait).unwrap_or(Duration::ZERO),
+        )
+    }))
 }
 
 /// The parked message at `seq` of one aggregate (its id, to find the row

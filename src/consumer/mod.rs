@@ -62,6 +62,9 @@ pub struct ConsumeConfig {
     pub concurrency: usize,
     /// NAK delay for delivery n is `backoff[min(n, len) - 1]`.
     pub backoff: Vec<Duration>,
+    /// Failing aggregates whose parked state the dispatcher holds in
+    /// memory; the rest wait in the inbox and are read back as room frees.
+    pub max_parked_keys: usize,
     pub dlq_prefix: String,
     pub dlq_replicas: u8,
     pub shutdown_timeout: Duration,

@@ -39,6 +39,16 @@
 //! slots (one at least), the two queues taking turns: many failing
 //! aggregates, all due, cannot hold the healthy ones behind them.
 //!
+//! - parked keys are held in memory up to a bound in count and bytes
+//!   ([`Scheduler::set_parked_cap`]). Past it, a key that parks is
+//!   forgotten (**cold**): the inbox alone keeps it. While any key may be
+//!   cold, a pulled message of a key not in memory is **checked** first (the
+//!   inbox says whether its key is parked, and it is parked behind if so),
+//!   and cold keys are loaded back, soonest due first, as room frees
+//!   ([`Scheduler::load_parked`], [`Scheduler::refilled`]). Memory stays
+//!   bounded however many aggregates fail; the healthy ones pay one inbox
+//!   read per message meanwhile, and never wait behind the failing ones.
+//!
 //! The I/O loop ([`super::run`]) pulls only while [`Scheduler::can_pull`],
 //! runs the jobs that [`arrive`](Scheduler::arrive),
 //! [`finish`](Scheduler::finish) and [`wake`](Scheduler::wake) hand back, and
@@ -55,6 +65,11 @@ pub enum Job<M> {
     ParkBehind(M),
     /// Run the key's oldest parked message again.
     Retry { seq: u64 },
+    /// A pulled message of a key that may be parked in the inbox only (see
+    /// cold keys above): park it behind if the inbox holds parked messages
+    /// of its key (ending with [`Finished::Parked`] and the key's head),
+    /// else deliver it.
+    Check(M),
     /// Park a waiting message behind, beside the key's running job, to free
     /// its ack-pending slot; ends with [`Finished::Spilled`].
     Spill(M),
@@ -101,6 +116,9 @@ struct Lane<M, T> {
     /// Messages of the key go to the inbox behind its spilled ones until
     /// the key runs from there.
     spill_mode: bool,
+    /// The key may have parked messages that only the inbox knows (it was
+    /// new while keys were cold): its next delivery is a check.
+    unsure: bool,
 }
 
 impl<M, T> Default for Lane<M, T> {
@@ -115,6 +133,7 @@ impl<M, T> Default for Lane<M, T> {
             spilling: 0,
             spilled: None,
             spill_mode: false,
+            unsure: false,
         }
     }
 }
@@ -134,8 +153,28 @@ impl<M, T: Ord + Copy> Lane<M, T> {
                 Some(Job::Retry { seq: head.seq })
             }
             Some(_) => None,
+            // The check tells whether the key is parked: after it, memory
+            // knows (a key that parks again while memory is full is
+            // dropped whole, and comes back unsure).
+            None if self.unsure => {
+                self.unsure = false;
+                self.waiting.pop_front().map(Job::Check)
+            }
             None => self.waiting.pop_front().map(Job::Deliver),
         }
+    }
+
+    fn is_parked(&self) -> bool {
+        self.parked.is_some()
+    }
+
+    /// Nothing but a parked head keeps the key in memory: it may go cold.
+    fn only_parked(&self) -> bool {
+        !self.running
+            && self.waiting.is_empty()
+            && !self.spill_mode
+            && self.spilling == 0
+            && self.also_running == 0
     }
 
     /// The job [`next_job`](Self::next_job) would start now is a retry.
@@ -227,6 +266,48 @@ pub struct Scheduler<M, T> {
     /// [`Scheduler::wake`] checks).
     timers: BTreeSet<(T, String)>,
     rewind: Option<Rewind>,
+    parked: Parked,
+}
+
+/// A parked key's memory, about: its lane and map entry, its timer, and
+/// its key twice (the map's and the timer's).
+fn parked_cost(key: &str) -> usize {
+    256 + 2 * key.len()
+}
+
+/// Parked keys held in memory, their bound, and the keys only the inbox
+/// knows.
+struct Parked {
+    keys: usize,
+    bytes: usize,
+    max_keys: usize,
+    max_bytes: usize,
+    /// Some parked key is not in memory.
+    cold: bool,
+    /// Counts keys sent cold: a reload that started before the last one
+    /// cannot say that none is left.
+    cold_count: u64,
+}
+
+impl Parked {
+    fn full(&self) -> bool {
+        self.keys >= self.max_keys || self.bytes >= self.max_bytes
+    }
+
+    /// The key gained or lost its parked head.
+    fn track(&mut self, key: &str, was: bool, is: bool) {
+        match (was, is) {
+            (false, true) => {
+                self.keys += 1;
+                self.bytes += parked_cost(key);
+            }
+            (true, false) => {
+                self.keys = self.keys.saturating_sub(1);
+                self.bytes = self.bytes.saturating_sub(parked_cost(key));
+            }
+            _ => {}
+        }
+    }
 }
 
 impl<M, T: Ord + Copy> Scheduler<M, T> {
@@ -242,6 +323,56 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
             last_was_retry: false,
             timers: BTreeSet::new(),
             rewind: None,
+            parked: Parked {
+                keys: 0,
+                bytes: 0,
+                max_keys: usize::MAX,
+                max_bytes: usize::MAX,
+                cold: false,
+                cold_count: 0,
+            },
+        }
+    }
+
+    /// Hold at most this many parked keys, and about this many bytes for
+    /// them, in memory; the rest wait in the inbox (cold).
+    pub fn set_parked_cap(&mut self, keys: usize, bytes: usize) {
+        self.parked.max_keys = keys.max(1);
+        self.parked.max_bytes = bytes.max(1);
+    }
+
+    /// Some parked key is known to the inbox only: `Some(n)`, to hand to
+    /// [`refilled`](Self::refilled) after reading the inbox's parked heads.
+    pub fn cold(&self) -> Option<u64> {
+        self.parked.cold.then_some(self.parked.cold_count)
+    }
+
+    /// The inbox holds parked keys that memory does not.
+    pub fn inbox_holds_more(&mut self) {
+        if !self.parked.cold {
+            // Any key memory holds unparked may be one of them: each checks
+            // before it delivers.
+            for lane in self.lanes.values_mut().filter(|l| !l.is_parked()) {
+                lane.unsure = true;
+            }
+        }
+        self.parked.cold = true;
+    }
+
+    /// Parked keys that memory has room for.
+    pub fn parked_room(&self) -> usize {
+        if self.parked.bytes >= self.parked.max_bytes {
+            return 0;
+        }
+        self.parked.max_keys.saturating_sub(self.parked.keys)
+    }
+
+    /// The inbox's parked heads were read (`cold` as it was before the
+    /// read) and loaded as room allowed; `complete`: every head the inbox
+    /// holds was read and loaded. No key went cold since: none is left.
+    pub fn refilled(&mut self, cold: u64, complete: bool) {
+        if complete && cold == self.parked.cold_count {
+            self.parked.cold = false;
         }
     }
 
@@ -329,7 +460,11 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
     /// A job of `key` that another process runs already (found when taking
     /// over): the key is busy until it [`finish`](Self::finish)es.
     pub fn adopt(&mut self, key: String) {
-        let lane = self.lanes.entry(key).or_default();
+        let cold = self.parked.cold;
+        let lane = self.lanes.entry(key).or_insert_with(|| Lane {
+            unsure: cold,
+            ..Lane::default()
+        });
         if lane.running {
             lane.also_running += 1;
         }
@@ -354,21 +489,38 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         self.running == 0 && self.waiting().next().is_none()
     }
 
-    /// Keys with parked messages.
+    /// Keys with parked messages held in memory.
     pub fn parked_keys(&self) -> usize {
-        self.lanes.values().filter(|l| l.parked.is_some()).count()
+        self.parked.keys
     }
 
-    /// A key found parked in the inbox at start.
-    pub fn load_parked(&mut self, key: String, seq: u64, due: T) {
+    /// A key found parked in the inbox (at start, or reloaded while keys
+    /// are cold). A key held already keeps the older head; one memory has
+    /// no room for stays cold. Returns whether it is held.
+    pub fn load_parked(&mut self, key: String, seq: u64, due: T) -> bool {
+        let known = self.lanes.get(&key).is_some_and(Lane::is_parked);
+        if !known && self.parked.full() {
+            self.inbox_holds_more();
+            return false;
+        }
         let lane = self.lanes.entry(key.clone()).or_default();
-        lane.parked = Some(Head { seq, due });
-        self.timers.insert((due, key));
+        lane.unsure = false;
+        if lane.parked.is_none_or(|h| seq < h.seq) {
+            let was = lane.parked.is_some();
+            lane.parked = Some(Head { seq, due });
+            self.parked.track(&key, was, true);
+            self.timers.insert((due, key));
+        }
+        true
     }
 
     /// A message of `key` was pulled. Returns the jobs to start now.
     pub fn arrive(&mut self, key: String, msg: M, now: T) -> Vec<(String, Job<M>)> {
-        let lane = self.lanes.entry(key.clone()).or_default();
+        let cold = self.parked.cold;
+        let lane = self.lanes.entry(key.clone()).or_insert_with(|| Lane {
+            unsure: cold,
+            ..Lane::default()
+        });
         if lane.spill_mode {
             // Behind its key's spilled messages.
             lane.spilling += 1;
@@ -403,11 +555,13 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         let mut started = Vec::new();
         if let Finished::Spilled { seq } = how {
             if let Some(lane) = self.lanes.get_mut(key) {
+                let was = lane.is_parked();
                 lane.spilling = lane.spilling.saturating_sub(1);
                 if let Some(seq) = seq {
                     lane.spilled = Some(lane.spilled.map_or(seq, |s| s.min(seq)));
                 }
                 lane.settle_spill(now);
+                self.parked.track(key, was, lane.is_parked());
                 if lane.idle() {
                     self.lanes.remove(key);
                 } else {
@@ -418,6 +572,7 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         }
         self.running = self.running.saturating_sub(1);
         if let Some(lane) = self.lanes.get_mut(key) {
+            let was = lane.is_parked();
             if lane.running_retry {
                 lane.running_retry = false;
                 self.retries_running = self.retries_running.saturating_sub(1);
@@ -425,6 +580,7 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
             let more = lane.also_running > 0;
             lane.also_running = lane.also_running.saturating_sub(1);
             lane.running = more;
+            let mut timer = None;
             match how {
                 Finished::Done | Finished::Spilled { .. } => {}
                 Finished::Parked { seq, due } => {
@@ -437,7 +593,7 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
                     };
                     if lane.parked.is_none_or(|h| seq <= h.seq) {
                         lane.parked = Some(Head { seq, due });
-                        self.timers.insert((due, key.to_owned()));
+                        timer = Some(due);
                     }
                 }
                 Finished::Retried { next } => {
@@ -445,10 +601,21 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
                 }
             }
             lane.settle_spill(now);
-            if lane.idle() {
+            if !was && lane.is_parked() && lane.only_parked() && self.parked.full() {
+                // No room: the inbox alone keeps the key until a reload.
                 self.lanes.remove(key);
-            } else if !more {
-                self.offer(key.to_owned(), now, &mut started);
+                self.parked.cold = true;
+                self.parked.cold_count += 1;
+            } else {
+                self.parked.track(key, was, lane.is_parked());
+                if let Some(due) = timer {
+                    self.timers.insert((due, key.to_owned()));
+                }
+                if lane.idle() {
+                    self.lanes.remove(key);
+                } else if !more {
+                    self.offer(key.to_owned(), now, &mut started);
+                }
             }
         }
         self.fill(now, &mut started);
@@ -825,6 +992,65 @@ mod tests {
         assert!(s.retries_running() <= 2);
     }
 
+    /// Issue 43, item 10: parked state in memory is bounded. Past the
+    /// bound a failing key goes cold: its next message is checked against
+    /// the inbox, and it is read back once room frees.
+    #[test]
+    fn past_the_parked_bound_a_key_goes_cold_and_is_checked_then_read_back() {
+        let mut s = S::new(4, 1000);
+        s.set_parked_cap(1, usize::MAX);
+        arrive(&mut s, "a", 1);
+        arrive(&mut s, "b", 2);
+        s.finish("a", Finished::Parked { seq: 1, due: 10 }, 0);
+        assert_eq!(s.cold(), None);
+        s.finish("b", Finished::Parked { seq: 2, due: 10 }, 0);
+        assert_eq!(s.parked_keys(), 1, "b is not held");
+        assert!(s.cold().is_some(), "b is cold");
+        assert_eq!(
+            arrive(&mut s, "b", 3),
+            vec![("b".into(), Job::Check(m("b", 3)))],
+            "the inbox says whether b is parked"
+        );
+        assert_eq!(
+            arrive(&mut s, "c", 4),
+            vec![("c".into(), Job::Check(m("c", 4)))],
+            "any key memory does not hold is checked"
+        );
+        assert_eq!(s.finish("c", Finished::Done, 0), vec![]);
+        assert_eq!(
+            arrive(&mut s, "c", 5),
+            vec![("c".into(), Job::Check(m("c", 5)))]
+        );
+        // The check found b parked (head 2): memory is full, b stays cold.
+        assert_eq!(
+            s.finish("b", Finished::Parked { seq: 2, due: 10 }, 0),
+            vec![]
+        );
+        assert_eq!(s.parked_keys(), 1);
+        // a is done; the reload reads b back, and no key is cold.
+        s.wake(10);
+        assert_eq!(s.finish("a", Finished::Retried { next: None }, 10), vec![]);
+        assert_eq!(s.parked_room(), 1);
+        let cold = s.cold().expect("b is still cold");
+        assert!(s.load_parked("b".into(), 2, 10));
+        s.refilled(cold, true);
+        assert_eq!(s.cold(), None);
+        assert_eq!(s.wake(10), vec![("b".into(), Job::Retry { seq: 2 })]);
+    }
+
+    #[test]
+    fn a_reload_begun_before_a_key_went_cold_leaves_keys_cold() {
+        let mut s = S::new(4, 1000);
+        s.set_parked_cap(1, usize::MAX);
+        s.load_parked("a".into(), 1, 0);
+        assert!(!s.load_parked("b".into(), 2, 0), "no room");
+        let before = s.cold().expect("cold");
+        arrive(&mut s, "c", 3);
+        s.finish("c", Finished::Parked { seq: 3, due: 0 }, 0);
+        s.refilled(before, true);
+        assert!(s.cold().is_some(), "c went cold after the read began");
+    }
+
     #[test]
     fn with_one_slot_retries_and_deliveries_take_turns() {
         let mut s = S::new(1, 1000);
@@ -883,6 +1109,8 @@ mod tests {
         /// scheduler loads the inbox's parked heads, JetStream resets to
         /// its ack floor and delivers everything past it again.
         Crash,
+        /// The dispatcher reads cold parked keys back.
+        Reload,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -892,6 +1120,7 @@ mod tests {
             1 => Just(Op::Tick),
             1 => Just(Op::Reset),
             1 => Just(Op::Crash),
+            1 => Just(Op::Reload),
         ]
     }
 
@@ -959,7 +1188,10 @@ mod tests {
             let (key, job) = self.running.remove(i % self.running.len());
             let now = self.now;
             let done = |w: &Self, seq: u64| w.processed.get(&key).is_some_and(|p| p.contains(&seq));
-            if let Job::Deliver((_, seq)) | Job::ParkBehind((_, seq)) | Job::Spill((_, seq)) = &job
+            if let Job::Deliver((_, seq))
+            | Job::ParkBehind((_, seq))
+            | Job::Spill((_, seq))
+            | Job::Check((_, seq)) = &job
             {
                 self.acked.insert(*seq);
             }
@@ -979,6 +1211,29 @@ mod tests {
                     self.processed.entry(key.clone()).or_default().push(seq);
                     Finished::Done
                 }
+                // A key memory may not hold: the inbox says whether it is
+                // parked, and the check parks behind and reports its head.
+                Job::Check((_, seq)) => match self.parked.get(&key).and_then(|r| r.first()) {
+                    Some(&head) => {
+                        if !done(self, seq) {
+                            self.parked.entry(key.clone()).or_default().insert(seq);
+                        }
+                        let head = head.min(if done(self, seq) { head } else { seq });
+                        Finished::Parked {
+                            seq: head,
+                            due: now,
+                        }
+                    }
+                    None if done(self, seq) => Finished::Done,
+                    None if fail => {
+                        self.parked.entry(key.clone()).or_default().insert(seq);
+                        Finished::Parked { seq, due: now + 2 }
+                    }
+                    None => {
+                        self.processed.entry(key.clone()).or_default().push(seq);
+                        Finished::Done
+                    }
+                },
                 Job::ParkBehind((_, seq)) if done(self, seq) => Finished::Done,
                 Job::ParkBehind((_, seq)) => {
                     self.parked.entry(key.clone()).or_default().insert(seq);
@@ -1026,14 +1281,41 @@ mod tests {
             self.start(started);
         }
 
+        /// The inbox's parked heads, by key.
+        fn heads(&self) -> Vec<(String, u64)> {
+            self.parked
+                .iter()
+                .filter_map(|(k, r)| r.first().map(|&h| (k.clone(), h)))
+                .collect()
+        }
+
+        /// Cold keys are read back from the inbox as the dispatcher does.
+        fn reload(&mut self, s: &mut S) {
+            let Some(cold) = s.cold() else { return };
+            let limit = s.parked_room().saturating_add(s.parked_keys());
+            let heads = self.heads();
+            let total = heads.len();
+            let mut all = true;
+            for (key, head) in heads.into_iter().take(limit) {
+                all &= s.load_parked(key, head, self.now);
+            }
+            s.refilled(cold, all && total <= limit);
+            let started = s.wake(self.now);
+            self.start(started);
+        }
+
         /// kill -9 and a takeover: running jobs vanish unfinished.
-        fn crash(&mut self, s: &mut S, concurrency: usize, high_water: usize) {
+        fn crash(&mut self, s: &mut S, concurrency: usize, high_water: usize, cap: usize) {
             self.running.clear();
             *s = S::new(concurrency, high_water);
-            for (key, rows) in &self.parked {
-                if let Some(&head) = rows.first() {
-                    s.load_parked(key.clone(), head, self.now);
-                }
+            s.set_parked_cap(cap, usize::MAX);
+            let heads = self.heads();
+            let total = heads.len();
+            for (key, head) in heads.into_iter().take(cap) {
+                s.load_parked(key, head, self.now);
+            }
+            if total > cap {
+                s.inbox_holds_more();
             }
             let last = self.log.len() as u64;
             let floor = (1..=last)
@@ -1059,9 +1341,11 @@ mod tests {
         fn invariants_hold(
             concurrency in 1usize..4,
             high_water in 1usize..8,
+            cap in prop_oneof![Just(usize::MAX), 1usize..4],
             ops in prop::collection::vec(op(), 1..300),
         ) {
             let mut s = S::new(concurrency, high_water);
+            s.set_parked_cap(cap, usize::MAX);
             let mut w = World::default();
             let mut arrived: HashMap<String, Vec<u64>> = HashMap::new();
             for op in ops {
@@ -1074,7 +1358,8 @@ mod tests {
                         }
                         w.arrive(&mut s, key, seq);
                     }
-                    Op::Crash => w.crash(&mut s, concurrency, high_water),
+                    Op::Crash => w.crash(&mut s, concurrency, high_water, cap),
+                    Op::Reload => w.reload(&mut s),
                     Op::Finish(i, fail) => {
                         if w.running.is_empty() { continue; }
                         w.finish(&mut s, i, fail);
@@ -1096,12 +1381,23 @@ mod tests {
                 prop_assert!(s.running() <= concurrency);
                 prop_assert_eq!(s.running(), w.main_jobs());
                 prop_assert!(s.retries_running() <= (concurrency / 2).max(1));
+                // Past the cap only keys with more than a parked head in
+                // memory: a running job, waiting or spilled messages.
+                let busy = concurrency + high_water + w.running.len();
+                prop_assert!(cap == usize::MAX || s.parked_keys() <= cap + busy);
             }
             // Liveness: everything succeeds from here on, time passes.
             for _ in 0..10_000 {
                 if !w.again.is_empty() && s.can_pull() {
                     let (key, seq, _) = w.pull("");
                     w.arrive(&mut s, key, seq);
+                    continue;
+                }
+                if w.running.is_empty() && s.cold().is_some() && s.next_wake().is_none() {
+                    w.reload(&mut s);
+                    if s.next_wake().is_none() && w.running.is_empty() {
+                        break;
+                    }
                     continue;
                 }
                 if w.running.is_empty() {
@@ -1121,6 +1417,7 @@ mod tests {
             prop_assert_eq!(s.waiting().count(), 0, "a message was left waiting");
             prop_assert!(w.parked.values().all(BTreeSet::is_empty), "a message was left parked");
             prop_assert_eq!(s.parked_keys(), 0);
+            prop_assert!(s.cold().is_none(), "keys left cold");
             for (key, seqs) in &arrived {
                 prop_assert_eq!(&w.processed[key], seqs, "key {} out of order or lost", key);
             }

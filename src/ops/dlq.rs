@@ -213,10 +213,23 @@ pub async fn replay(
             ));
             continue;
         };
-        if let Some((by, at)) = record(pool, &dlq, &d, &durable, uuid, who).await? {
-            out.push(entry("already_replayed", format!("by {by} at {at}")));
+        if let Err(why) = reaches(js, &d.subject, &durable).await? {
+            out.push(entry("not_replayable", why));
             continue;
         }
+        let earlier = match record(pool, &dlq, &d, &durable, uuid, who).await? {
+            Earlier::None => None,
+            Earlier::Used { by, at } => {
+                out.push(entry("already_replayed", format!("by {by} at {at}")));
+                continue;
+            }
+            // Recorded, and no copy has reached the durable yet: an earlier
+            // run stopped before it sent one, or the durable has not come to
+            // it. Sent again: one call is made however many copies arrive.
+            Earlier::Pending { by, at } => Some(format!(
+                " (sent again: the replay by {by} at {at} has not reached the consumer)"
+            )),
+        };
         let duplicate = match publish(js, dlq_stream, &d, &durable, who).await {
             Ok(duplicate) => duplicate,
             Err(e) => {
@@ -225,20 +238,81 @@ pub async fn replay(
             }
         };
         tracing::info!(dlq = dlq_stream, seq, id = %id, durable, by = who, "replayed a dead letter");
-        out.push(entry(
-            "replayed",
-            if duplicate {
-                format!("to {} for {durable} (the stream had this replay already: an earlier attempt was stored)", d.subject)
-            } else {
-                format!("to {} for {durable}", d.subject)
-            },
-        ));
+        let mut detail = format!("to {} for {durable}", d.subject);
+        detail.push_str(&earlier.unwrap_or_default());
+        if duplicate {
+            detail.push_str(" (the stream had this replay already: an earlier attempt was stored)");
+        }
+        out.push(entry("replayed", detail));
     }
     Ok(out)
 }
 
-/// Record the replay and open the inbox row again, in one transaction;
-/// `Some((who, when))` if it was replayed before (then nothing changes).
+/// A replay of the same dead letter recorded before, by whom and when.
+enum Earlier {
+    None,
+    /// Its copy reached the durable and opened the inbox row.
+    Used {
+        by: String,
+        at: String,
+    },
+    /// Not used yet.
+    Pending {
+        by: String,
+        at: String,
+    },
+}
+
+/// Whether a replay to `subject` would reach `durable`: the stream that
+/// takes the subject has the durable, and its filter takes the subject.
+/// `Ok(Err(why))` when it would not (the dead letter stays as it is).
+async fn reaches(
+    js: &jetstream::Context,
+    subject: &str,
+    durable: &str,
+) -> Result<std::result::Result<(), String>> {
+    use async_nats::jetstream::context::{ConsumerInfoErrorKind, GetStreamByNameErrorKind};
+    let stream = match js.stream_by_subject(subject).await {
+        Ok(s) => s,
+        Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
+            return Ok(Err(format!("no stream takes {subject} now")))
+        }
+        Err(e) => {
+            return Err(Error::setup(format!(
+                "finding the stream of {subject}: {e}"
+            )))
+        }
+    };
+    let info = js
+        .get_stream_no_info(&stream)
+        .await
+        .map_err(|e| Error::setup(format!("stream {stream}: {e}")))?
+        .consumer_info(durable)
+        .await;
+    let config = match info {
+        Ok(info) => info.config,
+        Err(e) if matches!(e.kind(), ConsumerInfoErrorKind::NotFound) => {
+            return Ok(Err(format!(
+                "stream {stream} has no durable {durable} ({e}): nothing would deliver the replay; start its consumer first"
+            )))
+        }
+        Err(e) => return Err(Error::setup(format!("durable {durable} on {stream}: {e}"))),
+    };
+    let filters: Vec<&str> = std::iter::once(config.filter_subject.as_str())
+        .filter(|f| !f.is_empty())
+        .chain(config.filter_subjects.iter().map(String::as_str))
+        .collect();
+    if !filters.is_empty() && !filters.iter().any(|f| subject_matches(f, subject)) {
+        return Ok(Err(format!(
+            "durable {durable} on {stream} takes {} only, not {subject}: nothing would deliver the replay",
+            filters.join(", ")
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// Record the replay and open the inbox row again, in one transaction; or
+/// the replay recorded before (then nothing changes).
 async fn record(
     pool: &PgPool,
     dlq: &Dlq<'_>,
@@ -246,7 +320,7 @@ async fn record(
     durable: &str,
     id: uuid::Uuid,
     who: &str,
-) -> Result<Option<(String, String)>> {
+) -> Result<Earlier> {
     let fresh: Option<i64> = sqlx::query_scalar(
         "INSERT INTO dlq_replays (dlq_stream, dlq_created, dlq_seq, consumer, message_id, replayed_by) \
          VALUES ($1, $2::timestamptz, $3, $4, $5, $6) \
@@ -267,10 +341,10 @@ async fn record(
         _ => Error::pg("recording a replay")(e),
     })?;
     if fresh.is_some() {
-        return Ok(None);
+        return Ok(Earlier::None);
     }
-    let (by, at): (String, String) = sqlx::query_as(
-        "SELECT replayed_by, replayed_at::text FROM dlq_replays \
+    let (by, at, used): (String, String, bool) = sqlx::query_as(
+        "SELECT replayed_by, replayed_at::text, used_at IS NOT NULL FROM dlq_replays \
          WHERE dlq_stream = $1 AND dlq_created = $2::timestamptz AND dlq_seq = $3",
     )
     .bind(dlq.name)
@@ -279,7 +353,10 @@ async fn record(
     .fetch_one(pool)
     .await
     .map_err(Error::pg("reading an earlier replay"))?;
-    Ok(Some((by, at)))
+    Ok(match used {
+        true => Earlier::Used { by, at },
+        false => Earlier::Pending { by, at },
+    })
 }
 
 async fn forget(pool: &PgPool, dlq: &Dlq<'_>, seq: u64) -> Result<()> {
