@@ -5244,3 +5244,70 @@ async fn dlq_replay_sends_a_replay_left_unsent_and_refuses_one_nothing_would_del
     assert_eq!(recorded, 0, "a refused replay leaves no record");
     assert_eq!(f.handler.calls_for(second).len(), 1);
 }
+
+/// Issue 43, item 7: a retry lost with its helper came back after 1 s
+/// whatever its backoff, so a message that takes its helpers down was tried
+/// again every second. K/1 fails once on helper B, and its retry (the
+/// second attempt, counted) runs on B too while X holds A's only slot
+/// (7 s: A is free again soon after); B is killed during it. The third
+/// attempt must wait the second attempt's backoff (12 s), not come back
+/// within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_lost_with_its_helper_keeps_its_backoff() {
+    let crew = Crew::new("c_lostretry", "clostretry").await;
+    let nats = stack().nats_url;
+    let start = |name: &str| {
+        Service::consumer_named(
+            &crew.url,
+            &nats,
+            &crew.stream,
+            crew.ctx,
+            name,
+            &crew.handler_url,
+            &[
+                "--context",
+                crew.ctx,
+                "--concurrency",
+                "1",
+                "--backoff",
+                "1s,12s",
+            ],
+        )
+    };
+    let mut a = start("lostretry-a");
+    a.wait_ready();
+    let mut b = start("lostretry-b");
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    let (x, k1) = (Uuid::new_v4(), Uuid::new_v4());
+    crew.publish(x, "x", 7_000).await;
+    crew.called(x).await;
+    let subject = format!("{}.e", crew.ctx);
+    let body = br#"{"sleep_ms": 3000, "fail_first": 1}"#;
+    publish(&crew.js, &subject, Some(k1), "k", body).await;
+    eventually(T, "K/1's retry called", || async {
+        crew.spans.started(k1) == 2
+    })
+    .await;
+    assert_eq!(running_jobs(&[&b], 1.0).await, 0, "B runs K/1's retry");
+    b.kill9();
+    let killed = Instant::now();
+    while killed.elapsed() < Duration::from_secs(6) {
+        assert_eq!(
+            crew.spans.started(k1),
+            2,
+            "K/1 tried again {:?} after its helper died, inside its 12 s backoff",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eventually(
+        Duration::from_secs(60),
+        "K/1 tried a third time",
+        || async { crew.spans.started(k1) == 3 },
+    )
+    .await;
+    wait_processed(&crew.pool, crew.ctx, 2).await;
+}

@@ -1028,30 +1028,46 @@ pub(super) fn register(
 
 /// A job another process ran and lost: the inbox says what became of it,
 /// and `reset` asks for a reset to the ack floor (an unacked message comes
-/// again, in order).
+/// again, in order). Whatever is parked keeps its backoff: a retry lost in
+/// the middle of its attempt (the attempt is counted) waits the backoff of
+/// that attempt, so a message that takes its helpers down is not tried
+/// again every second.
 pub(super) async fn lost<H: Handler>(
     shared: &Shared<H>,
     key: &str,
     retry: Option<u64>,
 ) -> (Finished<Instant>, bool) {
-    match retry {
-        Some(seq) => (
-            Finished::Parked {
-                seq,
-                due: Instant::now() + Duration::from_secs(1),
+    let now = Instant::now();
+    let Some(head) = delivery::parked_head(shared, key).await else {
+        // Stopping: the next dispatcher reads the inbox again.
+        return (Finished::Done, false);
+    };
+    match (retry, head) {
+        (Some(seq), Some((head, wait, attempts))) if head == seq => {
+            let backoff = delivery::backoff_after(&shared.cfg.backoff, attempts);
+            (
+                Finished::Parked {
+                    seq,
+                    due: now + wait.max(backoff),
+                },
+                false,
+            )
+        }
+        // The retried message was done with before its helper went.
+        (Some(_), head) => (
+            Finished::Retried {
+                next: head.map(|(seq, ..)| seq),
             },
             false,
         ),
-        None => match delivery::next_parked_of(shared, key).await {
-            Some(Some(seq)) => (
-                Finished::Parked {
-                    seq,
-                    due: Instant::now(),
-                },
-                true,
-            ),
-            _ => (Finished::Done, true),
-        },
+        (None, Some((seq, wait, _))) => (
+            Finished::Parked {
+                seq,
+                due: now + wait,
+            },
+            true,
+        ),
+        (None, None) => (Finished::Done, true),
     }
 }
 

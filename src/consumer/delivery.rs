@@ -41,16 +41,10 @@ pub fn decide(outcome: &Outcome, delivered: i64, max_deliver: i64, backoff: &[Du
         Outcome::Retry(reason) if max_deliver > 0 && delivered >= max_deliver => {
             Action::DeadLetter(format!("last delivery ({delivered}) failed: {reason}"))
         }
-        Outcome::Retry(_) => {
-            let i = usize::try_from(delivered.max(1) - 1).unwrap_or(usize::MAX);
-            Action::Nak(
-                backoff
-                    .get(i)
-                    .or(backoff.last())
-                    .copied()
-                    .unwrap_or(Duration::from_secs(1)),
-            )
-        }
+        Outcome::Retry(_) => Action::Nak(backoff_after(
+            backoff,
+            i32::try_from(delivered).unwrap_or(i32::MAX),
+        )),
     }
 }
 
@@ -724,11 +718,7 @@ async fn check_parked<H: Handler>(
     key: &str,
     msg: &jetstream::Message,
 ) -> Option<Finished<Instant>> {
-    let head = persist(shared, "reading the key's parked messages", || {
-        inbox::parked_head(&shared.pool, &shared.cfg.durable, &shared.cfg.stream, key)
-    })
-    .await?;
-    let Some((head, wait)) = head else {
+    let Some((head, wait, _)) = parked_head(shared, key).await? else {
         return deliver_pulled(shared, key, msg).await;
     };
     let parked = park_behind(shared, key, msg).await?;
@@ -860,9 +850,26 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
     })
 }
 
-/// The key's oldest parked message, if any (`None` once the consumer stops).
-pub(super) async fn next_parked_of<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
-    next_parked(shared, key).await
+/// The key's oldest parked message, if any: its sequence, how long until it
+/// is due, its attempts (`None` once the consumer stops).
+pub(super) async fn parked_head<H>(
+    shared: &Shared<H>,
+    key: &str,
+) -> Option<Option<(u64, Duration, i32)>> {
+    persist(shared, "reading the key's parked messages", || {
+        inbox::parked_head(&shared.pool, &shared.cfg.durable, &shared.cfg.stream, key)
+    })
+    .await
+}
+
+/// The retry delay after `attempts` attempts (`--backoff`).
+pub(super) fn backoff_after(shared_backoff: &[Duration], attempts: i32) -> Duration {
+    let i = usize::try_from(attempts.max(1) - 1).unwrap_or(usize::MAX);
+    shared_backoff
+        .get(i)
+        .or(shared_backoff.last())
+        .copied()
+        .unwrap_or(Duration::from_secs(1))
 }
 
 async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {

@@ -413,15 +413,16 @@ pub async fn next_parked(
     Ok(seq.and_then(|s| u64::try_from(s).ok()))
 }
 
-/// The oldest parked message of one aggregate, and how long until it is due.
+/// The oldest parked message of one aggregate: its sequence, how long
+/// until it is due, and its attempts so far.
 pub async fn parked_head(
     pool: &PgPool,
     consumer: &str,
     stream: &str,
     key: &str,
-) -> Result<Option<(u64, Duration)>, sqlx::Error> {
-    let row: Option<(i64, f64)> = sqlx::query_as(
-        "SELECT stream_seq, greatest(0, extract(epoch FROM parked_until - now()))::float8 \
+) -> Result<Option<(u64, Duration, i32)>, sqlx::Error> {
+    let row: Option<(i64, f64, i32)> = sqlx::query_as(
+        "SELECT stream_seq, greatest(0, extract(epoch FROM parked_until - now()))::float8, attempts \
          FROM inbox_messages \
          WHERE consumer = $1 AND aggregate_key = $2 AND parked_until IS NOT NULL \
            AND processed_at IS NULL AND stream_seq IS NOT NULL \
@@ -433,10 +434,11 @@ pub async fn parked_head(
     .bind(stream)
     .fetch_optional(pool)
     .await?;
-    Ok(row.map(|(seq, wait)| {
+    Ok(row.map(|(seq, wait, attempts)| {
         (
             u64::try_from(seq).unwrap_or(0),
             Duration::try_from_secs_f64(wait).unwrap_or(Duration::ZERO),
+            attempts,
         )
     }))
 }
