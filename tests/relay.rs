@@ -1239,3 +1239,135 @@ async fn postgres_crash_and_restart_under_load_lose_nothing_and_keep_order() {
         "both restarts ended a relay session: {restarts:?}"
     );
 }
+
+/// A nats-server whose account has an `admin` user and a `relay` user
+/// that may not publish to `deny` (a subject list in NATS config syntax).
+fn nats_with_relay_user(stack: &Stack, name: &str, deny: &str) -> (OwnNats, std::path::PathBuf) {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("nats.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "accounts {{ APP {{ jetstream: enabled, users: [ \
+             {{ user: admin, password: admin }}, \
+             {{ user: relay, password: relay, permissions: {{ publish: {{ deny: {deny} }} }} }} ] }} }}\n"
+        ),
+    )
+    .unwrap();
+    let nats = OwnNats::start_with(stack, name, &["-c", conf.to_str().unwrap()]);
+    (nats, conf)
+}
+
+async fn insert_typed(pool: &sqlx::PgPool, rows: &[&str]) -> Vec<uuid::Uuid> {
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = Vec::new();
+    for event_type in rows {
+        let id = uuid::Uuid::new_v4();
+        sqlx::query(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ($1, 'order', 'a1', $2, '{}')",
+        )
+        .bind(id)
+        .bind(*event_type)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        ids.push(id);
+    }
+    tx.commit().await.unwrap();
+    ids
+}
+
+/// Issue 44, item 1: a row whose subject the relay's NATS user may not
+/// publish stalled the relay for ever: nats-server answers `-ERR
+/// 'Permissions Violation for Publish to "…"'`, keeps the connection and
+/// never answers the message; the link only logged it. SPEC §9: such a row
+/// is dead-lettered (reason `refused`) and the rows after it flow, event by
+/// event and in batches alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_the_relays_user_may_not_publish_is_dead_lettered_and_later_rows_flow() {
+    let stack = stack();
+    for mode in ["event", "batch"] {
+        let ctx = format!("permdeny{mode}");
+        let (url, pool) = fresh_db(&stack, &format!("t_{ctx}")).await;
+        let deny = format!(r#"["{ctx}.event.secret.>"]"#);
+        let (nats, _conf) = nats_with_relay_user(&stack, &ctx, &deny);
+        let relay = Service::relay(
+            &url,
+            &nats.url,
+            &ctx,
+            &[
+                "--nats-user",
+                "relay",
+                "--nats-password",
+                "relay",
+                "--publish-mode",
+                mode,
+            ],
+        );
+        let mut ids = insert_typed(&pool, &["placed"]).await;
+        ids.extend(insert_typed(&pool, &["secret"]).await);
+        ids.extend(insert_typed(&pool, &["placed", "secret", "placed"]).await);
+        ids.extend(insert_typed(&pool, &["placed"]).await);
+        let admin =
+            async_nats::ConnectOptions::with_user_and_password("admin".into(), "admin".into())
+                .connect(&nats.url)
+                .await
+                .unwrap();
+        let got = read_stream_with(admin, &wire::stream_name(&ctx), 6, T).await;
+        let got_ids: Vec<&str> = got.iter().map(|g| g.h(wire::MSG_ID).unwrap()).collect();
+        assert_eq!(
+            got_ids,
+            ids.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+            "{mode}: every row, once, in commit order"
+        );
+        for i in [1, 3] {
+            assert_eq!(
+                got[i].subject,
+                wire::relay_dlq_subject(&ctx),
+                "{mode}: row {i}"
+            );
+            assert_eq!(
+                got[i].h(wire::DLQ_REASON),
+                Some("refused"),
+                "{mode}: row {i}"
+            );
+            assert!(
+                got[i]
+                    .h(wire::DLQ_DETAIL)
+                    .is_some_and(|e| e.contains("ermission")),
+                "{mode}: the dead letter says why: {:?}",
+                got[i].h(wire::DLQ_DETAIL)
+            );
+        }
+        drop(relay);
+    }
+}
+
+/// Issue 44, item 1: when the relay's user may not publish to the
+/// dead-letter subject either, the relay stops with one clear line that
+/// names it, instead of looping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_denied_its_dead_letter_subject_stops_with_one_clear_line() {
+    let stack = stack();
+    let ctx = "permdlq";
+    let (url, pool) = fresh_db(&stack, "t_permdlq").await;
+    let deny = format!(r#"["{ctx}.event.secret.>", "{ctx}.dlq.>"]"#);
+    let (nats, _conf) = nats_with_relay_user(&stack, ctx, &deny);
+    insert_typed(&pool, &["secret"]).await;
+    let (code, err) = run_relay_bounded(
+        &url,
+        &nats.url,
+        ctx,
+        &["--nats-user", "relay", "--nats-password", "relay"],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(
+        errors.len() == 1
+            && errors[0].contains(&wire::relay_dlq_subject(ctx))
+            && errors[0].contains("ermission"),
+        "one line naming the dead-letter subject: {err}"
+    );
+}

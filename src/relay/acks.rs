@@ -25,7 +25,7 @@ use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::StatusCode;
 use serde::Deserialize;
 
-use super::link::{Link, Reply};
+use super::link::{Heard, Link, Reply};
 use super::route::OutMessage;
 use crate::wire;
 
@@ -54,6 +54,10 @@ pub enum Next {
     /// the ones before it, still unanswered, may be waiting at a leader
     /// that is gone.
     Trouble,
+    /// The server refused a publish to this subject for the NATS user's
+    /// permissions: the oldest unanswered message to it was that publish
+    /// (see [`AckQueue::deny`]).
+    Denied(String),
 }
 
 #[derive(Debug)]
@@ -128,6 +132,16 @@ impl AckQueue {
             self.trouble = true;
         }
         slot.answer = Some(answer);
+    }
+
+    /// The `i`-th unanswered message in flight, counting from the oldest,
+    /// for which `is_it` holds: its token.
+    pub fn unanswered_where(&self, mut is_it: impl FnMut(usize) -> bool) -> Option<u64> {
+        self.slots
+            .iter()
+            .enumerate()
+            .find(|(i, s)| s.answer.is_none() && is_it(*i))
+            .map(|(i, _)| self.first + i as u64)
     }
 
     /// The oldest message's answer if it is in, or a timeout if its probe
@@ -271,7 +285,8 @@ impl Inbox {
             tokio::select! {
                 biased;
                 a = self.link.next_answer() => match a {
-                    Ok((token, answer)) => self.queue.answer(token, answer),
+                    Ok(Heard::Answer(token, answer)) => self.queue.answer(token, answer),
+                    Ok(Heard::Denied(subject)) => return Some(Next::Denied(subject)),
                     Err(e) => {
                         tracing::warn!(error = %e, "the publish connection failed");
                         self.dead = true;

@@ -46,7 +46,7 @@ use async_nats::jetstream::{self, Context};
 use pgwire_replication::Lsn;
 
 use super::acks::CommitAnswer;
-use super::link::Reply;
+use super::link::{Heard, Reply};
 use super::publish::{self, Ack, Publisher, Tail};
 use super::route::OutMessage;
 use super::watermark::Ticket;
@@ -424,9 +424,22 @@ impl Batcher {
                 Some(link) => tokio::select! {
                     biased;
                     r = link.next_commit() => match r {
-                        Ok((t, answer)) if t == token => Some(answer),
+                        Ok(Heard::Answer(t, answer)) if t == token => Some(answer),
                         // An earlier copy's answer, come late.
-                        Ok(_) => continue,
+                        Ok(Heard::Answer(..)) => continue,
+                        // A message of the batch the server refused for the
+                        // user's permissions never reached the stream: the
+                        // batch has a gap and is abandoned, nothing of it
+                        // stored. Event by event, that message is
+                        // dead-lettered.
+                        Ok(Heard::Denied(subject)) => {
+                            let cur = self.current.as_ref();
+                            if !cur.is_some_and(|c| c.msgs[..c.next].iter().any(|q| q.msg.subject == subject)) {
+                                continue;
+                            }
+                            let denied = super::link::Denied(subject);
+                            Some(Err(PublishError::with_source(PublishErrorKind::Other, denied)))
+                        }
                         Err(_) => Some(Err(PublishError::new(PublishErrorKind::BrokenPipe))),
                     },
                     _ = tokio::time::sleep_until(stall_at.into()) => None,

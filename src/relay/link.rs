@@ -439,6 +439,9 @@ const COPY_MAX: usize = 16 * 1024;
 struct Answers {
     queue: VecDeque<(u64, Answer)>,
     commits: VecDeque<(u64, CommitAnswer)>,
+    /// Subjects the server refused a publish to, in the order it refused
+    /// them (see [`Heard::Denied`]).
+    denied: VecDeque<String>,
     /// Why the link closed, once it has.
     closed: Option<String>,
 }
@@ -479,6 +482,16 @@ impl Shared {
         if let Ok(mut a) = self.answers.lock() {
             a.commits.push_back((token, answer));
         }
+        self.committed.notify_one();
+    }
+
+    /// The server refused a publish to `subject` (it keeps the connection
+    /// and never answers that message): both readers hear it.
+    fn deny(&self, subject: String) {
+        if let Ok(mut a) = self.answers.lock() {
+            a.denied.push_back(subject);
+        }
+        self.answered.notify_one();
         self.committed.notify_one();
     }
 
@@ -600,12 +613,14 @@ async fn read_in(
             Ok(Op::Ping) => {
                 shared.push(|s| s.buf.extend_from_slice(b"PONG\r\n"));
             }
-            Ok(Op::Err(text)) => {
-                // A permission refused a publish: the server keeps the
-                // connection (it closes it on the fatal ones) and the
-                // message goes unanswered, which the stall clock handles.
-                tracing::warn!(error = %text, "NATS refused something on the publish connection");
-            }
+            Ok(Op::Err(text)) => match denied_subject(&text) {
+                // The server keeps the connection and never answers the
+                // message: only this line says it went nowhere.
+                Some(subject) => shared.deny(subject.to_owned()),
+                None => {
+                    tracing::warn!(error = %text, "NATS refused something on the publish connection")
+                }
+            },
             Ok(Op::Pong | Op::Ok | Op::Info(_)) => {}
             Err(e) => {
                 shared.close(e.to_string());
@@ -613,6 +628,39 @@ async fn read_in(
             }
         }
     }
+}
+
+/// The subject of a publish the server refused for the user's permissions
+/// (`Permissions Violation for Publish to "<subject>"`; older servers leave
+/// out the quotes).
+pub fn denied_subject(err: &str) -> Option<&str> {
+    const PREFIX: &str = "permissions violation for publish to ";
+    let head = err.get(..PREFIX.len())?;
+    if !head.eq_ignore_ascii_case(PREFIX) {
+        return None;
+    }
+    let subject = err[PREFIX.len()..].trim().trim_matches('"');
+    // A reply subject the user may not publish to is named after the
+    // subject: `… to "s" using reply subject "r"`.
+    let subject = subject.split('"').next().unwrap_or(subject).trim();
+    (!subject.is_empty()).then_some(subject)
+}
+
+/// A publish the server refused for the NATS user's permissions: it will
+/// refuse it again, so it is dead-lettered (SPEC §9).
+#[derive(Debug, thiserror::Error)]
+#[error("permissions violation: this NATS user may not publish to {0}")]
+pub struct Denied(pub String);
+
+/// What the link heard for one of its readers.
+#[derive(Debug)]
+pub enum Heard<T> {
+    /// The answer to the message sent under this token.
+    Answer(u64, T),
+    /// The server refused a publish to this subject for the user's
+    /// permissions; the message will never be answered. Refusals come in the
+    /// order the messages were sent.
+    Denied(String),
 }
 
 /// One connection's publishes and their answers.
@@ -698,18 +746,30 @@ impl Link {
         self.max_payload
     }
 
-    /// The next answer: a reply token and what it says. Cancel-safe:
-    /// answers wait in the shared queue.
-    pub async fn next_answer(&mut self) -> Result<(u64, Answer), LinkError> {
-        self.next_from(|a| a.queue.pop_front(), &self.shared.answered)
-            .await
+    /// The next answer (a reply token and what it says), or a refusal.
+    /// Cancel-safe: answers wait in the shared queue.
+    pub async fn next_answer(&mut self) -> Result<Heard<Answer>, LinkError> {
+        self.next_from(
+            |a| match a.denied.pop_front() {
+                Some(subject) => Some(Heard::Denied(subject)),
+                None => a.queue.pop_front().map(|(t, x)| Heard::Answer(t, x)),
+            },
+            &self.shared.answered,
+        )
+        .await
     }
 
-    /// The next answer to a batch's commit ([`Reply::Commit`]).
-    /// Cancel-safe, as [`Self::next_answer`].
-    pub async fn next_commit(&mut self) -> Result<(u64, CommitAnswer), LinkError> {
-        self.next_from(|a| a.commits.pop_front(), &self.shared.committed)
-            .await
+    /// The next answer to a batch's commit ([`Reply::Commit`]), or a
+    /// refusal. Cancel-safe, as [`Self::next_answer`].
+    pub async fn next_commit(&mut self) -> Result<Heard<CommitAnswer>, LinkError> {
+        self.next_from(
+            |a| match a.denied.pop_front() {
+                Some(subject) => Some(Heard::Denied(subject)),
+                None => a.commits.pop_front().map(|(t, x)| Heard::Answer(t, x)),
+            },
+            &self.shared.committed,
+        )
+        .await
     }
 
     /// What `take` finds in the answers, waiting on `wake` until there is
@@ -1091,7 +1151,9 @@ mod tests {
         // Too large for the server: answered here, never written.
         let huge = Bytes::from(vec![b'h'; 1 << 20]);
         assert!(link.publish("a.b", Reply::Ack(4), &headers(), &[], &huge));
-        let (token, answer) = link.next_answer().await.unwrap();
+        let Heard::Answer(token, answer) = link.next_answer().await.unwrap() else {
+            panic!("an answer")
+        };
         assert_eq!(token, 4);
         assert_eq!(
             answer.unwrap_err().kind(),
@@ -1155,11 +1217,20 @@ mod tests {
         wire.extend_from_slice(ack);
         wire.extend_from_slice(b"\r\n");
         theirs.write_all(&wire).await.unwrap();
-        let (token, answer) = link.next_answer().await.unwrap();
+        let Heard::Answer(token, answer) = link.next_answer().await.unwrap() else {
+            panic!("an answer")
+        };
         assert_eq!((token, answer.ok()), (7, Some(false)));
-        let (token, answer) = link.next_commit().await.unwrap();
+        let Heard::Answer(token, answer) = link.next_commit().await.unwrap() else {
+            panic!("a commit's answer")
+        };
         assert_eq!(token, 9);
         assert_eq!(answer.unwrap().batch.as_deref(), Some("b1"));
+        theirs
+            .write_all(b"-ERR 'Permissions Violation for Publish to \"a.b\"'\r\n")
+            .await
+            .unwrap();
+        assert!(matches!(link.next_answer().await.unwrap(), Heard::Denied(s) if s == "a.b"));
         let mut pong = [0; 6];
         theirs.read_exact(&mut pong).await.unwrap();
         assert_eq!(&pong, b"PONG\r\n");
@@ -1225,6 +1296,29 @@ mod tests {
             let mut out = Vec::new();
             push_decimal(&mut out, n);
             assert_eq!(String::from_utf8(out).unwrap(), n.to_string());
+        }
+    }
+
+    #[test]
+    fn a_permission_refusal_names_its_subject() {
+        for (err, subject) in [
+            (
+                r#"Permissions Violation for Publish to "orders.x""#,
+                Some("orders.x"),
+            ),
+            (
+                "Permissions Violation for Publish to orders.x",
+                Some("orders.x"),
+            ),
+            (
+                r#"Permissions Violation for Publish to "a.b" using reply subject "_I.7""#,
+                Some("a.b"),
+            ),
+            (r#"Permissions Violation for Subscription to "_I.>""#, None),
+            ("Authorization Violation", None),
+            ("Permissions Violation for Publish to ", None),
+        ] {
+            assert_eq!(denied_subject(err), subject, "{err}");
         }
     }
 

@@ -27,7 +27,7 @@ use futures::stream::StreamExt;
 use std::time::Instant;
 
 use super::acks::{Inbox, Next};
-use super::link::{Dialer, Link, LinkError};
+use super::link::{Denied, Dialer, Link, LinkError};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::config::PublishMode;
@@ -968,6 +968,20 @@ impl Publisher {
                         self.ride_out(None, "the stream refused a later message", false);
                         continue;
                     }
+                    Next::Denied(subject) => {
+                        // Refusals come in send order, and a subject the
+                        // user may not publish to is refused every time:
+                        // the oldest unanswered message to it is this one.
+                        let sent = &self.sent;
+                        let token = acks
+                            .queue
+                            .unanswered_where(|i| sent.get(i).is_some_and(|s| s.msg.subject == subject));
+                        if let Some(token) = token {
+                            let e = PublishError::with_source(PublishErrorKind::Other, Denied(subject));
+                            acks.queue.answer(token, Err(e));
+                        }
+                        continue;
+                    }
                 },
                 _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()),
                     if stall_at.is_some() => {
@@ -1020,6 +1034,22 @@ impl Publisher {
                     metrics::counter!(m::PUBLISH_RESENDS).increment(1);
                     tracing::debug!(id = %sent.msg.msg_id, "another writer appended to the stream; sending again from here");
                     self.requeue(Some(sent));
+                }
+                Err(e) if sent.msg.dlq_reason.is_some() && denied(&e) => {
+                    // The dead letter itself may not go: nothing can be
+                    // done for the row until the permission is granted.
+                    self.bytes = self.bytes.saturating_sub(sent.msg.wire_size());
+                    return Some(Ack {
+                        ticket: sent.ticket,
+                        commit_micros: sent.commit_micros,
+                        result: Err(Error::setup(format!(
+                            "the relay's NATS user may not publish to its dead-letter subject {} (event {} was refused: {}): grant it publish permission on {} and on the stream's subjects",
+                            sent.msg.subject,
+                            sent.msg.msg_id,
+                            sent.msg.dlq_reason.map_or("", |r| r.as_str()),
+                            sent.msg.subject
+                        ))),
+                    });
                 }
                 Err(e) if sent.msg.dlq_reason.is_none() && refuses_the_message(&e) => {
                     let detail = e.to_string();
@@ -1193,7 +1223,7 @@ fn leaderless(e: &PublishError) -> bool {
 /// Whether the server refused this message for what it is (so it will
 /// refuse it again), not for the stream's or the connection's state.
 fn refuses_the_message(e: &PublishError) -> bool {
-    if matches!(e.kind(), PublishErrorKind::MaxPayloadExceeded) {
+    if matches!(e.kind(), PublishErrorKind::MaxPayloadExceeded) || denied(e) {
         return true;
     }
     let api = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>());
@@ -1204,6 +1234,11 @@ fn refuses_the_message(e: &PublishError) -> bool {
                 | jetstream::ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM
         )
     )
+}
+
+/// Refused for the NATS user's permissions ([`Denied`]).
+pub(super) fn denied(e: &PublishError) -> bool {
+    std::error::Error::source(e).is_some_and(|s| s.downcast_ref::<Denied>().is_some())
 }
 
 fn refused(id: String, e: PublishError) -> Error {
