@@ -1371,3 +1371,69 @@ async fn a_relay_denied_its_dead_letter_subject_stops_with_one_clear_line() {
         "one line naming the dead-letter subject: {err}"
     );
 }
+
+/// Issue 44, item 2: the account's `max_payload` (4 KiB here, under the
+/// server's 1 MiB) comes in the INFO the server sends after CONNECT, which
+/// the publish link ignored: a row between the two limits made the server
+/// close the connection on every try and was never dead-lettered. It is
+/// dead-lettered as `too_large`, and later rows flow, on both paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_over_the_accounts_max_payload_is_dead_lettered() {
+    let stack = stack();
+    for mode in ["event", "batch"] {
+        let ctx = format!("acctpay{mode}");
+        let (url, pool) = fresh_db(&stack, &format!("t_{ctx}")).await;
+        let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(&ctx);
+        std::fs::create_dir_all(&dir).unwrap();
+        let conf = dir.join("nats.conf");
+        std::fs::write(
+            &conf,
+            "accounts { APP { jetstream: enabled, limits: { max_payload: 4096 }, \
+             users: [ { user: relay, password: relay } ] } }\n",
+        )
+        .unwrap();
+        let nats = OwnNats::start_with(&stack, &ctx, &["-c", conf.to_str().unwrap()]);
+        let relay = Service::relay(
+            &url,
+            &nats.url,
+            &ctx,
+            &[
+                "--nats-user",
+                "relay",
+                "--nats-password",
+                "relay",
+                "--publish-mode",
+                mode,
+            ],
+        );
+        let mut ids = Vec::new();
+        for pad in [1, 6_000, 1] {
+            let id = uuid::Uuid::new_v4();
+            sqlx::query(
+                "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1, 'order', 'a1', 'placed', jsonb_build_object('pad', repeat('x', $2)))",
+            )
+            .bind(id)
+            .bind(pad)
+            .execute(&pool)
+            .await
+            .unwrap();
+            ids.push(id);
+        }
+        let client =
+            async_nats::ConnectOptions::with_user_and_password("relay".into(), "relay".into())
+                .connect(&nats.url)
+                .await
+                .unwrap();
+        let got = read_stream_with(client, &wire::stream_name(&ctx), 3, T).await;
+        let got_ids: Vec<&str> = got.iter().map(|g| g.h(wire::MSG_ID).unwrap()).collect();
+        assert_eq!(
+            got_ids,
+            ids.iter().map(|u| u.to_string()).collect::<Vec<_>>(),
+            "{mode}: every row, once, in order"
+        );
+        assert_eq!(got[1].subject, wire::relay_dlq_subject(&ctx), "{mode}");
+        assert_eq!(got[1].h(wire::DLQ_REASON), Some("too_large"), "{mode}");
+        drop(relay);
+    }
+}

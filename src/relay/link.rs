@@ -25,7 +25,7 @@
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -241,9 +241,13 @@ impl Dialer {
             server: server.clone(),
             message: format!("CONNECT: {e}"),
         })?;
-        hello.extend_from_slice(format!("\r\nSUB {prefix}* 1\r\nPING\r\n").as_bytes());
+        // Two PINGs: the server sends the INFO that carries the account's
+        // or user's limits right after its first PONG, so it has come by
+        // the second.
+        hello.extend_from_slice(format!("\r\nSUB {prefix}* 1\r\nPING\r\nPING\r\n").as_bytes());
         // Nothing follows INFO until the client speaks, so no byte of a TLS
         // stream can sit in `rbuf` yet.
+        let max_payload;
         let (reader, writer): (Reader, Writer) =
             if self.require_tls || addr.tls_required() || info.tls_required {
                 let config = match &self.tls {
@@ -266,15 +270,17 @@ impl Dialer {
                         server: server.clone(),
                         message: format!("TLS: {e}"),
                     })?;
-                greet(&mut tls, &mut rbuf, &hello, &server).await?;
+                max_payload = greet(&mut tls, &mut rbuf, &hello, &server).await?;
                 let (r, w) = tokio::io::split(tls);
                 (Box::new(r), Box::new(w))
             } else {
-                greet(&mut tcp, &mut rbuf, &hello, &server).await?;
+                max_payload = greet(&mut tcp, &mut rbuf, &hello, &server).await?;
                 let (r, w) = tcp.into_split();
                 (Box::new(r), Box::new(w))
             };
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::with_max_payload(
+            max_payload.unwrap_or(info.max_payload),
+        ));
         let stop = CancellationToken::new();
         tokio::spawn(write_out(shared.clone(), writer, stop.clone()));
         tokio::spawn(read_in(
@@ -289,7 +295,6 @@ impl Dialer {
                 shared,
                 _tasks: stop.drop_guard(),
                 prefix,
-                max_payload: info.max_payload,
                 sent_mark: 0,
             },
             info,
@@ -418,6 +423,32 @@ struct Shared {
     committed: Notify,
     /// Bytes ever written to the socket.
     written: AtomicU64,
+    /// The connection's `max_payload`: a larger message would make the
+    /// server close it, so it is refused here instead. The server's, until
+    /// the INFO it sends after CONNECT gives the account's or user's (and
+    /// any later INFO a new one).
+    max_payload: AtomicUsize,
+}
+
+impl Shared {
+    fn with_max_payload(max_payload: usize) -> Self {
+        let s = Self::default();
+        s.max_payload.store(max_payload, Ordering::Relaxed);
+        s
+    }
+}
+
+/// What an INFO after the first may change for the link.
+#[derive(Debug, Default, serde::Deserialize)]
+struct InfoUpdate {
+    #[serde(default)]
+    max_payload: Option<usize>,
+}
+
+impl InfoUpdate {
+    fn read(json: &[u8]) -> Self {
+        serde_json::from_slice(json).unwrap_or_default()
+    }
 }
 
 #[derive(Default)]
@@ -621,7 +652,12 @@ async fn read_in(
                     tracing::warn!(error = %text, "NATS refused something on the publish connection")
                 }
             },
-            Ok(Op::Pong | Op::Ok | Op::Info(_)) => {}
+            Ok(Op::Info(json)) => {
+                if let Some(max) = InfoUpdate::read(&json).max_payload {
+                    shared.max_payload.store(max, Ordering::Relaxed);
+                }
+            }
+            Ok(Op::Pong | Op::Ok) => {}
             Err(e) => {
                 shared.close(e.to_string());
                 return;
@@ -670,9 +706,6 @@ pub struct Link {
     _tasks: DropGuard,
     /// `<inbox>.`: a reply subject is this and a token.
     prefix: String,
-    /// The server's `max_payload`: a larger message would make it close
-    /// the connection, so it is answered here instead.
-    max_payload: usize,
     /// The writer's count at the last [`Self::still_sending`].
     sent_mark: u64,
 }
@@ -689,7 +722,7 @@ impl Link {
         body: &Bytes,
     ) -> bool {
         let size = header_block_len(headers, extra) + body.len();
-        if size > self.max_payload {
+        if size > self.max_payload() {
             if self.shared.broken() {
                 return false;
             }
@@ -741,9 +774,10 @@ impl Link {
         moving
     }
 
-    /// The `max_payload` of the server the link is on.
+    /// The `max_payload` of the connection: the server's, or the
+    /// account's or user's where smaller.
     pub fn max_payload(&self) -> usize {
-        self.max_payload
+        self.shared.max_payload.load(Ordering::Relaxed)
     }
 
     /// The next answer (a reply token and what it says), or a refusal.
@@ -795,23 +829,28 @@ impl Link {
     }
 }
 
-/// CONNECT, the ack subscription and a PING; the PONG says the server took
-/// them (an authentication failure answers `-ERR` instead).
+/// CONNECT, the ack subscription and two PINGs; the PONGs say the server
+/// took them (an authentication failure answers `-ERR` instead). Returns
+/// the `max_payload` of an INFO that came meanwhile (the account's or
+/// user's).
 async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     rbuf: &mut BytesMut,
     hello: &[u8],
     server: &str,
-) -> Result<(), LinkError> {
+) -> Result<Option<usize>, LinkError> {
     let io = |source| LinkError::Io {
         server: server.to_owned(),
         source,
     };
     stream.write_all(hello).await.map_err(io)?;
     stream.flush().await.map_err(io)?;
+    let (mut pongs, mut max_payload) = (0, None);
     loop {
         match next_op(stream, rbuf).await? {
-            Op::Pong => return Ok(()),
+            Op::Pong if pongs == 1 => return Ok(max_payload),
+            Op::Pong => pongs += 1,
+            Op::Info(json) => max_payload = InfoUpdate::read(&json).max_payload.or(max_payload),
             Op::Err(text) => {
                 return Err(LinkError::Handshake {
                     server: server.to_owned(),
@@ -1103,7 +1142,7 @@ mod tests {
     /// their own bytes at their place: the stream is the same.
     #[tokio::test]
     async fn the_writer_puts_large_bodies_in_their_place() {
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::with_max_payload(1 << 20));
         let (ours, mut theirs) = tokio::io::duplex(1 << 20);
         let stop = CancellationToken::new();
         tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
@@ -1112,7 +1151,6 @@ mod tests {
             shared: shared.clone(),
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
-            max_payload: 1 << 20,
             sent_mark: 0,
         };
         let mut want = Vec::new();
@@ -1189,7 +1227,7 @@ mod tests {
     /// both queues once they are drained.
     #[tokio::test]
     async fn the_reader_sorts_answers_and_answers_pings() {
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::with_max_payload(1 << 20));
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
         let (r, w) = tokio::io::split(ours);
         let stop = CancellationToken::new();
@@ -1205,7 +1243,6 @@ mod tests {
             shared,
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
-            max_payload: 1 << 20,
             sent_mark: 0,
         };
         let ack = br#"{"stream":"S","seq":1}"#;
@@ -1234,6 +1271,13 @@ mod tests {
         let mut pong = [0; 6];
         theirs.read_exact(&mut pong).await.unwrap();
         assert_eq!(&pong, b"PONG\r\n");
+        // A later INFO may lower the connection's max_payload.
+        theirs
+            .write_all(b"INFO {\"max_payload\":4096}\r\nPING\r\n")
+            .await
+            .unwrap();
+        theirs.read_exact(&mut pong).await.unwrap();
+        assert_eq!(link.max_payload(), 4096);
         drop(theirs);
         assert!(link.next_answer().await.is_err());
         assert!(link.next_commit().await.is_err());
@@ -1244,7 +1288,7 @@ mod tests {
     /// the last look, or done, is.
     #[tokio::test]
     async fn a_link_still_sending_is_told_from_a_silent_one() {
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::with_max_payload(1 << 20));
         let (ours, mut theirs) = tokio::io::duplex(256);
         let stop = CancellationToken::new();
         tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
@@ -1252,7 +1296,6 @@ mod tests {
             shared: shared.clone(),
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
-            max_payload: 1 << 20,
             sent_mark: 0,
         };
         let written = || shared.written.load(Ordering::Relaxed);

@@ -725,6 +725,12 @@ impl Publisher {
         )
     }
 
+    /// The largest message that fits the stream and the connection, with
+    /// room for what the publisher adds.
+    pub fn max_message(&self) -> usize {
+        self.refusals.max_message
+    }
+
     /// Whether another message may be handed over. One message is always
     /// let through when nothing is in flight, whatever its size.
     pub fn has_room(&self) -> bool {

@@ -277,6 +277,9 @@ impl<'a> Session<'a> {
             cfg.stream.clone(),
         );
         publisher.per_event().connect().await?;
+        // The link knows the account's or user's max_payload (the INFO after
+        // CONNECT), which may be below the server's.
+        let max_payload = publisher.per_event().max_message();
         let router = |source: &str| {
             Router::new(
                 &cfg.context,
