@@ -1437,3 +1437,66 @@ async fn a_row_over_the_accounts_max_payload_is_dead_lettered() {
         drop(relay);
     }
 }
+
+/// Issue 44, item 9: the replication connection read `DATABASE_URL` its own
+/// way: it ignored `?host=` and `?port=` (a Unix socket) and the `PG*`
+/// variables, and defaulted to 127.0.0.1:5432, so the pools and the
+/// replication connection went to different places. Both read it as libpq
+/// and sqlx do now: a socket in the URL's query, then nothing in the URL
+/// but `PG*` variables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_connection_reads_database_url_as_the_pools_do() {
+    let stack = stack();
+    let dir = std::env::var("STACK_DIR").expect("STACK_DIR (scripts/test.sh sets it)");
+    let port = std::env::var("PG_PORT").expect("PG_PORT (scripts/test.sh sets it)");
+    let sock = format!("{dir}/pgsock");
+    let walsender_on_socket = |pool: sqlx::PgPool, slot: String| async move {
+        let rows: Vec<bool> = sqlx::query_scalar(
+            "SELECT client_addr IS NULL FROM pg_stat_replication WHERE application_name = $1",
+        )
+        .bind(format!("outbox-relay:{slot}"))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        rows
+    };
+
+    let (_, pool) = fresh_db(&stack, "t_dsnsock").await;
+    let url = format!("postgres:///t_dsnsock?host={sock}&port={port}&user=postgres");
+    let relay = Service::relay(&url, &stack.nats_url, "dsnsock", &[]);
+    let ids = insert_typed(&pool, &["placed"]).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("dsnsock"), 1, T).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].h(wire::MSG_ID), Some(ids[0].to_string().as_str()));
+    assert_eq!(
+        walsender_on_socket(pool.clone(), wire::slot_name("dsnsock")).await,
+        [true],
+        "the replication connection is on the socket"
+    );
+    drop(relay);
+
+    let (_, pool) = fresh_db(&stack, "t_dsnenv").await;
+    let relay = Service::relay_env(
+        "postgres://",
+        &stack.nats_url,
+        "dsnenv",
+        &[],
+        &[
+            ("PGHOST", "127.0.0.1"),
+            ("PGPORT", &port),
+            ("PGUSER", "postgres"),
+            ("PGDATABASE", "t_dsnenv"),
+            ("PGSSLMODE", "disable"),
+        ],
+    );
+    let ids = insert_typed(&pool, &["placed"]).await;
+    let got = read_stream(&stack.nats_url, &wire::stream_name("dsnenv"), 1, T).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].h(wire::MSG_ID), Some(ids[0].to_string().as_str()));
+    assert_eq!(
+        walsender_on_socket(pool.clone(), wire::slot_name("dsnenv")).await,
+        [false],
+        "the replication connection is on TCP, as PGHOST says"
+    );
+    drop(relay);
+}

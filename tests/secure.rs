@@ -106,6 +106,45 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     assert_exactly_once_in_order(&got, &sent);
     assert!(relay.term(Duration::from_secs(30)).success());
 
+    // Issue 44, item 9: TLS from the PG* variables alone (nothing in the
+    // URL) applies to every connection, the replication one included.
+    let bare_url = relay_url.split('?').next().unwrap().to_owned();
+    let ca = s.get("PG_CA").to_owned();
+    let env_relay = Service::relay_env(
+        &bare_url,
+        s.get("NATS_URL"),
+        "demo",
+        &nats_args,
+        &[("PGSSLMODE", "verify-full"), ("PGSSLROOTCERT", &ca)],
+    );
+    let id = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'o-env', 'placed', '{}')",
+    )
+    .bind(id)
+    .execute(&admin)
+    .await
+    .unwrap();
+    sent.insert(id);
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(PathBuf::from(s.get("NATS_CA")))
+        .user_and_password(s.get("NATS_USER").into(), s.get("NATS_PASSWORD").into())
+        .connect(s.get("NATS_URL"))
+        .await
+        .unwrap();
+    let got = read_stream_with(client, &wire::stream_name("demo"), 21, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let walsender_tls: Vec<bool> = sqlx::query_scalar(
+        "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+         WHERE a.usename = 'outbox_relay' AND a.backend_type = 'walsender'",
+    )
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(walsender_tls, [true], "the replication connection is TLS");
+    drop(env_relay);
+
     // The consumer over the same TLS connections: every event reaches a
     // local HTTP handler once, and its Postgres connections are TLS too.
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -133,17 +172,17 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         &handler_url,
         &nats_args,
     );
-    eventually(T, "20 inbox rows processed over TLS", || async {
+    eventually(T, "21 inbox rows processed over TLS", || async {
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM inbox_messages WHERE consumer = 'billing' AND processed_at IS NOT NULL",
         )
         .fetch_one(&admin)
         .await
         .unwrap();
-        n == 20
+        n == 21
     })
     .await;
-    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 20);
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 21);
     let (tls, plain): (i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) \
          FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \

@@ -3,6 +3,7 @@
 //! replication connections always agree. [`provision`] makes sure the
 //! table, publication and slot exist.
 
+mod pgpass;
 pub(crate) mod provision;
 
 use std::path::PathBuf;
@@ -16,18 +17,23 @@ use sqlx::PgPool;
 
 use crate::error::{Error, Result};
 
-/// The parts of `DATABASE_URL` the replication connection needs.
+/// `DATABASE_URL` resolved once, as libpq and sqlx read it: the URL, its
+/// query parameters (`host=`, `port=`, `user=`, `password=`, `dbname=`,
+/// `sslmode=`, `sslrootcert=`, …), then the `PG*` environment variables
+/// and the password file for what they leave out. The pools and the
+/// replication connection are both built from this one reading, so they
+/// always reach the same server the same way.
 #[derive(Clone)]
 pub struct Dsn {
-    url: String,
+    /// For the pools.
+    options: PgConnectOptions,
+    /// A host name or address, or a Unix socket directory (`/…`).
     pub host: String,
     pub port: u16,
     pub user: String,
     password: String,
     pub database: String,
-    /// TLS for the replication connection, from the URL's libpq parameters
-    /// (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`); sqlx reads the same
-    /// parameters for the SQL connections.
+    /// TLS for the replication connection, the same as the pools'.
     tls: TlsConfig,
 }
 
@@ -55,58 +61,73 @@ impl Dsn {
                 parsed.scheme()
             )));
         }
+        let mut options = PgConnectOptions::from_str(url).map_err(|e| bad(&e.to_string()))?;
         let decode = |s: &str| percent_decode_str(s).decode_utf8_lossy().into_owned();
-        let param = |name: &str| {
+        // sqlx has no getters for these: read the same sources in the same
+        // order (the last query parameter wins, as in sqlx).
+        let param = |names: &[&str]| {
             parsed
                 .query_pairs()
-                .find(|(k, _)| k == name)
+                .filter(|(k, _)| names.contains(&k.as_ref()))
+                .last()
                 .map(|(_, v)| v.into_owned())
         };
-        let root = param("sslrootcert").map(PathBuf::from);
-        // libpq's default is `prefer`; `require` with a root certificate
-        // verifies the chain, as libpq does.
-        let mode = match param("sslmode").as_deref().unwrap_or("prefer") {
-            "disable" => SslMode::Disable,
-            "allow" | "prefer" => SslMode::Prefer,
-            "require" if root.is_some() => SslMode::VerifyCa,
-            "require" => SslMode::Require,
-            "verify-ca" => SslMode::VerifyCa,
-            "verify-full" => SslMode::VerifyFull,
-            other => {
-                return Err(bad(&format!(
-                    "sslmode={other} is not one of disable, allow, prefer, require, verify-ca, verify-full"
-                )))
-            }
-        };
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let file = |names: &[&str], var: &str| param(names).or_else(|| env(var)).map(PathBuf::from);
+        let root = file(&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT");
         if let Some(p) = root.as_ref().filter(|p| !p.is_file()) {
             return Err(bad(&format!(
                 "sslrootcert={} is not a readable file",
                 p.display()
             )));
         }
+        let host = match options.get_socket() {
+            Some(dir) => dir.to_string_lossy().into_owned(),
+            None => options.get_host().to_owned(),
+        };
+        let socket = host.starts_with('/');
+        use sqlx::postgres::PgSslMode as Pg;
+        let mode = match options.get_ssl_mode() {
+            // PostgreSQL never encrypts a Unix socket.
+            Pg::Require | Pg::VerifyCa | Pg::VerifyFull if socket => {
+                return Err(bad(&format!(
+                    "sslmode={} over the Unix socket {host}: PostgreSQL does not encrypt Unix sockets; use sslmode=prefer or disable, or a TCP host",
+                    ssl_mode_name(options.get_ssl_mode())
+                )))
+            }
+            _ if socket => SslMode::Disable,
+            Pg::Disable => SslMode::Disable,
+            Pg::Allow | Pg::Prefer => SslMode::Prefer,
+            // libpq: `require` with a root certificate verifies the chain.
+            Pg::Require if root.is_some() => {
+                options = options.ssl_mode(Pg::VerifyCa);
+                SslMode::VerifyCa
+            }
+            Pg::Require => SslMode::Require,
+            Pg::VerifyCa => SslMode::VerifyCa,
+            Pg::VerifyFull => SslMode::VerifyFull,
+        };
         let tls = TlsConfig {
             mode,
             ca_pem_path: root,
             sni_hostname: None,
-            client_cert_pem_path: param("sslcert").map(PathBuf::from),
-            client_key_pem_path: param("sslkey").map(PathBuf::from),
+            client_cert_pem_path: file(&["sslcert", "ssl-cert"], "PGSSLCERT"),
+            client_key_pem_path: file(&["sslkey", "ssl-key"], "PGSSLKEY"),
         };
-        let user = match parsed.username() {
-            "" => std::env::var("PGUSER").unwrap_or_else(|_| "postgres".into()),
-            u => decode(u),
-        };
-        let password = match parsed.password() {
-            Some(p) => decode(p),
-            None => std::env::var("PGPASSWORD").unwrap_or_default(),
-        };
-        let database = match parsed.path().trim_start_matches('/') {
-            "" => user.clone(),
-            d => decode(d),
-        };
+        let port = options.get_port();
+        let user = options.get_username().to_owned();
+        let database = options.get_database().unwrap_or(&user).to_owned();
+        let password = parsed
+            .password()
+            .map(decode)
+            .or_else(|| param(&["password"]))
+            .or_else(|| env("PGPASSWORD"))
+            .or_else(|| pgpass::find(&host, port, &database, &user))
+            .unwrap_or_default();
         Ok(Self {
-            url: url.to_owned(),
-            host: parsed.host_str().unwrap_or("127.0.0.1").to_owned(),
-            port: parsed.port().unwrap_or(5432),
+            options,
+            host,
+            port,
             user,
             password,
             database,
@@ -115,9 +136,7 @@ impl Dsn {
     }
 
     pub async fn pool(&self, max_connections: u32) -> Result<PgPool> {
-        let opts = PgConnectOptions::from_str(&self.url)
-            .map_err(|e| Error::Config(format!("DATABASE_URL: {e}")))?
-            .application_name("outbox-relay");
+        let opts = self.options.clone().application_name("outbox-relay");
         PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(10))
@@ -129,9 +148,7 @@ impl Dsn {
     /// A pool that connects on first use and reconnects after failures, for
     /// background work that must outlive an unreachable server.
     pub fn lazy_pool(&self, max_connections: u32, acquire_timeout: Duration) -> Result<PgPool> {
-        let opts = PgConnectOptions::from_str(&self.url)
-            .map_err(|e| Error::Config(format!("DATABASE_URL: {e}")))?
-            .application_name("outbox-relay");
+        let opts = self.options.clone().application_name("outbox-relay");
         Ok(PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(acquire_timeout)
@@ -153,6 +170,18 @@ impl Dsn {
         .with_tls(self.tls.clone())
         .with_options("-c DateStyle=ISO -c TimeZone=UTC")
         .with_application_name(format!("outbox-relay:{slot}"))
+    }
+}
+
+fn ssl_mode_name(mode: sqlx::postgres::PgSslMode) -> &'static str {
+    use sqlx::postgres::PgSslMode as Pg;
+    match mode {
+        Pg::Disable => "disable",
+        Pg::Allow => "allow",
+        Pg::Prefer => "prefer",
+        Pg::Require => "require",
+        Pg::VerifyCa => "verify-ca",
+        Pg::VerifyFull => "verify-full",
     }
 }
 

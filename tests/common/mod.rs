@@ -103,6 +103,9 @@ pub struct Service {
     name: String,
     rust_log: String,
     metrics_addr: String,
+    /// Environment variables of this process alone (tests run in parallel:
+    /// the test process's own environment is everyone's).
+    envs: Vec<(String, String)>,
 }
 
 /// A loopback port that was free a moment ago.
@@ -226,7 +229,37 @@ impl Service {
         s
     }
 
-    fn spawn_logged(mut args: Vec<String>, name: &str, rust_log: String) -> Service {
+    /// [`relay`](Self::relay) with environment variables of its own (its
+    /// log `{context}-env`).
+    pub fn relay_env(
+        db_url: &str,
+        nats_url: &str,
+        context: &str,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Service {
+        let args = relay_args(db_url, nats_url, context, extra);
+        let name = format!("{context}-env");
+        let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
+        let envs = envs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mut s = Self::spawn_env(args, &name, "info,outbox_relay=debug".to_owned(), envs);
+        s.wait_ready();
+        s
+    }
+
+    fn spawn_logged(args: Vec<String>, name: &str, rust_log: String) -> Service {
+        Self::spawn_env(args, name, rust_log, Vec::new())
+    }
+
+    fn spawn_env(
+        mut args: Vec<String>,
+        name: &str,
+        rust_log: String,
+        envs: Vec<(String, String)>,
+    ) -> Service {
         let log = log_dir().join(format!("{name}.log"));
         // The same address across restarts (the caller may have chosen one).
         let metrics_addr = match args.iter().position(|a| a == "--metrics-addr") {
@@ -245,6 +278,7 @@ impl Service {
         let child = Command::new(BIN)
             .args(&args)
             .env("RUST_LOG", &rust_log)
+            .envs(envs.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
@@ -256,6 +290,7 @@ impl Service {
             name: name.to_owned(),
             rust_log,
             metrics_addr,
+            envs,
         }
     }
 
@@ -264,7 +299,12 @@ impl Service {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        *self = Self::spawn_logged(self.args.clone(), &self.name.clone(), self.rust_log.clone());
+        *self = Self::spawn_env(
+            self.args.clone(),
+            &self.name.clone(),
+            self.rust_log.clone(),
+            self.envs.clone(),
+        );
         self.wait_until("/healthz");
     }
 
