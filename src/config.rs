@@ -543,7 +543,9 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_MAX_INFLIGHT_BYTES", default_value = "32MiB", value_parser = parse_bytes)]
     pub max_inflight_bytes: usize,
 
-    /// How long to wait for one JetStream ack before reconnecting.
+    /// How long to wait for one JetStream ack before reconnecting. The
+    /// stream's leader is taken for gone after a fifth of it (2 s at least)
+    /// without an ack: raise it for a slow cluster.
     #[arg(long, env = "OUTBOX_PUBLISH_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub publish_timeout: Duration,
 

@@ -1500,3 +1500,34 @@ async fn the_replication_connection_reads_database_url_as_the_pools_do() {
     );
     drop(relay);
 }
+
+/// Issue 44, item 4: `--publish-timeout` could not raise the 2 s stall
+/// after which the publisher takes the stream's leader for gone: a healthy
+/// but slow path (acks after 3 s here, with `--publish-timeout 30s`) had the
+/// link dropped and everything sent again, over and over. The stall scales
+/// with the timeout now (a fifth of it, 2 s at least).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_but_healthy_stream_is_waited_for_as_publish_timeout_says() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_slowacks").await;
+    let proxy = Proxy::start(stack.nats_url.trim_start_matches("nats://")).await;
+    let relay = Service::relay(
+        &url,
+        &proxy.nats_url(),
+        "slowacks",
+        &["--publish-timeout", "30s", "--publish-mode", "event"],
+    );
+    proxy.delay(Duration::from_millis(3_000));
+    let mut sent = HashSet::new();
+    for i in 0..5 {
+        sent.extend(insert_txn(&pool, 0, i * 10, 4, 8).await);
+    }
+    let got = read_stream(&stack.nats_url, &wire::stream_name("slowacks"), 20, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_publish_resends_total"),
+        Some(0.0),
+        "nothing was sent again for a slow ack"
+    );
+}

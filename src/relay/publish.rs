@@ -586,10 +586,16 @@ pub struct Ack {
 }
 
 /// How long the oldest message may wait for its ack before the publisher
-/// takes its leader for gone (at most `--publish-timeout`). A stream leader
-/// that dies takes the acks of what it held with it, and with no later
-/// publish to fail fast, only the wait tells.
+/// takes its leader for gone: a fifth of `--publish-timeout`, this at least
+/// (or the timeout itself, if shorter). A stream leader that dies takes the
+/// acks of what it held with it, and with no later publish to fail fast,
+/// only the wait tells; a slow but healthy cluster is told by a longer
+/// timeout.
 const STALL: Duration = Duration::from_secs(2);
+
+fn stall(publish_timeout: Duration) -> Duration {
+    (publish_timeout / 5).max(STALL.min(publish_timeout))
+}
 /// During an outage, the first wait for a probe's ack; it doubles after
 /// each probe that times out, up to `--publish-timeout`.
 const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -698,7 +704,7 @@ impl Publisher {
             max_inflight,
             max_bytes,
             refusals,
-            stall: STALL.min(publish_timeout),
+            stall: stall(publish_timeout),
             max_probe_timeout: publish_timeout.max(PROBE_TIMEOUT),
             outage: None,
             epoch: Instant::now(),
@@ -1264,7 +1270,21 @@ fn refused(id: String, e: PublishError) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::server_batches;
+    use super::{server_batches, stall};
+    use std::time::Duration;
+
+    #[test]
+    fn the_stall_follows_the_publish_timeout() {
+        let s = Duration::from_secs;
+        for (timeout, want) in [
+            (Duration::from_millis(500), Duration::from_millis(500)),
+            (s(1), s(1)),
+            (s(10), s(2)),
+            (s(30), s(6)),
+        ] {
+            assert_eq!(stall(timeout), want, "{timeout:?}");
+        }
+    }
 
     #[test]
     fn atomic_batches_with_message_ids_from_2_12_1() {

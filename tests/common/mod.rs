@@ -1290,10 +1290,50 @@ pub fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
 /// refuses new ones (a peer that says it is gone); [`freeze`](Proxy::freeze)
 /// keeps every connection open and lets nothing through (a network that
 /// drops packets). [`heal`](Proxy::heal) lets new connections through again.
+/// [`delay`](Proxy::delay) holds what the server sends back for a while (a
+/// slow but healthy path).
 pub struct Proxy {
     pub port: u16,
     mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
     changes: tokio::sync::watch::Sender<u64>,
+    /// Milliseconds each chunk from the server waits before it is passed on.
+    latency: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Copy `from` to `to`, each chunk passed on `latency` ms after it came.
+async fn delayed_copy<R, W>(from: &mut R, to: &mut W, latency: &std::sync::atomic::AtomicU64)
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut queue: std::collections::VecDeque<(tokio::time::Instant, Vec<u8>)> =
+        std::collections::VecDeque::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut open = true;
+    loop {
+        let due = queue.front().map(|(at, _)| *at);
+        tokio::select! {
+            n = from.read(&mut buf), if open => match n {
+                Ok(0) | Err(_) => open = false,
+                Ok(n) => {
+                    let wait = Duration::from_millis(latency.load(std::sync::atomic::Ordering::SeqCst));
+                    queue.push_back((tokio::time::Instant::now() + wait, buf[..n].to_vec()));
+                }
+            },
+            _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
+                if let Some((_, chunk)) = queue.pop_front() {
+                    if to.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        if !open && queue.is_empty() {
+            let _ = to.shutdown().await;
+            return;
+        }
+    }
 }
 
 const OPEN: u8 = 0;
@@ -1306,8 +1346,10 @@ impl Proxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let mode = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(OPEN));
+        let latency = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (changes, _) = tokio::sync::watch::channel(0u64);
         let (flag, watch, target) = (mode.clone(), changes.clone(), target.to_owned());
+        let lag = latency.clone();
         // Frozen connections are kept here, open, until the test ends.
         let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         tokio::spawn(async move {
@@ -1321,14 +1363,24 @@ impl Proxy {
                     _ => {}
                 }
                 let mut changed = watch.subscribe();
-                let (target, flag, held) = (target.clone(), flag.clone(), held.clone());
+                let (target, flag, held, lag) =
+                    (target.clone(), flag.clone(), held.clone(), lag.clone());
                 tokio::spawn(async move {
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
                         return;
                     };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => return,
-                        _ = changed.changed() => {}
+                    {
+                        let (mut in_r, mut in_w) = inbound.split();
+                        let (mut out_r, mut out_w) = outbound.split();
+                        let up = async {
+                            let _ = tokio::io::copy(&mut in_r, &mut out_w).await;
+                            let _ = tokio::io::AsyncWriteExt::shutdown(&mut out_w).await;
+                        };
+                        let down = delayed_copy(&mut out_r, &mut in_w, &lag);
+                        tokio::select! {
+                            _ = async { tokio::join!(up, down) } => return,
+                            _ = changed.changed() => {}
+                        }
                     }
                     if flag.load(Ordering::SeqCst) == FROZEN {
                         let mut held = held.lock().unwrap();
@@ -1342,6 +1394,7 @@ impl Proxy {
             port,
             mode,
             changes,
+            latency,
         }
     }
 
@@ -1370,6 +1423,13 @@ impl Proxy {
 
     pub fn heal(&self) {
         self.mode.store(OPEN, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// From now on, what the server sends waits `latency` before it is
+    /// passed on (zero: at once again).
+    pub fn delay(&self, latency: Duration) {
+        let ms = u64::try_from(latency.as_millis()).unwrap_or(u64::MAX);
+        self.latency.store(ms, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
