@@ -111,6 +111,11 @@ pub enum Error {
     /// The server closed the replication stream without an error.
     #[error("replication stream ended by the server")]
     StreamEnded,
+
+    /// The process did not run for this long (SIGSTOP, a VM pause): its
+    /// slot may have been taken over meanwhile, so nothing more is sent.
+    #[error("the relay was paused for {}.{:01} s (SIGSTOP, a VM pause): another relay may stream from the slot now, so this session sends nothing more and starts over from the slot", .paused.as_secs(), .paused.subsec_millis() / 100)]
+    Paused { paused: std::time::Duration },
 }
 
 impl Error {
@@ -123,7 +128,8 @@ impl Error {
             | Error::SlotBusy { .. }
             | Error::Nats { .. }
             | Error::Publish { .. }
-            | Error::StreamEnded => Class::Transient,
+            | Error::StreamEnded
+            | Error::Paused { .. } => Class::Transient,
         }
     }
 

@@ -1531,3 +1531,56 @@ async fn a_slow_but_healthy_stream_is_waited_for_as_publish_timeout_says() {
         "nothing was sent again for a slow ack"
     );
 }
+
+/// Issue 44, item 8: an active relay frozen (SIGSTOP) while events were in
+/// flight, thawed after a standby had taken the slot over and published
+/// them, sent its stale copies again, alone and past the duplicate window:
+/// stored twice. A relay that was paused long enough to lose its slot
+/// stops publishing before it sends anything more, and starts over from
+/// the slot (as a standby, here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_thawed_after_a_takeover_sends_nothing_stale() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_relayfreeze").await;
+    let admin = sqlx::PgPool::connect(&stack.admin_url).await.unwrap();
+    // A frozen relay's walsender is ended after 3 s: the standby takes over.
+    sqlx::query("ALTER DATABASE t_relayfreeze SET wal_sender_timeout = '3s'")
+        .execute(&admin)
+        .await
+        .unwrap();
+    let proxy = Proxy::start(stack.nats_url.trim_start_matches("nats://")).await;
+    let extra = ["--duplicate-window", "1s", "--publish-mode", "event"];
+    let mut a = Service::relay(&url, &proxy.nats_url(), "relayfreeze", &extra);
+    let b = Service::relay_starting_named(
+        &url,
+        &stack.nats_url,
+        "relayfreeze",
+        "relayfreeze-b",
+        &extra,
+    );
+    let stream = wire::stream_name("relayfreeze");
+    let mut sent = HashSet::new();
+    sent.extend(insert_txn(&pool, 0, 0, 10, 8).await);
+    let got = read_stream(&stack.nats_url, &stream, 10, T).await;
+    assert_eq!(got.len(), 10);
+    // A sends the next ten into a path that answers nothing, and freezes.
+    proxy.freeze();
+    sent.extend(insert_txn(&pool, 0, 10, 10, 8).await);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    signal(a.pid(), "STOP");
+    proxy.heal();
+    // B takes the slot over and publishes them; the duplicate window passes.
+    let got = read_stream(&stack.nats_url, &stream, 20, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    signal(a.pid(), "CONT");
+    // A has thawed: give it time to send whatever it would.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let got = read_stream(&stack.nats_url, &stream, 20, Duration::from_secs(5)).await;
+    assert_exactly_once_in_order(&got, &sent);
+    assert!(
+        a.child.try_wait().unwrap().is_none(),
+        "the thawed relay goes on, as a standby"
+    );
+    drop(b);
+}

@@ -477,6 +477,7 @@ impl Batcher {
         if cur.next >= n {
             return Ok(true);
         }
+        self.per_event.fenced(Instant::now())?;
         let link = self.per_event.batch_link().await?;
         while cur.next < n {
             let i = cur.next;

@@ -23,6 +23,7 @@ mod backfill;
 pub(crate) mod batch;
 pub(crate) mod decode;
 pub(crate) mod emitted;
+pub(crate) mod fence;
 pub(crate) mod link;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;

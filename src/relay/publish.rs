@@ -27,6 +27,7 @@ use futures::stream::StreamExt;
 use std::time::Instant;
 
 use super::acks::{Inbox, Next};
+use super::fence::Fence;
 use super::link::{Denied, Dialer, Link, LinkError};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
@@ -678,6 +679,9 @@ pub struct Publisher {
     /// A stand-in for a `Sent::at` not yet handed over, so a new message
     /// costs no clock read before the one taken when it is.
     epoch: Instant,
+    /// Nothing is sent once the process was paused long enough to lose
+    /// its slot.
+    fence: Option<Fence>,
 }
 
 impl Publisher {
@@ -708,6 +712,23 @@ impl Publisher {
             max_probe_timeout: publish_timeout.max(PROBE_TIMEOUT),
             outage: None,
             epoch: Instant::now(),
+            fence: None,
+        }
+    }
+
+    /// From now on, nothing is sent once `fence` broke.
+    pub fn set_fence(&mut self, fence: Fence) {
+        self.fence = Some(fence);
+    }
+
+    /// An error if the process was paused past the fence's limit as of
+    /// `now`: nothing may be sent.
+    pub(super) fn fenced(&self, now: Instant) -> Result<()> {
+        match &self.fence {
+            Some(f) if !f.holds(tokio::time::Instant::from_std(now)) => {
+                Err(Error::Paused { paused: f.paused() })
+            }
+            _ => Ok(()),
         }
     }
 
@@ -911,11 +932,16 @@ impl Publisher {
         let Some(acks) = self.acks.as_mut() else {
             return broken(sent, "no publish connection");
         };
+        let now = Instant::now();
+        if let Some(f) = &self.fence {
+            if !f.holds(tokio::time::Instant::from_std(now)) {
+                return Err(Error::Paused { paused: f.paused() });
+            }
+        }
         let prev = self.chain.as_deref();
         if !acks.publish(&sent.msg, prev) {
             return broken(sent, "the publish connection broke");
         }
-        let now = Instant::now();
         let probe_deadline = self.outage.filter(|_| probe).map(|o| now + o.probe_timeout);
         acks.queue.push(probe_deadline);
         if prev.is_none() {

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::backfill;
 use super::batch::Batcher;
 use super::decode::{Resume, Stage, Step};
+use super::fence::{self, Fence};
 use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
@@ -68,6 +69,8 @@ struct Open {
     /// Samples for [`wire::XID_HORIZON`]; the sampler stops with the session.
     horizons: tokio::sync::mpsc::Receiver<(Lsn, u64)>,
     _sampler: tokio_util::sync::DropGuard,
+    /// Breaks when the process was paused long enough to lose the slot.
+    fence: Fence,
 }
 
 /// How often the transaction horizon is sampled: what a resync after a lost
@@ -277,6 +280,8 @@ impl<'a> Session<'a> {
             cfg.stream.clone(),
         );
         publisher.per_event().connect().await?;
+        let fence = Fence::start(fence::limit(postgres::parse_pg_duration(&sender_timeout)));
+        publisher.per_event().set_fence(fence.clone());
         // The link knows the account's or user's max_payload (the INFO after
         // CONNECT), which may be below the server's.
         let max_payload = publisher.per_event().max_message();
@@ -370,6 +375,7 @@ impl<'a> Session<'a> {
             .with_emitted(cfg.emitted_events),
             publisher,
             status_interval,
+            fence,
         })
     }
 
@@ -410,12 +416,14 @@ impl<'a> Session<'a> {
             stage,
             publisher,
             horizons,
+            fence,
             ..
         } = open;
         loop {
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
+                paused = fence.broken() => return Err(Error::Paused { paused }),
                 Some((at, xid)) = horizons.recv() => stage.add_horizon(at, xid),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
                     self.on_ack(client, publisher, ack)?;
