@@ -940,3 +940,50 @@ async fn try_insert_txn(
     tx.commit().await?;
     Ok(ids)
 }
+
+/// Issue 44, item 4: on the per-event path, an answer 10158 ("duplicate
+/// message id is in process": a resend while the first copy waits for its
+/// quorum) ended the session, where the batch path rides it out. The
+/// stream leader's two followers are frozen (SIGSTOP) for 5 s under load, so
+/// nothing commits and the relay's probes meet their own first copies; the
+/// session rides it out: no restart, nothing lost, doubled or reordered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_event_path_rides_out_ids_still_in_process_on_a_3_node_cluster() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_inprocess").await;
+    let cluster = OwnCluster::up("nats-cluster-inprocess");
+    let stream = wire::stream_name("inprocess");
+    let extra = ["--stream-replicas", "3", "--publish-mode", "event"];
+    let first = Service::relay(&url, &cluster.url, "inprocess", &extra);
+    let client = cluster.client().await;
+    let js = async_nats::jetstream::new(client.clone());
+    cluster.wait_healthy(&js, &stream, T).await;
+    drop(first);
+    // The relay on the leader alone, so its probes reach the leader.
+    let leader = cluster.wait_leader(&js, &stream, T).await;
+    let leader_url = cluster.url.split(',').nth(leader - 1).unwrap().to_owned();
+    let relay = Service::relay(&url, &leader_url, "inprocess", &extra);
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = spawn_producer(pool.clone(), 1_000_000, 500, stop.clone());
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let followers: Vec<usize> = (1..=3).filter(|n| *n != leader).collect();
+    for n in &followers {
+        cluster.signal(*n, "STOP");
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for n in &followers {
+        cluster.signal(*n, "CONT");
+    }
+    cluster.wait_healthy(&js, &stream, T).await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    stop.store(true, Ordering::Relaxed);
+    let sent = producer.await.unwrap();
+    let got = read_stream_by_seq(&js, &stream, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_session_restarts_total"),
+        Some(0.0),
+        "the session rode it out"
+    );
+}

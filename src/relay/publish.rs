@@ -1116,6 +1116,11 @@ impl Publisher {
                         at,
                     }));
                 }
+                Err(e) if in_process(&e) => {
+                    // An earlier copy of this message waits for its quorum:
+                    // stored or dropped, the probes that follow will tell.
+                    self.ride_out(Some(sent), &e.to_string(), false);
+                }
                 Err(e) if leaderless(&e) => {
                     let timed_out = matches!(e.kind(), PublishErrorKind::TimedOut);
                     self.ride_out(Some(sent), &e.to_string(), timed_out);
@@ -1256,6 +1261,13 @@ fn leaderless(e: &PublishError) -> bool {
             | PublishErrorKind::TimedOut
             | PublishErrorKind::BrokenPipe
     )
+}
+
+/// 10158: a copy of the message (same id) is being stored right now; its
+/// outcome is not known yet.
+fn in_process(e: &PublishError) -> bool {
+    let api = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>());
+    api.is_some_and(|a| a.error_code().0 == 10158)
 }
 
 /// Whether the server refused this message for what it is (so it will

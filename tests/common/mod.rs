@@ -1140,6 +1140,16 @@ impl OwnCluster {
         assert!(st.success(), "nats-node {n} {action} failed");
     }
 
+    /// Send node `n`'s process a signal (`STOP`, `CONT`).
+    pub fn signal(&self, n: usize, sig: &str) {
+        let pid: u32 = std::fs::read_to_string(self.dir.join(format!("n{n}.pid")))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        signal(pid, sig);
+    }
+
     /// The node leading `stream`, once it has one (panics after `timeout`).
     pub async fn wait_leader(
         &self,
