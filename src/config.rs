@@ -322,6 +322,12 @@ pub struct NatsArgs {
     /// Require TLS even with nats:// URLs.
     #[arg(long, env = "NATS_TLS")]
     pub nats_tls: bool,
+
+    /// TLS before anything else on every NATS connection: for servers
+    /// configured with `tls { handshake_first: true }`, which send their
+    /// INFO only over TLS. Implies TLS.
+    #[arg(long, env = "NATS_TLS_FIRST")]
+    pub nats_tls_first: bool,
 }
 
 impl std::fmt::Debug for NatsArgs {

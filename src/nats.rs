@@ -25,6 +25,9 @@ pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client
     if args.nats_tls {
         opts = opts.require_tls(true);
     }
+    if args.nats_tls_first {
+        opts = opts.require_tls(true).tls_first();
+    }
     if let (Some(user), Some(pass)) = (&args.nats_user, &args.nats_password) {
         opts = opts.user_and_password(user.clone(), pass.clone());
     }

@@ -145,6 +145,56 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     assert_eq!(walsender_tls, [true], "the replication connection is TLS");
     drop(env_relay);
 
+    // Issue 44, item 3: a NATS server that wants TLS before its INFO
+    // (`handshake_first`), for the publish link and the client alike.
+    let tls_dir = PathBuf::from(&ca).parent().unwrap().to_owned();
+    let conf = tls_dir.join("nats-tls-first.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "tls {{ cert_file: \"{}\", key_file: \"{}\", handshake_first: true }}\n",
+            tls_dir.join("server.crt").display(),
+            tls_dir.join("server.key").display()
+        ),
+    )
+    .unwrap();
+    let first = OwnNats::start_with(&stack(), "tls-first", &["-c", conf.to_str().unwrap()]);
+    let first_url = first.url.replace("nats://", "tls://");
+    let first_relay = Service::relay(
+        &admin_url,
+        &first_url,
+        "tlsfirst",
+        &[
+            "--nats-ca",
+            &ca,
+            "--nats-tls-first",
+            "--publish-mode",
+            "event",
+        ],
+    );
+    let id = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'o-first', 'placed', '{}')",
+    )
+    .bind(id)
+    .execute(&admin)
+    .await
+    .unwrap();
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(PathBuf::from(&ca))
+        .tls_first()
+        .connect(&first_url)
+        .await
+        .unwrap();
+    let got = read_stream_with(client, &wire::stream_name("tlsfirst"), 1, T).await;
+    assert!(
+        got.iter()
+            .any(|g| g.h(wire::MSG_ID) == Some(id.to_string().as_str())),
+        "the row went through the TLS-first server"
+    );
+    drop(first_relay);
+
     // The consumer over the same TLS connections: every event reaches a
     // local HTTP handler once, and its Postgres connections are TLS too.
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -105,6 +105,8 @@ pub struct Dialer {
     args: NatsArgs,
     /// TLS even where neither the URL nor the server asks for it.
     require_tls: bool,
+    /// TLS before the server's INFO (`handshake_first` servers).
+    tls_first: bool,
     name: String,
 }
 
@@ -140,7 +142,8 @@ impl Dialer {
             auth,
             tls: None,
             args: args.clone(),
-            require_tls: args.nats_tls || args.nats_ca.is_some(),
+            require_tls: args.nats_tls || args.nats_ca.is_some() || args.nats_tls_first,
+            tls_first: args.nats_tls_first,
             name,
         })
     }
@@ -218,66 +221,31 @@ impl Dialer {
         // behind what a newer link sent.
         tcp.set_zero_linger().map_err(io)?;
         let mut rbuf = BytesMut::with_capacity(64 * 1024);
-        let info = match next_op(&mut tcp, &mut rbuf).await? {
-            Op::Info(json) => {
-                serde_json::from_slice::<async_nats::ServerInfo>(&json).map_err(|e| {
-                    LinkError::Handshake {
-                        server: server.clone(),
-                        message: format!("unreadable INFO: {e}"),
-                    }
-                })?
-            }
-            other => {
-                return Err(LinkError::Handshake {
-                    server,
-                    message: format!("expected INFO, got {}", other.name()),
-                })
+        let prefix = format!("_INBOX.{}.", uuid::Uuid::new_v4().simple());
+        let (info, max_payload, reader, writer): (_, _, Reader, Writer) = if self.tls_first {
+            // The server waits for our TLS handshake before its INFO.
+            let mut tls = self.tls_connect(addr, tcp, &server).await?;
+            let info = read_info(&mut tls, &mut rbuf, &server).await?;
+            let hello = self.hello(&info, addr, &prefix, &server)?;
+            let max_payload = greet(&mut tls, &mut rbuf, &hello, &server).await?;
+            let (r, w) = tokio::io::split(tls);
+            (info, max_payload, Box::new(r), Box::new(w))
+        } else {
+            let info = read_info(&mut tcp, &mut rbuf, &server).await?;
+            let hello = self.hello(&info, addr, &prefix, &server)?;
+            // Nothing follows INFO until the client speaks, so no byte of a
+            // TLS stream can sit in `rbuf` yet.
+            if self.require_tls || addr.tls_required() || info.tls_required {
+                let mut tls = self.tls_connect(addr, tcp, &server).await?;
+                let max_payload = greet(&mut tls, &mut rbuf, &hello, &server).await?;
+                let (r, w) = tokio::io::split(tls);
+                (info, max_payload, Box::new(r), Box::new(w))
+            } else {
+                let max_payload = greet(&mut tcp, &mut rbuf, &hello, &server).await?;
+                let (r, w) = tcp.into_split();
+                (info, max_payload, Box::new(r), Box::new(w))
             }
         };
-        let prefix = format!("_INBOX.{}.", uuid::Uuid::new_v4().simple());
-        let mut hello = b"CONNECT ".to_vec();
-        let connect = self.connect_info(&info, addr)?;
-        serde_json::to_writer(&mut hello, &connect).map_err(|e| LinkError::Handshake {
-            server: server.clone(),
-            message: format!("CONNECT: {e}"),
-        })?;
-        // Two PINGs: the server sends the INFO that carries the account's
-        // or user's limits right after its first PONG, so it has come by
-        // the second.
-        hello.extend_from_slice(format!("\r\nSUB {prefix}* 1\r\nPING\r\nPING\r\n").as_bytes());
-        // Nothing follows INFO until the client speaks, so no byte of a TLS
-        // stream can sit in `rbuf` yet.
-        let max_payload;
-        let (reader, writer): (Reader, Writer) =
-            if self.require_tls || addr.tls_required() || info.tls_required {
-                let config = match &self.tls {
-                    Some(c) => c.clone(),
-                    None => {
-                        let c = Arc::new(tls_config(&self.args)?);
-                        self.tls = Some(c.clone());
-                        c
-                    }
-                };
-                let name = rustls::pki_types::ServerName::try_from(addr.host().to_owned())
-                    .map_err(|e| LinkError::Handshake {
-                        server: server.clone(),
-                        message: format!("not a TLS server name: {e}"),
-                    })?;
-                let mut tls = tokio_rustls::TlsConnector::from(config)
-                    .connect(name, tcp)
-                    .await
-                    .map_err(|e| LinkError::Handshake {
-                        server: server.clone(),
-                        message: format!("TLS: {e}"),
-                    })?;
-                max_payload = greet(&mut tls, &mut rbuf, &hello, &server).await?;
-                let (r, w) = tokio::io::split(tls);
-                (Box::new(r), Box::new(w))
-            } else {
-                max_payload = greet(&mut tcp, &mut rbuf, &hello, &server).await?;
-                let (r, w) = tcp.into_split();
-                (Box::new(r), Box::new(w))
-            };
         let shared = Arc::new(Shared::with_max_payload(
             max_payload.unwrap_or(info.max_payload),
         ));
@@ -299,6 +267,56 @@ impl Dialer {
             },
             info,
         ))
+    }
+
+    /// CONNECT, the ack subscription and two PINGs: the server sends the
+    /// INFO that carries the account's or user's limits right after its
+    /// first PONG, so it has come by the second.
+    fn hello(
+        &self,
+        info: &async_nats::ServerInfo,
+        addr: &ServerAddr,
+        prefix: &str,
+        server: &str,
+    ) -> Result<Vec<u8>, LinkError> {
+        let mut hello = b"CONNECT ".to_vec();
+        let connect = self.connect_info(info, addr)?;
+        serde_json::to_writer(&mut hello, &connect).map_err(|e| LinkError::Handshake {
+            server: server.to_owned(),
+            message: format!("CONNECT: {e}"),
+        })?;
+        hello.extend_from_slice(format!("\r\nSUB {prefix}* 1\r\nPING\r\nPING\r\n").as_bytes());
+        Ok(hello)
+    }
+
+    async fn tls_connect(
+        &mut self,
+        addr: &ServerAddr,
+        tcp: tokio::net::TcpStream,
+        server: &str,
+    ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, LinkError> {
+        let config = match &self.tls {
+            Some(c) => c.clone(),
+            None => {
+                let c = Arc::new(tls_config(&self.args)?);
+                self.tls = Some(c.clone());
+                c
+            }
+        };
+        let name =
+            rustls::pki_types::ServerName::try_from(addr.host().to_owned()).map_err(|e| {
+                LinkError::Handshake {
+                    server: server.to_owned(),
+                    message: format!("not a TLS server name: {e}"),
+                }
+            })?;
+        tokio_rustls::TlsConnector::from(config)
+            .connect(name, tcp)
+            .await
+            .map_err(|e| LinkError::Handshake {
+                server: server.to_owned(),
+                message: format!("TLS: {e}"),
+            })
     }
 
     fn connect_info(
@@ -826,6 +844,24 @@ impl Link {
             // A notification sent since the check is kept as a permit.
             wake.notified().await;
         }
+    }
+}
+
+/// The server's first INFO.
+async fn read_info<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    rbuf: &mut BytesMut,
+    server: &str,
+) -> Result<async_nats::ServerInfo, LinkError> {
+    match next_op(stream, rbuf).await? {
+        Op::Info(json) => serde_json::from_slice(&json).map_err(|e| LinkError::Handshake {
+            server: server.to_owned(),
+            message: format!("unreadable INFO: {e}"),
+        }),
+        other => Err(LinkError::Handshake {
+            server: server.to_owned(),
+            message: format!("expected INFO, got {}", other.name()),
+        }),
     }
 }
 
