@@ -1044,11 +1044,16 @@ pub(super) async fn lost<H: Handler>(
     };
     match (retry, head) {
         (Some(seq), Some((head, wait, attempts))) if head == seq => {
-            let backoff = delivery::backoff_after(&shared.cfg.backoff, attempts);
+            // Parked again before its helper went: that backoff stands.
+            // Else the attempt was under way: its own backoff.
+            let wait = match wait.is_zero() {
+                true => delivery::backoff_after(&shared.cfg.backoff, attempts),
+                false => wait,
+            };
             (
                 Finished::Parked {
                     seq,
-                    due: now + wait.max(backoff),
+                    due: now + wait,
                 },
                 false,
             )

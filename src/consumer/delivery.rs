@@ -131,6 +131,14 @@ pub(super) async fn run_job<H: Handler>(
             count("skipped");
             let how = match job {
                 Job::Spill(_) => Finished::Spilled { seq: None },
+                // Its key's parked state is still what the check is for.
+                Job::Check(_) => match parked_head(shared, key).await? {
+                    Some((seq, wait, _)) => Finished::Parked {
+                        seq,
+                        due: Instant::now() + wait,
+                    },
+                    None => Finished::Done,
+                },
                 _ => Finished::Done,
             };
             return settle_pulled(shared, msg, Some(how)).await;

@@ -410,8 +410,9 @@ impl<H: Handler> Dispatch<'_, H> {
                 Job::Retry { seq } => Some(*seq),
                 _ => None,
             };
-            // Spills and parks behind are bookkeeping, never sent away.
-            let counted = retry.is_some() || matches!(job, Job::Deliver(_));
+            // Spills and parks behind are bookkeeping, never sent away; a
+            // check may call the handler, as a delivery does.
+            let counted = retry.is_some() || matches!(job, Job::Deliver(_) | Job::Check(_));
             let remote = if counted && self.local_running.load(Ordering::Relaxed) >= cfg.concurrency
             {
                 self.crew.pick()

@@ -294,6 +294,17 @@ impl Parked {
         self.keys >= self.max_keys || self.bytes >= self.max_bytes
     }
 
+    fn over(&self) -> bool {
+        self.keys > self.max_keys || self.bytes > self.max_bytes
+    }
+
+    /// A parked key leaves memory: the inbox alone keeps it until a reload.
+    fn send_cold(&mut self, key: &str) {
+        self.track(key, true, false);
+        self.cold = true;
+        self.cold_count += 1;
+    }
+
     /// The key gained or lost its parked head.
     fn track(&mut self, key: &str, was: bool, is: bool) {
         match (was, is) {
@@ -562,7 +573,11 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
                 }
                 lane.settle_spill(now);
                 self.parked.track(key, was, lane.is_parked());
-                if lane.idle() {
+                if lane.is_parked() && lane.only_parked() && self.parked.over() {
+                    // Let in past the bound while it was busy: out now.
+                    self.lanes.remove(key);
+                    self.parked.send_cold(key);
+                } else if lane.idle() {
                     self.lanes.remove(key);
                 } else {
                     self.offer(key.to_owned(), now, &mut started);
@@ -601,11 +616,19 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
                 }
             }
             lane.settle_spill(now);
-            if !was && lane.is_parked() && lane.only_parked() && self.parked.full() {
-                // No room: the inbox alone keeps the key until a reload.
+            let is = lane.is_parked();
+            let evict = is
+                && lane.only_parked()
+                && match was {
+                    // No room for a new one.
+                    false => self.parked.full(),
+                    // Let in past the bound while it was busy: out now.
+                    true => self.parked.over(),
+                };
+            if evict {
                 self.lanes.remove(key);
-                self.parked.cold = true;
-                self.parked.cold_count += 1;
+                self.parked.track(key, was, true);
+                self.parked.send_cold(key);
             } else {
                 self.parked.track(key, was, lane.is_parked());
                 if let Some(due) = timer {
@@ -1038,6 +1061,25 @@ mod tests {
         assert_eq!(s.wake(10), vec![("b".into(), Job::Retry { seq: 2 })]);
     }
 
+    /// Review: a key that parked while busy (a message waiting behind the
+    /// failed one) was let in past the bound and never left memory.
+    #[test]
+    fn a_key_let_in_past_the_bound_while_busy_leaves_once_idle() {
+        let mut s = S::new(4, 1000);
+        s.set_parked_cap(1, usize::MAX);
+        s.load_parked("a".into(), 1, 100);
+        arrive(&mut s, "b", 2);
+        arrive(&mut s, "b", 3);
+        // b/2 fails with b/3 waiting: b stays, past the bound, to park b/3.
+        let next = s.finish("b", Finished::Parked { seq: 2, due: 100 }, 0);
+        assert_eq!(next, vec![("b".into(), Job::ParkBehind(m("b", 3)))]);
+        assert_eq!(s.parked_keys(), 2);
+        // Parked behind, b holds nothing but its head: it goes cold.
+        assert_eq!(s.finish("b", Finished::Done, 0), vec![]);
+        assert_eq!(s.parked_keys(), 1);
+        assert!(s.cold().is_some());
+    }
+
     #[test]
     fn a_reload_begun_before_a_key_went_cold_leaves_keys_cold() {
         let mut s = S::new(4, 1000);
@@ -1383,7 +1425,7 @@ mod tests {
                 prop_assert!(s.retries_running() <= (concurrency / 2).max(1));
                 // Past the cap only keys with more than a parked head in
                 // memory: a running job, waiting or spilled messages.
-                let busy = concurrency + high_water + w.running.len();
+                let busy = w.running.len() + s.waiting().count();
                 prop_assert!(cap == usize::MAX || s.parked_keys() <= cap + busy);
             }
             // Liveness: everything succeeds from here on, time passes.

@@ -213,9 +213,20 @@ pub async fn replay(
             ));
             continue;
         };
-        if let Err(why) = reaches(js, &d.subject, &durable).await? {
-            out.push(entry("not_replayable", why));
-            continue;
+        let original_stream = d.headers.get(wire::DLQ_ORIGINAL_STREAM).map(|v| v.as_str());
+        match reaches(js, original_stream, &d.subject, &durable).await {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => {
+                out.push(entry("not_replayable", why));
+                continue;
+            }
+            Err(e) => {
+                out.push(entry(
+                    "not_replayable",
+                    format!("cannot check that anything would deliver it now: {e}"),
+                ));
+                continue;
+            }
         }
         let earlier = match record(pool, &dlq, &d, &durable, uuid, who).await? {
             Earlier::None => None,
@@ -233,7 +244,12 @@ pub async fn replay(
         let duplicate = match publish(js, dlq_stream, &d, &durable, who).await {
             Ok(duplicate) => duplicate,
             Err(e) => {
-                forget(pool, &dlq, seq).await?;
+                // Only a record this run made is taken back: an earlier
+                // run's copy may be in the stream, and its record is what
+                // lets it through.
+                if earlier.is_none() {
+                    forget(pool, &dlq, seq).await?;
+                }
                 return Err(e);
             }
         };
@@ -268,11 +284,18 @@ enum Earlier {
 /// `Ok(Err(why))` when it would not (the dead letter stays as it is).
 async fn reaches(
     js: &jetstream::Context,
+    original_stream: Option<&str>,
     subject: &str,
     durable: &str,
 ) -> Result<std::result::Result<(), String>> {
     use async_nats::jetstream::context::{ConsumerInfoErrorKind, GetStreamByNameErrorKind};
-    let stream = match js.stream_by_subject(subject).await {
+    // The durable's own stream, as the dead letter names it (it may source
+    // or mirror the one that takes the subject); else the one that does.
+    let by_subject = match original_stream {
+        Some(s) => Ok(s.to_owned()),
+        None => js.stream_by_subject(subject).await,
+    };
+    let stream = match by_subject {
         Ok(s) => s,
         Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
             return Ok(Err(format!("no stream takes {subject} now")))

@@ -477,8 +477,13 @@ impl Batcher {
         if cur.next >= n {
             return Ok(true);
         }
+        self.per_event.batch_link().await?;
+        // After the dial, which may have waited: nothing of the batch may
+        // go out after a pause.
         self.per_event.fenced(Instant::now())?;
-        let link = self.per_event.batch_link().await?;
+        let Some(link) = self.per_event.link() else {
+            return Ok(false);
+        };
         while cur.next < n {
             let i = cur.next;
             let q = &cur.msgs[i];

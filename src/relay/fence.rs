@@ -28,13 +28,16 @@ const BEAT: Duration = Duration::from_millis(250);
 /// timeout, at most this (the default 60 s timeout gives 10 s).
 const MAX_LIMIT: Duration = Duration::from_secs(10);
 
+/// The shortest limit: a busy host's scheduling delay is not a pause.
+const MIN_LIMIT: Duration = Duration::from_secs(1);
+
 /// The pause after which the slot may be lost: half of `wal_sender_timeout`
-/// (`None`: 0, no timeout), at most [`MAX_LIMIT`], at least two beats.
+/// (`None`: 0, no timeout), at most [`MAX_LIMIT`], at least [`MIN_LIMIT`].
 pub fn limit(wal_sender_timeout: Option<Duration>) -> Duration {
     wal_sender_timeout
         .filter(|t| !t.is_zero())
         .map_or(MAX_LIMIT, |t| (t / 2).min(MAX_LIMIT))
-        .max(BEAT * 2)
+        .max(MIN_LIMIT)
 }
 
 struct Inner {
@@ -151,7 +154,7 @@ mod tests {
         assert_eq!(limit(Some(s(6))), s(3));
         assert_eq!(limit(Some(Duration::ZERO)), s(10));
         assert_eq!(limit(None), s(10));
-        assert_eq!(limit(Some(Duration::from_millis(100))), BEAT * 2);
+        assert_eq!(limit(Some(Duration::from_millis(100))), MIN_LIMIT);
     }
 
     #[tokio::test(start_paused = true)]

@@ -446,6 +446,9 @@ struct Shared {
     /// the INFO it sends after CONNECT gives the account's or user's (and
     /// any later INFO a new one).
     max_payload: AtomicUsize,
+    /// Nothing queued before a pause is written after it (see
+    /// [`super::fence`]).
+    fence: std::sync::OnceLock<super::fence::Fence>,
 }
 
 impl Shared {
@@ -577,6 +580,14 @@ async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) 
             _ = shared.wrote.notified() => {}
         }
         loop {
+            let fenced = shared
+                .fence
+                .get()
+                .is_some_and(|f| !f.holds(tokio::time::Instant::now()));
+            if fenced {
+                shared.close("the relay was paused: nothing queued before it is sent".into());
+                return;
+            }
             match shared.out.lock() {
                 Ok(mut s) if !s.buf.is_empty() => {
                     std::mem::swap(&mut s.buf, &mut spare);
@@ -777,6 +788,11 @@ impl Link {
 
     pub fn broken(&self) -> bool {
         self.shared.broken()
+    }
+
+    /// From now on the writer writes nothing once `fence` broke.
+    pub fn set_fence(&self, fence: super::fence::Fence) {
+        let _ = self.shared.fence.set(fence);
     }
 
     /// Whether the writer is still behind what was queued and wrote

@@ -718,6 +718,9 @@ impl Publisher {
 
     /// From now on, nothing is sent once `fence` broke.
     pub fn set_fence(&mut self, fence: Fence) {
+        if let Some(link) = self.link() {
+            link.set_fence(fence.clone());
+        }
         self.fence = Some(fence);
     }
 
@@ -902,6 +905,9 @@ impl Publisher {
     }
 
     fn open(&mut self, link: Link) {
+        if let Some(fence) = &self.fence {
+            link.set_fence(fence.clone());
+        }
         // A dead letter must fit the server the link landed on too.
         let fits = link.max_payload().saturating_sub(HEADER_RESERVE);
         self.refusals.max_message = self.refusals.max_message.min(fits);
