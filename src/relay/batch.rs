@@ -644,6 +644,11 @@ impl Batcher {
     fn unbatch(&mut self) {
         metrics::counter!(m::BATCHES, "result" => "unbatched").increment(1);
         metrics::counter!(m::PUBLISH_RESENDS).increment(1);
+        // Refusals still to come of the batch's copies are not the next
+        // copies'.
+        if let Some(link) = self.per_event.link() {
+            link.barrier();
+        }
         if let Some(cur) = self.current.as_mut() {
             cur.unbatched = true;
             cur.next = 0;

@@ -449,6 +449,8 @@ struct Shared {
     /// Nothing queued before a pause is written after it (see
     /// [`super::fence`]).
     fence: std::sync::OnceLock<super::fence::Fence>,
+    /// Barrier PINGs not answered yet (see [`Link::barrier`]).
+    barriers: AtomicU64,
 }
 
 impl Shared {
@@ -674,6 +676,10 @@ async fn read_in(
                 shared.push(|s| s.buf.extend_from_slice(b"PONG\r\n"));
             }
             Ok(Op::Err(text)) => match denied_subject(&text) {
+                // For a message sent before a barrier: forgotten since.
+                Some(subject) if shared.barriers.load(Ordering::Relaxed) > 0 => {
+                    tracing::debug!(subject, "a refusal of a forgotten copy; ignored");
+                }
                 // The server keeps the connection and never answers the
                 // message: only this line says it went nowhere.
                 Some(subject) => shared.deny(subject.to_owned()),
@@ -686,7 +692,12 @@ async fn read_in(
                     shared.max_payload.store(max, Ordering::Relaxed);
                 }
             }
-            Ok(Op::Pong | Op::Ok) => {}
+            Ok(Op::Pong) => {
+                let _ = shared
+                    .barriers
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+            }
+            Ok(Op::Ok) => {}
             Err(e) => {
                 shared.close(e.to_string());
                 return;
@@ -788,6 +799,22 @@ impl Link {
 
     pub fn broken(&self) -> bool {
         self.shared.broken()
+    }
+
+    /// Everything sent so far is forgotten (sent again, or abandoned with
+    /// its batch): refusals of it that are still to come must not be taken
+    /// for those of the copies sent next. The server answers a PING after
+    /// every message sent before it, so refusals that arrive before its
+    /// PONG are of forgotten copies.
+    pub fn barrier(&self) {
+        // Those heard already are of forgotten copies too.
+        if let Ok(mut a) = self.shared.answers.lock() {
+            a.denied.clear();
+        }
+        self.shared.barriers.fetch_add(1, Ordering::Relaxed);
+        if !self.shared.push(|s| s.buf.extend_from_slice(b"PING\r\n")) {
+            self.shared.barriers.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// From now on the writer writes nothing once `fence` broke.
@@ -1323,6 +1350,19 @@ mod tests {
         let mut pong = [0; 6];
         theirs.read_exact(&mut pong).await.unwrap();
         assert_eq!(&pong, b"PONG\r\n");
+        // A barrier: refusals before its PONG are of forgotten copies.
+        link.barrier();
+        let mut ping = [0; 6];
+        theirs.read_exact(&mut ping).await.unwrap();
+        assert_eq!(&ping, b"PING\r\n");
+        theirs
+            .write_all(b"-ERR 'Permissions Violation for Publish to \"a.old\"'\r\nPONG\r\n-ERR 'Permissions Violation for Publish to \"a.new\"'\r\n")
+            .await
+            .unwrap();
+        assert!(
+            matches!(link.next_answer().await.unwrap(), Heard::Denied(s) if s == "a.new"),
+            "the refusal before the barrier's PONG is dropped"
+        );
         // A later INFO may lower the connection's max_payload.
         theirs
             .write_all(b"INFO {\"max_payload\":4096}\r\nPING\r\n")

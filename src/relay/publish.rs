@@ -1219,6 +1219,7 @@ impl Publisher {
         self.parked = queue;
         if let Some(acks) = self.acks.as_mut() {
             acks.queue.forget();
+            acks.link().barrier();
         }
         self.chain = None;
         self.solo_pending = false;
