@@ -584,7 +584,7 @@ impl<H: Handler> Dispatch<'_, H> {
                     let mut started = Vec::new();
                     let mut all = true;
                     for (key, seq, wait) in heads {
-                        all &= self.scheduler.load_parked(key, seq, now + wait);
+                        all &= self.scheduler.reload_parked(key, seq, now + wait);
                     }
                     self.scheduler.refilled(cold, all && total <= read as u64);
                     self.parked_total = total;

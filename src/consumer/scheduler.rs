@@ -505,6 +505,18 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         self.parked.keys
     }
 
+    /// A key read back from the inbox while keys are cold. What memory
+    /// knows of a key is fresher than a read that began before it changed
+    /// (a head retried since, a key cleared since): only a key memory does
+    /// not hold, or holds unsure of, takes the head read. Returns whether
+    /// the key is held.
+    pub fn reload_parked(&mut self, key: String, seq: u64, due: T) -> bool {
+        if self.lanes.get(&key).is_some_and(|l| !l.unsure) {
+            return true;
+        }
+        self.load_parked(key, seq, due)
+    }
+
     /// A key found parked in the inbox (at start, or reloaded while keys
     /// are cold). A key held already keeps the older head; one memory has
     /// no room for stays cold. Returns whether it is held.
@@ -1055,7 +1067,7 @@ mod tests {
         assert_eq!(s.finish("a", Finished::Retried { next: None }, 10), vec![]);
         assert_eq!(s.parked_room(), 1);
         let cold = s.cold().expect("b is still cold");
-        assert!(s.load_parked("b".into(), 2, 10));
+        assert!(s.reload_parked("b".into(), 2, 10));
         s.refilled(cold, true);
         assert_eq!(s.cold(), None);
         assert_eq!(s.wake(10), vec![("b".into(), Job::Retry { seq: 2 })]);
@@ -1078,6 +1090,19 @@ mod tests {
         assert_eq!(s.finish("b", Finished::Done, 0), vec![]);
         assert_eq!(s.parked_keys(), 1);
         assert!(s.cold().is_some());
+    }
+
+    /// Review: a reload's head, read before the key's retry went on, took
+    /// the place of the key's newer head (and that one then ran at once,
+    /// without its backoff).
+    #[test]
+    fn a_reload_leaves_a_key_memory_holds_as_memory_knows_it() {
+        let mut s = S::new(4, 1000);
+        s.set_parked_cap(1, usize::MAX);
+        s.load_parked("a".into(), 5, 50);
+        assert!(s.reload_parked("a".into(), 3, 0), "a stale head of a");
+        assert_eq!(s.wake(0), vec![], "a's head is still 5, due at 50");
+        assert_eq!(s.wake(50), vec![("a".into(), Job::Retry { seq: 5 })]);
     }
 
     #[test]
@@ -1339,7 +1364,7 @@ mod tests {
             let total = heads.len();
             let mut all = true;
             for (key, head) in heads.into_iter().take(limit) {
-                all &= s.load_parked(key, head, self.now);
+                all &= s.reload_parked(key, head, self.now);
             }
             s.refilled(cold, all && total <= limit);
             let started = s.wake(self.now);
