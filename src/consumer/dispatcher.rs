@@ -252,6 +252,7 @@ impl<'a, H: Handler> Active<'a, H> {
             parked: metrics::gauge!(m::CONSUMER_PARKED_AGGREGATES),
             parked_total,
             reload: None,
+            reloaded: Instant::now(),
         };
         for (running, end) in adopted {
             dispatch.await_adopted(running, end);
@@ -272,6 +273,10 @@ fn high_water(window: i64) -> usize {
 /// About the memory parked keys may take, beside `--max-parked-keys`: long
 /// aggregate keys reach it first.
 const PARKED_BYTES: usize = 64 << 20;
+
+/// Keys held in the inbox only are read back at least this often, memory
+/// full or not (see [`Scheduler::make_room`]).
+const RELOAD_AT_LEAST: Duration = Duration::from_secs(30);
 
 /// The inbox's parked heads, read while some are held there only (see
 /// [`Dispatch::reload_parked`]).
@@ -339,6 +344,8 @@ struct Dispatch<'a, H> {
     /// A reload of cold parked keys on its way: what [`Scheduler::cold`]
     /// said when it began, and the read.
     reload: Option<(u64, tokio::task::JoinHandle<ParkedHeads>)>,
+    /// When a reload last began.
+    reloaded: Instant,
 }
 
 impl<H: Handler> Dispatch<'_, H> {
@@ -598,14 +605,24 @@ impl<H: Handler> Dispatch<'_, H> {
             }
             self.reload = None;
         }
+        if self.scheduler.cold().is_none() {
+            return;
+        }
+        let tenth = (cfg.max_parked_keys / 10).max(1);
+        if self.scheduler.parked_room() < tenth && self.reloaded.elapsed() > RELOAD_AT_LEAST {
+            // Memory stays full of keys that keep failing: those due last
+            // make room for the inbox's sooner ones.
+            self.scheduler.make_room(tenth);
+        }
         let Some(cold) = self.scheduler.cold() else {
             return;
         };
         let room = self.scheduler.parked_room();
         let idle = self.scheduler.next_wake().is_none();
-        if room == 0 || (room < cfg.max_parked_keys / 10 && !idle) {
+        if room == 0 || (room < tenth && !idle) {
             return;
         }
+        self.reloaded = Instant::now();
         // Keys held already come back too: read past them.
         let limit = room.saturating_add(self.scheduler.parked_keys());
         let (pool, durable, stream) = (

@@ -370,6 +370,24 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         self.parked.cold = true;
     }
 
+    /// Memory is full and keys wait in the inbox: the `n` held keys due
+    /// last (nothing but a parked head in memory) make room, so the inbox's
+    /// sooner ones can be read back. Without it, keys that keep failing
+    /// would hold memory while the others wait for ever.
+    pub fn make_room(&mut self, n: usize) {
+        let mut latest: Vec<(T, String)> = self
+            .lanes
+            .iter()
+            .filter(|(_, l)| l.is_parked() && l.only_parked() && !l.queued)
+            .filter_map(|(k, l)| l.parked.map(|h| (h.due, k.clone())))
+            .collect();
+        latest.sort_by_key(|l| std::cmp::Reverse(l.0));
+        for (_, key) in latest.into_iter().take(n) {
+            self.lanes.remove(&key);
+            self.parked.send_cold(&key);
+        }
+    }
+
     /// Parked keys that memory has room for.
     pub fn parked_room(&self) -> usize {
         if self.parked.bytes >= self.parked.max_bytes {
@@ -1103,6 +1121,20 @@ mod tests {
         assert!(s.reload_parked("a".into(), 3, 0), "a stale head of a");
         assert_eq!(s.wake(0), vec![], "a's head is still 5, due at 50");
         assert_eq!(s.wake(50), vec![("a".into(), Job::Retry { seq: 5 })]);
+    }
+
+    #[test]
+    fn making_room_sends_the_keys_due_last_to_the_inbox() {
+        let mut s = S::new(4, 1000);
+        s.set_parked_cap(2, usize::MAX);
+        s.load_parked("late".into(), 1, 100);
+        s.load_parked("soon".into(), 2, 10);
+        assert_eq!(s.parked_room(), 0);
+        s.make_room(1);
+        assert_eq!(s.parked_room(), 1);
+        assert!(s.cold().is_some());
+        assert_eq!(s.wake(10), vec![("soon".into(), Job::Retry { seq: 2 })]);
+        assert_eq!(s.wake(100), vec![], "late waits in the inbox");
     }
 
     #[test]
