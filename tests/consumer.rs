@@ -3948,6 +3948,21 @@ impl Crew {
         }
     }
 
+    /// A process of the durable on the stack's NATS: `--context` and `extra`.
+    fn process_with(&self, name: &str, extra: &[&str]) -> Service {
+        let mut args = vec!["--context", self.ctx];
+        args.extend_from_slice(extra);
+        Service::consumer_named(
+            &self.url,
+            &stack().nats_url,
+            &self.stream,
+            self.ctx,
+            name,
+            &self.handler_url,
+            &args,
+        )
+    }
+
     fn process(&self, name: &str, nats_url: &str) -> Service {
         self.process_via(name, &self.url, nats_url)
     }
@@ -4289,18 +4304,7 @@ async fn a_lost_lease_repeats_no_successful_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_process_at_the_default_flags_takes_its_share() {
     let crew = Crew::new("c_share", "cshare").await;
-    let nats = stack().nats_url;
-    let start = |name: &str| {
-        Service::consumer_named(
-            &crew.url,
-            &nats,
-            &crew.stream,
-            crew.ctx,
-            name,
-            &crew.handler_url,
-            &["--context", crew.ctx],
-        )
-    };
+    let start = |name: &str| crew.process_with(name, &[]);
     let mut a = start("share-a");
     a.wait_ready();
     let b = start("share-b");
@@ -4380,25 +4384,8 @@ async fn a_process_that_stops_dispatching_reports_no_stale_figures() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_lost_with_its_helper_comes_back_before_its_spilled_successors() {
     let crew = Crew::new("c_lostorder", "clostorder").await;
-    let nats = stack().nats_url;
-    let start = |name: &str| {
-        Service::consumer_named(
-            &crew.url,
-            &nats,
-            &crew.stream,
-            crew.ctx,
-            name,
-            &crew.handler_url,
-            &[
-                "--context",
-                crew.ctx,
-                "--concurrency",
-                "1",
-                "--max-ack-pending",
-                "2",
-            ],
-        )
-    };
+    let start =
+        |name: &str| crew.process_with(name, &["--concurrency", "1", "--max-ack-pending", "2"]);
     let mut a = start("lostorder-a");
     a.wait_ready();
     let mut b = start("lostorder-b");
@@ -5255,25 +5242,8 @@ async fn dlq_replay_sends_a_replay_left_unsent_and_refuses_one_nothing_would_del
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_lost_with_its_helper_keeps_its_backoff() {
     let crew = Crew::new("c_lostretry", "clostretry").await;
-    let nats = stack().nats_url;
-    let start = |name: &str| {
-        Service::consumer_named(
-            &crew.url,
-            &nats,
-            &crew.stream,
-            crew.ctx,
-            name,
-            &crew.handler_url,
-            &[
-                "--context",
-                crew.ctx,
-                "--concurrency",
-                "1",
-                "--backoff",
-                "1s,12s",
-            ],
-        )
-    };
+    let start =
+        |name: &str| crew.process_with(name, &["--concurrency", "1", "--backoff", "1s, 12s"]);
     let mut a = start("lostretry-a");
     a.wait_ready();
     let mut b = start("lostretry-b");

@@ -880,11 +880,9 @@ pub(super) fn backoff_after(shared_backoff: &[Duration], attempts: i32) -> Durat
         .unwrap_or(Duration::from_secs(1))
 }
 
+/// The key's oldest parked message, if any (`None` once the consumer stops).
 async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
-    persist(shared, "reading the next parked message", || {
-        inbox::next_parked(&shared.pool, &shared.cfg.durable, &shared.cfg.stream, key)
-    })
-    .await
+    Some(parked_head(shared, key).await?.map(|(seq, ..)| seq))
 }
 
 #[cfg(test)]

@@ -391,28 +391,6 @@ pub async fn parked_heads(
     Ok((heads, total))
 }
 
-/// The oldest parked message of one aggregate.
-pub async fn next_parked(
-    pool: &PgPool,
-    consumer: &str,
-    stream: &str,
-    key: &str,
-) -> Result<Option<u64>, sqlx::Error> {
-    let seq: Option<i64> = sqlx::query_scalar(
-        "SELECT stream_seq FROM inbox_messages \
-         WHERE consumer = $1 AND aggregate_key = $2 AND parked_until IS NOT NULL \
-           AND processed_at IS NULL AND stream_seq IS NOT NULL \
-           AND (stream = $3 OR stream IS NULL) \
-         ORDER BY stream_seq LIMIT 1",
-    )
-    .bind(consumer)
-    .bind(key)
-    .bind(stream)
-    .fetch_optional(pool)
-    .await?;
-    Ok(seq.and_then(|s| u64::try_from(s).ok()))
-}
-
 /// The oldest parked message of one aggregate: its sequence, how long
 /// until it is due, and its attempts so far.
 pub async fn parked_head(
