@@ -1584,3 +1584,64 @@ async fn a_relay_thawed_after_a_takeover_sends_nothing_stale() {
     );
     drop(b);
 }
+
+/// Issue 44, item 6: a batch whose commit went unanswered was judged stored
+/// by WAL position alone. After a disk-snapshot restore the stream holds
+/// messages of this source at positions the WAL reaches again, so a batch
+/// the stream never stored (its R1 stream's node was down) was taken as
+/// stored and its rows were lost. It is now judged by its ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_batch_is_judged_stored_by_its_ids_not_its_position() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_batchids").await;
+    let cluster = OwnCluster::up("nats-cluster-batchids");
+    let js = async_nats::jetstream::new(cluster.client().await);
+    let stream = wire::stream_name("batchids");
+    let nodes: Vec<String> = cluster.url.split(',').map(str::to_owned).collect();
+    let extra = ["--publish-mode", "batch"];
+    let mut relay = Service::relay(&url, &nodes[0], "batchids", &extra);
+    let first = insert_txn(&pool, 0, 0, 1, 0).await;
+    let got = read_stream_by_seq(&js, &stream, 1, T).await;
+    // The relay must publish through a node that does not hold the stream.
+    let home = cluster.wait_leader(&js, &stream, T).await;
+    relay.term(Duration::from_secs(30));
+    // What a restored snapshot leaves: this source's message at a position
+    // past the WAL's.
+    let source = got[0].h(wire::SOURCE).unwrap().to_owned();
+    let fake = uuid::Uuid::new_v4().to_string();
+    publish_with(
+        &js,
+        "batchids.order.restored",
+        &[
+            (wire::MSG_ID, &fake),
+            (wire::SOURCE, &source),
+            (wire::COMMIT_LSN, "FF/0"),
+            (wire::TXN_INDEX, "0"),
+        ],
+        b"{}",
+    )
+    .await;
+    let via = if home == 1 { &nodes[1] } else { &nodes[0] };
+    let relay = Service::relay(&url, via, "batchids", &extra);
+    cluster.node(home, "kill");
+    let mut sent: HashSet<uuid::Uuid> = first.into_iter().collect();
+    let batch = insert_txn(&pool, 0, 1, 10, 0).await;
+    sent.extend(batch.iter().copied());
+    eventually(T, "the relay looks its batch up", || async {
+        relay.log_text().contains("looking it up in the stream")
+    })
+    .await;
+    cluster.node(home, "start");
+    let got = read_stream_by_seq(&js, &stream, 12, T).await;
+    let ids: HashSet<uuid::Uuid> = got
+        .iter()
+        .filter_map(|g| g.h(wire::MSG_ID)?.parse().ok())
+        .collect();
+    let missing: Vec<_> = batch.iter().filter(|id| !ids.contains(id)).collect();
+    assert!(missing.is_empty(), "lost {missing:?}\n{}", relay.log_text());
+    let ours: Vec<Got> = got
+        .into_iter()
+        .filter(|g| g.h(wire::MSG_ID) != Some(fake.as_str()))
+        .collect();
+    assert_exactly_once_in_order(&ours, &sent);
+}

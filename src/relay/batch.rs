@@ -768,8 +768,7 @@ impl Batcher {
         let Some(cur) = self.current.take() else {
             return;
         };
-        let stored = |q: &Queued| tail.is_some_and(|t| q.pos <= t.at);
-        let (done, rest): (Vec<Queued>, Vec<Queued>) = cur.msgs.into_iter().partition(stored);
+        let (done, rest) = stored_part(cur.msgs, tail.as_ref());
         for q in done {
             self.ready.push_back(Ack {
                 ticket: q.ticket,
@@ -859,6 +858,27 @@ fn plan(
         number: head.batches_sent + 1,
         last: head.complete && len == head.len,
     })
+}
+
+/// What of an unanswered batch the stream holds, by the newest message of
+/// this source it stores: a message of the batch, that very one by id, and
+/// then everything before it too (a batch is stored whole or not at all; a
+/// per-event fallback may have stored a prefix). A tail past the batch that
+/// is none of its messages is another WAL history's (a disk-snapshot
+/// restore reuses positions): nothing of the batch is stored.
+fn stored_part(msgs: Vec<Queued>, tail: Option<&Tail>) -> (Vec<Queued>, Vec<Queued>) {
+    let upto = tail.and_then(|t| {
+        msgs.iter()
+            .position(|q| q.pos == t.at && q.msg.msg_id == t.id)
+    });
+    let mut msgs = msgs;
+    match upto {
+        Some(i) => {
+            let rest = msgs.split_off(i + 1);
+            (msgs, rest)
+        }
+        None => (Vec::new(), msgs),
+    }
 }
 
 /// No answer that says what happened to the batch.
@@ -984,5 +1004,61 @@ mod tests {
         .into_iter()
         .collect();
         assert_eq!(plan(&runs, [5000].into_iter(), 10, 1000), None);
+    }
+
+    fn queued(lsn: u64, index: u32, id: &str) -> Queued {
+        Queued {
+            ticket: lsn,
+            commit_micros: 0,
+            pos: Position {
+                commit_lsn: Lsn(lsn),
+                index,
+            },
+            msg: OutMessage {
+                subject: "s".into(),
+                msg_id: id.into(),
+                headers: Vec::new(),
+                body: bytes::Bytes::new(),
+                dlq_reason: None,
+            },
+        }
+    }
+
+    fn tail(lsn: u64, index: u32, id: &str) -> Tail {
+        Tail {
+            at: Position {
+                commit_lsn: Lsn(lsn),
+                index,
+            },
+            id: id.into(),
+            seq: 9,
+            txn_batch: None,
+        }
+    }
+
+    #[test]
+    fn an_unanswered_batch_is_stored_only_as_far_as_its_own_ids_show() {
+        let batch = || vec![queued(5, 0, "a"), queued(5, 1, "b"), queued(6, 0, "c")];
+        let ids = |q: &[Queued]| q.iter().map(|q| q.msg.msg_id.clone()).collect::<Vec<_>>();
+        // The tail is the batch's last message: all of it.
+        let (done, rest) = stored_part(batch(), Some(&tail(6, 0, "c")));
+        assert_eq!(
+            (ids(&done), ids(&rest).len()),
+            (
+                vec!["a", "b", "c"].into_iter().map(String::from).collect(),
+                0
+            )
+        );
+        // A prefix a per-event fallback stored.
+        let (done, rest) = stored_part(batch(), Some(&tail(5, 1, "b")));
+        assert_eq!((done.len(), ids(&rest)), (2, vec!["c".to_owned()]));
+        // Past the batch, or at its position under another id: another WAL
+        // history's message, nothing of this batch.
+        for t in [tail(7, 0, "x"), tail(6, 0, "x"), tail(4, 0, "x")] {
+            let (done, rest) = stored_part(batch(), Some(&t));
+            assert_eq!((done.len(), rest.len()), (0, 3), "{t:?}");
+        }
+        let (done, rest) = stored_part(batch(), None);
+        assert_eq!((done.len(), rest.len()), (0, 3));
     }
 }

@@ -219,9 +219,12 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
 }
 
 /// The last message this source stored in the stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tail {
     pub at: Position,
+    /// Its `Nats-Msg-Id`: a position alone does not name a message, since
+    /// after a disk-snapshot restore the same positions carry other rows.
+    pub id: String,
     /// Its stream sequence.
     pub seq: u64,
     /// Its `Outbox-Txn-Batch`: it belongs to a transaction split into
@@ -237,11 +240,17 @@ pub async fn stored_tail(
 ) -> Result<Option<Tail>> {
     let found = scan_tail(js, stream_name, |h| {
         let at = lineage_position(h, lineage)?;
+        let id = h.get(wire::MSG_ID)?.as_str().to_owned();
         let txn_batch = h.get(wire::TXN_BATCH).and_then(|k| k.as_str().parse().ok());
-        Some((at, txn_batch))
+        Some((at, id, txn_batch))
     })
     .await?
-    .map(|(seq, (at, txn_batch))| Tail { at, seq, txn_batch });
+    .map(|(seq, (at, id, txn_batch))| Tail {
+        at,
+        id,
+        seq,
+        txn_batch,
+    });
     if found.is_none() {
         tracing::info!(
             stream = stream_name,

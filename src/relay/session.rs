@@ -342,6 +342,9 @@ impl<'a> Session<'a> {
             }),
             None => None,
         };
+        let resume_after = tail
+            .as_ref()
+            .map(|t| format!("{}#{}", t.at.commit_lsn, t.at.index));
         publisher.streaming(lineage, tail);
         self.set_failover(&mut client).await?;
         client.start().await?;
@@ -353,7 +356,7 @@ impl<'a> Session<'a> {
         tracing::info!(
             slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
             batches = publisher.batches(),
-            resume_after = ?tail.map(|t| format!("{}#{}", t.at.commit_lsn, t.at.index)),
+            resume_after = ?resume_after,
             verified = resume.as_ref().map_or(0, |r| r.stored.len()),
             "streaming"
         );
