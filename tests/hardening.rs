@@ -197,6 +197,80 @@ async fn the_suggested_resync_republishes_a_row_whose_transaction_was_open_at_th
     );
 }
 
+/// Issue 44, item 5: events a relay published while it caught up on WAL
+/// written before it started carried no `Outbox-Xid-Horizon` (its horizon
+/// samples begin when it starts). When such an event was the last one
+/// stored and the slot was then lost, the refusal blamed "an older relay"
+/// and its `--resync-since` missed the row of a transaction open at that
+/// event and committed later. They now carry the slot's own horizon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_suggested_resync_covers_an_open_transaction_after_a_catch_up() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "h_resync_cu").await;
+    let stream = wire::stream_name("hresynccu");
+    let mut relay = Service::relay(&url, &stack.nats_url, "hresynccu", &["--backfill", "none"]);
+    assert!(relay.term(Duration::from_secs(30)).success());
+    // While no relay reads: A's transaction starts and stays open, B's
+    // commits.
+    let a = uuid::Uuid::new_v4();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'a', 'placed', '{}')",
+    )
+    .bind(a)
+    .execute(&mut *open)
+    .await
+    .unwrap();
+    let b = insert_txn(&pool, 0, 0, 1, 0).await;
+    // The relay catches B up: the last event the stream stores.
+    relay.restart();
+    relay.wait_ready();
+    let got = read_stream(&stack.nats_url, &stream, 1, T).await;
+    assert_eq!(got.len(), 1);
+    assert!(relay.term(Duration::from_secs(30)).success());
+    open.commit().await.unwrap();
+    let (code, err) = run_bounded(
+        &[
+            "slot",
+            "drop",
+            "--yes",
+            "--database-url",
+            &url,
+            "--context",
+            "hresynccu",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+
+    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "hresynccu", &[]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(!err.contains("older relay"), "{err}");
+    let since = err
+        .split("--resync-since ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the refusal suggests a resync: {err}"))
+        .to_owned();
+    let _relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "hresynccu",
+        &["--resync-since", &since],
+    );
+    let got = read_stream(&stack.nats_url, &stream, 2, Duration::from_secs(30)).await;
+    let ids: HashSet<uuid::Uuid> = got
+        .iter()
+        .filter_map(|g| g.h(wire::MSG_ID)?.parse().ok())
+        .collect();
+    assert!(ids.contains(&b[0]));
+    assert!(
+        ids.contains(&a),
+        "the row committed after the last stored event is back after the suggested --resync-since {since}: {err}"
+    );
+}
+
 /// Defect 10: a standby relay polling for the slot while Postgres was down
 /// longer than its pool's acquire timeout exited ("pool timed out"), while
 /// the active relay rode it out: a deployment lost its standby to an outage

@@ -104,6 +104,35 @@ pub async fn prepare(
     Ok(Prepared { slot, partitions })
 }
 
+/// The slot's `catalog_xmin` as a full transaction id: every transaction
+/// below it had ended before the slot's restart point, so before any commit
+/// the slot still decodes. It is the horizon (SPEC §9, `Outbox-Xid-Horizon`)
+/// of the events a relay publishes before its own samples begin: the WAL
+/// written while no relay read. `None` for a slot without one.
+pub async fn slot_horizon(pool: &PgPool, slot: &str) -> Result<Option<u64>> {
+    let row: Option<(Option<String>, String)> = sqlx::query_as(
+        "SELECT catalog_xmin::text, pg_snapshot_xmax(pg_current_snapshot())::text \
+         FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("reading the slot's transaction horizon"))?;
+    Ok(row.and_then(|(xmin, next)| full_xid(xmin?.parse().ok()?, next.parse().ok()?)))
+}
+
+/// A 32-bit transaction id as the full (epoch-carrying) id it stands for,
+/// given the next full id: the newest one at or below it with those low 32
+/// bits. Wraparound protection keeps every live id within 2^31 of the next.
+fn full_xid(short: u32, next: u64) -> Option<u64> {
+    let candidate = (next & !0xffff_ffff) | u64::from(short);
+    if candidate <= next {
+        Some(candidate)
+    } else {
+        candidate.checked_sub(1 << 32)
+    }
+}
+
 /// The slot's state, after checking it is this database's pgoutput slot.
 pub async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
     let row = sqlx::query(
@@ -340,6 +369,18 @@ pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_short_xid_takes_the_epoch_of_the_next_id_or_the_one_before() {
+        assert_eq!(full_xid(700, 900), Some(700));
+        assert_eq!(full_xid(900, 900), Some(900));
+        let next = (3 << 32) | 5;
+        assert_eq!(full_xid(4, next), Some((3 << 32) | 4));
+        // Below the wrap: the previous epoch.
+        assert_eq!(full_xid(0xffff_fff0, next), Some((2 << 32) | 0xffff_fff0));
+        // Epoch 0 has no previous one.
+        assert_eq!(full_xid(10, 5), None);
+    }
+
     use super::*;
 
     fn facts(version: i32, failover: Option<bool>, standby: Option<&str>) -> FailoverFacts {

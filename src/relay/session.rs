@@ -362,20 +362,26 @@ impl<'a> Session<'a> {
         );
         self.metrics.confirmed.set(confirmed.as_u64() as f64);
 
+        let mut stage = Stage::new(
+            &cfg.schema,
+            &cfg.table,
+            prepared.partitions,
+            router(&source),
+            max_payload,
+            resume,
+        )
+        .with_emitted(cfg.emitted_events);
+        // What was written while no relay read is published before the
+        // first sample: it carries the slot's own horizon.
+        if let Some(xid) = provision::slot_horizon(pool, &cfg.slot).await? {
+            stage.add_horizon(Lsn(0), xid);
+        }
         let (horizons, sampler) = sample_horizons(pool.clone());
         Ok(Open {
             horizons,
             _sampler: sampler.drop_guard(),
             client,
-            stage: Stage::new(
-                &cfg.schema,
-                &cfg.table,
-                prepared.partitions,
-                router(&source),
-                max_payload,
-                resume,
-            )
-            .with_emitted(cfg.emitted_events),
+            stage,
             publisher,
             status_interval,
             fence,
