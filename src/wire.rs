@@ -11,6 +11,12 @@ use pgwire_replication::Lsn;
 
 // ---- Headers the relay sets on every event (SPEC §4). ----
 
+/// On a resumed backfill's messages: what earlier runs of that backfill
+/// are known to have stored, so a run interrupted in its turn passes it on
+/// (`<occurred_at> <id> <xid horizon>`, comma-separated; see
+/// `publish::Covered`).
+pub const BACKFILL_COVERED: &str = "Outbox-Backfill-Covered";
+
 /// JetStream's dedupe key: the outbox row id.
 pub const MSG_ID: &str = "Nats-Msg-Id";
 pub const EVENT_TYPE: &str = "Outbox-Event-Type";

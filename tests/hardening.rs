@@ -4,7 +4,7 @@
 
 use std::collections::HashSet;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::common::*;
 use outbox_relay::wire;
@@ -455,6 +455,107 @@ async fn a_backfill_killed_and_resumed_after_the_duplicate_window_publishes_each
         (dups, missing),
         (0, 0),
         "{dups} rows published twice, {missing} missing ({stored} stored before the kill)\n{}",
+        relay.log_text()
+    );
+}
+
+/// Issue 44, item 7: a backfill resumed from what the stream holds read
+/// back the last run's newest messages and trusted "every row before these
+/// was stored" only when that run had stored two publish windows. When the
+/// last run stored fewer (it was itself interrupted at once), everything
+/// the runs before it stored was published again, past the duplicate
+/// window. Each run now carries the bound it resumed from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_interrupted_twice_in_a_row_publishes_each_row_once() {
+    backfill_interrupted("bfagain", false, 3).await;
+}
+
+/// Issue 44, item 7: one undecodable row (dead-lettered without its time)
+/// among the messages read back made the resume trust nothing but the ids
+/// it read: every row stored before them was published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_with_undecodable_rows_resumes_without_repeats() {
+    backfill_interrupted("bfbadrow", true, 2).await;
+}
+
+/// 40,000 rows backfilled in `runs` runs, each but the last killed -9: the
+/// first after 5,000 rows, the others as soon as they stored anything. With
+/// `bad_rows`, every 100th row cannot be decoded (a null aggregate id).
+async fn backfill_interrupted(ctx: &str, bad_rows: bool, runs: usize) {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, &format!("h_{ctx}")).await;
+    let mut sent = HashSet::new();
+    for i in 0..4 {
+        sent.extend(insert_txn(&pool, 0, i * 10_000, 10_000, 0).await);
+    }
+    if bad_rows {
+        sqlx::query("ALTER TABLE outbox_events ALTER COLUMN aggregate_id DROP NOT NULL")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query(
+            "UPDATE outbox_events SET aggregate_id = NULL WHERE id IN \
+             (SELECT id FROM (SELECT id, row_number() OVER (ORDER BY occurred_at, id) AS n \
+              FROM outbox_events) r WHERE n % 100 = 50)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let stream = wire::stream_name(ctx);
+    let window = 256u64;
+    let flags = ["--duplicate-window", "1s", "--max-inflight", "256"];
+    let mut relay = Service::relay_starting(&url, &stack.nats_url, ctx, &flags);
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let count = || async {
+        match js.get_stream(&stream).await {
+            Ok(mut s) => s.info().await.map_or(0, |i| i.state.messages),
+            Err(_) => 0,
+        }
+    };
+    eventually(T, "the backfill is under way", || async {
+        count().await >= 5_000
+    })
+    .await;
+    relay.kill9();
+    let mut stored = count().await;
+    for run in 2..runs + 1 {
+        // Past the duplicate window: only the relay can keep the rows sent
+        // from being sent again.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        relay.restart();
+        if run == runs {
+            break;
+        }
+        let deadline = Instant::now() + T;
+        let now = loop {
+            let now = count().await;
+            if now > stored {
+                break now;
+            }
+            assert!(Instant::now() < deadline, "run {run} stored nothing");
+        };
+        relay.kill9();
+        let after = count().await;
+        assert!(
+            after - stored < 2 * window,
+            "run {run} must store less than two windows to show the defect ({now}, then {after}, after {stored})"
+        );
+        stored = after;
+    }
+    relay.wait_ready();
+    assert!(stored < sent.len() as u64, "the backfill ended early");
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    let mut seen = HashSet::new();
+    let dups = got
+        .iter()
+        .filter(|g| !seen.insert(g.h(wire::MSG_ID).unwrap().parse::<uuid::Uuid>().unwrap()))
+        .count();
+    let missing = sent.difference(&seen).count();
+    assert_eq!(
+        (dups, missing),
+        (0, 0),
+        "{dups} rows published twice, {missing} missing ({stored} stored before the last run)\n{}",
         relay.log_text()
     );
 }

@@ -111,7 +111,6 @@ pub(super) async fn first_start(
     let resume = match &tail {
         Some(TailEvent {
             backfill: Some(header),
-            xid_horizon: Some(horizon),
             ..
         }) if export => {
             let resume = publish::backfill_resume(
@@ -119,13 +118,12 @@ pub(super) async fn first_start(
                 &cfg.stream,
                 (&system.system_id, &dsn.database),
                 header,
-                *horizon,
                 cfg.max_inflight,
             )
             .await?;
             tracing::info!(
                 stored = resume.stored.len(),
-                before = ?resume.before,
+                covered = %publish::Covered::header(&resume.covered),
                 "resuming an interrupted backfill: the rows the stream holds are not published again"
             );
             resume
@@ -397,16 +395,18 @@ async fn publish_snapshot(
         (None, Some(x)) => format!("WHERE {x}"),
         (None, None) => "WHERE false".into(),
     };
-    if let Some((at, id)) = resume.before {
-        let horizon = resume.horizon;
-        // Rows the interrupted run's snapshot held (their transaction ended
+    for covered in &resume.covered {
+        // Rows an interrupted run's snapshot held (their transaction ended
         // before its horizon) and ordered before what it surely stored.
-        let at = at
+        let at = covered
+            .at
             .format(&time::format_description::well_known::Rfc3339)
             .map_err(|e| Error::setup(format!("rendering the backfill's resume point: {e}")))?;
         condition.push_str(&format!(
-            " AND NOT ((occurred_at, id) < ('{at}', '{id}') AND {} < {horizon})",
-            full_xid("xmin", snap_xmax)
+            " AND NOT ((occurred_at, id) < ('{at}', '{}') AND {} < {})",
+            covered.id,
+            full_xid("xmin", snap_xmax),
+            covered.horizon
         ));
     }
     let select = columns
@@ -433,6 +433,9 @@ async fn publish_snapshot(
     })?;
 
     let header = header_value(filter);
+    // Passed on, so a run interrupted in its turn does not make the next
+    // one forget what the runs before it stored.
+    let covered = (!resume.covered.is_empty()).then(|| publish::Covered::header(&resume.covered));
     let mut router = router.clone();
     router.set_xid_horizon(snap_xmin);
     let published = metrics::counter!(m::BACKFILL_ROWS);
@@ -471,6 +474,11 @@ async fn publish_snapshot(
                         continue;
                     }
                     Ok(r) => router.route_committed(r, pos, None, max_payload),
+                    // Its dead letter, under the row's id, may be stored too.
+                    Err(_) if l.id(&values).is_some_and(|id| resume.stored.contains(&id)) => {
+                        skipped += 1;
+                        continue;
+                    }
                     Err(e) => {
                         router.bad_row(l.id(&values).map(|u| u.to_string()), pos, &e.to_string())
                     }
@@ -479,6 +487,10 @@ async fn publish_snapshot(
             };
             msg.headers
                 .push((Cow::Borrowed(wire::BACKFILL), header.clone()));
+            if let Some(covered) = &covered {
+                msg.headers
+                    .push((Cow::Borrowed(wire::BACKFILL_COVERED), covered.clone()));
+            }
             if let Some(reason) = msg.dlq_reason {
                 log_dead_letter(&msg, reason);
             }

@@ -483,35 +483,117 @@ async fn read_headers(
 pub struct BackfillResume {
     /// Ids of the backfill's messages read back: stored, skip them.
     pub stored: std::collections::HashSet<uuid::Uuid>,
-    /// Every row of the old snapshot ordered before this `(occurred_at,
-    /// id)` is stored. Set only when at least the pipeline window twice
-    /// over of the last run's messages was read: the run never had more
-    /// than one window unacked, so anything ordered before its last two
-    /// windows was acked.
-    pub before: Option<(time::OffsetDateTime, uuid::Uuid)>,
-    /// The last run's snapshot horizon: a row of a transaction from it on
-    /// may not have been in that snapshot.
+    /// What the interrupted runs are known to have stored, beyond `stored`.
+    pub covered: Vec<Covered>,
+}
+
+/// Every row of a backfill run's snapshot ordered before `(at, id)` whose
+/// transaction ended before `horizon` (the run's snapshot horizon: such a
+/// transaction's rows were all in that snapshot) is in the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Covered {
+    pub at: time::OffsetDateTime,
+    pub id: uuid::Uuid,
     pub horizon: u64,
 }
 
+impl Covered {
+    /// At most this many are passed on: one per interrupted run that
+    /// proved its own, less those another one covers. Dropping one costs
+    /// repeats, never a loss.
+    const MAX: usize = 4;
+
+    fn covers(&self, other: &Covered) -> bool {
+        (self.at, self.id) >= (other.at, other.id) && self.horizon >= other.horizon
+    }
+
+    /// Without those another one covers; the newest horizons first.
+    pub fn merge(mut all: Vec<Covered>) -> Vec<Covered> {
+        all.sort_by_key(|c| std::cmp::Reverse((c.horizon, c.at, c.id)));
+        let mut kept: Vec<Covered> = Vec::new();
+        for c in all {
+            if !kept.iter().any(|k| k.covers(&c)) {
+                kept.push(c);
+            }
+        }
+        kept.truncate(Self::MAX);
+        kept
+    }
+
+    /// The [`wire::BACKFILL_COVERED`] value.
+    pub fn header(list: &[Covered]) -> String {
+        list.iter()
+            .filter_map(|c| {
+                let at =
+                    c.at.format(&time::format_description::well_known::Rfc3339)
+                        .ok()?;
+                Some(format!("{at} {} {}", c.id, c.horizon))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Read back: an item it cannot read is left out (a repeat, not a loss).
+    pub fn parse_header(value: &str) -> Vec<Covered> {
+        value
+            .split(',')
+            .filter_map(|item| {
+                let mut f = item.split_whitespace();
+                let at = time::OffsetDateTime::parse(
+                    f.next()?,
+                    &time::format_description::well_known::Rfc3339,
+                )
+                .ok()?;
+                Some(Covered {
+                    at,
+                    id: f.next()?.parse().ok()?,
+                    horizon: f.next()?.parse().ok()?,
+                })
+            })
+            .collect()
+    }
+}
+
+/// What one run proved from its own messages read back: `timed` of them
+/// (with their time) were read, the oldest at `oldest`. A run never had
+/// more than one window unacked, so with two windows read, everything it
+/// published before the oldest was acked; a message without its time (an
+/// undecodable row's dead letter) is left out of both counts.
+#[derive(Debug, Default, Clone, Copy)]
+struct RunRead {
+    timed: u64,
+    oldest: Option<(time::OffsetDateTime, uuid::Uuid)>,
+}
+
+impl RunRead {
+    fn proven(&self, horizon: u64, want: u64) -> Option<Covered> {
+        let (at, id) = self.oldest?;
+        (self.timed >= want).then_some(Covered { at, id, horizon })
+    }
+}
+
 /// Read back, headers only, the newest messages of this database's
-/// interrupted backfill (`header` is its `Outbox-Backfill`, `horizon` the
-/// `Outbox-Xid-Horizon` of its last run's snapshot). `window`: the
+/// interrupted backfill (`header` is its `Outbox-Backfill`). `window`: the
 /// publisher's in-flight limit. Bounded by [`TAIL_SCAN_BUDGET`]; what is
 /// not read is published again (repeats, never a loss).
+///
+/// Runs are told apart by their snapshot's horizon (`Outbox-Xid-Horizon`).
+/// The stream is read back from its end, four windows at a time, until a
+/// run shows two windows of its own (its bound, [`RunRead`]) or the start
+/// is reached: every message of the runs after that one is read, so their
+/// ids say what they stored. The newest run also passes on what the runs
+/// before it proved ([`wire::BACKFILL_COVERED`]): a run interrupted before
+/// it stored two windows proves nothing itself and must not make the next
+/// one forget.
 pub async fn backfill_resume(
     js: &Context,
     stream_name: &str,
     database: (&str, &str),
     header: &str,
-    horizon: u64,
     window: usize,
 ) -> Result<BackfillResume> {
     let context = "reading back the interrupted backfill";
-    let mut resume = BackfillResume {
-        horizon,
-        ..BackfillResume::default()
-    };
+    let mut resume = BackfillResume::default();
     let mut stream = js
         .get_stream(stream_name)
         .await
@@ -526,24 +608,22 @@ pub async fn backfill_resume(
         return Ok(resume);
     }
     let want = window.saturating_mul(2) as u64;
-    // Other sources may interleave: read four windows back for two of ours.
-    let start = state
-        .last_sequence
-        .saturating_sub(want.saturating_mul(2))
-        .max(state.first_sequence)
-        .max(1);
-    let whole = start <= state.first_sequence;
+    // Other sources may interleave: four windows at a time for two of ours.
+    let chunk = want.saturating_mul(2).max(1);
     let deadline = Instant::now() + TAIL_SCAN_BUDGET;
-    let mut last_run = 0u64;
-    let mut oldest: Option<(time::OffsetDateTime, uuid::Uuid)> = None;
-    let mut untimed = false;
-    let complete = read_headers(
-        &stream,
-        start,
-        state.last_sequence,
-        deadline,
-        context,
-        |h| {
+    let mut runs: HashMap<u64, RunRead> = HashMap::new();
+    // The newest message's of this backfill, and the chunk it was read in.
+    let mut inherited: Option<(usize, String)> = None;
+    let mut end = state.last_sequence;
+    let mut whole = false;
+    let mut complete = true;
+    for n in 0.. {
+        let start = end
+            .saturating_sub(chunk - 1)
+            .max(state.first_sequence)
+            .max(1);
+        whole = start <= state.first_sequence;
+        complete = read_headers(&stream, start, end, deadline, context, |h| {
             let get = |name: &str| h.get(name).map(|v| v.as_str());
             let ours = get(wire::SOURCE)
                 .is_some_and(|s| wire::same_database(s, database.0, database.1))
@@ -556,33 +636,42 @@ pub async fn backfill_resume(
                 return;
             };
             resume.stored.insert(id);
-            if get(wire::XID_HORIZON).and_then(|x| x.parse().ok()) == Some(horizon) {
-                last_run += 1;
-                let at = get(wire::OCCURRED_AT).and_then(|t| {
-                    time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
-                        .ok()
-                });
-                match at {
-                    Some(at) => oldest = Some(oldest.map_or((at, id), |o| o.min((at, id)))),
-                    // A message without its time bounds nothing.
-                    None => untimed = true,
-                }
+            if inherited.as_ref().is_none_or(|(i, _)| *i == n) {
+                inherited = Some((n, get(wire::BACKFILL_COVERED).unwrap_or("").to_owned()));
             }
-        },
-    )
-    .await?;
+            let Some(horizon) = get(wire::XID_HORIZON).and_then(|x| x.parse().ok()) else {
+                return;
+            };
+            let at = get(wire::OCCURRED_AT).and_then(|t| {
+                time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+            });
+            if let Some(at) = at {
+                let run = runs.entry(horizon).or_default();
+                run.timed += 1;
+                run.oldest = Some(run.oldest.map_or((at, id), |o| o.min((at, id))));
+            }
+        })
+        .await?;
+        if !complete || whole || runs.values().any(|r| r.timed >= want) {
+            break;
+        }
+        end = start - 1;
+    }
+    // What the runs before proved holds however little of the last was read.
+    let mut covered = inherited
+        .map(|(_, h)| Covered::parse_header(&h))
+        .unwrap_or_default();
     if !complete {
         tracing::warn!(
             stream = stream_name,
             read = resume.stored.len(),
             "stopped reading back the interrupted backfill after {TAIL_SCAN_BUDGET:?}: its rows not read back are published again (the inboxes drop repeats)"
         );
-        return Ok(resume);
+    } else if !whole {
+        // Read from the start, the ids alone say what is stored.
+        covered.extend(runs.iter().filter_map(|(&h, r)| r.proven(h, want)));
     }
-    // Everything was read: the ids alone say what is stored.
-    if !whole && !untimed && last_run >= want {
-        resume.before = oldest;
-    }
+    resume.covered = Covered::merge(covered);
     Ok(resume)
 }
 
@@ -1324,8 +1413,59 @@ fn refused(id: String, e: PublishError) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{server_batches, stall};
+    use super::{server_batches, stall, Covered, RunRead};
     use std::time::Duration;
+
+    fn covered(at: &str, id: u128, horizon: u64) -> Covered {
+        Covered {
+            at: time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339)
+                .unwrap(),
+            id: uuid::Uuid::from_u128(id),
+            horizon,
+        }
+    }
+
+    #[test]
+    fn what_earlier_backfill_runs_stored_survives_its_header_and_keeps_what_nothing_covers() {
+        let a = covered("2026-01-01T00:00:00Z", 1, 100);
+        let b = covered("2026-01-02T00:00:00Z", 2, 200);
+        // Later and with a newer horizon: b covers a.
+        assert_eq!(Covered::merge(vec![a, b]), vec![b]);
+        // Earlier but newer horizon: neither covers the other.
+        let c = covered("2025-12-31T00:00:00Z", 3, 300);
+        assert_eq!(Covered::merge(vec![a, b, c]), vec![c, b]);
+        let list = Covered::merge(vec![a, b, c]);
+        assert_eq!(Covered::parse_header(&Covered::header(&list)), list);
+        // An item it cannot read is left out, not the rest.
+        let text = format!("nonsense, {}", Covered::header(&[b]));
+        assert_eq!(Covered::parse_header(&text), vec![b]);
+        // Bounded: the newest horizons stay.
+        let many: Vec<Covered> = (0..10)
+            .map(|i| {
+                covered(
+                    &format!("2026-01-{:02}T00:00:00Z", 20 - i),
+                    i as u128,
+                    100 + i,
+                )
+            })
+            .collect();
+        let kept = Covered::merge(many);
+        assert_eq!(kept.len(), Covered::MAX);
+        assert_eq!(kept[0].horizon, 109);
+    }
+
+    #[test]
+    fn a_run_proves_its_bound_only_with_two_windows_of_timed_messages() {
+        let at = time::OffsetDateTime::UNIX_EPOCH;
+        let id = uuid::Uuid::nil();
+        let run = |timed| RunRead {
+            timed,
+            oldest: Some((at, id)),
+        };
+        assert_eq!(run(9).proven(7, 10), None);
+        assert_eq!(run(10).proven(7, 10), Some(Covered { at, id, horizon: 7 }));
+        assert_eq!(RunRead::default().proven(7, 0), None);
+    }
 
     #[test]
     fn the_stall_follows_the_publish_timeout() {
