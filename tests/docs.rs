@@ -496,3 +496,32 @@ fn each_check_catches_what_it_is_for() {
         ["docs/guide/a.md: outbox_relay_no_such_metric is not a metric outbox-relay exports"]
     );
 }
+
+/// The relay guide's conformance table names its tests as `file::name`:
+/// each must be a test in that file, so the table cannot claim a case no
+/// test covers.
+#[test]
+fn the_conformance_table_names_tests_that_exist() {
+    let guide = read("docs/guide/relay.md");
+    let table = guide
+        .split("### Conformance")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("docs/guide/relay.md has a Conformance section");
+    let mut named = 0;
+    for cell in table.split('`') {
+        let Some((file, name)) = cell.split_once("::") else {
+            continue;
+        };
+        if file.contains(' ') || name.contains(' ') {
+            continue;
+        }
+        let source = read(&format!("tests/{file}.rs"));
+        assert!(
+            source.contains(&format!("async fn {name}(")),
+            "the conformance table names {file}::{name}, which is not a test in tests/{file}.rs"
+        );
+        named += 1;
+    }
+    assert!(named >= 10, "only {named} tests named");
+}

@@ -987,3 +987,37 @@ async fn the_per_event_path_rides_out_ids_still_in_process_on_a_3_node_cluster()
         "the session rode it out"
     );
 }
+
+/// Issue 44, item 3: a server put in lame duck mode tells its clients to
+/// move before it closes their connections (nats-server: after a 10 s
+/// grace, spread over two minutes). The publish link ignored it and
+/// stayed until the server closed it. It now moves once the answers of
+/// what is in flight are in, under load, with nothing lost, doubled or
+/// reordered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_moves_off_a_server_in_lame_duck_mode_under_load() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_lameduck").await;
+    let cluster = OwnCluster::up("nats-cluster-lameduck");
+    let nodes: Vec<&str> = cluster.url.split(',').collect();
+    let stream = wire::stream_name("lameduck");
+    // Given the first node only: it learns the others from it.
+    let relay = Service::relay(&url, nodes[0], "lameduck", &["--stream-replicas", "3"]);
+    let js = async_nats::jetstream::new(cluster.client().await);
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = spawn_producer(pool.clone(), 1_000_000, 1000, stop.clone());
+    cluster.wait_healthy(&js, &stream, T).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    cluster.signal(1, "USR2");
+    eventually(
+        Duration::from_secs(9),
+        "the publish link leaves the lame duck before its grace period ends",
+        || async { relay.log_text().contains("the publish connection moves") },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stop.store(true, Ordering::Relaxed);
+    let sent = producer.await.unwrap();
+    let got = read_stream_by_seq(&js, &stream, sent.len() as u64, T).await;
+    assert_exactly_once_in_order(&got, &sent);
+}

@@ -684,6 +684,31 @@ async fn an_idle_publish_connection_answers_the_servers_pings() {
     assert_eq!(m.value("outbox_relay_publish_resends_total"), Some(0.0));
 }
 
+/// Issue 44, item 3: an idle publish link on a path that went silent (a
+/// black hole: nothing is reset, nothing arrives) was kept until the next
+/// event stalled on it. The link now PINGs an idle server and gives the
+/// connection up when no PONG comes, while idle, so the next event goes
+/// on a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_publish_link_on_a_silent_path_is_given_up_while_idle() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_idlesilent").await;
+    let proxy = Proxy::start(stack.nats_url.trim_start_matches("nats://")).await;
+    let relay = Service::relay(&url, &proxy.nats_url(), "idlesilent", &[]);
+    let stream = wire::stream_name("idlesilent");
+    let mut sent = insert_txn(&pool, 0, 0, 3, 8).await;
+    read_stream(&stack.nats_url, &stream, 3, T).await;
+    proxy.freeze();
+    eventually(T, "the idle link is given up", || async {
+        relay.log_text().contains("taken for dead")
+    })
+    .await;
+    proxy.heal();
+    sent.extend(insert_txn(&pool, 0, 3, 3, 8).await);
+    let got = read_stream(&stack.nats_url, &stream, 6, T).await;
+    assert_exactly_once_in_order(&got, &sent.into_iter().collect());
+}
+
 /// A server list whose first entry accepts connections and never speaks
 /// (a hung host): the publish connection gives it up after its handshake
 /// timeout and publishes through the next server.

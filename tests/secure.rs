@@ -195,6 +195,128 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     );
     drop(first_relay);
 
+    // Issue 44, conformance: mutual TLS. The server verifies a client
+    // certificate signed by the test CA; the relay presents one.
+    let openssl = |args: &[&str]| {
+        let st = Command::new("openssl")
+            .args(args)
+            .current_dir(&tls_dir)
+            .output()
+            .unwrap();
+        assert!(
+            st.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+    };
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=outbox-relay",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+    ]);
+    // Extensions make it a v3 certificate, the only kind rustls takes.
+    std::fs::write(
+        tls_dir.join("client-ext.cnf"),
+        "extendedKeyUsage = clientAuth\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-extfile",
+        "client-ext.cnf",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        "client.crt",
+    ]);
+    let conf = tls_dir.join("nats-mtls.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "tls {{ cert_file: \"{}\", key_file: \"{}\", ca_file: \"{}\", verify: true }}\n",
+            tls_dir.join("server.crt").display(),
+            tls_dir.join("server.key").display(),
+            ca,
+        ),
+    )
+    .unwrap();
+    let mtls = OwnNats::start_with(&stack(), "mtls", &["-c", conf.to_str().unwrap()]);
+    let mtls_url = mtls.url.replace("nats://", "tls://");
+    let (cert, key) = (tls_dir.join("client.crt"), tls_dir.join("client.key"));
+    let mtls_relay = Service::relay(
+        &admin_url,
+        &mtls_url,
+        "mtls",
+        &[
+            "--nats-ca",
+            &ca,
+            "--nats-tls-cert",
+            cert.to_str().unwrap(),
+            "--nats-tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let id = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', 'o-mtls', 'placed', '{}')",
+    )
+    .bind(id)
+    .execute(&admin)
+    .await
+    .unwrap();
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(PathBuf::from(&ca))
+        .add_client_certificate(cert.clone(), key.clone())
+        .connect(&mtls_url)
+        .await
+        .unwrap();
+    let got = read_stream_with(client, &wire::stream_name("mtls"), 1, T).await;
+    assert!(
+        got.iter()
+            .any(|g| g.h(wire::MSG_ID) == Some(id.to_string().as_str())),
+        "the row went through the mutual-TLS server"
+    );
+    drop(mtls_relay);
+    // Without a client certificate the server refuses it: one clear line.
+    let out = Command::new(BIN)
+        .args([
+            "relay",
+            "--context",
+            "mtls",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--database-url",
+            &admin_url,
+            "--nats-url",
+            &mtls_url,
+            "--nats-ca",
+            &ca,
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+
     // The consumer over the same TLS connections: every event reaches a
     // local HTTP handler once, and its Postgres connections are TLS too.
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));

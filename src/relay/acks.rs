@@ -262,6 +262,12 @@ impl Inbox {
         self.dead || self.link.broken()
     }
 
+    /// The link's server is leaving: what is in flight on it is still
+    /// answered, nothing new should go.
+    pub fn leaving(&self) -> bool {
+        self.link.lame_duck()
+    }
+
     /// The next [`Next`]; `None` when nothing is in flight. Cancel-safe:
     /// an answer read is recorded before anything else is awaited.
     pub async fn next(&mut self) -> Option<Next> {

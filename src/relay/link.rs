@@ -72,6 +72,8 @@ pub enum LinkError {
     Handshake { server: String, message: String },
     #[error("the connection closed")]
     Closed,
+    #[error("the publish connection ended: {0}")]
+    Ended(String),
     #[error("the server broke the protocol: {0}")]
     Protocol(String),
     #[error("{0}")]
@@ -108,6 +110,8 @@ pub struct Dialer {
     /// TLS before the server's INFO (`handshake_first` servers).
     tls_first: bool,
     name: String,
+    /// Servers the links' later INFOs announced, learned at the next dial.
+    announced: Arc<Mutex<Vec<String>>>,
 }
 
 impl Dialer {
@@ -145,6 +149,7 @@ impl Dialer {
             require_tls: args.nats_tls || args.nats_ca.is_some() || args.nats_tls_first,
             tls_first: args.nats_tls_first,
             name,
+            announced: Arc::default(),
         })
     }
 
@@ -159,6 +164,12 @@ impl Dialer {
 
     /// A link to the first server that takes one, trying each once.
     pub async fn dial(&mut self) -> Result<Link, LinkError> {
+        let announced = self
+            .announced
+            .lock()
+            .map(|mut a| std::mem::take(&mut *a))
+            .unwrap_or_default();
+        self.learn(&announced);
         let mut last = None;
         for _ in 0..self.servers.len() {
             let i = self.next % self.servers.len();
@@ -246,8 +257,9 @@ impl Dialer {
                 (info, max_payload, Box::new(r), Box::new(w))
             }
         };
-        let shared = Arc::new(Shared::with_max_payload(
+        let shared = Arc::new(Shared::new(
             max_payload.unwrap_or(info.max_payload),
+            self.announced.clone(),
         ));
         let stop = CancellationToken::new();
         tokio::spawn(write_out(shared.clone(), writer, stop.clone()));
@@ -264,6 +276,7 @@ impl Dialer {
                 _tasks: stop.drop_guard(),
                 prefix,
                 sent_mark: 0,
+                server,
             },
             info,
         ))
@@ -449,15 +462,52 @@ struct Shared {
     /// Nothing queued before a pause is written after it (see
     /// [`super::fence`]).
     fence: std::sync::OnceLock<super::fence::Fence>,
-    /// Barrier PINGs not answered yet (see [`Link::barrier`]).
-    barriers: AtomicU64,
+    /// Our PINGs not answered yet, oldest first: `true` for a barrier
+    /// (see [`Link::barrier`]), `false` for a keepalive. PONGs come in
+    /// order, so each answers the oldest.
+    pings: Mutex<VecDeque<bool>>,
+    /// When the reader last heard anything, in ms since `born`.
+    heard_ms: AtomicU64,
+    born: Option<tokio::time::Instant>,
+    /// The server said it is leaving (lame duck mode, INFO `ldm`).
+    lame_duck: std::sync::atomic::AtomicBool,
+    /// Where cluster servers the server announces later go (the dialer's).
+    announced: Arc<Mutex<Vec<String>>>,
 }
 
 impl Shared {
-    fn with_max_payload(max_payload: usize) -> Self {
-        let s = Self::default();
+    fn new(max_payload: usize, announced: Arc<Mutex<Vec<String>>>) -> Self {
+        let s = Self {
+            born: Some(tokio::time::Instant::now()),
+            announced,
+            ..Self::default()
+        };
         s.max_payload.store(max_payload, Ordering::Relaxed);
         s
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.born.map_or(0, |b| {
+            u64::try_from(b.elapsed().as_millis()).unwrap_or(u64::MAX)
+        })
+    }
+
+    /// Queue a PING, remembering what it is for; `false` if the link is
+    /// gone. The queue's lock is held while the PING is queued, so the
+    /// order of the queue is the order on the wire.
+    fn ping(&self, barrier: bool) -> bool {
+        let Ok(mut pings) = self.pings.lock() else {
+            return false;
+        };
+        let queued = self.push(|s| s.buf.extend_from_slice(b"PING\r\n"));
+        if queued {
+            pings.push_back(barrier);
+        }
+        queued
+    }
+
+    fn barrier_pending(&self) -> bool {
+        self.pings.lock().is_ok_and(|p| p.contains(&true))
     }
 }
 
@@ -466,6 +516,11 @@ impl Shared {
 struct InfoUpdate {
     #[serde(default)]
     max_payload: Option<usize>,
+    /// Lame duck mode: the server will close its connections soon.
+    #[serde(default)]
+    ldm: bool,
+    #[serde(default)]
+    connect_urls: Vec<String>,
 }
 
 impl InfoUpdate {
@@ -576,10 +631,18 @@ async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) 
     const KEEP: usize = 256 * 1024;
     let mut spare = Vec::with_capacity(64 * 1024);
     let mut bodies = Vec::new();
+    let mut check = tokio::time::interval(KEEPALIVE / 2);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = shared.wrote.notified() => {}
+            _ = check.tick() => {
+                if !keepalive(&shared) {
+                    return;
+                }
+                continue;
+            }
         }
         loop {
             let fenced = shared
@@ -622,6 +685,52 @@ async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) 
     }
 }
 
+/// An idle link asks the server for a PONG after this long without a word
+/// from it, and takes it for dead after twice this: a black-holed path is
+/// replaced before the next event needs it, not found by that event's
+/// stall. (The server pings an idle client only every two minutes.)
+const KEEPALIVE: Duration = Duration::from_secs(5);
+
+/// `false`: the link is closed (it was silent too long).
+fn keepalive(shared: &Shared) -> bool {
+    let silent = shared
+        .now_ms()
+        .saturating_sub(shared.heard_ms.load(Ordering::Relaxed));
+    let silent = Duration::from_millis(silent);
+    if silent >= 2 * KEEPALIVE {
+        let why = format!(
+            "no word from the server for {silent:?}, a PING unanswered: the connection is taken for dead"
+        );
+        tracing::warn!("{why}; the next event goes on a new one");
+        shared.close(why);
+        return false;
+    }
+    let waiting = shared.pings.lock().is_ok_and(|p| !p.is_empty());
+    if silent >= KEEPALIVE && !waiting {
+        return shared.ping(false);
+    }
+    !shared.broken()
+}
+
+/// Whether the server closes the connection after this `-ERR` (so the
+/// link ends now, with the server's words as the reason). A permission
+/// refusal keeps the connection; so may an error we do not know.
+fn closes_connection(err: &str) -> bool {
+    const CLOSING: [&str; 9] = [
+        "authorization violation",
+        "stale connection",
+        "slow consumer",
+        "maximum payload violation",
+        "user authentication expired",
+        "user authentication revoked",
+        "account authentication expired",
+        "maximum connections exceeded",
+        "unknown protocol operation",
+    ];
+    let err = err.trim().trim_matches('\'').to_ascii_lowercase();
+    CLOSING.iter().any(|c| err.starts_with(c))
+}
+
 /// `write_all`, counting each partial write: a large write in progress
 /// shows as progress ([`Link::still_sending`]).
 async fn send_all(w: &mut Writer, mut buf: &[u8], written: &AtomicU64) -> std::io::Result<()> {
@@ -652,6 +761,7 @@ async fn read_in(
             _ = stop.cancelled() => return,
             op = next_op(&mut r, &mut rbuf) => op,
         };
+        shared.heard_ms.store(shared.now_ms(), Ordering::Relaxed);
         match op {
             Ok(Op::Msg {
                 subject,
@@ -677,25 +787,39 @@ async fn read_in(
             }
             Ok(Op::Err(text)) => match denied_subject(&text) {
                 // For a message sent before a barrier: forgotten since.
-                Some(subject) if shared.barriers.load(Ordering::Relaxed) > 0 => {
+                Some(subject) if shared.barrier_pending() => {
                     tracing::debug!(subject, "a refusal of a forgotten copy; ignored");
                 }
                 // The server keeps the connection and never answers the
                 // message: only this line says it went nowhere.
                 Some(subject) => shared.deny(subject.to_owned()),
+                None if closes_connection(&text) => {
+                    tracing::warn!(error = %text, "NATS closes the publish connection; what it did not answer is sent again on a new one");
+                    shared.close(format!("the server said {text}"));
+                    return;
+                }
                 None => {
                     tracing::warn!(error = %text, "NATS refused something on the publish connection")
                 }
             },
             Ok(Op::Info(json)) => {
-                if let Some(max) = InfoUpdate::read(&json).max_payload {
+                let info = InfoUpdate::read(&json);
+                if let Some(max) = info.max_payload {
                     shared.max_payload.store(max, Ordering::Relaxed);
+                }
+                if !info.connect_urls.is_empty() {
+                    if let Ok(mut a) = shared.announced.lock() {
+                        a.extend(info.connect_urls);
+                    }
+                }
+                if info.ldm && !shared.lame_duck.swap(true, Ordering::Relaxed) {
+                    tracing::info!("the NATS server is leaving (lame duck mode): the publish connection moves to another server once its answers are in");
                 }
             }
             Ok(Op::Pong) => {
-                let _ = shared
-                    .barriers
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+                if let Ok(mut p) = shared.pings.lock() {
+                    p.pop_front();
+                }
             }
             Ok(Op::Ok) => {}
             Err(e) => {
@@ -748,6 +872,7 @@ pub struct Link {
     prefix: String,
     /// The writer's count at the last [`Self::still_sending`].
     sent_mark: u64,
+    server: String,
 }
 
 impl Link {
@@ -811,10 +936,18 @@ impl Link {
         if let Ok(mut a) = self.shared.answers.lock() {
             a.denied.clear();
         }
-        self.shared.barriers.fetch_add(1, Ordering::Relaxed);
-        if !self.shared.push(|s| s.buf.extend_from_slice(b"PING\r\n")) {
-            self.shared.barriers.fetch_sub(1, Ordering::Relaxed);
-        }
+        self.shared.ping(true);
+    }
+
+    /// The server is leaving (lame duck mode): nothing new should go on
+    /// this link once what is in flight on it is answered.
+    pub fn lame_duck(&self) -> bool {
+        self.shared.lame_duck.load(Ordering::Relaxed)
+    }
+
+    /// The server it is connected to (`host:port`).
+    pub fn server(&self) -> &str {
+        &self.server
     }
 
     /// From now on the writer writes nothing once `fence` broke.
@@ -881,7 +1014,7 @@ impl Link {
                     return Ok(answer);
                 }
                 if let Some(why) = &a.closed {
-                    return Err(LinkError::Protocol(why.clone()));
+                    return Err(LinkError::Ended(why.clone()));
                 }
             }
             // A notification sent since the check is kept as a permit.
@@ -1221,7 +1354,7 @@ mod tests {
     /// their own bytes at their place: the stream is the same.
     #[tokio::test]
     async fn the_writer_puts_large_bodies_in_their_place() {
-        let shared = Arc::new(Shared::with_max_payload(1 << 20));
+        let shared = Arc::new(Shared::new(1 << 20, Arc::default()));
         let (ours, mut theirs) = tokio::io::duplex(1 << 20);
         let stop = CancellationToken::new();
         tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
@@ -1231,6 +1364,7 @@ mod tests {
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
             sent_mark: 0,
+            server: "test".into(),
         };
         let mut want = Vec::new();
         let extra = [("Nats-Batch-Id", "b1")];
@@ -1306,7 +1440,7 @@ mod tests {
     /// both queues once they are drained.
     #[tokio::test]
     async fn the_reader_sorts_answers_and_answers_pings() {
-        let shared = Arc::new(Shared::with_max_payload(1 << 20));
+        let shared = Arc::new(Shared::new(1 << 20, Arc::default()));
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
         let (r, w) = tokio::io::split(ours);
         let stop = CancellationToken::new();
@@ -1323,6 +1457,7 @@ mod tests {
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
             sent_mark: 0,
+            server: "test".into(),
         };
         let ack = br#"{"stream":"S","seq":1}"#;
         let commit = br#"{"stream":"S","seq":3,"batch":"b1","count":2}"#;
@@ -1376,11 +1511,118 @@ mod tests {
         assert!(link.broken());
     }
 
+    /// A link over a duplex pipe; the test plays the server on `theirs`.
+    fn piped(announced: Arc<Mutex<Vec<String>>>) -> (Link, tokio::io::DuplexStream) {
+        let shared = Arc::new(Shared::new(1 << 20, announced));
+        let (ours, theirs) = tokio::io::duplex(1 << 16);
+        let (r, w) = tokio::io::split(ours);
+        let stop = CancellationToken::new();
+        tokio::spawn(write_out(shared.clone(), Box::new(w), stop.clone()));
+        tokio::spawn(read_in(
+            shared.clone(),
+            Box::new(r),
+            BytesMut::new(),
+            "_I.".into(),
+            stop.clone(),
+        ));
+        let link = Link {
+            shared,
+            _tasks: stop.drop_guard(),
+            prefix: "_I.".into(),
+            sent_mark: 0,
+            server: "test".into(),
+        };
+        (link, theirs)
+    }
+
+    /// Each `-ERR` after which nats-server closes the connection ends the
+    /// link at once, with the server's words as the reason; one it keeps
+    /// the connection after (one we do not know) is only logged.
+    #[tokio::test]
+    async fn an_error_the_server_closes_after_ends_the_link_with_its_words() {
+        for err in [
+            "'Authorization Violation'",
+            "'Stale Connection'",
+            "'Slow Consumer'",
+            "'Maximum Payload Violation'",
+            "'User Authentication Expired'",
+        ] {
+            let (mut link, mut theirs) = piped(Arc::default());
+            theirs
+                .write_all(format!("-ERR {err}\r\n").as_bytes())
+                .await
+                .unwrap();
+            let e = link.next_answer().await.expect_err(err).to_string();
+            assert!(e.contains(err.trim_matches('\'')), "{err}: {e}");
+            assert!(link.broken(), "{err}");
+        }
+        let (link, mut theirs) = piped(Arc::default());
+        theirs
+            .write_all(b"-ERR 'Something New'\r\nPING\r\n")
+            .await
+            .unwrap();
+        let mut pong = [0; 6];
+        theirs.read_exact(&mut pong).await.unwrap();
+        assert!(!link.broken());
+    }
+
+    /// A later INFO in lame duck mode marks the link as leaving; the
+    /// servers it announces reach the dialer.
+    #[tokio::test]
+    async fn a_lame_duck_info_marks_the_link_and_announces_servers() {
+        let announced = Arc::default();
+        let (link, mut theirs) = piped(Arc::clone(&announced));
+        assert!(!link.lame_duck());
+        theirs
+            .write_all(b"INFO {\"ldm\":true,\"connect_urls\":[\"127.0.0.1:4223\"]}\r\nPING\r\n")
+            .await
+            .unwrap();
+        let mut pong = [0; 6];
+        theirs.read_exact(&mut pong).await.unwrap();
+        assert!(link.lame_duck());
+        assert!(!link.broken(), "what is in flight is still answered");
+        assert_eq!(
+            *announced.lock().unwrap(),
+            vec!["127.0.0.1:4223".to_owned()]
+        );
+    }
+
+    /// An idle link whose server says nothing asks with a PING after
+    /// [`KEEPALIVE`], and ends after twice that with no answer; one that
+    /// answers stays. A keepalive's PONG is not taken for a barrier's.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_idle_link_pings_and_is_given_up_without_a_pong() {
+        let (mut link, mut theirs) = piped(Arc::default());
+        let mut ping = [0; 6];
+        theirs.read_exact(&mut ping).await.unwrap();
+        assert_eq!(&ping, b"PING\r\n");
+        link.barrier();
+        theirs.read_exact(&mut ping).await.unwrap();
+        // The keepalive's PONG: the barrier's is still to come.
+        theirs.write_all(b"PONG\r\n").await.unwrap();
+        theirs
+            .write_all(b"-ERR 'Permissions Violation for Publish to \"a.old\"'\r\nPONG\r\n-ERR 'Permissions Violation for Publish to \"a.new\"'\r\n")
+            .await
+            .unwrap();
+        assert!(
+            matches!(link.next_answer().await.unwrap(), Heard::Denied(s) if s == "a.new"),
+            "the refusal before the barrier's PONG is dropped"
+        );
+        tokio::time::sleep(KEEPALIVE).await;
+        assert!(!link.broken(), "it answered");
+        // Now silent: a PING, then the end.
+        theirs.read_exact(&mut ping).await.unwrap();
+        assert_eq!(&ping, b"PING\r\n");
+        let e = link.next_answer().await.expect_err("given up").to_string();
+        assert!(e.contains("taken for dead"), "{e}");
+        assert!(link.broken());
+    }
+
     /// Bytes still leaving, slowly, are not silence; a writer stuck since
     /// the last look, or done, is.
     #[tokio::test]
     async fn a_link_still_sending_is_told_from_a_silent_one() {
-        let shared = Arc::new(Shared::with_max_payload(1 << 20));
+        let shared = Arc::new(Shared::new(1 << 20, Arc::default()));
         let (ours, mut theirs) = tokio::io::duplex(256);
         let stop = CancellationToken::new();
         tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
@@ -1389,6 +1631,7 @@ mod tests {
             _tasks: stop.drop_guard(),
             prefix: "_I.".into(),
             sent_mark: 0,
+            server: "test".into(),
         };
         let written = || shared.written.load(Ordering::Relaxed);
         async fn until(what: &str, done: impl Fn() -> bool) {

@@ -724,6 +724,10 @@ enum Sending {
     Sent,
     /// The link broke; the message is given back.
     Broken(Sent, String),
+    /// The link's server is leaving and answers what is in flight on it
+    /// first, or there is no link and the caller may not dial: the message
+    /// is given back, to go on the next link.
+    Held(Sent),
 }
 
 /// Where a message the server refuses goes instead.
@@ -903,9 +907,13 @@ impl Publisher {
             // Never a dial here: the session cannot stop while this
             // runs. Without a link the message waits, and `next_ack`
             // dials.
-            if let Sending::Broken(sent, why) = self.send(sent, false, false).await? {
-                self.parked.push_back(sent);
-                self.ride_out(None, &why, false);
+            match self.send(sent, false, false).await? {
+                Sending::Sent => {}
+                Sending::Broken(sent, why) => {
+                    self.parked.push_back(sent);
+                    self.ride_out(None, &why, false);
+                }
+                Sending::Held(sent) => self.parked.push_back(sent),
             }
         } else {
             // Never ahead of what waits to go again: the caller's select
@@ -961,8 +969,9 @@ impl Publisher {
     /// The link, for the batch path's messages, dialed if there is none
     /// or it broke. Batches go only while nothing per-event is in flight.
     pub(super) async fn batch_link(&mut self) -> Result<&mut Link> {
-        if self.acks.as_ref().is_some_and(Inbox::broken) && self.unanswered() == 0 {
-            self.acks = None;
+        let leaving = |a: &Inbox| a.broken() || a.leaving();
+        if self.acks.as_ref().is_some_and(leaving) && self.unanswered() == 0 {
+            self.move_off();
         }
         self.ensure_link("").await?;
         self.link().ok_or_else(|| Error::Publish {
@@ -985,6 +994,19 @@ impl Publisher {
         }
     }
 
+    /// Leave the link whose server is leaving (or that broke), with
+    /// nothing in flight on it: the next message dials another server.
+    fn move_off(&mut self) {
+        if let Some(mut acks) = self.acks.take() {
+            if acks.leaving() && !acks.broken() {
+                tracing::info!(
+                    from = acks.link().server(),
+                    "every answer is in from the server that is leaving; the publish connection moves"
+                );
+            }
+        }
+    }
+
     /// Dial a link if there is none. No server taking one ends the
     /// session (`id`: the event waiting for it, if any).
     async fn ensure_link(&mut self, id: &str) -> Result<()> {
@@ -1003,6 +1025,7 @@ impl Publisher {
     }
 
     fn open(&mut self, link: Link) {
+        tracing::debug!(server = link.server(), "publish connection open");
         if let Some(fence) = &self.fence {
             link.set_fence(fence.clone());
         }
@@ -1027,9 +1050,17 @@ impl Publisher {
             }
             self.acks = None;
         }
+        if self.acks.as_ref().is_some_and(Inbox::leaving) {
+            if self.unanswered() > 0 {
+                return Ok(Sending::Held(sent));
+            }
+            self.move_off();
+        }
         if self.acks.is_none() {
             if !may_dial {
-                return broken(sent, "no publish connection");
+                // Nothing is in flight: not an outage, only a link to dial
+                // (the next `next_ack` does).
+                return Ok(Sending::Held(sent));
             }
             self.ensure_link(&sent.msg.msg_id).await?;
         }
@@ -1329,10 +1360,15 @@ impl Publisher {
         let probe = self.outage.is_some();
         while let Some(front) = self.parked.front() {
             let next = front.clone();
-            if let Sending::Broken(_, why) = self.send(next, probe, true).await? {
-                // It stays at the head; the outage paces the next try.
-                self.ride_out(None, &why, false);
-                return Ok(());
+            match self.send(next, probe, true).await? {
+                Sending::Sent => {}
+                Sending::Broken(_, why) => {
+                    // It stays at the head; the outage paces the next try.
+                    self.ride_out(None, &why, false);
+                    return Ok(());
+                }
+                // It stays at the head until the old link's answers are in.
+                Sending::Held(_) => return Ok(()),
             }
             self.parked.pop_front();
             if probe {
