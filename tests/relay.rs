@@ -1397,6 +1397,57 @@ async fn a_relay_denied_its_dead_letter_subject_stops_with_one_clear_line() {
     );
 }
 
+/// Issue 44, item 4: a session routes under its first connection's
+/// `max_payload`. When the server came back with a smaller one, the link
+/// refused a larger row unsent, and the publisher chained the next row to
+/// that id the stream never got. The row is dead-lettered (`too_large`)
+/// before it is sent, and the rows after it flow, each once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_over_a_restarted_servers_smaller_max_payload_is_dead_lettered() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_shrunk").await;
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("shrunk");
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("nats.conf");
+    std::fs::write(&conf, "max_payload: 1048576\n").unwrap();
+    let mut nats = OwnNats::start_with(&stack, "shrunk", &["-c", conf.to_str().unwrap()]);
+    let relay = Service::relay(&url, &nats.url, "shrunk", &["--publish-mode", "event"]);
+    let stream = wire::stream_name("shrunk");
+    let row = |pad: i32| {
+        let pool = pool.clone();
+        async move {
+            let id = uuid::Uuid::new_v4();
+            sqlx::query(
+                "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1, 'order', 'a1', 'placed', jsonb_build_object('pad', repeat('x', $2)))",
+            )
+            .bind(id)
+            .bind(pad)
+            .execute(&pool)
+            .await
+            .unwrap();
+            id
+        }
+    };
+    let first = row(20_000).await;
+    read_stream(&nats.url, &stream, 1, T).await;
+    nats.down();
+    std::fs::write(&conf, "max_payload: 8192\n").unwrap();
+    nats.up();
+    let ids = [row(1).await, row(20_000).await, row(1).await];
+    let got = read_stream(&nats.url, &stream, 4, T).await;
+    let id_of = |g: &Got| g.h(wire::MSG_ID).unwrap().to_owned();
+    assert_eq!(
+        got.iter().map(id_of).collect::<Vec<_>>(),
+        [first, ids[0], ids[1], ids[2]].map(|i| i.to_string()),
+        "{}",
+        relay.log_text()
+    );
+    assert_eq!(got[2].subject, wire::relay_dlq_subject("shrunk"));
+    assert_eq!(got[2].h(wire::DLQ_REASON), Some("too_large"));
+    assert_ne!(got[3].subject, got[2].subject);
+}
+
 /// Issue 44, item 2: the account's `max_payload` (4 KiB here, under the
 /// server's 1 MiB) comes in the INFO the server sends after CONNECT, which
 /// the publish link ignored: a row between the two limits made the server

@@ -81,6 +81,10 @@ pub fn server_batches(version: &str) -> bool {
 /// routing and is refused at publish.
 pub const HEADER_RESERVE: usize = 256;
 
+/// The `Nats-Expected-Last-Msg-Id` header a message may gain when sent
+/// (its name, a 36-byte id and the separators), within [`HEADER_RESERVE`].
+const CHAIN_RESERVE: usize = 80;
+
 /// Create the stream when missing; an existing stream is used as it is.
 fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
     matches!(
@@ -771,6 +775,9 @@ pub struct Publisher {
     /// Id of the message the next publish must follow; `None` until a solo
     /// publish is stored.
     chain: Option<String>,
+    /// The `max_payload` of the session's first link, which routing used:
+    /// a later link with a smaller one gets messages checked against it.
+    routed_for: usize,
     solo_pending: bool,
     max_inflight: usize,
     max_bytes: usize,
@@ -806,6 +813,7 @@ impl Publisher {
             parked: VecDeque::new(),
             bytes: 0,
             chain: None,
+            routed_for: usize::MAX,
             solo_pending: false,
             max_inflight,
             max_bytes,
@@ -903,6 +911,8 @@ impl Publisher {
             // Set when handed over (`send`); only a sent message's is read.
             at: self.epoch,
         };
+        // Counted first: `send` may put a smaller dead letter in its place.
+        self.bytes += size;
         if self.parked.is_empty() {
             // Never a dial here: the session cannot stop while this
             // runs. Without a link the message waits, and `next_ack`
@@ -922,7 +932,6 @@ impl Publisher {
             // predecessors.
             self.parked.push_back(sent);
         }
-        self.bytes += size;
         Ok(())
     }
 
@@ -1025,6 +1034,10 @@ impl Publisher {
     }
 
     fn open(&mut self, link: Link) {
+        // The session routes under the first link's limit.
+        if self.routed_for == usize::MAX {
+            self.routed_for = link.max_payload();
+        }
         tracing::debug!(server = link.server(), "publish connection open");
         if let Some(fence) = &self.fence {
             link.set_fence(fence.clone());
@@ -1072,6 +1085,30 @@ impl Publisher {
             if !f.holds(tokio::time::Instant::from_std(now)) {
                 return Err(Error::Paused { paused: f.paused() });
             }
+        }
+        // Routed under a larger limit than this link's (a server with a
+        // smaller `max_payload` took over, or a later INFO lowered it): the
+        // link would refuse it unsent, and a message chained to it would
+        // then wait on an id the stream never got. Its dead letter goes
+        // in its place.
+        let limit = acks.link().max_payload();
+        if limit < self.routed_for
+            && sent.msg.dlq_reason.is_none()
+            && sent.msg.wire_size() + CHAIN_RESERVE > limit
+        {
+            let before = sent.msg.wire_size();
+            tracing::warn!(id = %sent.msg.msg_id, size = before, max_payload = limit, "the event is over the connection's max_payload; dead-lettering it");
+            metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => DlqReason::TooLarge.as_str())
+                .increment(1);
+            let detail = format!("{before} bytes, over the connection's max_payload of {limit}");
+            sent.msg = dead_letter(
+                sent.msg,
+                &self.refusals.dlq_subject,
+                DlqReason::TooLarge,
+                Some(&detail),
+                self.refusals.max_message,
+            );
+            self.bytes = self.bytes.saturating_sub(before) + sent.msg.wire_size();
         }
         let prev = self.chain.as_deref();
         if !acks.publish(&sent.msg, prev) {
