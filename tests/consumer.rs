@@ -607,6 +607,58 @@ async fn per_aggregate_order_holds_across_retries_while_others_flow() {
     assert_eq!(calls.iter().filter(|c| c.id == a[1].to_string()).count(), 1);
 }
 
+/// SPEC §13: a message without `Outbox-Aggregate-Id` (an outbox table with
+/// no aggregate role) is ordered with the others of its subject. Before,
+/// such messages were not ordered at all: the second of a subject ran
+/// while the first waited for its retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_without_an_aggregate_are_ordered_by_subject() {
+    let Fixture {
+        pool,
+        js,
+        handler,
+        consumer: _consumer,
+        ..
+    } = fixture(
+        "c_noagg",
+        "cnoagg",
+        "noagg",
+        DUP,
+        &["--backoff", "1500ms", "--concurrency", "4"],
+    )
+    .await;
+    let x: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
+    let y: Vec<Uuid> = (0..2).map(|_| Uuid::new_v4()).collect();
+    let send = |subject: &'static str, id: Uuid, body: &'static [u8]| {
+        let js = js.clone();
+        async move {
+            let id = id.to_string();
+            publish_with(&js, subject, &[(wire::MSG_ID, id.as_str())], body).await;
+        }
+    };
+    send("cnoagg.x", x[0], br#"{"answers": [500, 200]}"#).await;
+    send("cnoagg.x", x[1], b"{}").await;
+    send("cnoagg.y", y[0], b"{}").await;
+    send("cnoagg.x", x[2], b"{}").await;
+    send("cnoagg.y", y[1], b"{}").await;
+    wait_processed(&pool, "noagg", 5).await;
+    let calls = handler.calls();
+    let ok_at = |id: Uuid| {
+        calls
+            .iter()
+            .find(|c| c.id == id.to_string() && c.status == 200)
+            .unwrap()
+            .at
+    };
+    let first_call = |id: Uuid| calls.iter().find(|c| c.id == id.to_string()).unwrap().at;
+    assert!(
+        first_call(x[1]) > ok_at(x[0]),
+        "x's second message waited for the first's retry"
+    );
+    assert!(ok_at(x[2]) > ok_at(x[1]), "x in stream order");
+    assert!(ok_at(y[1]) < ok_at(x[0]), "y kept flowing while x waited");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_batch_then_restart_processes_each_once() {
     let Fixture {

@@ -1129,13 +1129,33 @@ async fn pull_stream(
         .await
 }
 
-/// Messages of one aggregate are ordered; without the header, none are.
 fn aggregate_key(msg: &Message) -> String {
-    match delivery::header(msg, wire::AGGREGATE_ID) {
+    order_key(
+        delivery::header(msg, wire::AGGREGATE_ID).as_deref(),
+        msg.subject.as_str(),
+    )
+}
+
+/// Messages of one aggregate are ordered (SPEC §6); a message without
+/// `Outbox-Aggregate-Id` (from an outbox table with no aggregate role,
+/// SPEC §13) is ordered with the others of its subject.
+fn order_key(aggregate: Option<&str>, subject: &str) -> String {
+    match aggregate {
         Some(a) => format!("a:{a}"),
-        None => format!(
-            "s:{}",
-            msg.info().map(|i| i.stream_sequence).unwrap_or_default()
-        ),
+        None => format!("s:{subject}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::order_key;
+
+    #[test]
+    fn the_order_key_is_the_aggregate_else_the_subject() {
+        assert_eq!(order_key(Some("o-1"), "a.b"), "a:o-1");
+        assert_eq!(order_key(None, "a.b"), order_key(None, "a.b"));
+        assert_ne!(order_key(None, "a.b"), order_key(None, "a.c"));
+        // An aggregate named like a subject is still another key.
+        assert_ne!(order_key(Some("a.b"), "x"), order_key(None, "a.b"));
     }
 }
