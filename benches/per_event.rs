@@ -45,7 +45,7 @@ fn insert_bytes() -> Bytes {
 
 fn per_event(c: &mut Criterion) {
     let rel = relation();
-    let layout = OutboxLayout::new(&rel).expect("layout");
+    let layout = OutboxLayout::new(&rel, &testing::ColumnMap::default(), &[]).expect("layout");
     let data = insert_bytes();
     let router = Router::new(
         "bench",

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::error::{Error, Result};
+use crate::relay::columns::ColumnMap;
 use crate::relay::route::{subject_problem, Template};
 use crate::wire;
 
@@ -508,13 +509,33 @@ pub struct RelayArgs {
     pub stream: Option<String>,
 
     /// Subject for rows without a `subject`. Placeholders: {context},
-    /// {aggregate_type}, {aggregate_id}, {event_type}, {event_version}, {partition}.
+    /// {aggregate_type}, {aggregate_id}, {event_type}, {event_version},
+    /// {partition}, and any column of the table by name.
     #[arg(
         long,
         env = "OUTBOX_SUBJECT_TEMPLATE",
         default_value = "{context}.event.{event_type}.v{event_version}"
     )]
     pub subject_template: String,
+
+    /// Which column plays which role, ROLE=COLUMN or ROLE=COLUMN.KEY (a key
+    /// of a json column), comma-separated; a role not given takes the column
+    /// of its name. Roles: id, payload, aggregate_type, aggregate_id,
+    /// event_type, event_version, occurred_at, correlation_id, causation_id,
+    /// subject, headers.
+    #[arg(long, env = "OUTBOX_COLUMNS", default_value = "")]
+    pub columns: String,
+
+    /// Columns whose text travels as a header `Outbox-<Column-Name>`,
+    /// comma-separated (`tenant_id` → `Outbox-Tenant-Id`).
+    #[arg(long, env = "OUTBOX_HEADER_COLUMNS", default_value = "")]
+    pub header_columns: String,
+
+    /// SQL predicate over the table's columns: the rows a first start
+    /// publishes [default: published_at IS NULL when that column exists,
+    /// else every row].
+    #[arg(long, env = "OUTBOX_UNPUBLISHED")]
+    pub unpublished: Option<String>,
 
     /// Partitions for {partition} (FNV-1a of aggregate_id modulo this).
     #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -826,6 +847,12 @@ pub struct RelayConfig {
     pub table: String,
     pub stream: String,
     pub template: Template,
+    /// `--columns`.
+    pub columns: ColumnMap,
+    /// `--header-columns`.
+    pub header_columns: Vec<String>,
+    /// `--unpublished`.
+    pub unpublished: Option<String>,
     pub partitions: u32,
     pub envelope: bool,
     pub stream_replicas: u8,
@@ -902,6 +929,21 @@ impl RelayArgs {
         }
         let template = Template::parse(&self.subject_template, &context)
             .map_err(|e| Error::Config(format!("--subject-template: {e}")))?;
+        let columns = ColumnMap::parse(&self.columns)
+            .map_err(|e| Error::Config(format!("--columns: {e}")))?;
+        let header_columns: Vec<String> = self
+            .header_columns
+            .split(',')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(str::to_owned)
+            .collect();
+        let unpublished = self
+            .unpublished
+            .as_deref()
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned);
         if self.publish_timeout.is_zero() {
             return Err(Error::Config("--publish-timeout must be above zero".into()));
         }
@@ -933,6 +975,9 @@ impl RelayArgs {
             table,
             stream,
             template,
+            columns,
+            header_columns,
+            unpublished,
             partitions: self.partitions,
             envelope: self.envelope,
             stream_replicas: self.stream_replicas,
@@ -1151,7 +1196,9 @@ mod tests {
             vec!["--context", "Has.Dot"],
             vec!["--context", "dlq"],
             vec!["--stream", "a.b"],
-            vec!["--subject-template", "{context}.{bogus}"],
+            vec!["--subject-template", "{context}.{bo gus}"],
+            vec!["--columns", "colour=topic"],
+            vec!["--columns", "payload=a,payload=b"],
         ] {
             assert!(matches!(relay(&args), Err(Error::Config(_))), "{args:?}");
         }

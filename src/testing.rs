@@ -3,6 +3,7 @@
 //! and with the `testing` feature (which the crate's own dev-dependency
 //! turns on); never part of the product.
 
+pub use crate::relay::columns::ColumnMap;
 pub use crate::relay::link::encode_message;
 pub use crate::relay::outbox_row::OutboxLayout;
 pub use crate::relay::pgoutput::{decode, oid, Column, Message, Relation, Value};

@@ -14,3 +14,4 @@ mod operations;
 mod relay;
 mod schemas;
 mod secure;
+mod tables;

@@ -133,6 +133,50 @@ fn full_xid(short: u32, next: u64) -> Option<u64> {
     }
 }
 
+/// The table's columns, `(name, type oid)`, in order.
+pub async fn table_columns(pool: &PgPool, schema: &str, table: &str) -> Result<Vec<(String, u32)>> {
+    let columns: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT a.attname::text, a.atttypid::int8 FROM pg_attribute a \
+         JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped \
+         ORDER BY a.attnum",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_all(pool)
+    .await
+    .map_err(Error::pg("reading the outbox's columns"))?;
+    Ok(columns
+        .into_iter()
+        .map(|(n, t)| (n, u32::try_from(t).unwrap_or_default()))
+        .collect())
+}
+
+/// `--unpublished`: a predicate the table takes, or one line with the
+/// server's words.
+pub async fn check_predicate(
+    pool: &PgPool,
+    schema: &str,
+    table: &str,
+    predicate: &str,
+) -> Result<()> {
+    let quote = |n: &str| format!("\"{}\"", n.replace('"', "\"\""));
+    let sql = format!(
+        "SELECT 1 FROM {}.{} WHERE ({predicate}) LIMIT 0",
+        quote(schema),
+        quote(table)
+    );
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await {
+        Ok(_) => Ok(()),
+        Err(e) if crate::postgres::db_code(&e).is_some() => Err(Error::setup(format!(
+            "--unpublished {predicate:?} is not a predicate over {schema}.{table}: {}",
+            e.as_database_error()
+                .map_or_else(|| e.to_string(), |d| d.message().to_owned())
+        ))),
+        Err(e) => Err(Error::pg("checking --unpublished")(e)),
+    }
+}
+
 /// The slot's state, after checking it is this database's pgoutput slot.
 pub async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
     let row = sqlx::query(

@@ -34,6 +34,7 @@ use bytes::Bytes;
 use pgwire_replication::{Lsn, ReplicationClient};
 use sqlx::Row;
 
+use super::columns::{Role, Source};
 use super::decode::log_dead_letter;
 use super::outbox_row::OutboxLayout;
 use super::pgoutput::{Column, Relation, Value};
@@ -146,7 +147,7 @@ pub(super) async fn first_start(
         })?;
         ready.not_ready(format!(
             "not streaming yet: backfilling {} rows from the new slot's snapshot",
-            describe(&filter)
+            describe(&filter, cfg.unpublished.as_deref())
         ));
         let source = wire::source_id(&system.system_id, system.timeline, &dsn.database, &cfg.slot);
         let started = Instant::now();
@@ -165,7 +166,7 @@ pub(super) async fn first_start(
             rows,
             seconds = format!("{secs:.2}"),
             rows_per_second = (rows as f64 / secs.max(1e-9)) as u64,
-            filter = describe(&filter),
+            filter = describe(&filter, cfg.unpublished.as_deref()),
             "backfill done"
         );
     }
@@ -282,10 +283,13 @@ fn parse_header(value: &str) -> Option<Filter> {
     Some(Filter { rows, xid_from })
 }
 
-fn describe(filter: &Filter) -> String {
+fn describe(filter: &Filter, unpublished: Option<&str>) -> String {
     let rows = match &filter.rows {
         Backfill::None => "no".into(),
-        Backfill::Unpublished => "unpublished (published_at IS NULL)".into(),
+        Backfill::Unpublished => format!(
+            "unpublished ({})",
+            unpublished.unwrap_or("published_at IS NULL")
+        ),
         Backfill::Since(t) => format!("occurred_at >= {t}"),
     };
     match filter.xid_from {
@@ -359,8 +363,23 @@ async fn publish_snapshot(
             })
             .collect(),
     };
-    let layout = OutboxLayout::new(&relation);
+    let layout = OutboxLayout::new(&relation, &cfg.columns, router.columns());
     let has = |name: &str| columns.iter().any(|(n, _)| n == name);
+    // The roles the order and the filters read (SPEC §13).
+    let typed: Vec<(String, u32)> = relation
+        .columns
+        .iter()
+        .map(|c| (c.name.clone(), c.type_oid))
+        .collect();
+    let table = format!("{}.{}", cfg.schema, cfg.table);
+    let resolved = cfg.columns.resolve(&table, &typed).map_err(Error::setup)?;
+    let id_sql = resolved
+        .source(Role::Id)
+        .map(|s| source_sql(s, "uuid"))
+        .ok_or_else(|| Error::setup(format!("table {table} has no id role")))?;
+    let occurred_sql = resolved
+        .source(Role::OccurredAt)
+        .map(|s| source_sql(s, "timestamptz"));
     // The snapshot's own horizon: every transaction below its xmin had
     // ended before it, so is in it or not at all. Its xmax gives the epoch
     // a row's 32-bit xmin belongs to.
@@ -380,7 +399,15 @@ async fn publish_snapshot(
             let at = rfc3339(t)?
                 .format(&time::format_description::well_known::Rfc3339)
                 .map_err(|e| Error::Config(format!("backfill time {t:?}: {e}")))?;
-            Some(format!("occurred_at >= '{at}'::timestamptz"))
+            let occurred = occurred_sql.as_deref().ok_or_else(|| {
+                Error::setup(format!(
+                    "--resync-since needs a column for role occurred_at, and table {table} has none (map one with --columns occurred_at=COLUMN)"
+                ))
+            })?;
+            Some(format!("{occurred} >= '{at}'::timestamptz"))
+        }
+        Backfill::Unpublished if cfg.unpublished.is_some() => {
+            cfg.unpublished.as_ref().map(|p| format!("({p})"))
         }
         Backfill::Unpublished if has("published_at") => Some("published_at IS NULL".into()),
         Backfill::Unpublished => Some("true".into()),
@@ -395,7 +422,17 @@ async fn publish_snapshot(
         (None, Some(x)) => format!("WHERE {x}"),
         (None, None) => "WHERE false".into(),
     };
-    for covered in &resume.covered {
+    // Without a time to order by, the resume goes by ids alone.
+    let bounds = if occurred_sql.is_some() {
+        &resume.covered[..]
+    } else {
+        &[]
+    };
+    let order = match &occurred_sql {
+        Some(o) => format!("{o}, {id_sql}"),
+        None => id_sql.clone(),
+    };
+    for covered in bounds {
         // Rows an interrupted run's snapshot held (their transaction ended
         // before its horizon) and ordered before what it surely stored.
         let at = covered
@@ -403,7 +440,7 @@ async fn publish_snapshot(
             .format(&time::format_description::well_known::Rfc3339)
             .map_err(|e| Error::setup(format!("rendering the backfill's resume point: {e}")))?;
         condition.push_str(&format!(
-            " AND NOT ((occurred_at, id) < ('{at}', '{}') AND {} < {})",
+            " AND NOT (({order}) < ('{at}', '{}') AND {} < {})",
             covered.id,
             full_xid("xmin", snap_xmax),
             covered.horizon
@@ -415,7 +452,7 @@ async fn publish_snapshot(
         .collect::<Vec<_>>()
         .join(", ");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DECLARE outbox_backfill NO SCROLL CURSOR FOR SELECT {select} FROM {}.{} {condition} ORDER BY occurred_at, id",
+        "DECLARE outbox_backfill NO SCROLL CURSOR FOR SELECT {select} FROM {}.{} {condition} ORDER BY {order}",
         quote(&cfg.schema),
         quote(&cfg.table)
     )))
@@ -538,6 +575,19 @@ fn full_xid(column: &str, xmax: u64) -> String {
     format!(
         "({epoch}::int8 + {column}::text::int8 - CASE WHEN {column}::text::int8 > {low} THEN 4294967296 ELSE 0 END)"
     )
+}
+
+/// SQL for a role's source: its column, or a key of a json column cast to
+/// `ty`.
+fn source_sql(source: &Source, ty: &str) -> String {
+    match source {
+        Source::Column(c) => quote(c),
+        Source::Key { column, key } => format!(
+            "(({}->>'{}')::{ty})",
+            quote(column),
+            key.replace('\'', "''")
+        ),
+    }
 }
 
 /// A SQL identifier, quoted.

@@ -10,6 +10,7 @@ use std::collections::{HashMap, VecDeque};
 
 use pgwire_replication::{Lsn, ReplicationEvent};
 
+use super::columns::ColumnMap;
 use super::outbox_row::{OutboxLayout, RowError};
 use super::pgoutput::{self, DecodeError, Insert, Message, Relation};
 use super::route::{OutMessage, Router};
@@ -64,6 +65,10 @@ pub struct Stage {
     horizons: Horizons,
     /// Publish what `outbox_emit()` writes (SPEC §12).
     emitted: bool,
+    /// `--columns`: which column plays which role (SPEC §13).
+    map: ColumnMap,
+    /// The columns each row carries for the router ([`Router::columns`]).
+    extra: Vec<String>,
 }
 
 /// Samples of the oldest transaction still running, each with the WAL
@@ -129,6 +134,7 @@ impl Stage {
         max_payload: usize,
         resume: Option<Resume>,
     ) -> Self {
+        let extra = router.columns().to_vec();
         Self {
             schema: schema.to_owned(),
             table: table.to_owned(),
@@ -141,7 +147,15 @@ impl Stage {
             resume,
             horizons: Horizons::default(),
             emitted: true,
+            map: ColumnMap::default(),
+            extra,
         }
+    }
+
+    /// `--columns`: which column plays which role.
+    pub fn with_columns(mut self, map: ColumnMap) -> Self {
+        self.map = map;
+        self
     }
 
     /// Whether events `outbox_emit()` writes are published (`--emitted-events`).
@@ -317,7 +331,7 @@ impl Stage {
         if rel.namespace != self.schema || rel.name != self.table {
             return None;
         }
-        let layout = OutboxLayout::new(rel);
+        let layout = OutboxLayout::new(rel, &self.map, &self.extra);
         if let Err(e) = &layout {
             tracing::error!(error = %e, "outbox table cannot be read; its rows will be dead-lettered");
         }

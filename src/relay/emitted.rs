@@ -79,16 +79,19 @@ pub fn row(content: &Bytes) -> Result<OutboxRow, String> {
     };
     Ok(OutboxRow {
         id,
-        aggregate_type,
-        aggregate_id,
-        event_type,
-        event_version,
+        aggregate_type: Some(aggregate_type),
+        aggregate_id: Some(aggregate_id),
+        event_type: Some(event_type),
+        event_version: Some(event_version),
         payload,
         occurred_at,
-        correlation_id,
-        causation_id,
+        correlation_id: correlation_id.map(|u| u.to_string()),
+        causation_id: causation_id.map(|u| u.to_string()),
         subject,
         headers: (!headers.is_empty()).then_some(headers),
+        // An emitted event has no table columns: a template that names
+        // one needs the event's own subject.
+        columns: Vec::new(),
     })
 }
 
@@ -118,7 +121,7 @@ mod tests {
             br#"{"total": 12.50, "big": 123456789012345678901234567890, "s": "a\nb"}"#
         );
         assert_eq!(row.headers.as_deref(), Some(&br#"{"tenant": "acme"}"#[..]));
-        assert_eq!(row.event_version, 2);
+        assert_eq!(row.event_version, Some(2));
         assert_eq!(row.subject, None);
         assert_eq!(row.causation_id, None);
         assert_eq!(
@@ -156,7 +159,7 @@ mod tests {
             ));
             let row = row(&c).unwrap();
             prop_assert_eq!(&row.payload[..], payload.as_bytes());
-            prop_assert_eq!(row.event_version, v);
+            prop_assert_eq!(row.event_version, Some(v));
             prop_assert_eq!(row.headers, None);
             prop_assert_eq!(row.subject.as_deref(), Some("x.y"));
         }

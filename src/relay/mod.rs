@@ -21,6 +21,7 @@
 mod acks;
 mod backfill;
 pub(crate) mod batch;
+pub(crate) mod columns;
 pub(crate) mod decode;
 pub(crate) mod emitted;
 pub(crate) mod fence;

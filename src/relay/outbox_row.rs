@@ -1,88 +1,154 @@
 //! From a decoded pgoutput tuple to an outbox row.
 //!
 //! Columns are found by name in the latest Relation message, so column order,
-//! extra columns and `ALTER TABLE` in the middle of the stream all work. Values
-//! are decoded by the column's type OID in either tuple format: text (the
-//! type's output function, with the session pinned to `DateStyle=ISO` and
-//! `TimeZone=UTC`) or binary (its send function).
+//! extra columns and `ALTER TABLE` in the middle of the stream all work. Which
+//! column plays which role is `--columns` ([`ColumnMap`], SPEC §13); a role
+//! may also come from a top-level key of a json column. Values are decoded
+//! by the column's type OID in either tuple format: text (the type's output
+//! function, with the session pinned to `DateStyle=ISO` and `TimeZone=UTC`)
+//! or binary (its send function).
+
+use std::borrow::Cow;
 
 use bytes::Bytes;
 use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
+use super::columns::{ColumnMap, Role, Source};
 use super::pgoutput::{oid, Relation, Value};
+
+/// Where one role's value is in a tuple: a column, or a key of a json
+/// column.
+#[derive(Debug, Clone)]
+struct Field {
+    index: usize,
+    key: Option<String>,
+}
 
 /// Column positions of the outbox fields in one version of the table.
 #[derive(Debug, Clone)]
 pub struct OutboxLayout {
-    id: usize,
-    aggregate_type: usize,
-    aggregate_id: usize,
-    event_type: usize,
-    event_version: Option<usize>,
-    payload: usize,
-    occurred_at: Option<usize>,
-    correlation_id: Option<usize>,
-    causation_id: Option<usize>,
-    subject: Option<usize>,
-    headers: Option<usize>,
+    id: Field,
+    payload: Field,
+    aggregate_type: Option<Field>,
+    aggregate_id: Option<Field>,
+    event_type: Option<Field>,
+    event_version: Option<Field>,
+    occurred_at: Option<Field>,
+    correlation_id: Option<Field>,
+    causation_id: Option<Field>,
+    subject: Option<Field>,
+    headers: Option<Field>,
+    /// The columns a subject template or `--header-columns` name, in the
+    /// order of the names given ([`OutboxRow::columns`]).
+    extra: Vec<(String, usize)>,
     types: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RowError {
+    #[error("outbox table {table}: {detail}")]
+    Map { table: String, detail: String },
     #[error("outbox table {table} has no column {column:?}")]
-    MissingColumn { table: String, column: &'static str },
+    MissingColumn { table: String, column: String },
     #[error("column {column}: {detail}")]
     BadValue {
-        column: &'static str,
+        column: Cow<'static, str>,
         detail: String,
     },
     #[error("tuple has {got} values, relation has {want} columns")]
     Arity { got: usize, want: usize },
 }
 
-/// One outbox row as the relay publishes it.
+/// One outbox row as the relay publishes it. A role the table has no
+/// source for is `None` (its header is left out); one it has is required.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxRow {
     pub id: Uuid,
-    pub aggregate_type: String,
-    pub aggregate_id: String,
-    pub event_type: String,
-    pub event_version: i64,
+    pub aggregate_type: Option<String>,
+    pub aggregate_id: Option<String>,
+    pub event_type: Option<String>,
+    pub event_version: Option<i64>,
     /// The payload's JSON text, as Postgres renders it.
     pub payload: Bytes,
     /// RFC 3339, UTC.
     pub occurred_at: Option<String>,
-    pub correlation_id: Option<Uuid>,
-    pub causation_id: Option<Uuid>,
+    pub correlation_id: Option<String>,
+    pub causation_id: Option<String>,
     pub subject: Option<String>,
     /// The `headers` JSON text, when set.
     pub headers: Option<Bytes>,
+    /// The text form of each column the layout was asked for (`None`:
+    /// null), in that order.
+    pub columns: Vec<Option<String>>,
+}
+
+/// The roles' values read off one tuple: a json column a key is read from
+/// is parsed once per row.
+struct Reader<'a> {
+    layout: &'a OutboxLayout,
+    values: &'a [Value],
+    docs: Vec<(usize, serde_json::Value)>,
 }
 
 impl OutboxLayout {
-    pub fn new(rel: &Relation) -> Result<Self, RowError> {
-        let find = |name: &str| rel.columns.iter().position(|c| c.name == name);
+    /// The layout of `rel` under `map`; `extra`: the columns whose text form
+    /// each row carries ([`OutboxRow::columns`]).
+    pub fn new(rel: &Relation, map: &ColumnMap, extra: &[String]) -> Result<Self, RowError> {
         let table = format!("{}.{}", rel.namespace, rel.name);
-        let need = |column: &'static str| {
-            find(column).ok_or_else(|| RowError::MissingColumn {
+        let columns: Vec<(String, u32)> = rel
+            .columns
+            .iter()
+            .map(|c| (c.name.clone(), c.type_oid))
+            .collect();
+        let resolved = map
+            .resolve(&table, &columns)
+            .map_err(|detail| RowError::Map {
                 table: table.clone(),
-                column,
+                detail,
+            })?;
+        let find = |name: &str| rel.columns.iter().position(|c| c.name == name);
+        let field = |role: Role| -> Option<Field> {
+            let source = resolved.source(role)?;
+            Some(Field {
+                // `resolve` checked the column exists.
+                index: find(source.column())?,
+                key: match source {
+                    Source::Key { key, .. } => Some(key.clone()),
+                    Source::Column(_) => None,
+                },
             })
         };
+        let need = |role: Role| {
+            field(role).ok_or_else(|| RowError::Map {
+                table: table.clone(),
+                detail: format!("no column plays role {role}"),
+            })
+        };
+        let extra = extra
+            .iter()
+            .map(|name| {
+                find(name)
+                    .map(|i| (name.clone(), i))
+                    .ok_or_else(|| RowError::MissingColumn {
+                        table: table.clone(),
+                        column: name.clone(),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Self {
-            id: need("id")?,
-            aggregate_type: need("aggregate_type")?,
-            aggregate_id: need("aggregate_id")?,
-            event_type: need("event_type")?,
-            payload: need("payload")?,
-            event_version: find("event_version"),
-            occurred_at: find("occurred_at"),
-            correlation_id: find("correlation_id"),
-            causation_id: find("causation_id"),
-            subject: find("subject"),
-            headers: find("headers"),
+            id: need(Role::Id)?,
+            payload: need(Role::Payload)?,
+            aggregate_type: field(Role::AggregateType),
+            aggregate_id: field(Role::AggregateId),
+            event_type: field(Role::EventType),
+            event_version: field(Role::EventVersion),
+            occurred_at: field(Role::OccurredAt),
+            correlation_id: field(Role::CorrelationId),
+            causation_id: field(Role::CausationId),
+            subject: field(Role::Subject),
+            headers: field(Role::Headers),
+            extra,
             types: rel.columns.iter().map(|c| c.type_oid).collect(),
         })
     }
@@ -90,7 +156,8 @@ impl OutboxLayout {
     /// The row id alone, so a row that fails to decode can still be
     /// dead-lettered under its own message id.
     pub fn id(&self, values: &[Value]) -> Option<Uuid> {
-        self.uuid(values, self.id, "id").ok().flatten()
+        let mut r = Reader::new(self, values);
+        r.uuid(&self.id, "id").ok().flatten()
     }
 
     pub fn row(&self, values: &[Value]) -> Result<OutboxRow, RowError> {
@@ -100,110 +167,142 @@ impl OutboxLayout {
                 want: self.types.len(),
             });
         }
+        let mut r = Reader::new(self, values);
         let required = |opt: Option<String>, column: &'static str| {
             opt.ok_or(RowError::BadValue {
-                column,
+                column: column.into(),
                 detail: "is null".into(),
             })
         };
+        // A role the table maps is required, as the columns of SPEC §3 are.
+        let text = |r: &mut Reader, f: &Option<Field>, role: &'static str| match f {
+            Some(f) => r.text(f, role).and_then(|v| required(v, role)).map(Some),
+            None => Ok(None),
+        };
+        let aggregate_type = text(&mut r, &self.aggregate_type, "aggregate_type")?;
+        let aggregate_id = text(&mut r, &self.aggregate_id, "aggregate_id")?;
+        let event_type = text(&mut r, &self.event_type, "event_type")?;
+        let id = r.uuid(&self.id, "id")?.ok_or(RowError::BadValue {
+            column: "id".into(),
+            detail: "is null".into(),
+        })?;
+        let event_version = match &self.event_version {
+            Some(f) => Some(r.int(f, "event_version")?.unwrap_or(1)),
+            None => None,
+        };
+        let payload = r
+            .json(&self.payload, "payload")?
+            .ok_or(RowError::BadValue {
+                column: "payload".into(),
+                detail: "is null".into(),
+            })?;
+        let opt = |r: &mut Reader, f: &Option<Field>, role: &'static str| match f {
+            Some(f) => r.text(f, role),
+            None => Ok(None),
+        };
+        let occurred_at = match &self.occurred_at {
+            Some(f) => r.timestamp(f, "occurred_at")?,
+            None => None,
+        };
+        let correlation_id = match &self.correlation_id {
+            Some(f) => r.uuid_or_text(f, "correlation_id")?,
+            None => None,
+        };
+        let causation_id = match &self.causation_id {
+            Some(f) => r.uuid_or_text(f, "causation_id")?,
+            None => None,
+        };
+        let subject = opt(&mut r, &self.subject, "subject")?;
+        let headers = match &self.headers {
+            Some(f) => r.json(f, "headers")?,
+            None => None,
+        };
+        let columns = self
+            .extra
+            .iter()
+            .map(|(name, i)| r.any_text(*i, name))
+            .collect::<Result<_, _>>()?;
         Ok(OutboxRow {
-            id: self
-                .uuid(values, self.id, "id")?
-                .ok_or(RowError::BadValue {
-                    column: "id",
-                    detail: "is null".into(),
-                })?,
-            aggregate_type: required(
-                self.text(values, self.aggregate_type, "aggregate_type")?,
-                "aggregate_type",
-            )?,
-            aggregate_id: required(
-                self.text(values, self.aggregate_id, "aggregate_id")?,
-                "aggregate_id",
-            )?,
-            event_type: required(
-                self.text(values, self.event_type, "event_type")?,
-                "event_type",
-            )?,
-            event_version: match self.event_version {
-                Some(i) => self.int(values, i, "event_version")?.unwrap_or(1),
-                None => 1,
-            },
-            payload: self
-                .json(values, self.payload, "payload")?
-                .ok_or(RowError::BadValue {
-                    column: "payload",
-                    detail: "is null".into(),
-                })?,
-            occurred_at: self.opt(self.occurred_at, |i| {
-                self.timestamp(values, i, "occurred_at")
-            })?,
-            correlation_id: self.opt(self.correlation_id, |i| {
-                self.uuid(values, i, "correlation_id")
-            })?,
-            causation_id: self.opt(self.causation_id, |i| self.uuid(values, i, "causation_id"))?,
-            subject: self.opt(self.subject, |i| self.text(values, i, "subject"))?,
-            headers: self.opt(self.headers, |i| self.json(values, i, "headers"))?,
+            id,
+            aggregate_type,
+            aggregate_id,
+            event_type,
+            event_version,
+            payload,
+            occurred_at,
+            correlation_id,
+            causation_id,
+            subject,
+            headers,
+            columns,
         })
     }
+}
 
-    fn opt<T>(
-        &self,
-        index: Option<usize>,
-        f: impl FnOnce(usize) -> Result<Option<T>, RowError>,
-    ) -> Result<Option<T>, RowError> {
-        index.map_or(Ok(None), f)
-    }
-
-    fn raw<'v>(
-        &self,
-        values: &'v [Value],
-        i: usize,
-        column: &'static str,
-    ) -> Result<Option<Raw<'v>>, RowError> {
-        match values.get(i) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Text(b)) => Ok(Some(Raw::Text(b))),
-            Some(Value::Binary(b)) => Ok(Some(Raw::Binary(b))),
-            Some(Value::Unchanged) => Err(RowError::BadValue {
-                column,
-                detail: "unchanged TOAST value in an insert".into(),
-            }),
+impl<'a> Reader<'a> {
+    fn new(layout: &'a OutboxLayout, values: &'a [Value]) -> Self {
+        Reader {
+            layout,
+            values,
+            docs: Vec::new(),
         }
     }
 
-    fn text(
-        &self,
-        values: &[Value],
+    fn raw(&self, i: usize, column: &'static str) -> Result<Option<Raw<'a>>, RowError> {
+        raw_at(self.values, i, column)
+    }
+
+    /// The value at a key of the json column `i` (parsed once per row).
+    fn key(
+        &mut self,
         i: usize,
+        key: &str,
+        column: &'static str,
+    ) -> Result<Option<&serde_json::Value>, RowError> {
+        if !self.docs.iter().any(|(j, _)| *j == i) {
+            let Some(text) = json_at(self.layout, self.values, i, column)? else {
+                return Ok(None);
+            };
+            let doc: serde_json::Value =
+                serde_json::from_slice(&text).map_err(|e| bad(column, format!("not JSON: {e}")))?;
+            self.docs.push((i, doc));
+        }
+        let doc = self.docs.iter().find(|(j, _)| *j == i).map(|(_, d)| d);
+        Ok(doc.and_then(|d| d.get(key)).filter(|v| !v.is_null()))
+    }
+
+    /// A key's value as text: a string as it is, anything else as JSON.
+    fn key_text(
+        &mut self,
+        i: usize,
+        key: &str,
         column: &'static str,
     ) -> Result<Option<String>, RowError> {
-        let Some(raw) = self.raw(values, i, column)? else {
-            return Ok(None);
-        };
-        // text, varchar and bpchar share one wire form in both formats.
-        let bytes = match raw {
-            Raw::Text(b) | Raw::Binary(b) => b,
-        };
-        match self.types[i] {
-            oid::TEXT | oid::VARCHAR | oid::BPCHAR => {}
-            other => return Err(bad_type(column, other)),
-        }
-        String::from_utf8(bytes.to_vec())
-            .map(Some)
-            .map_err(|e| bad(column, format!("not UTF-8: {e}")))
+        Ok(self.key(i, key, column)?.map(|v| match v {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        }))
     }
 
-    fn uuid(
-        &self,
-        values: &[Value],
-        i: usize,
-        column: &'static str,
-    ) -> Result<Option<Uuid>, RowError> {
-        let Some(raw) = self.raw(values, i, column)? else {
+    fn text(&mut self, f: &Field, column: &'static str) -> Result<Option<String>, RowError> {
+        if let Some(key) = &f.key {
+            return self.key_text(f.index, key, column);
+        }
+        text_at(self.layout, self.values, f.index, column)
+    }
+
+    fn uuid(&mut self, f: &Field, column: &'static str) -> Result<Option<Uuid>, RowError> {
+        if let Some(key) = &f.key {
+            return self
+                .key_text(f.index, key, column)?
+                .map(|s| Uuid::parse_str(&s).map_err(|e| bad(column, e)))
+                .transpose();
+        }
+        let i = f.index;
+        let Some(raw) = self.raw(i, column)? else {
             return Ok(None);
         };
-        match (self.types[i], raw) {
+        match (self.layout.types[i], raw) {
             (oid::UUID, Raw::Binary(b)) => {
                 Uuid::from_slice(b).map(Some).map_err(|e| bad(column, e))
             }
@@ -216,68 +315,53 @@ impl OutboxLayout {
         }
     }
 
-    fn int(
-        &self,
-        values: &[Value],
-        i: usize,
+    /// A uuid column's canonical text, or a text column's (or key's) text.
+    fn uuid_or_text(
+        &mut self,
+        f: &Field,
         column: &'static str,
-    ) -> Result<Option<i64>, RowError> {
-        let Some(raw) = self.raw(values, i, column)? else {
-            return Ok(None);
-        };
-        let v = match (self.types[i], raw) {
-            (oid::INT2 | oid::INT4 | oid::INT8, Raw::Text(b)) => std::str::from_utf8(b)
-                .map_err(|e| bad(column, e))?
-                .parse::<i64>()
-                .map_err(|e| bad(column, e))?,
-            (oid::INT2, Raw::Binary(b)) => {
-                i64::from(postgres_protocol::types::int2_from_sql(b).map_err(|e| bad(column, e))?)
-            }
-            (oid::INT4, Raw::Binary(b)) => {
-                i64::from(postgres_protocol::types::int4_from_sql(b).map_err(|e| bad(column, e))?)
-            }
-            (oid::INT8, Raw::Binary(b)) => {
-                postgres_protocol::types::int8_from_sql(b).map_err(|e| bad(column, e))?
-            }
-            (other, _) => return Err(bad_type(column, other)),
-        };
-        Ok(Some(v))
-    }
-
-    fn json(
-        &self,
-        values: &[Value],
-        i: usize,
-        column: &'static str,
-    ) -> Result<Option<Bytes>, RowError> {
-        let Some(raw) = self.raw(values, i, column)? else {
-            return Ok(None);
-        };
-        let slice = |b: &Bytes, from: usize| b.slice(from..);
-        match (self.types[i], raw) {
-            (oid::JSONB | oid::JSON, Raw::Text(b)) | (oid::JSON, Raw::Binary(b)) => {
-                Ok(Some(b.clone()))
-            }
-            // jsonb's binary form is a version byte followed by the JSON text.
-            (oid::JSONB, Raw::Binary(b)) => match b.first() {
-                Some(1) => Ok(Some(slice(b, 1))),
-                Some(v) => Err(bad(column, format!("unsupported jsonb version {v}"))),
-                None => Err(bad(column, "empty jsonb value")),
-            },
-            (other, _) => Err(bad_type(column, other)),
+    ) -> Result<Option<String>, RowError> {
+        match (&f.key, self.layout.types[f.index]) {
+            (None, oid::UUID) => Ok(self.uuid(f, column)?.map(|u| u.to_string())),
+            _ => self.text(f, column),
         }
     }
 
-    fn timestamp(
-        &self,
-        values: &[Value],
-        i: usize,
-        column: &'static str,
-    ) -> Result<Option<String>, RowError> {
-        let Some(raw) = self.raw(values, i, column)? else {
+    fn int(&mut self, f: &Field, column: &'static str) -> Result<Option<i64>, RowError> {
+        if let Some(key) = &f.key {
+            return self
+                .key_text(f.index, key, column)?
+                .map(|s| s.parse::<i64>().map_err(|e| bad(column, e)))
+                .transpose();
+        }
+        int_at(self.layout, self.values, f.index, column)
+    }
+
+    fn json(&mut self, f: &Field, column: &'static str) -> Result<Option<Bytes>, RowError> {
+        if let Some(key) = &f.key {
+            return Ok(self
+                .key(f.index, key, column)?
+                .map(|v| Bytes::from(v.to_string())));
+        }
+        json_at(self.layout, self.values, f.index, column)
+    }
+
+    fn timestamp(&mut self, f: &Field, column: &'static str) -> Result<Option<String>, RowError> {
+        if let Some(key) = &f.key {
+            return self
+                .key_text(f.index, key, column)?
+                .map(|s| {
+                    time::OffsetDateTime::parse(&s, &Rfc3339)
+                        .map(|_| s.clone())
+                        .map_err(|e| bad(column, format!("{s:?} is not RFC 3339: {e}")))
+                })
+                .transpose();
+        }
+        let i = f.index;
+        let Some(raw) = self.raw(i, column)? else {
             return Ok(None);
         };
-        match (self.types[i], raw) {
+        match (self.layout.types[i], raw) {
             (oid::TIMESTAMPTZ | oid::TIMESTAMP, Raw::Binary(b)) => {
                 let micros =
                     postgres_protocol::types::timestamp_from_sql(b).map_err(|e| bad(column, e))?;
@@ -294,6 +378,142 @@ impl OutboxLayout {
             (other, _) => Err(bad_type(column, other)),
         }
     }
+
+    /// Any column's text form, for a subject template or a header.
+    fn any_text(&mut self, i: usize, name: &str) -> Result<Option<String>, RowError> {
+        let named = |e: RowError| match e {
+            RowError::BadValue { detail, .. } => RowError::BadValue {
+                column: Cow::Owned(name.to_owned()),
+                detail,
+            },
+            other => other,
+        };
+        let f = Field {
+            index: i,
+            key: None,
+        };
+        let ty = self.layout.types[i];
+        let v = match ty {
+            oid::UUID => self.uuid(&f, "column").map(|u| u.map(|u| u.to_string())),
+            oid::INT2 | oid::INT4 | oid::INT8 => {
+                self.int(&f, "column").map(|n| n.map(|n| n.to_string()))
+            }
+            oid::TIMESTAMPTZ | oid::TIMESTAMP => self.timestamp(&f, "column"),
+            oid::JSON | oid::JSONB => self
+                .json(&f, "column")
+                .map(|j| j.map(|j| String::from_utf8_lossy(&j).into_owned())),
+            oid::BOOL => match self.raw(i, "column") {
+                Ok(Some(Raw::Binary(b))) => Ok(Some((b.first() == Some(&1)).to_string())),
+                Ok(Some(Raw::Text(b))) => Ok(Some((&b[..] == b"t").to_string())),
+                Ok(None) => Ok(None),
+                Err(e) => Err(e),
+            },
+            oid::TEXT | oid::VARCHAR | oid::BPCHAR => {
+                text_at(self.layout, self.values, i, "column")
+            }
+            // Any other type's text form is its output function's.
+            _ => match self.raw(i, "column") {
+                Ok(Some(Raw::Text(b))) => std::str::from_utf8(b)
+                    .map(|s| Some(s.to_owned()))
+                    .map_err(|e| bad("column", e)),
+                Ok(Some(Raw::Binary(_))) => Err(bad(
+                    "column",
+                    format!("type oid {ty} is not read in binary tuples (use --tuple-format text)"),
+                )),
+                Ok(None) => Ok(None),
+                Err(e) => Err(e),
+            },
+        };
+        v.map_err(named)
+    }
+}
+
+fn text_at(
+    l: &OutboxLayout,
+    values: &[Value],
+    i: usize,
+    column: &'static str,
+) -> Result<Option<String>, RowError> {
+    let Some(raw) = raw_at(values, i, column)? else {
+        return Ok(None);
+    };
+    // text, varchar and bpchar share one wire form in both formats.
+    let bytes = match raw {
+        Raw::Text(b) | Raw::Binary(b) => b,
+    };
+    match l.types[i] {
+        oid::TEXT | oid::VARCHAR | oid::BPCHAR => {}
+        other => return Err(bad_type(column, other)),
+    }
+    String::from_utf8(bytes.to_vec())
+        .map(Some)
+        .map_err(|e| bad(column, format!("not UTF-8: {e}")))
+}
+
+fn int_at(
+    l: &OutboxLayout,
+    values: &[Value],
+    i: usize,
+    column: &'static str,
+) -> Result<Option<i64>, RowError> {
+    let Some(raw) = raw_at(values, i, column)? else {
+        return Ok(None);
+    };
+    let v = match (l.types[i], raw) {
+        (oid::INT2 | oid::INT4 | oid::INT8, Raw::Text(b)) => std::str::from_utf8(b)
+            .map_err(|e| bad(column, e))?
+            .parse::<i64>()
+            .map_err(|e| bad(column, e))?,
+        (oid::INT2, Raw::Binary(b)) => {
+            i64::from(postgres_protocol::types::int2_from_sql(b).map_err(|e| bad(column, e))?)
+        }
+        (oid::INT4, Raw::Binary(b)) => {
+            i64::from(postgres_protocol::types::int4_from_sql(b).map_err(|e| bad(column, e))?)
+        }
+        (oid::INT8, Raw::Binary(b)) => {
+            postgres_protocol::types::int8_from_sql(b).map_err(|e| bad(column, e))?
+        }
+        (other, _) => return Err(bad_type(column, other)),
+    };
+    Ok(Some(v))
+}
+
+fn json_at(
+    l: &OutboxLayout,
+    values: &[Value],
+    i: usize,
+    column: &'static str,
+) -> Result<Option<Bytes>, RowError> {
+    let Some(raw) = raw_at(values, i, column)? else {
+        return Ok(None);
+    };
+    let slice = |b: &Bytes, from: usize| b.slice(from..);
+    match (l.types[i], raw) {
+        (oid::JSONB | oid::JSON, Raw::Text(b)) | (oid::JSON, Raw::Binary(b)) => Ok(Some(b.clone())),
+        // jsonb's binary form is a version byte followed by the JSON text.
+        (oid::JSONB, Raw::Binary(b)) => match b.first() {
+            Some(1) => Ok(Some(slice(b, 1))),
+            Some(v) => Err(bad(column, format!("unsupported jsonb version {v}"))),
+            None => Err(bad(column, "empty jsonb value")),
+        },
+        (other, _) => Err(bad_type(column, other)),
+    }
+}
+
+fn raw_at<'v>(
+    values: &'v [Value],
+    i: usize,
+    column: &'static str,
+) -> Result<Option<Raw<'v>>, RowError> {
+    match values.get(i) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Text(b)) => Ok(Some(Raw::Text(b))),
+        Some(Value::Binary(b)) => Ok(Some(Raw::Binary(b))),
+        Some(Value::Unchanged) => Err(RowError::BadValue {
+            column: column.into(),
+            detail: "unchanged TOAST value in an insert".into(),
+        }),
+    }
 }
 
 enum Raw<'v> {
@@ -303,14 +523,14 @@ enum Raw<'v> {
 
 fn bad(column: &'static str, e: impl std::fmt::Display) -> RowError {
     RowError::BadValue {
-        column,
+        column: column.into(),
         detail: e.to_string(),
     }
 }
 
 fn bad_type(column: &'static str, type_oid: u32) -> RowError {
     RowError::BadValue {
-        column,
+        column: column.into(),
         detail: format!("unsupported column type oid {type_oid}"),
     }
 }
@@ -372,7 +592,7 @@ mod tests {
             ("aggregate_type", oid::TEXT),
             ("occurred_at", oid::TIMESTAMPTZ),
         ]);
-        let layout = OutboxLayout::new(&rel).unwrap();
+        let layout = OutboxLayout::new(&rel, &ColumnMap::default(), &[]).unwrap();
         let row = layout
             .row(&[
                 t("x"),
@@ -384,8 +604,8 @@ mod tests {
                 t("2026-11-21 21:31:42.5+00"),
             ])
             .unwrap();
-        assert_eq!(row.aggregate_id, "42");
-        assert_eq!(row.event_version, 1);
+        assert_eq!(row.aggregate_id.as_deref(), Some("42"));
+        assert_eq!(row.event_version, None, "no event_version column");
         assert_eq!(row.payload, Bytes::from_static(br#"{"a": 1}"#));
         assert_eq!(row.occurred_at.as_deref(), Some("2026-11-21T21:31:42.5Z"));
         assert_eq!(row.subject, None);
@@ -399,7 +619,7 @@ mod tests {
         let b = |v: &[u8]| Value::Binary(Bytes::copy_from_slice(v));
         let mut jsonb = vec![1u8];
         jsonb.extend_from_slice(b"{}");
-        let row = OutboxLayout::new(&rel)
+        let row = OutboxLayout::new(&rel, &ColumnMap::default(), &[])
             .unwrap()
             .row(&[
                 b(id.as_bytes()),
@@ -413,7 +633,7 @@ mod tests {
             ])
             .unwrap();
         assert_eq!(row.id, id);
-        assert_eq!(row.event_version, 3);
+        assert_eq!(row.event_version, Some(3));
         assert_eq!(row.payload, Bytes::from_static(b"{}"));
         assert_eq!(
             row.occurred_at.as_deref(),
@@ -424,13 +644,57 @@ mod tests {
     #[test]
     fn missing_required_column_is_reported() {
         let rel = outbox(&[("id", oid::UUID)]);
+        let e = OutboxLayout::new(&rel, &ColumnMap::default(), &[]).unwrap_err();
+        assert!(e.to_string().contains("role payload"), "{e}");
+    }
+
+    /// SPEC §13: roles from other columns and from keys of a json column;
+    /// a role with no source is `None`; the columns asked for come along
+    /// in their text form.
+    #[test]
+    fn roles_come_from_mapped_columns_and_json_keys() {
+        let rel = outbox(&[
+            ("id", oid::UUID),
+            ("topic", oid::TEXT),
+            ("envelope", oid::JSONB),
+            ("tenant_id", oid::UUID),
+            ("attempts", oid::INT4),
+        ]);
+        let map = ColumnMap::parse(
+            "payload=envelope,subject=topic,aggregate_id=envelope.partitionKey,event_version=envelope.v,correlation_id=envelope.c",
+        )
+        .unwrap();
+        let extra = ["tenant_id".to_owned(), "attempts".to_owned()];
+        let layout = OutboxLayout::new(&rel, &map, &extra).unwrap();
+        let row = layout
+            .row(&[
+                t("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11"),
+                t("billing.invoice.issued.v1"),
+                t(r#"{"partitionKey": "inv-7", "v": 2, "c": "corr-1", "payload": {}}"#),
+                Value::Null,
+                t("3"),
+            ])
+            .unwrap();
+        assert_eq!(row.subject.as_deref(), Some("billing.invoice.issued.v1"));
+        assert_eq!(row.aggregate_id.as_deref(), Some("inv-7"));
+        assert_eq!(row.event_version, Some(2));
+        assert_eq!(row.correlation_id.as_deref(), Some("corr-1"));
         assert_eq!(
-            OutboxLayout::new(&rel).unwrap_err(),
-            RowError::MissingColumn {
-                table: "public.outbox_events".into(),
-                column: "aggregate_type"
-            }
+            (row.aggregate_type.as_deref(), row.event_type.as_deref()),
+            (None, None)
         );
+        assert_eq!(row.columns, vec![None, Some("3".to_owned())]);
+        // A mapped role is required: a key the row lacks makes it a bad row.
+        let e = layout
+            .row(&[
+                t("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11"),
+                t("s"),
+                t(r#"{"v": 2}"#),
+                Value::Null,
+                Value::Null,
+            ])
+            .unwrap_err();
+        assert!(e.to_string().contains("aggregate_id"), "{e}");
     }
 
     #[test]

@@ -54,7 +54,7 @@ impl OutMessage {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TemplateError {
-    #[error("unknown placeholder {{{0}}} in subject template (known: context, aggregate_type, aggregate_id, event_type, event_version, partition)")]
+    #[error("placeholder {{{0}}} in subject template is neither a role (context, aggregate_type, aggregate_id, event_type, event_version, partition) nor a column name")]
     Unknown(String),
     #[error("unclosed '{{' in subject template")]
     Unclosed,
@@ -68,6 +68,8 @@ enum Part {
     EventType,
     EventVersion,
     Partition,
+    /// Any other column of the table, by name (SPEC §13).
+    Column(String),
 }
 
 /// A parsed `--subject-template`; `{context}` is substituted at parse time.
@@ -93,6 +95,7 @@ impl Template {
                 "event_type" => Some(Part::EventType),
                 "event_version" => Some(Part::EventVersion),
                 "partition" => Some(Part::Partition),
+                other if is_identifier(other) => Some(Part::Column(other.to_owned())),
                 other => return Err(TemplateError::Unknown(other.to_owned())),
             };
             if let Some(p) = part {
@@ -110,24 +113,91 @@ impl Template {
         Ok(Self(parts))
     }
 
-    fn render(&self, row: &OutboxRow, partitions: u32) -> String {
+    /// The subject for `row`; `columns` names its [`OutboxRow::columns`].
+    /// `Err`: what the row lacks for it (a role the table has no source
+    /// for, or a null column).
+    fn render(
+        &self,
+        row: &OutboxRow,
+        partitions: u32,
+        columns: &[String],
+    ) -> Result<String, String> {
         let mut out = String::with_capacity(64);
+        let need = |v: &Option<String>, name: &str| v.clone().ok_or_else(|| name.to_owned());
         for p in &self.0 {
             match p {
                 Part::Literal(s) => out.push_str(s),
-                Part::AggregateType => out.push_str(&row.aggregate_type),
-                Part::AggregateId => out.push_str(&row.aggregate_id),
-                Part::EventType => out.push_str(&row.event_type),
+                Part::AggregateType => out.push_str(&need(&row.aggregate_type, "aggregate_type")?),
+                Part::AggregateId => out.push_str(&need(&row.aggregate_id, "aggregate_id")?),
+                Part::EventType => out.push_str(&need(&row.event_type, "event_type")?),
                 Part::EventVersion => {
-                    let _ = write!(out, "{}", row.event_version);
+                    let v = row.event_version.ok_or("event_version")?;
+                    let _ = write!(out, "{v}");
                 }
                 Part::Partition => {
-                    let _ = write!(out, "{}", partition(&row.aggregate_id, partitions));
+                    let id = need(&row.aggregate_id, "aggregate_id")?;
+                    let _ = write!(out, "{}", partition(&id, partitions));
+                }
+                Part::Column(name) => {
+                    let value = columns
+                        .iter()
+                        .position(|c| c == name)
+                        .and_then(|i| row.columns.get(i).cloned().flatten())
+                        .ok_or_else(|| name.clone())?;
+                    out.push_str(&value);
                 }
             }
         }
-        out
+        Ok(out)
     }
+
+    /// The columns it names beyond the roles.
+    pub fn columns(&self) -> Vec<String> {
+        self.0
+            .iter()
+            .filter_map(|p| match p {
+                Part::Column(c) => Some(c.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The roles it needs a value of.
+    pub fn roles(&self) -> Vec<&'static str> {
+        self.0
+            .iter()
+            .filter_map(|p| match p {
+                Part::AggregateType => Some("aggregate_type"),
+                Part::AggregateId | Part::Partition => Some("aggregate_id"),
+                Part::EventType => Some("event_type"),
+                Part::EventVersion => Some("event_version"),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn is_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// `Outbox-` and the column name in Title-Case, `_` as `-` (SPEC §13):
+/// `tenant_id` → `Outbox-Tenant-Id`.
+pub fn column_header(column: &str) -> String {
+    let mut out = String::from("Outbox");
+    for word in column.split('_').filter(|w| !w.is_empty()) {
+        out.push('-');
+        let mut chars = word.chars();
+        if let Some(c) = chars.next() {
+            out.extend(c.to_uppercase());
+            out.push_str(&chars.as_str().to_ascii_lowercase());
+        }
+    }
+    out
 }
 
 /// Stable partition of an aggregate: FNV-1a 64 of its id, modulo `partitions`.
@@ -191,6 +261,10 @@ pub struct Router {
     schemas: Option<Arc<Schemas>>,
     /// [`wire::XID_HORIZON`] of the messages routed now.
     xid_horizon: Option<u64>,
+    /// The names of [`OutboxRow::columns`], in order.
+    columns: Vec<String>,
+    /// `--header-columns`: each header's name and its index in `columns`.
+    column_headers: Vec<(String, usize)>,
 }
 
 impl Router {
@@ -213,7 +287,25 @@ impl Router {
             source,
             schemas: None,
             xid_horizon: None,
+            columns: Vec::new(),
+            column_headers: Vec::new(),
         }
+    }
+
+    /// The columns rows carry (the template's and `header_columns`), and
+    /// those of them that travel as headers.
+    pub fn with_columns(mut self, columns: Vec<String>, header_columns: &[String]) -> Self {
+        self.column_headers = header_columns
+            .iter()
+            .filter_map(|h| Some((column_header(h), columns.iter().position(|c| c == h)?)))
+            .collect();
+        self.columns = columns;
+        self
+    }
+
+    /// The columns a row must carry, in order.
+    pub fn columns(&self) -> &[String] {
+        &self.columns
     }
 
     /// Check every payload against `--schemas`.
@@ -240,12 +332,16 @@ impl Router {
         commit_micros: Option<i64>,
         max_payload: usize,
     ) -> OutMessage {
-        let subject = match &row.subject {
-            Some(s) => s.clone(),
-            None => self.template.render(&row, self.partitions),
+        let (subject, lacking) = match &row.subject {
+            Some(s) => (s.clone(), None),
+            None => match self.template.render(&row, self.partitions, &self.columns) {
+                Ok(s) => (s, None),
+                // Dead-lettered below, under the template as its subject.
+                Err(what) => (String::new(), Some(what)),
+            },
         };
         let msg_id = row.id.to_string();
-        let mut reason = if subject_problem(&subject).is_some() {
+        let mut reason = if lacking.is_some() || subject_problem(&subject).is_some() {
             Some(DlqReason::InvalidSubject)
         } else if subject.len() > MAX_SUBJECT_BYTES {
             Some(DlqReason::SubjectTooLong)
@@ -261,7 +357,9 @@ impl Router {
         let mut schema_problem = None;
         if let Some(live) = &self.schemas {
             let schemas = live.current();
-            match schemas.check(&row.event_type, row.event_version, &row.payload) {
+            let event_type = row.event_type.as_deref().unwrap_or("");
+            let event_version = row.event_version.unwrap_or(1);
+            match schemas.check(event_type, event_version, &row.payload) {
                 Verdict::Valid(id) => schema_id = Some(id.to_owned()),
                 Verdict::Invalid(id, detail) => {
                     schema_id = Some(id.to_owned());
@@ -270,15 +368,10 @@ impl Router {
                 Verdict::Missing => {
                     schema_problem = Some((
                         DlqReason::SchemaMissing,
-                        format!(
-                            "no schema for {} version {}",
-                            row.event_type, row.event_version
-                        ),
+                        format!("no schema for {event_type:?} version {event_version}"),
                     ));
                 }
-                Verdict::Unchecked => {
-                    live.note_unchecked("relay", &row.event_type, row.event_version)
-                }
+                Verdict::Unchecked => live.note_unchecked("relay", event_type, event_version),
             }
         }
         let body = if self.envelope {
@@ -315,6 +408,16 @@ impl Router {
             body,
             dlq_reason: None,
         };
+        if let Some(what) = lacking {
+            let detail = format!("the row has no subject and no {what} for the subject template");
+            return dead_letter(
+                msg,
+                &self.dlq_subject,
+                DlqReason::InvalidSubject,
+                Some(&detail),
+                max_payload,
+            );
+        }
         if let (None, Some((r, detail))) = (reason, schema_problem) {
             return dead_letter(msg, &self.dlq_subject, r, Some(&detail), max_payload);
         }
@@ -363,23 +466,29 @@ impl Router {
         pos: Position,
     ) -> Vec<(Cow<'static, str>, String)> {
         let mut h = Vec::with_capacity(12);
-        let mut push = |name: &'static str, value: String| h.push((Cow::Borrowed(name), value));
-        push(wire::MSG_ID, msg_id.to_owned());
+        let mut push = |name: &'static str, value: Option<String>| {
+            if let Some(v) = value {
+                h.push((Cow::Borrowed(name), v));
+            }
+        };
+        push(wire::MSG_ID, Some(msg_id.to_owned()));
         push(wire::EVENT_TYPE, row.event_type);
-        push(wire::EVENT_VERSION, row.event_version.to_string());
+        push(
+            wire::EVENT_VERSION,
+            row.event_version.map(|v| v.to_string()),
+        );
         push(wire::AGGREGATE_TYPE, row.aggregate_type);
         push(wire::AGGREGATE_ID, row.aggregate_id);
-        if let Some(t) = row.occurred_at {
-            push(wire::OCCURRED_AT, t);
-        }
-        if let Some(c) = row.correlation_id {
-            push(wire::CORRELATION_ID, c.to_string());
-        }
-        if let Some(c) = row.causation_id {
-            push(wire::CAUSATION_ID, c.to_string());
-        }
+        push(wire::OCCURRED_AT, row.occurred_at);
+        push(wire::CORRELATION_ID, row.correlation_id);
+        push(wire::CAUSATION_ID, row.causation_id);
         if self.envelope {
-            push(wire::ENVELOPE, "1".to_owned());
+            push(wire::ENVELOPE, Some("1".to_owned()));
+        }
+        for (name, i) in &self.column_headers {
+            if let Some(Some(v)) = row.columns.get(*i) {
+                h.push((Cow::Owned(name.clone()), v.clone()));
+            }
         }
         self.position_headers(&mut h, pos);
         h
@@ -516,20 +625,18 @@ pub struct Provenance<'a> {
 /// docs/guide/relay.md lists them. Unknown values are null, as the first envelope had them.
 pub fn envelope(row: &OutboxRow, from: &Provenance<'_>) -> Bytes {
     let id = row.id.to_string();
-    let correlation = row.correlation_id.map(|u| u.to_string());
-    let causation = row.causation_id.map(|u| u.to_string());
     JsonObject::with_capacity(row.payload.len() + 480)
         .str("eventId", &id)
-        .str("eventType", &row.event_type)
-        .int("eventVersion", row.event_version)
+        .opt_str("eventType", row.event_type.as_deref())
+        .opt_int("eventVersion", row.event_version)
         .opt_str("schemaUri", from.schema_uri)
-        .str("aggregateType", &row.aggregate_type)
-        .str("aggregateId", &row.aggregate_id)
-        .str("partitionKey", &row.aggregate_id)
+        .opt_str("aggregateType", row.aggregate_type.as_deref())
+        .opt_str("aggregateId", row.aggregate_id.as_deref())
+        .opt_str("partitionKey", row.aggregate_id.as_deref())
         .opt_str("occurredAt", row.occurred_at.as_deref())
         .opt_str("ingestedAt", from.ingested_at)
-        .opt_str("correlationId", correlation.as_deref())
-        .opt_str("causationId", causation.as_deref())
+        .opt_str("correlationId", row.correlation_id.as_deref())
+        .opt_str("causationId", row.causation_id.as_deref())
         .str("outboxId", &id)
         .str("sourceContext", from.context)
         .raw("payload", &row.payload)
@@ -546,16 +653,17 @@ mod tests {
     fn row() -> OutboxRow {
         OutboxRow {
             id: Uuid::parse_str("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11").unwrap(),
-            aggregate_type: "order".into(),
-            aggregate_id: "42".into(),
-            event_type: "placed".into(),
-            event_version: 2,
+            aggregate_type: Some("order".into()),
+            aggregate_id: Some("42".into()),
+            event_type: Some("placed".into()),
+            event_version: Some(2),
             payload: Bytes::from_static(br#"{"total": 10}"#),
             occurred_at: Some("2026-11-21T21:31:42Z".into()),
             correlation_id: None,
             causation_id: None,
             subject: None,
             headers: None,
+            columns: Vec::new(),
         }
     }
 
@@ -656,7 +764,7 @@ mod tests {
         assert!(m.header_size() < 4096, "the dead letter itself is sendable");
 
         let mut r = row();
-        r.aggregate_id = "a".repeat(70_000);
+        r.aggregate_id = Some("a".repeat(70_000));
         let m = router("{context}.e").route(&r, POS, 1 << 20);
         assert_eq!(m.dlq_reason, Some(DlqReason::HeadersTooLarge));
         assert!(m.header_size() <= MAX_HEADER_BYTES);
@@ -727,7 +835,7 @@ mod tests {
     #[test]
     fn envelope_is_valid_json_with_raw_payload() {
         let mut r = row();
-        r.aggregate_id = "a\"b".into();
+        r.aggregate_id = Some("a\"b".into());
         let from = Provenance {
             context: "shop",
             schema_uri: None,
@@ -771,9 +879,13 @@ mod tests {
     #[test]
     fn template_errors() {
         assert_eq!(
-            Template::parse("{context}.{nope}", "x"),
-            Err(TemplateError::Unknown("nope".into()))
+            Template::parse("{context}.{no pe}", "x"),
+            Err(TemplateError::Unknown("no pe".into()))
         );
+        // Any other name is a column of the table (checked at start).
+        let t = Template::parse("{namespace}.{topic}", "x").unwrap();
+        assert_eq!(t.columns(), ["namespace", "topic"]);
+        assert!(t.roles().is_empty());
         assert_eq!(
             Template::parse("{context", "x"),
             Err(TemplateError::Unclosed)
@@ -790,5 +902,39 @@ mod tests {
             dlq_reason: None,
         };
         assert_eq!(m.wire_size(), "NATS/1.0\r\nA: b\r\n\r\n".len() + 3);
+    }
+
+    /// SPEC §13: a template may name any column; `--header-columns` travel
+    /// as `Outbox-<Column-Name>`; a role with no source leaves its header
+    /// out; a row lacking what the template needs is dead-lettered.
+    #[test]
+    fn columns_feed_the_template_and_headers() {
+        let router = Router::new(
+            "mk",
+            Template::parse("{namespace}.{topic}", "mk").unwrap(),
+            16,
+            false,
+            "src".into(),
+            vec![wire::stream_subjects("mk")],
+        )
+        .with_columns(
+            vec!["namespace".into(), "topic".into(), "tenant_id".into()],
+            &["tenant_id".into()],
+        );
+        let mut r = row();
+        r.aggregate_type = None;
+        r.columns = vec![
+            Some("mk".into()),
+            Some("user.created".into()),
+            Some("t-1".into()),
+        ];
+        let m = router.route(&r, POS, 1 << 20);
+        assert_eq!(m.subject, "mk.user.created");
+        assert_eq!(m.header("Outbox-Tenant-Id"), Some("t-1"));
+        assert_eq!(m.header(wire::AGGREGATE_TYPE), None);
+        r.columns[1] = None;
+        let m = router.route(&r, POS, 1 << 20);
+        assert_eq!(m.dlq_reason, Some(DlqReason::InvalidSubject));
+        assert_eq!(column_header("dedupe_key"), "Outbox-Dedupe-Key");
     }
 }

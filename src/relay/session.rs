@@ -224,6 +224,23 @@ impl<'a> Session<'a> {
                 pid: Some(pid),
             });
         }
+        // What the flags ask of the table (SPEC §13), before anything is
+        // published: one line naming what does not fit.
+        let table = format!("{}.{}", cfg.schema, cfg.table);
+        let columns = postgres::provision::table_columns(pool, &cfg.schema, &cfg.table).await?;
+        let extra = cfg
+            .columns
+            .check(
+                &table,
+                &columns,
+                &cfg.template.roles(),
+                &cfg.template.columns(),
+                &cfg.header_columns,
+            )
+            .map_err(Error::setup)?;
+        if let Some(predicate) = &cfg.unpublished {
+            postgres::provision::check_predicate(pool, &cfg.schema, &cfg.table, predicate).await?;
+        }
         // Read once per session: server_info() clones the whole INFO block.
         let info = nats.server_info();
         let dlq_subject = wire::relay_dlq_subject(&cfg.context);
@@ -295,6 +312,7 @@ impl<'a> Session<'a> {
                 shape.subjects.clone(),
             )
             .with_schemas(cfg.schemas.clone())
+            .with_columns(extra.clone(), &cfg.header_columns)
         };
         let confirmed = match prepared.slot {
             Some(slot) => slot.confirmed,
@@ -370,7 +388,8 @@ impl<'a> Session<'a> {
             max_payload,
             resume,
         )
-        .with_emitted(cfg.emitted_events);
+        .with_emitted(cfg.emitted_events)
+        .with_columns(cfg.columns.clone());
         // What was written while no relay read is published before the
         // first sample: it carries the slot's own horizon.
         if let Some(xid) = provision::slot_horizon(pool, &cfg.slot).await? {

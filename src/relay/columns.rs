@@ -1,0 +1,457 @@
+//! Which column of the outbox table plays which role (SPEC §13):
+//! `--columns ROLE=SOURCE[,ROLE=SOURCE…]`.
+//!
+//! A source is a column, or a top-level key of a json/jsonb column
+//! (`aggregate_id=envelope.partitionKey`). A role not given takes the
+//! column of its own name when the table has one, so the table of SPEC §3
+//! needs no flag. The map is checked against the table's columns at start
+//! ([`ColumnMap::resolve`]): a bad map is one line naming the role and the
+//! table's columns, before anything is published. Pure: no I/O.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use super::pgoutput::oid;
+
+/// What a column (or a json key) gives the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    Id,
+    Payload,
+    AggregateType,
+    AggregateId,
+    EventType,
+    EventVersion,
+    OccurredAt,
+    CorrelationId,
+    CausationId,
+    Subject,
+    Headers,
+    Stream,
+}
+
+impl Role {
+    pub const ALL: [Role; 12] = [
+        Role::Id,
+        Role::Payload,
+        Role::AggregateType,
+        Role::AggregateId,
+        Role::EventType,
+        Role::EventVersion,
+        Role::OccurredAt,
+        Role::CorrelationId,
+        Role::CausationId,
+        Role::Subject,
+        Role::Headers,
+        Role::Stream,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Id => "id",
+            Role::Payload => "payload",
+            Role::AggregateType => "aggregate_type",
+            Role::AggregateId => "aggregate_id",
+            Role::EventType => "event_type",
+            Role::EventVersion => "event_version",
+            Role::OccurredAt => "occurred_at",
+            Role::CorrelationId => "correlation_id",
+            Role::CausationId => "causation_id",
+            Role::Subject => "subject",
+            Role::Headers => "headers",
+            Role::Stream => "stream",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// Whether a column of this type can play the role, and in words what
+    /// it takes when it cannot.
+    fn takes(self, type_oid: u32) -> Result<(), &'static str> {
+        use oid::*;
+        let text = [TEXT, VARCHAR, BPCHAR];
+        let ok = match self {
+            Role::Id => [UUID, TEXT, VARCHAR].contains(&type_oid),
+            Role::Payload => [JSONB, JSON].contains(&type_oid),
+            Role::AggregateType | Role::EventType | Role::Subject | Role::Stream => {
+                text.contains(&type_oid)
+            }
+            Role::AggregateId => text.contains(&type_oid) || type_oid == UUID,
+            Role::EventVersion => [INT2, INT4, INT8].contains(&type_oid),
+            Role::OccurredAt => [TIMESTAMPTZ, TIMESTAMP].contains(&type_oid),
+            Role::CorrelationId | Role::CausationId => [UUID, TEXT, VARCHAR].contains(&type_oid),
+            Role::Headers => [JSONB, JSON].contains(&type_oid),
+        };
+        if ok {
+            return Ok(());
+        }
+        Err(match self {
+            Role::Id => "uuid or text",
+            Role::Payload | Role::Headers => "jsonb or json",
+            Role::AggregateType | Role::EventType | Role::Subject | Role::Stream => "text",
+            Role::AggregateId => "text or uuid",
+            Role::EventVersion => "an integer",
+            Role::OccurredAt => "timestamptz",
+            Role::CorrelationId | Role::CausationId => "uuid or text",
+        })
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where a role's value comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Source {
+    Column(String),
+    /// A top-level key of a json or jsonb column.
+    Key {
+        column: String,
+        key: String,
+    },
+}
+
+impl Source {
+    pub fn column(&self) -> &str {
+        match self {
+            Source::Column(c) | Source::Key { column: c, .. } => c,
+        }
+    }
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Column(c) => f.write_str(c),
+            Source::Key { column, key } => write!(f, "{column}.{key}"),
+        }
+    }
+}
+
+/// `--columns` as given: the roles the user mapped.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ColumnMap {
+    given: BTreeMap<Role, Source>,
+}
+
+impl ColumnMap {
+    /// `role=source,…`; empty: every role by its own name.
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let mut given = BTreeMap::new();
+        for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (role, source) = item
+                .split_once('=')
+                .ok_or_else(|| format!("{item:?} is not ROLE=SOURCE"))?;
+            let (role, source) = (role.trim(), source.trim());
+            let r = Role::parse(role).ok_or_else(|| {
+                format!(
+                    "unknown role {role:?} (roles: {})",
+                    Role::ALL.map(Role::name).join(", ")
+                )
+            })?;
+            let source = match source.split_once('.') {
+                _ if source.is_empty() => return Err(format!("role {role} has no source")),
+                Some((column, key)) if !column.is_empty() && !key.is_empty() => Source::Key {
+                    column: column.to_owned(),
+                    key: key.to_owned(),
+                },
+                Some(_) => {
+                    return Err(format!(
+                        "role {role}: {source:?} is not COLUMN or COLUMN.KEY"
+                    ))
+                }
+                None => Source::Column(source.to_owned()),
+            };
+            if given.insert(r, source).is_some() {
+                return Err(format!("role {role} is given twice"));
+            }
+        }
+        Ok(Self { given })
+    }
+
+    /// Whether every role is by its own name (no `--columns`).
+    pub fn is_default(&self) -> bool {
+        self.given.is_empty()
+    }
+
+    /// Each role's source on a table with these `(name, type oid)` columns:
+    /// the one given, else the column of the role's name. `id` and
+    /// `payload` must have one; each source must exist and be of a type
+    /// the role takes; a key's column must be json or jsonb.
+    pub fn resolve(&self, table: &str, columns: &[(String, u32)]) -> Result<Resolved, String> {
+        let listing = || {
+            columns
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let type_of = |name: &str| columns.iter().find(|(n, _)| n == name).map(|(_, t)| *t);
+        let mut roles = BTreeMap::new();
+        for role in Role::ALL {
+            let source = match self.given.get(&role) {
+                Some(s) => s.clone(),
+                None if type_of(role.name()).is_some() => Source::Column(role.name().to_owned()),
+                None if matches!(role, Role::Id | Role::Payload) => {
+                    return Err(format!(
+                        "table {table} has no column {role} and --columns maps none to role {role} (its columns: {})",
+                        listing()
+                    ))
+                }
+                None => continue,
+            };
+            let Some(ty) = type_of(source.column()) else {
+                return Err(format!(
+                    "--columns {role}={source}: table {table} has no column {:?} (its columns: {})",
+                    source.column(),
+                    listing()
+                ));
+            };
+            match &source {
+                Source::Key { column, .. } if ![oid::JSONB, oid::JSON].contains(&ty) => {
+                    return Err(format!(
+                        "--columns {role}={source}: a key needs a json or jsonb column, and {column} is not one (its columns: {})",
+                        listing()
+                    ))
+                }
+                // A key's value is read as its text form.
+                Source::Key { .. } => {}
+                Source::Column(column) => {
+                    if let Err(want) = role.takes(ty) {
+                        let given = if self.given.contains_key(&role) {
+                            format!("--columns {role}={source}")
+                        } else {
+                            format!("role {role} (column {column})")
+                        };
+                        return Err(format!(
+                            "{given}: the column's type does not fit the role, which takes {want} (table {table}; its columns: {})",
+                            listing()
+                        ));
+                    }
+                }
+            }
+            roles.insert(role, source);
+        }
+        Ok(Resolved { roles })
+    }
+}
+
+impl ColumnMap {
+    /// Everything the relay's flags ask of the table, checked at start: the
+    /// map, the subject template's roles (`template_roles`) and columns,
+    /// and `--header-columns`. Returns the columns each row carries for the
+    /// router: the template's, then the header columns', each once.
+    pub fn check(
+        &self,
+        table: &str,
+        columns: &[(String, u32)],
+        template_roles: &[&str],
+        template_columns: &[String],
+        header_columns: &[String],
+    ) -> Result<Vec<String>, String> {
+        let resolved = self.resolve(table, columns)?;
+        if let Some(source) = resolved.source(Role::Stream) {
+            // Never ignored: every row would land in the one stream.
+            return Err(format!(
+                "role stream (column {source} of table {table}) routes each row to the stream it names, which this version of the relay does not do yet: such a table cannot be published as it stands (multi-stream routing, SPEC §13, is to come)"
+            ));
+        }
+        let listing = columns
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        // With a subject column, only rows without a subject need the
+        // template (they are dead-lettered if they lack what it needs).
+        if resolved.source(Role::Subject).is_none() {
+            for role in template_roles {
+                let known = Role::parse(role).is_some_and(|r| resolved.source(r).is_some());
+                if !known {
+                    return Err(format!(
+                        "--subject-template needs {{{role}}}, and no column of table {table} plays role {role}: map one with --columns {role}=COLUMN, give a subject column, or use another template (its columns: {listing})"
+                    ));
+                }
+            }
+        }
+        let mut extra: Vec<String> = Vec::new();
+        for (flag, names) in [
+            ("--subject-template", template_columns),
+            ("--header-columns", header_columns),
+        ] {
+            for name in names {
+                if !columns.iter().any(|(n, _)| n == name) {
+                    return Err(format!(
+                        "{flag} names column {name:?}, which table {table} does not have (its columns: {listing})"
+                    ));
+                }
+                if !extra.contains(name) {
+                    extra.push(name.clone());
+                }
+            }
+        }
+        Ok(extra)
+    }
+}
+
+/// Every role with a source, checked against the table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    roles: BTreeMap<Role, Source>,
+}
+
+impl Resolved {
+    pub fn source(&self, role: Role) -> Option<&Source> {
+        self.roles.get(&role)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn today() -> Vec<(String, u32)> {
+        [
+            ("id", oid::UUID),
+            ("aggregate_type", oid::TEXT),
+            ("aggregate_id", oid::TEXT),
+            ("event_type", oid::TEXT),
+            ("event_version", oid::INT4),
+            ("payload", oid::JSONB),
+            ("occurred_at", oid::TIMESTAMPTZ),
+            ("correlation_id", oid::UUID),
+            ("causation_id", oid::UUID),
+            ("subject", oid::TEXT),
+            ("headers", oid::JSONB),
+            ("published_at", oid::TIMESTAMPTZ),
+        ]
+        .map(|(n, t)| (n.to_owned(), t))
+        .to_vec()
+    }
+
+    fn envelope() -> Vec<(String, u32)> {
+        [
+            ("id", oid::UUID),
+            ("occurred_at", oid::TIMESTAMPTZ),
+            ("tenant_id", oid::UUID),
+            ("topic", oid::TEXT),
+            ("envelope", oid::JSONB),
+            ("published_at", oid::TIMESTAMPTZ),
+            ("attempts", oid::INT4),
+            ("last_error", oid::TEXT),
+        ]
+        .map(|(n, t)| (n.to_owned(), t))
+        .to_vec()
+    }
+
+    #[test]
+    fn todays_table_needs_no_map() {
+        let map = ColumnMap::parse("").unwrap();
+        assert!(map.is_default());
+        let r = map.resolve("public.outbox_events", &today()).unwrap();
+        for role in Role::ALL {
+            let want = (role != Role::Stream).then(|| Source::Column(role.name().into()));
+            assert_eq!(r.source(role), want.as_ref(), "{role}");
+        }
+    }
+
+    #[test]
+    fn roles_map_to_columns_and_json_keys() {
+        let map = ColumnMap::parse(
+            "payload=envelope, subject=topic, aggregate_id=envelope.partitionKey,event_type=envelope.eventType",
+        )
+        .unwrap();
+        let r = map.resolve("public.outbox", &envelope()).unwrap();
+        assert_eq!(
+            r.source(Role::Payload),
+            Some(&Source::Column("envelope".into()))
+        );
+        assert_eq!(
+            r.source(Role::AggregateId),
+            Some(&Source::Key {
+                column: "envelope".into(),
+                key: "partitionKey".into()
+            })
+        );
+        assert_eq!(r.source(Role::Id), Some(&Source::Column("id".into())));
+        assert_eq!(r.source(Role::AggregateType), None);
+        assert_eq!(r.source(Role::Headers), None);
+    }
+
+    #[test]
+    fn a_bad_map_names_the_role_and_lists_the_columns() {
+        let cases = [
+            ("payload=body", "payload=body", "no column \"body\""),
+            ("payload=envelope,payload=topic", "payload", "given twice"),
+            ("colour=topic", "colour", "unknown role"),
+            ("payload=topic", "payload=topic", "takes jsonb or json"),
+            (
+                "payload=envelope,aggregate_id=topic.x",
+                "aggregate_id=topic.x",
+                "json or jsonb",
+            ),
+            (
+                "payload=envelope,event_version=topic",
+                "event_version",
+                "an integer",
+            ),
+            ("payload=envelope,subject=", "subject", "no source"),
+            ("payload=envelope,subject=.x", "subject", "COLUMN.KEY"),
+        ];
+        for (spec, role, why) in cases {
+            let e = ColumnMap::parse(spec)
+                .and_then(|m| m.resolve("public.outbox", &envelope()))
+                .expect_err(spec);
+            assert!(e.contains(role) && e.contains(why), "{spec}: {e}");
+            if e.contains("columns:") {
+                assert!(
+                    e.contains("id, occurred_at, tenant_id, topic, envelope"),
+                    "{spec}: {e}"
+                );
+            }
+        }
+        // No payload at all: named, with the columns.
+        let e = ColumnMap::parse("")
+            .unwrap()
+            .resolve("public.outbox", &envelope())
+            .unwrap_err();
+        assert!(e.contains("role payload") && e.contains("tenant_id"), "{e}");
+    }
+
+    #[test]
+    fn the_flags_are_checked_against_the_table_and_name_the_columns_rows_carry() {
+        let map = ColumnMap::parse("payload=envelope,occurred_at=occurred_at").unwrap();
+        // No subject column: the template's roles must have sources.
+        let e = map
+            .check("public.outbox", &envelope(), &["event_type"], &[], &[])
+            .unwrap_err();
+        assert!(e.contains("{event_type}") && e.contains("tenant_id"), "{e}");
+        let with_subject = ColumnMap::parse("payload=envelope,subject=topic").unwrap();
+        assert_eq!(
+            with_subject.check("public.outbox", &envelope(), &["event_type"], &[], &[]),
+            Ok(Vec::new())
+        );
+        // Columns by name, each once.
+        let extra = map
+            .check(
+                "public.outbox",
+                &envelope(),
+                &[],
+                &["topic".into(), "tenant_id".into()],
+                &["tenant_id".into(), "attempts".into()],
+            )
+            .unwrap();
+        assert_eq!(extra, ["topic", "tenant_id", "attempts"]);
+        let e = map
+            .check("public.outbox", &envelope(), &[], &[], &["tenant".into()])
+            .unwrap_err();
+        assert!(
+            e.contains("--header-columns") && e.contains("\"tenant\""),
+            "{e}"
+        );
+    }
+}

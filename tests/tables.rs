@@ -1,0 +1,267 @@
+//! SPEC §13: the relay on outbox tables as their own designs define them,
+//! started with the flags docs/guide/outbox-tables.md gives for each. Every
+//! table is created by its own DDL; rows already there and unpublished are
+//! published first, those published already are not, and rows inserted
+//! across a kill -9 of the relay arrive once each, in commit order.
+
+use std::time::Duration;
+
+use crate::common::*;
+use outbox_relay::wire;
+
+const T: Duration = Duration::from_secs(120);
+
+struct Recipe {
+    /// Database name and `--context`.
+    ctx: &'static str,
+    ddl: &'static str,
+    flags: &'static [&'static str],
+    /// Inserts row `n` with id `$1` (uuid), unpublished.
+    insert: &'static str,
+    /// Marks every row so far as published (the polling worker's doing).
+    publish_all: &'static str,
+}
+
+/// Rows in the table before the relay's first start, then 300 more in
+/// transactions of ten, the relay killed -9 a third of the way through and
+/// started again while rows keep coming.
+async fn relay_on(recipe: &Recipe) -> Vec<Got> {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, &format!("t_{}", recipe.ctx)).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(recipe.ddl))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let insert = |n: i32| {
+        let pool = pool.clone();
+        async move {
+            let id = uuid::Uuid::new_v4();
+            sqlx::query(sqlx::AssertSqlSafe(recipe.insert))
+                .bind(id)
+                .bind(n)
+                .execute(&pool)
+                .await
+                .unwrap();
+            id
+        }
+    };
+    // Published by the worker this relay replaces: not again.
+    for n in 0..5 {
+        insert(-1 - n).await;
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(recipe.publish_all))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut expected = Vec::new();
+    for n in 0..20 {
+        expected.push(insert(n).await);
+    }
+    let mut relay = Service::relay(&url, &stack.nats_url, recipe.ctx, recipe.flags);
+    let txn = |from: i32| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let mut ids = Vec::new();
+            for n in from..from + 10 {
+                let id = uuid::Uuid::new_v4();
+                sqlx::query(sqlx::AssertSqlSafe(recipe.insert))
+                    .bind(id)
+                    .bind(n)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                ids.push(id);
+            }
+            tx.commit().await.unwrap();
+            ids
+        }
+    };
+    for t in 0..30 {
+        if t == 10 {
+            relay.kill9();
+        }
+        if t == 20 {
+            relay.restart();
+        }
+        expected.extend(txn(100 + t * 10).await);
+    }
+    relay.wait_ready();
+    let got = read_stream(
+        &stack.nats_url,
+        &wire::stream_name(recipe.ctx),
+        expected.len() as u64,
+        T,
+    )
+    .await;
+    let ids: Vec<String> = got
+        .iter()
+        .map(|g| g.h(wire::MSG_ID).unwrap_or("").to_owned())
+        .collect();
+    let want: Vec<String> = expected.iter().map(|i| i.to_string()).collect();
+    assert_eq!(
+        ids,
+        want,
+        "every unpublished row once, in commit order\n{}",
+        relay.log_text()
+    );
+    got
+}
+
+/// The event-driven-architecture design's table: `topic` is the subject,
+/// `envelope` the whole event and the body; the order key is
+/// `envelope.partitionKey`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_envelope_table() {
+    let got = relay_on(&Recipe {
+        ctx: "billing",
+        ddl: "CREATE TABLE outbox (id uuid primary key default gen_random_uuid(), \
+              occurred_at timestamptz not null default now(), tenant_id uuid not null, \
+              topic text not null, envelope jsonb not null, published_at timestamptz, \
+              attempts int not null default 0, last_error text)",
+        flags: &[
+            "--table",
+            "public.outbox",
+            "--columns",
+            "payload=envelope,subject=topic,aggregate_id=envelope.partitionKey,\
+             event_type=envelope.eventType,event_version=envelope.eventVersion,\
+             correlation_id=envelope.correlationId",
+            "--header-columns",
+            "tenant_id",
+        ],
+        insert: "INSERT INTO outbox (id, tenant_id, topic, envelope) VALUES ($1, \
+                 '5b1c6c1e-0d6a-4c1b-9a57-7c1a3f0c2b11', 'billing.invoice.issued.v1', \
+                 jsonb_build_object('eventId', $1::text, 'eventType', 'invoice.issued', \
+                 'eventVersion', 1, 'partitionKey', 'inv-' || ($2 % 7), 'correlationId', 'c-' || $2, \
+                 'payload', jsonb_build_object('n', $2)))",
+        publish_all: "UPDATE outbox SET published_at = now()",
+    })
+    .await;
+    let g = &got[0];
+    assert_eq!(g.subject, "billing.invoice.issued.v1");
+    assert_eq!(g.h(wire::AGGREGATE_ID), Some("inv-0"));
+    assert_eq!(g.h(wire::EVENT_TYPE), Some("invoice.issued"));
+    assert_eq!(g.h(wire::EVENT_VERSION), Some("1"));
+    assert_eq!(g.h(wire::CORRELATION_ID), Some("c-0"));
+    assert_eq!(
+        g.h("Outbox-Tenant-Id"),
+        Some("5b1c6c1e-0d6a-4c1b-9a57-7c1a3f0c2b11")
+    );
+    assert_eq!(g.h(wire::AGGREGATE_TYPE), None, "no column plays it");
+    let body = g.json();
+    assert_eq!(body["eventType"], "invoice.issued");
+    assert_eq!(body["payload"]["n"], 0);
+}
+
+/// PolyShop's table: `event_type` (`order.order.placed.v1`) is the
+/// subject; unpublished is `processed = false`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_polyshop_table() {
+    let got = relay_on(&Recipe {
+        ctx: "order",
+        ddl: "CREATE SCHEMA polyshop; CREATE TABLE polyshop.outbox_events (id uuid primary key, \
+              aggregate_id text not null, event_type text not null, version int not null default 1, \
+              payload json not null, created_at timestamptz not null default now(), \
+              processed boolean not null default false, processed_at timestamptz, error_message text)",
+        flags: &[
+            "--table",
+            "polyshop.outbox_events",
+            "--columns",
+            "subject=event_type,event_version=version,occurred_at=created_at",
+            "--unpublished",
+            "processed = false",
+        ],
+        insert: "INSERT INTO polyshop.outbox_events (id, aggregate_id, event_type, payload) \
+                 VALUES ($1, 'o-' || $2, 'order.order.placed.v1', json_build_object('n', $2))",
+        publish_all: "UPDATE polyshop.outbox_events SET processed = true, processed_at = now()",
+    })
+    .await;
+    let g = &got[0];
+    assert_eq!(g.subject, "order.order.placed.v1");
+    assert_eq!(g.h(wire::AGGREGATE_ID), Some("o-0"));
+    assert_eq!(g.h(wire::EVENT_VERSION), Some("1"));
+    assert!(g.h(wire::OCCURRED_AT).is_some());
+    assert_eq!(g.json()["n"], 0);
+}
+
+/// modkit's table: the subject is `{namespace}.{topic}`; `tenant_id` and
+/// `dedupe_key` travel as headers; unpublished is `status <> 'delivered'`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_modkit_table() {
+    let got = relay_on(&Recipe {
+        ctx: "modkit",
+        ddl: "CREATE TABLE modkit_outbox_events (id uuid primary key, namespace text not null, \
+              topic text not null, tenant_id uuid null, dedupe_key text null, payload jsonb not null, \
+              status text not null, attempts int not null default 0, \
+              next_attempt_at timestamptz not null default now(), locked_by uuid null, \
+              locked_until timestamptz null, last_error text null, \
+              created_at timestamptz not null default now(), updated_at timestamptz not null default now())",
+        flags: &[
+            "--table",
+            "public.modkit_outbox_events",
+            "--subject-template",
+            "{namespace}.{topic}",
+            "--columns",
+            "occurred_at=created_at",
+            "--header-columns",
+            "tenant_id,dedupe_key",
+            "--unpublished",
+            "status <> 'delivered'",
+        ],
+        insert: "INSERT INTO modkit_outbox_events (id, namespace, topic, tenant_id, dedupe_key, payload, status) \
+                 VALUES ($1, 'modkit', 'user.created', NULL, 'k-' || $2, jsonb_build_object('n', $2), 'pending')",
+        publish_all: "UPDATE modkit_outbox_events SET status = 'delivered'",
+    })
+    .await;
+    let g = &got[0];
+    assert_eq!(g.subject, "modkit.user.created");
+    assert_eq!(g.h("Outbox-Dedupe-Key"), Some("k-0"));
+    assert_eq!(g.h("Outbox-Tenant-Id"), None, "a null column is left out");
+    assert_eq!(g.h(wire::AGGREGATE_ID), None);
+}
+
+/// A map that does not fit the table stops the relay at start with one
+/// line naming the role and listing the table's columns; nothing is
+/// published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_column_map_is_one_line_naming_the_role_and_the_columns() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_badmap").await;
+    sqlx::raw_sql(
+        "CREATE TABLE outbox (id uuid primary key, topic text not null, envelope jsonb not null)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for (columns, role) in [
+        ("payload=body,subject=topic", "payload=body"),
+        ("payload=topic", "payload=topic"),
+        (
+            "payload=envelope,aggregate_id=topic.key",
+            "aggregate_id=topic.key",
+        ),
+        ("payload=envelope", "{event_type}"),
+        (
+            "payload=envelope,subject=topic --unpublished",
+            "--unpublished",
+        ),
+    ] {
+        let mut args = vec!["--table", "public.outbox", "--columns"];
+        match columns.split_once(" --unpublished") {
+            Some((map, _)) => args.extend([map, "--unpublished", "sent_at IS NULL"]),
+            None => args.push(columns),
+        }
+        let (code, err) = run_relay_bounded(&url, &stack.nats_url, "badmap", &args);
+        assert_eq!(code, Some(1), "{columns}: {err}");
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert!(
+            errors.len() == 1
+                && errors[0].contains(role)
+                && (errors[0].contains("id, topic, envelope") || errors[0].contains("sent_at")),
+            "{columns}: one line naming {role} and the columns: {err}"
+        );
+    }
+    // Refused before the stream was even set up.
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    assert!(js.get_stream(wire::stream_name("badmap")).await.is_err());
+}
