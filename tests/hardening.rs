@@ -140,6 +140,19 @@ async fn the_suggested_resync_republishes_a_row_whose_transaction_was_open_at_th
     let stream = wire::stream_name("hresync");
     let mut relay = Service::relay(&url, &stack.nats_url, "hresync", &["--backfill", "none"]);
     // A's transaction starts first and stays open.
+    let (open, a) = open_row(&pool).await;
+    // B starts later, commits, and is the last event the stream stores.
+    let b = insert_txn(&pool, 0, 0, 1, 0).await;
+    let got = read_stream(&stack.nats_url, &stream, 1, T).await;
+    assert_eq!(got.len(), 1);
+    assert!(relay.term(Duration::from_secs(30)).success());
+    // A commits while no relay reads, then the slot is lost.
+    open.commit().await.unwrap();
+    follow_the_suggested_resync(&stack, &url, "hresync", a, b[0]).await;
+}
+
+/// A transaction that inserted one row and stays open, and the row's id.
+async fn open_row(pool: &sqlx::PgPool) -> (sqlx::Transaction<'static, sqlx::Postgres>, uuid::Uuid) {
     let a = uuid::Uuid::new_v4();
     let mut open = pool.begin().await.unwrap();
     sqlx::query(
@@ -150,47 +163,55 @@ async fn the_suggested_resync_republishes_a_row_whose_transaction_was_open_at_th
     .execute(&mut *open)
     .await
     .unwrap();
-    // B starts later, commits, and is the last event the stream stores.
-    let b = insert_txn(&pool, 0, 0, 1, 0).await;
-    let got = read_stream(&stack.nats_url, &stream, 1, T).await;
-    assert_eq!(got.len(), 1);
-    assert!(relay.term(Duration::from_secs(30)).success());
-    // A commits while no relay reads, then the slot is lost.
-    open.commit().await.unwrap();
+    (open, a)
+}
+
+/// Drop the slot of `ctx`, start a relay, take the `--resync-since` its
+/// refusal suggests and restart with it: `b` (the last event stored before)
+/// and `a` (a row of a transaction open at `b` that committed later) must
+/// both be in the stream afterwards.
+async fn follow_the_suggested_resync(
+    stack: &Stack,
+    url: &str,
+    ctx: &str,
+    a: uuid::Uuid,
+    b: uuid::Uuid,
+) {
     let (code, err) = run_bounded(
         &[
             "slot",
             "drop",
             "--yes",
             "--database-url",
-            &url,
+            url,
             "--context",
-            "hresync",
+            ctx,
         ],
         Duration::from_secs(30),
     );
     assert_eq!(code, Some(0), "{err}");
-
-    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "hresync", &[]);
+    let (code, err) = run_relay_bounded(url, &stack.nats_url, ctx, &[]);
     assert_eq!(code, Some(1), "{err}");
+    assert!(!err.contains("older relay"), "{err}");
     let since = err
         .split("--resync-since ")
         .nth(1)
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("the refusal suggests a resync: {err}"))
         .to_owned();
-    let _relay = Service::relay(
-        &url,
+    let _relay = Service::relay(url, &stack.nats_url, ctx, &["--resync-since", &since]);
+    let got = read_stream(
         &stack.nats_url,
-        "hresync",
-        &["--resync-since", &since],
-    );
-    let got = read_stream(&stack.nats_url, &stream, 2, Duration::from_secs(30)).await;
+        &wire::stream_name(ctx),
+        2,
+        Duration::from_secs(30),
+    )
+    .await;
     let ids: HashSet<uuid::Uuid> = got
         .iter()
         .filter_map(|g| g.h(wire::MSG_ID)?.parse().ok())
         .collect();
-    assert!(ids.contains(&b[0]));
+    assert!(ids.contains(&b));
     assert!(
         ids.contains(&a),
         "the row committed after the last stored event is back after the suggested --resync-since {since}: {err}"
@@ -212,16 +233,7 @@ async fn the_suggested_resync_covers_an_open_transaction_after_a_catch_up() {
     assert!(relay.term(Duration::from_secs(30)).success());
     // While no relay reads: A's transaction starts and stays open, B's
     // commits.
-    let a = uuid::Uuid::new_v4();
-    let mut open = pool.begin().await.unwrap();
-    sqlx::query(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ($1, 'order', 'a', 'placed', '{}')",
-    )
-    .bind(a)
-    .execute(&mut *open)
-    .await
-    .unwrap();
+    let (open, a) = open_row(&pool).await;
     let b = insert_txn(&pool, 0, 0, 1, 0).await;
     // The relay catches B up: the last event the stream stores.
     relay.restart();
@@ -230,45 +242,7 @@ async fn the_suggested_resync_covers_an_open_transaction_after_a_catch_up() {
     assert_eq!(got.len(), 1);
     assert!(relay.term(Duration::from_secs(30)).success());
     open.commit().await.unwrap();
-    let (code, err) = run_bounded(
-        &[
-            "slot",
-            "drop",
-            "--yes",
-            "--database-url",
-            &url,
-            "--context",
-            "hresynccu",
-        ],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "{err}");
-
-    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "hresynccu", &[]);
-    assert_eq!(code, Some(1), "{err}");
-    assert!(!err.contains("older relay"), "{err}");
-    let since = err
-        .split("--resync-since ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("the refusal suggests a resync: {err}"))
-        .to_owned();
-    let _relay = Service::relay(
-        &url,
-        &stack.nats_url,
-        "hresynccu",
-        &["--resync-since", &since],
-    );
-    let got = read_stream(&stack.nats_url, &stream, 2, Duration::from_secs(30)).await;
-    let ids: HashSet<uuid::Uuid> = got
-        .iter()
-        .filter_map(|g| g.h(wire::MSG_ID)?.parse().ok())
-        .collect();
-    assert!(ids.contains(&b[0]));
-    assert!(
-        ids.contains(&a),
-        "the row committed after the last stored event is back after the suggested --resync-since {since}: {err}"
-    );
+    follow_the_suggested_resync(&stack, &url, "hresynccu", a, b[0]).await;
 }
 
 /// Defect 10: a standby relay polling for the slot while Postgres was down

@@ -315,22 +315,10 @@ mod tests {
     use super::*;
 
     fn today() -> Vec<(String, u32)> {
-        [
-            ("id", oid::UUID),
-            ("aggregate_type", oid::TEXT),
-            ("aggregate_id", oid::TEXT),
-            ("event_type", oid::TEXT),
-            ("event_version", oid::INT4),
-            ("payload", oid::JSONB),
-            ("occurred_at", oid::TIMESTAMPTZ),
-            ("correlation_id", oid::UUID),
-            ("causation_id", oid::UUID),
-            ("subject", oid::TEXT),
-            ("headers", oid::JSONB),
-            ("published_at", oid::TIMESTAMPTZ),
-        ]
-        .map(|(n, t)| (n.to_owned(), t))
-        .to_vec()
+        crate::testing::OUTBOX_COLUMNS
+            .iter()
+            .map(|&(n, t)| (n.to_owned(), t))
+            .collect()
     }
 
     fn envelope() -> Vec<(String, u32)> {

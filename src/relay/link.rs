@@ -466,9 +466,10 @@ struct Shared {
     /// (see [`Link::barrier`]), `false` for a keepalive. PONGs come in
     /// order, so each answers the oldest.
     pings: Mutex<VecDeque<bool>>,
-    /// When the reader last heard anything, in ms since `born`.
-    heard_ms: AtomicU64,
-    born: Option<tokio::time::Instant>,
+    /// Operations the reader has heard: the keepalive sees silence as no
+    /// change between its ticks. A count, not a clock: reading the clock
+    /// on every answer costs the hot path (tokio's clock takes a lock).
+    heard: AtomicU64,
     /// The server said it is leaving (lame duck mode, INFO `ldm`).
     lame_duck: std::sync::atomic::AtomicBool,
     /// Where cluster servers the server announces later go (the dialer's).
@@ -478,18 +479,11 @@ struct Shared {
 impl Shared {
     fn new(max_payload: usize, announced: Arc<Mutex<Vec<String>>>) -> Self {
         let s = Self {
-            born: Some(tokio::time::Instant::now()),
             announced,
             ..Self::default()
         };
         s.max_payload.store(max_payload, Ordering::Relaxed);
         s
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.born.map_or(0, |b| {
-            u64::try_from(b.elapsed().as_millis()).unwrap_or(u64::MAX)
-        })
     }
 
     /// Queue a PING, remembering what it is for; `false` if the link is
@@ -631,14 +625,15 @@ async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) 
     const KEEP: usize = 256 * 1024;
     let mut spare = Vec::with_capacity(64 * 1024);
     let mut bodies = Vec::new();
-    let mut check = tokio::time::interval(KEEPALIVE / 2);
+    let mut check = tokio::time::interval(KEEPALIVE_TICK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut quiet = Quiet::default();
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = shared.wrote.notified() => {}
             _ = check.tick() => {
-                if !keepalive(&shared) {
+                if !quiet.tick(&shared) {
                     return;
                 }
                 continue;
@@ -691,25 +686,40 @@ async fn write_out(shared: Arc<Shared>, mut w: Writer, stop: CancellationToken) 
 /// stall. (The server pings an idle client only every two minutes.)
 const KEEPALIVE: Duration = Duration::from_secs(5);
 
-/// `false`: the link is closed (it was silent too long).
-fn keepalive(shared: &Shared) -> bool {
-    let silent = shared
-        .now_ms()
-        .saturating_sub(shared.heard_ms.load(Ordering::Relaxed));
-    let silent = Duration::from_millis(silent);
-    if silent >= 2 * KEEPALIVE {
-        let why = format!(
-            "no word from the server for {silent:?}, a PING unanswered: the connection is taken for dead"
-        );
-        tracing::warn!("{why}; the next event goes on a new one");
-        shared.close(why);
-        return false;
+const KEEPALIVE_TICK: Duration = Duration::from_millis(2_500);
+
+/// The keepalive's count of ticks with nothing heard.
+#[derive(Default)]
+struct Quiet {
+    heard: u64,
+    ticks: u32,
+}
+
+impl Quiet {
+    /// One tick: `false` once the link is closed (silent too long).
+    fn tick(&mut self, shared: &Shared) -> bool {
+        let heard = shared.heard.load(Ordering::Relaxed);
+        if heard != self.heard {
+            self.heard = heard;
+            self.ticks = 0;
+        } else {
+            self.ticks += 1;
+        }
+        let silent = KEEPALIVE_TICK * self.ticks;
+        if silent >= 2 * KEEPALIVE {
+            let why = format!(
+                "no word from the server for {silent:?}, a PING unanswered: the connection is taken for dead"
+            );
+            tracing::warn!("{why}; the next event goes on a new one");
+            shared.close(why);
+            return false;
+        }
+        let waiting = shared.pings.lock().is_ok_and(|p| !p.is_empty());
+        if silent >= KEEPALIVE && !waiting {
+            return shared.ping(false);
+        }
+        !shared.broken()
     }
-    let waiting = shared.pings.lock().is_ok_and(|p| !p.is_empty());
-    if silent >= KEEPALIVE && !waiting {
-        return shared.ping(false);
-    }
-    !shared.broken()
 }
 
 /// Whether the server closes the connection after this `-ERR` (so the
@@ -761,7 +771,7 @@ async fn read_in(
             _ = stop.cancelled() => return,
             op = next_op(&mut r, &mut rbuf) => op,
         };
-        shared.heard_ms.store(shared.now_ms(), Ordering::Relaxed);
+        shared.heard.fetch_add(1, Ordering::Relaxed);
         match op {
             Ok(Op::Msg {
                 subject,
@@ -1440,25 +1450,7 @@ mod tests {
     /// both queues once they are drained.
     #[tokio::test]
     async fn the_reader_sorts_answers_and_answers_pings() {
-        let shared = Arc::new(Shared::new(1 << 20, Arc::default()));
-        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
-        let (r, w) = tokio::io::split(ours);
-        let stop = CancellationToken::new();
-        tokio::spawn(write_out(shared.clone(), Box::new(w), stop.clone()));
-        tokio::spawn(read_in(
-            shared.clone(),
-            Box::new(r),
-            BytesMut::new(),
-            "_I.".into(),
-            stop.clone(),
-        ));
-        let mut link = Link {
-            shared,
-            _tasks: stop.drop_guard(),
-            prefix: "_I.".into(),
-            sent_mark: 0,
-            server: "test".into(),
-        };
+        let (mut link, mut theirs) = piped(Arc::default());
         let ack = br#"{"stream":"S","seq":1}"#;
         let commit = br#"{"stream":"S","seq":3,"batch":"b1","count":2}"#;
         let mut wire = format!("MSG _I.c9 1 {}\r\n", commit.len()).into_bytes();
