@@ -441,7 +441,7 @@ async fn a_backfill_killed_and_resumed_after_the_duplicate_window_publishes_each
 /// window. Each run now carries the bound it resumed from.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_interrupted_twice_in_a_row_publishes_each_row_once() {
-    backfill_interrupted("bfagain", false, 3).await;
+    backfill_interrupted("bfagain", None, 3).await;
 }
 
 /// Issue 44, item 7: one undecodable row (dead-lettered without its time)
@@ -449,29 +449,41 @@ async fn a_backfill_interrupted_twice_in_a_row_publishes_each_row_once() {
 /// it read: every row stored before them was published again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_with_undecodable_rows_resumes_without_repeats() {
-    backfill_interrupted("bfbadrow", true, 2).await;
+    backfill_interrupted("bfbadrow", Some("aggregate_id"), 2).await;
+}
+
+/// From the review of issue 45: the bound a resumed backfill skips by was
+/// `NOT ((occurred_at, id) < (…) AND …)`, which is null, so false, for a
+/// row whose occurred_at is null: those rows (ordered last, so never
+/// published by the interrupted run) were skipped and lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_backfill_publishes_rows_without_a_time() {
+    backfill_interrupted("bfnulltime", Some("occurred_at"), 2).await;
 }
 
 /// 40,000 rows backfilled in `runs` runs, each but the last killed -9: the
 /// first after 5,000 rows, the others as soon as they stored anything. With
-/// `bad_rows`, every 100th row cannot be decoded (a null aggregate id).
-async fn backfill_interrupted(ctx: &str, bad_rows: bool, runs: usize) {
+/// `null`, every 100th row has that column null (`aggregate_id`: it cannot
+/// be decoded; `occurred_at`: it has no time).
+async fn backfill_interrupted(ctx: &str, null: Option<&str>, runs: usize) {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, &format!("h_{ctx}")).await;
     let mut sent = HashSet::new();
     for i in 0..4 {
         sent.extend(insert_txn(&pool, 0, i * 10_000, 10_000, 0).await);
     }
-    if bad_rows {
-        sqlx::query("ALTER TABLE outbox_events ALTER COLUMN aggregate_id DROP NOT NULL")
-            .execute(&pool)
-            .await
-            .unwrap();
-        sqlx::query(
-            "UPDATE outbox_events SET aggregate_id = NULL WHERE id IN \
+    if let Some(column) = null {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE outbox_events ALTER COLUMN {column} DROP NOT NULL"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE outbox_events SET {column} = NULL WHERE id IN \
              (SELECT id FROM (SELECT id, row_number() OVER (ORDER BY occurred_at, id) AS n \
-              FROM outbox_events) r WHERE n % 100 = 50)",
-        )
+              FROM outbox_events) r WHERE n % 100 = 50)"
+        )))
         .execute(&pool)
         .await
         .unwrap();

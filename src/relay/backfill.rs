@@ -122,6 +122,13 @@ pub(super) async fn first_start(
                 cfg.max_inflight,
             )
             .await?;
+            let mut resume = resume;
+            // What earlier runs proved holds for their own rows only: under
+            // another filter (a wider --unpublished or --resync-since) rows
+            // before those bounds may never have been published.
+            if *header != header_value(&filter, cfg.unpublished.as_deref()) {
+                resume.covered.clear();
+            }
             tracing::info!(
                 stored = resume.stored.len(),
                 covered = %publish::Covered::header(&resume.covered),
@@ -257,9 +264,18 @@ pub(super) fn plan(
     }
 }
 
-fn header_value(filter: &Filter) -> String {
-    let rows = match &filter.rows {
-        Backfill::Since(t) => format!("{}{t}", wire::BACKFILL_SINCE),
+/// The `Outbox-Backfill` of a run with this filter; `unpublished`: the
+/// `--unpublished` predicate, known by a digest (a resumed run trusts the
+/// bounds of one with the same filter only).
+fn header_value(filter: &Filter, unpublished: Option<&str>) -> String {
+    let rows = match (&filter.rows, unpublished) {
+        (Backfill::Since(t), _) => format!("{}{t}", wire::BACKFILL_SINCE),
+        (_, Some(p)) => {
+            use sha2::{Digest, Sha256};
+            let digest = Sha256::digest(p.as_bytes());
+            let hex: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
+            format!("{}{WHERE}{hex}", wire::BACKFILL_UNPUBLISHED)
+        }
         _ => wire::BACKFILL_UNPUBLISHED.to_owned(),
     };
     match filter.xid_from {
@@ -268,12 +284,19 @@ fn header_value(filter: &Filter) -> String {
     }
 }
 
+/// In `Outbox-Backfill`: `unpublished where <digest of --unpublished>`.
+const WHERE: &str = " where ";
+
 fn parse_header(value: &str) -> Option<Filter> {
     let (rows, xid_from) = match value.split_once(wire::BACKFILL_XID) {
         Some((rows, x)) => (rows, Some(x.parse().ok()?)),
         None => (value, None),
     };
-    let rows = if rows == wire::BACKFILL_UNPUBLISHED {
+    let unpublished = rows == wire::BACKFILL_UNPUBLISHED
+        || rows
+            .strip_prefix(wire::BACKFILL_UNPUBLISHED)
+            .is_some_and(|r| r.starts_with(WHERE));
+    let rows = if unpublished {
         Backfill::Unpublished
     } else {
         let t = rows.strip_prefix(wire::BACKFILL_SINCE)?;
@@ -375,11 +398,9 @@ async fn publish_snapshot(
     let resolved = cfg.columns.resolve(&table, &typed).map_err(Error::setup)?;
     let id_sql = resolved
         .source(Role::Id)
-        .map(|s| source_sql(s, "uuid"))
+        .map(source_sql)
         .ok_or_else(|| Error::setup(format!("table {table} has no id role")))?;
-    let occurred_sql = resolved
-        .source(Role::OccurredAt)
-        .map(|s| source_sql(s, "timestamptz"));
+    let occurred_sql = resolved.source(Role::OccurredAt).map(source_sql);
     // The snapshot's own horizon: every transaction below its xmin had
     // ended before it, so is in it or not at all. Its xmax gives the epoch
     // a row's 32-bit xmin belongs to.
@@ -399,11 +420,14 @@ async fn publish_snapshot(
             let at = rfc3339(t)?
                 .format(&time::format_description::well_known::Rfc3339)
                 .map_err(|e| Error::Config(format!("backfill time {t:?}: {e}")))?;
-            let occurred = occurred_sql.as_deref().ok_or_else(|| {
-                Error::setup(format!(
-                    "--resync-since needs a column for role occurred_at, and table {table} has none (map one with --columns occurred_at=COLUMN)"
-                ))
-            })?;
+            let occurred = match resolved.source(Role::OccurredAt) {
+                Some(Source::Column(c)) => quote(c),
+                _ => {
+                    return Err(Error::setup(format!(
+                        "--resync-since needs a column (not a json key) for role occurred_at, and table {table} has none (map one with --columns occurred_at=COLUMN)"
+                    )))
+                }
+            };
             Some(format!("{occurred} >= '{at}'::timestamptz"))
         }
         Backfill::Unpublished if cfg.unpublished.is_some() => {
@@ -422,8 +446,11 @@ async fn publish_snapshot(
         (None, Some(x)) => format!("WHERE {x}"),
         (None, None) => "WHERE false".into(),
     };
-    // Without a time to order by, the resume goes by ids alone.
-    let bounds = if occurred_sql.is_some() {
+    // Without a time column to order by (or an id column), the resume goes
+    // by ids alone: a bound is a place in an order the SQL and the stream
+    // agree on.
+    let plain = |role: Role| matches!(resolved.source(role), Some(Source::Column(_)));
+    let bounds = if plain(Role::OccurredAt) && plain(Role::Id) {
         &resume.covered[..]
     } else {
         &[]
@@ -439,8 +466,10 @@ async fn publish_snapshot(
             .at
             .format(&time::format_description::well_known::Rfc3339)
             .map_err(|e| Error::setup(format!("rendering the backfill's resume point: {e}")))?;
+        // COALESCE: a row whose order key is null compares as null and
+        // must be published, not dropped by the NOT.
         condition.push_str(&format!(
-            " AND NOT (({order}) < ('{at}', '{}') AND {} < {})",
+            " AND NOT COALESCE(({order}) < ('{at}', '{}') AND {} < {}, false)",
             covered.id,
             full_xid("xmin", snap_xmax),
             covered.horizon
@@ -469,10 +498,19 @@ async fn publish_snapshot(
         }
     })?;
 
-    let header = header_value(filter);
+    let header = header_value(filter, cfg.unpublished.as_deref());
     // Passed on, so a run interrupted in its turn does not make the next
     // one forget what the runs before it stored.
     let covered = (!resume.covered.is_empty()).then(|| publish::Covered::header(&resume.covered));
+    // The headers added below come on top of what routing checked: a row
+    // routed to fit must still fit with them.
+    let added = wire::BACKFILL.len()
+        + header.len()
+        + covered
+            .as_ref()
+            .map_or(0, |c| wire::BACKFILL_COVERED.len() + c.len() + 4)
+        + 4;
+    let max_payload = max_payload.saturating_sub(added);
     let mut router = router.clone();
     router.set_xid_horizon(snap_xmin);
     let published = metrics::counter!(m::BACKFILL_ROWS);
@@ -577,16 +615,16 @@ fn full_xid(column: &str, xmax: u64) -> String {
     )
 }
 
-/// SQL for a role's source: its column, or a key of a json column cast to
-/// `ty`.
-fn source_sql(source: &Source, ty: &str) -> String {
+/// SQL for a role's source in the backfill's order: its column, or a key
+/// of a json column as text.
+fn source_sql(source: &Source) -> String {
     match source {
         Source::Column(c) => quote(c),
-        Source::Key { column, key } => format!(
-            "(({}->>'{}')::{ty})",
-            quote(column),
-            key.replace('\'', "''")
-        ),
+        // As text, never cast: one malformed value must not fail the
+        // whole read (the row itself is dead-lettered when decoded).
+        Source::Key { column, key } => {
+            format!("({}->>'{}')", quote(column), key.replace('\'', "''"))
+        }
     }
 }
 
@@ -691,7 +729,7 @@ mod tests {
             },
         ] {
             let tail = TailEvent {
-                backfill: Some(header_value(&filter)),
+                backfill: Some(header_value(&filter, None)),
                 ..streamed()
             };
             assert_eq!(
@@ -700,6 +738,14 @@ mod tests {
             );
         }
         assert_eq!(parse_header("since not-a-time"), None);
+        // From the review: a run under another --unpublished writes another
+        // header, so a resumed run trusts bounds of its own filter only.
+        let f: Filter = Backfill::Unpublished.into();
+        let a = header_value(&f, Some("tenant_id = 1"));
+        assert_ne!(a, header_value(&f, Some("true")));
+        assert_ne!(a, header_value(&f, None));
+        assert_eq!(a, header_value(&f, Some("tenant_id = 1")));
+        assert_eq!(parse_header(&a), Some(f));
         assert_eq!(parse_header("unpublished; xid nope"), None);
     }
 

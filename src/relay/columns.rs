@@ -255,6 +255,12 @@ impl ColumnMap {
         header_columns: &[String],
     ) -> Result<Vec<String>, String> {
         let resolved = self.resolve(table, columns)?;
+        if let Some(source @ Source::Key { .. }) = resolved.source(Role::Payload) {
+            // Re-serialised, it would not be the producer's bytes.
+            return Err(format!(
+                "--columns payload={source}: the payload must be a whole column (the body is sent byte for byte; a key's value would be re-serialised)"
+            ));
+        }
         if let Some(source) = resolved.source(Role::Stream) {
             // Never ignored: every row would land in the one stream.
             return Err(format!(
@@ -284,6 +290,12 @@ impl ColumnMap {
             ("--header-columns", header_columns),
         ] {
             for name in names {
+                let header = super::route::column_header(name);
+                if flag == "--header-columns" && is_relay_header(&header) {
+                    return Err(format!(
+                        "--header-columns {name}: its header {header} is one the relay sets itself (resume, lineage and dead letters read it); copy the column under another name, or through the headers column"
+                    ));
+                }
                 if !columns.iter().any(|(n, _)| n == name) {
                     return Err(format!(
                         "{flag} names column {name:?}, which table {table} does not have (its columns: {listing})"
@@ -296,6 +308,45 @@ impl ColumnMap {
         }
         Ok(extra)
     }
+}
+
+/// Whether the relay sets (and reads back) a header of this name.
+fn is_relay_header(name: &str) -> bool {
+    use crate::wire::*;
+    [
+        EVENT_TYPE,
+        EVENT_VERSION,
+        AGGREGATE_TYPE,
+        AGGREGATE_ID,
+        OCCURRED_AT,
+        CORRELATION_ID,
+        CAUSATION_ID,
+        COMMIT_LSN,
+        TXN_INDEX,
+        SOURCE,
+        XID_HORIZON,
+        BACKFILL,
+        BACKFILL_COVERED,
+        TXN_BATCH,
+        TXN_BATCHES,
+        SCHEMA,
+        ENVELOPE,
+        DLQ_REASON,
+        DLQ_ORIGINAL_SUBJECT,
+        DLQ_DETAIL,
+        DLQ_ATTEMPTS,
+        DLQ_CONSUMER,
+        DLQ_ORIGINAL_ID,
+        DLQ_ORIGINAL_STREAM,
+        DLQ_ORIGINAL_SEQ,
+        DLQ_PAYLOAD_OMITTED,
+        REPLAY_OF,
+        REPLAY_FOR,
+        REPLAYED_BY,
+        REPLAYED_AT,
+    ]
+    .iter()
+    .any(|h| h.eq_ignore_ascii_case(name))
 }
 
 /// Every role with a source, checked against the table.
@@ -441,5 +492,32 @@ mod tests {
             e.contains("--header-columns") && e.contains("\"tenant\""),
             "{e}"
         );
+    }
+
+    /// From the review: what would be silently wrong is refused at start.
+    #[test]
+    fn what_would_break_the_relay_or_the_bytes_is_refused() {
+        let map = ColumnMap::parse("payload=envelope").unwrap();
+        // A header column may not pass for one of the relay's own headers
+        // (`Outbox-Source` would hide the relay's lineage from resume).
+        let mut with_source = envelope();
+        with_source.push(("source".into(), oid::TEXT));
+        let e = map
+            .check("public.outbox", &with_source, &[], &[], &["source".into()])
+            .unwrap_err();
+        assert!(e.contains("Outbox-Source"), "{e}");
+        // A payload from a key would not be the producer's bytes.
+        let e = ColumnMap::parse("payload=envelope.payload")
+            .unwrap()
+            .check("public.outbox", &envelope(), &[], &[], &[])
+            .unwrap_err();
+        assert!(e.contains("payload=envelope.payload"), "{e}");
+        // A stream column is refused, never ignored.
+        let mut daarion = envelope();
+        daarion.push(("stream".into(), oid::TEXT));
+        let e = map
+            .check("public.outbox", &daarion, &[], &[], &[])
+            .unwrap_err();
+        assert!(e.contains("role stream"), "{e}");
     }
 }

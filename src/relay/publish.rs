@@ -1399,8 +1399,13 @@ impl Publisher {
             let next = front.clone();
             match self.send(next, probe, true).await? {
                 Sending::Sent => {}
-                Sending::Broken(_, why) => {
-                    // It stays at the head; the outage paces the next try.
+                Sending::Broken(back, why) => {
+                    // It stays at the head, as `send` left it (a dead
+                    // letter in its place is counted so already); the
+                    // outage paces the next try.
+                    if let Some(head) = self.parked.front_mut() {
+                        *head = back;
+                    }
                     self.ride_out(None, &why, false);
                     return Ok(());
                 }
