@@ -117,16 +117,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         &nats_args,
         &[("PGSSLMODE", "verify-full"), ("PGSSLROOTCERT", &ca)],
     );
-    let id = uuid::Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ($1, 'order', 'o-env', 'placed', '{}')",
-    )
-    .bind(id)
-    .execute(&admin)
-    .await
-    .unwrap();
-    sent.insert(id);
+    sent.insert(insert_order(&admin, "o-env").await);
     let client = async_nats::ConnectOptions::new()
         .add_root_certificates(PathBuf::from(s.get("NATS_CA")))
         .user_and_password(s.get("NATS_USER").into(), s.get("NATS_PASSWORD").into())
@@ -172,15 +163,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
             "event",
         ],
     );
-    let id = uuid::Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ($1, 'order', 'o-first', 'placed', '{}')",
-    )
-    .bind(id)
-    .execute(&admin)
-    .await
-    .unwrap();
+    let id = insert_order(&admin, "o-first").await;
     let client = async_nats::ConnectOptions::new()
         .add_root_certificates(PathBuf::from(&ca))
         .tls_first()
@@ -271,15 +254,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
             key.to_str().unwrap(),
         ],
     );
-    let id = uuid::Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ($1, 'order', 'o-mtls', 'placed', '{}')",
-    )
-    .bind(id)
-    .execute(&admin)
-    .await
-    .unwrap();
+    let id = insert_order(&admin, "o-mtls").await;
     let client = async_nats::ConnectOptions::new()
         .add_root_certificates(PathBuf::from(&ca))
         .add_client_certificate(cert.clone(), key.clone())
@@ -581,4 +556,19 @@ async fn nats_creds_file_auth() {
     assert_exactly_once_in_order(&got, &sent);
     let m = relay.scrape().await;
     assert_eq!(m.value("outbox_relay_session_restarts_total"), Some(0.0));
+}
+
+/// One outbox row of aggregate `aggregate`, committed; its id.
+async fn insert_order(pool: &sqlx::PgPool, aggregate: &str) -> uuid::Uuid {
+    let id = uuid::Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ($1, 'order', $2, 'placed', '{}')",
+    )
+    .bind(id)
+    .bind(aggregate)
+    .execute(pool)
+    .await
+    .unwrap();
+    id
 }

@@ -123,20 +123,23 @@ impl Template {
         columns: &[String],
     ) -> Result<String, String> {
         let mut out = String::with_capacity(64);
-        let need = |v: &Option<String>, name: &str| v.clone().ok_or_else(|| name.to_owned());
+        // Borrowed: this runs once per event.
+        fn need<'r>(v: &'r Option<String>, name: &str) -> Result<&'r str, String> {
+            v.as_deref().ok_or_else(|| name.to_owned())
+        }
         for p in &self.0 {
             match p {
                 Part::Literal(s) => out.push_str(s),
-                Part::AggregateType => out.push_str(&need(&row.aggregate_type, "aggregate_type")?),
-                Part::AggregateId => out.push_str(&need(&row.aggregate_id, "aggregate_id")?),
-                Part::EventType => out.push_str(&need(&row.event_type, "event_type")?),
+                Part::AggregateType => out.push_str(need(&row.aggregate_type, "aggregate_type")?),
+                Part::AggregateId => out.push_str(need(&row.aggregate_id, "aggregate_id")?),
+                Part::EventType => out.push_str(need(&row.event_type, "event_type")?),
                 Part::EventVersion => {
                     let v = row.event_version.ok_or("event_version")?;
                     let _ = write!(out, "{v}");
                 }
                 Part::Partition => {
                     let id = need(&row.aggregate_id, "aggregate_id")?;
-                    let _ = write!(out, "{}", partition(&id, partitions));
+                    let _ = write!(out, "{}", partition(id, partitions));
                 }
                 Part::Column(name) => {
                     let value = columns
