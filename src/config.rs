@@ -208,6 +208,9 @@ pub struct PruneArgs {
     /// The outbox table, as the relay's --table.
     #[arg(long, env = "OUTBOX_TABLE", default_value = "public.outbox_events")]
     pub table: String,
+    /// As the relay's --columns: prune reads the id and occurred_at roles.
+    #[arg(long, env = "OUTBOX_COLUMNS", default_value = "")]
+    pub columns: String,
     /// Delete outbox rows whose occurred_at is older than this (e.g. 7d),
     /// once the relay has provably published them.
     #[arg(long, env = "OUTBOX_PRUNE_OLDER_THAN", default_value = "7d", allow_hyphen_values = true, value_parser = humantime::parse_duration)]
@@ -249,9 +252,12 @@ impl PruneArgs {
         };
         validate_pg_name("table schema", &schema)?;
         validate_pg_name("table", &table)?;
+        let columns = ColumnMap::parse(&self.columns)
+            .map_err(|e| Error::Config(format!("--columns: {e}")))?;
         Ok(crate::ops::prune::PruneConfig {
             schema,
             table,
+            columns,
             slot: self.names.slot_name()?,
             older_than: self.older_than,
             inbox_older_than: self.inbox_older_than,
@@ -522,7 +528,7 @@ pub struct RelayArgs {
     /// of a json column), comma-separated; a role not given takes the column
     /// of its name. Roles: id, payload, aggregate_type, aggregate_id,
     /// event_type, event_version, occurred_at, correlation_id, causation_id,
-    /// subject, headers.
+    /// subject, headers, stream.
     #[arg(long, env = "OUTBOX_COLUMNS", default_value = "")]
     pub columns: String,
 

@@ -359,6 +359,23 @@ pub fn consumer_dlq_subject(prefix: &str, original: &str) -> String {
     format!("{prefix}.{original}")
 }
 
+/// A message id as the inbox and the handler know it: the UUID it is (in
+/// its canonical text), or, for a row id of another type (text, bigint:
+/// SPEC §13), a UUID derived from it (v5, so every consumer derives the
+/// same) while the handler is given the id itself. `None`: not usable as an
+/// id (empty, or not one header line).
+pub fn message_id(raw: &str) -> Option<(uuid::Uuid, String)> {
+    /// Fixed for ever: the inbox rows of text ids are keyed under it.
+    const TEXT_IDS: uuid::Uuid = uuid::Uuid::from_u128(0x5c1d_7f2e_9a4b_4e0c_8b6d_2f1a_3e5c_7d90);
+    if raw.is_empty() || raw.chars().any(char::is_control) {
+        return None;
+    }
+    Some(match uuid::Uuid::parse_str(raw) {
+        Ok(id) => (id, id.to_string()),
+        Err(_) => (uuid::Uuid::new_v5(&TEXT_IDS, raw.as_bytes()), raw.to_owned()),
+    })
+}
+
 /// `Nats-Msg-Id` of a consumer's dead letter: `{consumer}:{original id}`.
 /// Unique per consumer, so each consumer dead-letters a message once and
 /// never swallows another consumer's copy.
@@ -392,6 +409,19 @@ pub fn dlq_stream_name(prefix: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_message_id_is_its_uuid_or_a_uuid_derived_from_its_text() {
+        let u = "0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11";
+        let (key, text) = message_id(&u.to_uppercase()).unwrap();
+        assert_eq!((key.to_string().as_str(), text.as_str()), (u, u));
+        let (a, text) = message_id("order-7").unwrap();
+        assert_eq!(text, "order-7");
+        assert_eq!(Some(a), message_id("order-7").map(|m| m.0), "stable");
+        assert_ne!(Some(a), message_id("order-8").map(|m| m.0));
+        assert_eq!(message_id(""), None);
+        assert_eq!(message_id("a\nb"), None);
+    }
 
     #[test]
     fn a_traceparent_is_passed_on_only_when_it_is_one() {

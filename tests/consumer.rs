@@ -174,9 +174,22 @@ async fn publish(
     aggregate: &str,
     payload: &[u8],
 ) {
+    let id = id.map(|id| id.to_string());
+    publish_id(js, subject, id.as_deref(), aggregate, payload).await
+}
+
+/// [`publish`] under any message id: a relay on a table keyed by text or
+/// bigint (SPEC §13) sends the key's text.
+async fn publish_id(
+    js: &jetstream::Context,
+    subject: &str,
+    id: Option<&str>,
+    aggregate: &str,
+    payload: &[u8],
+) {
     let mut h = async_nats::HeaderMap::new();
     if let Some(id) = id {
-        h.insert(wire::MSG_ID, id.to_string().as_str());
+        h.insert(wire::MSG_ID, id);
     }
     h.insert(wire::AGGREGATE_ID, aggregate);
     h.insert(wire::EVENT_TYPE, "placed");
@@ -556,6 +569,50 @@ async fn message_published_twice_outside_the_dedupe_window_reaches_the_handler_o
         (result("processed"), result("duplicate")),
         (Some(1.0), Some(1.0))
     );
+}
+
+/// SPEC §13: a table keyed by text or bigint sends that key as
+/// `Nats-Msg-Id`. The handler is given it as it is (body and
+/// `Idempotency-Key`), a repeat outside the duplicate window is still
+/// deduped by the inbox, and a dead letter names the original id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_and_integer_message_ids_are_deduped_and_handed_over_as_they_are() {
+    let Fixture {
+        pool,
+        js,
+        handler,
+        consumer,
+        ..
+    } = fixture("c_textid", "ctext", "textid", Duration::from_secs(1), &[]).await;
+    let ids = ["1160481716839288832", "order-7", "42"];
+    for id in ids {
+        publish_id(&js, "ctext.e", Some(id), id, b"{}").await;
+    }
+    publish_id(&js, "ctext.e", Some("rej-1"), "r", br#"{"answers": [422]}"#).await;
+    wait_processed(&pool, "textid", 4).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    publish_id(&js, "ctext.e", Some("order-7"), "order-7", b"{}").await;
+    eventually(T, "the repeat counted as a duplicate", || async {
+        let m = consumer.scrape().await;
+        m.value("outbox_consumer_messages_total{result=\"duplicate\"}") == Some(1.0)
+    })
+    .await;
+    let calls = handler.calls();
+    for id in ids {
+        let mine: Vec<&Call> = calls.iter().filter(|c| c.id == id).collect();
+        assert_eq!(mine.len(), 1, "{id}: one call, under its own id: {calls:?}");
+        assert_eq!(mine[0].idempotency_key.as_deref(), Some(id));
+    }
+    assert_eq!(inbox(&pool, "textid").await.len(), 4, "one inbox row per id");
+    let dlq = read_stream(
+        &stack().nats_url,
+        &wire::dlq_stream_name(&wire::consumer_dlq_prefix("ctext")),
+        1,
+        T,
+    )
+    .await;
+    assert_eq!(dlq[0].h(wire::DLQ_ORIGINAL_ID), Some("rej-1"));
+    assert_eq!(dlq[0].h(wire::MSG_ID), Some("textid:rej-1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

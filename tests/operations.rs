@@ -136,6 +136,47 @@ async fn prune_deletes_exactly_the_old_published_rows() {
     assert_eq!(left, 30, "recent and unprocessed rows stay: {out}");
 }
 
+/// SPEC §13: prune reads the id and occurred_at roles of a table of the
+/// team's own, keyed by text, and deletes exactly the old published rows,
+/// in batches smaller than their number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_reads_the_roles_of_a_table_keyed_by_text() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "o_prune_map").await;
+    sqlx::raw_sql(
+        "CREATE TABLE events (id text primary key, topic text not null, payload jsonb not null, \
+         created_at timestamptz not null default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let map = ["--table", "public.events", "--columns", "subject=topic,occurred_at=created_at"];
+    let relay = Service::relay(&url, &stack.nats_url, "prunemap", &map);
+    for (n, age) in [(40, "10 days"), (25, "1 hour")] {
+        sqlx::query(
+            "INSERT INTO events (id, topic, payload, created_at) \
+             SELECT 'e-' || g || '-' || $2, 'prunemap.e', '{}', now() - $2::interval \
+             FROM generate_series(1, $1::int8) g",
+        )
+        .bind(n as i64)
+        .bind(age)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    read_stream(&stack.nats_url, &wire::stream_name("prunemap"), 65, T).await;
+    let mut args = vec!["--older-than", "7d", "--batch", "7"];
+    args.extend(map);
+    let (ok, out) = prune(&url, "prunemap", &args);
+    assert!(ok && out.contains("outbox: deleted 40 rows"), "{out}");
+    let left: Vec<String> = sqlx::query_scalar("SELECT id FROM events")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(left.len() == 25 && left.iter().all(|i| i.ends_with("1 hour")), "{left:?}");
+    drop(relay);
+}
+
 /// SPEC §9 retention on a partitioned outbox: whole partitions past the
 /// retention go (the current one stays), once the relay has them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,8 @@ struct Recipe {
     ctx: &'static str,
     ddl: &'static str,
     flags: &'static [&'static str],
-    /// Inserts row `n` with id `$1` (uuid), unpublished.
+    /// Inserts row `$2`, unpublished, returning its id's text; `$1` is a
+    /// fresh UUID's text for tables whose ids the producer makes.
     insert: &'static str,
     /// Marks every row so far as published (the polling worker's doing).
     publish_all: &'static str,
@@ -35,14 +36,12 @@ async fn relay_on(recipe: &Recipe) -> Vec<Got> {
     let insert = |n: i32| {
         let pool = pool.clone();
         async move {
-            let id = uuid::Uuid::new_v4();
-            sqlx::query(sqlx::AssertSqlSafe(recipe.insert))
-                .bind(id)
+            sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(recipe.insert))
+                .bind(uuid::Uuid::new_v4().to_string())
                 .bind(n)
-                .execute(&pool)
+                .fetch_one(&pool)
                 .await
-                .unwrap();
-            id
+                .unwrap()
         }
     };
     // Published by the worker this relay replaces: not again.
@@ -64,11 +63,10 @@ async fn relay_on(recipe: &Recipe) -> Vec<Got> {
             let mut tx = pool.begin().await.unwrap();
             let mut ids = Vec::new();
             for n in from..from + 10 {
-                let id = uuid::Uuid::new_v4();
-                sqlx::query(sqlx::AssertSqlSafe(recipe.insert))
-                    .bind(id)
+                let id: String = sqlx::query_scalar(sqlx::AssertSqlSafe(recipe.insert))
+                    .bind(uuid::Uuid::new_v4().to_string())
                     .bind(n)
-                    .execute(&mut *tx)
+                    .fetch_one(&mut *tx)
                     .await
                     .unwrap();
                 ids.push(id);
@@ -98,10 +96,9 @@ async fn relay_on(recipe: &Recipe) -> Vec<Got> {
         .iter()
         .map(|g| g.h(wire::MSG_ID).unwrap_or("").to_owned())
         .collect();
-    let want: Vec<String> = expected.iter().map(|i| i.to_string()).collect();
     assert_eq!(
         ids,
-        want,
+        expected,
         "every unpublished row once, in commit order\n{}",
         relay.log_text()
     );
@@ -129,11 +126,11 @@ async fn the_envelope_table() {
             "--header-columns",
             "tenant_id",
         ],
-        insert: "INSERT INTO outbox (id, tenant_id, topic, envelope) VALUES ($1, \
+        insert: "INSERT INTO outbox (id, tenant_id, topic, envelope) VALUES ($1::uuid, \
                  '5b1c6c1e-0d6a-4c1b-9a57-7c1a3f0c2b11', 'billing.invoice.issued.v1', \
                  jsonb_build_object('eventId', $1::text, 'eventType', 'invoice.issued', \
                  'eventVersion', 1, 'partitionKey', 'inv-' || ($2 % 7), 'correlationId', 'c-' || $2, \
-                 'payload', jsonb_build_object('n', $2)))",
+                 'payload', jsonb_build_object('n', $2))) RETURNING id::text",
         publish_all: "UPDATE outbox SET published_at = now()",
     })
     .await;
@@ -172,7 +169,8 @@ async fn the_polyshop_table() {
             "processed = false",
         ],
         insert: "INSERT INTO polyshop.outbox_events (id, aggregate_id, event_type, payload) \
-                 VALUES ($1, 'o-' || $2, 'order.order.placed.v1', json_build_object('n', $2))",
+                 VALUES ($1::uuid, 'o-' || $2, 'order.order.placed.v1', json_build_object('n', $2)) \
+                 RETURNING id::text",
         publish_all: "UPDATE polyshop.outbox_events SET processed = true, processed_at = now()",
     })
     .await;
@@ -209,7 +207,8 @@ async fn the_modkit_table() {
             "status <> 'delivered'",
         ],
         insert: "INSERT INTO modkit_outbox_events (id, namespace, topic, tenant_id, dedupe_key, payload, status) \
-                 VALUES ($1, 'modkit', 'user.created', NULL, 'k-' || $2, jsonb_build_object('n', $2), 'pending')",
+                 VALUES ($1::uuid, 'modkit', 'user.created', NULL, 'k-' || $2, jsonb_build_object('n', $2), 'pending') \
+                 RETURNING id::text",
         publish_all: "UPDATE modkit_outbox_events SET status = 'delivered'",
     })
     .await;
@@ -218,6 +217,35 @@ async fn the_modkit_table() {
     assert_eq!(g.h("Outbox-Dedupe-Key"), Some("k-0"));
     assert_eq!(g.h("Outbox-Tenant-Id"), None, "a null column is left out");
     assert_eq!(g.h(wire::AGGREGATE_ID), None);
+}
+
+/// A ledger keyed by a bigint identity whose payload is bytea: the id's
+/// decimal is `Nats-Msg-Id`, the bytes are the body as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_keyed_by_bigint_with_a_bytea_payload() {
+    let got = relay_on(&Recipe {
+        ctx: "ledger",
+        ddl: "CREATE TABLE ledger_outbox (id bigint generated always as identity primary key, \
+              topic text not null, body bytea not null, created_at timestamptz not null default now(), \
+              sent boolean not null default false)",
+        flags: &[
+            "--table",
+            "public.ledger_outbox",
+            "--columns",
+            "payload=body,subject=topic,occurred_at=created_at",
+            "--unpublished",
+            "NOT sent",
+        ],
+        insert: "INSERT INTO ledger_outbox (topic, body) \
+                 VALUES ('ledger.entry.posted.v1', convert_to(json_build_object('n', $2, 'u', $1)::text, 'UTF8')) \
+                 RETURNING id::text",
+        publish_all: "UPDATE ledger_outbox SET sent = true",
+    })
+    .await;
+    let g = &got[0];
+    assert_eq!(g.subject, "ledger.entry.posted.v1");
+    assert_eq!(g.h(wire::MSG_ID), Some("6"), "the five sent before are not again");
+    assert_eq!(g.json()["n"], 0, "the bytea's bytes are the body");
 }
 
 /// A map that does not fit the table stops the relay at start with one
@@ -235,7 +263,7 @@ async fn a_bad_column_map_is_one_line_naming_the_role_and_the_columns() {
     .unwrap();
     for (columns, role) in [
         ("payload=body,subject=topic", "payload=body"),
-        ("payload=topic", "payload=topic"),
+        ("payload=id", "payload=id"),
         (
             "payload=envelope,aggregate_id=topic.key",
             "aggregate_id=topic.key",

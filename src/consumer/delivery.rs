@@ -273,6 +273,19 @@ impl<'a> Parts<'a> {
         }
     }
 
+    /// The id the handler is given and dead letters carry: the original's
+    /// for a replayed dead letter, else `Nats-Msg-Id` (`wire::message_id`).
+    fn id_text(&self) -> Option<String> {
+        let key = if self.header(wire::REPLAY_FOR).is_some() {
+            wire::REPLAY_OF
+        } else {
+            wire::MSG_ID
+        };
+        self.header(key)
+            .and_then(|raw| wire::message_id(&raw))
+            .map(|(_, text)| text)
+    }
+
     fn header(&self, name: &str) -> Option<String> {
         self.headers
             .and_then(|h| h.get(name))
@@ -291,6 +304,7 @@ impl<'a> Parts<'a> {
     fn delivery(&self, id: Uuid, attempts: i32) -> Delivery {
         Delivery {
             message_id: id,
+            id: self.id_text().unwrap_or_else(|| id.to_string()),
             subject: self.subject.to_owned(),
             event_type: self.header(wire::EVENT_TYPE),
             event_version: self
@@ -330,10 +344,15 @@ fn check(parts: &Parts<'_>, schemas: Option<&Schemas>) -> std::result::Result<Uu
                 id: None,
             })
         }
-        Some(raw) => Uuid::parse_str(&raw).map_err(|_| Unusable {
-            reason: format!("{key} {raw:?} is not a UUID"),
-            id: None,
-        })?,
+        Some(raw) => match wire::message_id(&raw) {
+            Some((id, _)) => id,
+            None => {
+                return Err(Unusable {
+                    reason: format!("{key} {raw:?} is not a message id"),
+                    id: None,
+                })
+            }
+        },
     };
     if serde_json::from_slice::<serde::de::IgnoredAny>(parts.payload).is_err() {
         return Err(Unusable {
@@ -401,10 +420,10 @@ async fn usable_id<H>(shared: &Shared<H>, parts: &Parts<'_>) -> Option<Option<Uu
 /// says why. No handler call.
 async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Option<()> {
     // Without an id, the stream position stands in, so a redelivery dedupes.
-    let stand_in = u.id.map_or_else(
-        || format!("{}:{}", shared.cfg.stream, parts.seq),
-        |id| id.to_string(),
-    );
+    let stand_in = u
+        .id
+        .and_then(|_| parts.id_text())
+        .unwrap_or_else(|| format!("{}:{}", shared.cfg.stream, parts.seq));
     dead_letter(shared, parts, &stand_in, &u.reason, 1).await?;
     if let Some(id) = u.id {
         persist(shared, "recording the dead letter", || {
@@ -613,7 +632,8 @@ async fn after_failure<H: Handler>(
     match decide(&outcome, i64::from(attempts), cfg.max_deliver, &cfg.backoff) {
         Action::Ack => Some(Finished::Done),
         Action::DeadLetter(reason) => {
-            dead_letter(shared, parts, &id.to_string(), &reason, attempts).await?;
+            let original = parts.id_text().unwrap_or_else(|| id.to_string());
+            dead_letter(shared, parts, &original, &reason, attempts).await?;
             persist(shared, "recording the dead letter", || {
                 inbox::finish_failed(
                     &shared.pool,
@@ -668,13 +688,13 @@ async fn dead_letter<H>(
     let stored = loop {
         // Which dead-lettering of the message this is: a retried publish of
         // it must dedupe, a later one (after a reset or replay) must not.
-        let generation = match Uuid::parse_str(original_id) {
-            Ok(id) => inbox::reopened(&shared.pool, &shared.cfg.durable, id)
+        let generation = match wire::message_id(original_id) {
+            Some((id, _)) => inbox::reopened(&shared.pool, &shared.cfg.durable, id)
                 .await
                 .map_err(crate::error::Error::pg(
                     "reading the inbox row to dead-letter it",
                 )),
-            Err(_) => Ok(0),
+            None => Ok(0),
         };
         let published = match generation {
             Ok(generation) => {

@@ -15,7 +15,12 @@ use crate::wire;
 /// One message as the handler sees it.
 #[derive(Debug, Clone)]
 pub struct Delivery {
+    /// The inbox key: `Nats-Msg-Id` when it is a UUID, else a UUID derived
+    /// from it (`wire::message_id`).
     pub message_id: Uuid,
+    /// `Nats-Msg-Id` as the handler is given it: the UUID's canonical text,
+    /// or a text or integer row id as it is (SPEC §13).
+    pub id: String,
     pub subject: String,
     pub event_type: Option<String>,
     pub event_version: Option<i64>,
@@ -170,7 +175,7 @@ impl HttpHandler {
 
     fn body(d: &Delivery) -> Vec<u8> {
         JsonObject::with_capacity(d.payload.len() + 256)
-            .str("message_id", &d.message_id.to_string())
+            .str("message_id", &d.id)
             .str("subject", &d.subject)
             .opt_str("event_type", d.event_type.as_deref())
             .opt_int("event_version", d.event_version)
@@ -203,7 +208,7 @@ impl HttpHandler {
             .client
             .post(self.url.clone())
             .header("content-type", "application/json")
-            .header(wire::IDEMPOTENCY_KEY, d.message_id.to_string())
+            .header(wire::IDEMPOTENCY_KEY, d.id.as_str())
             .body(Self::body(d));
         if let Some(tp) = &d.traceparent {
             req = req.header(wire::TRACEPARENT, tp);
@@ -277,6 +282,7 @@ mod tests {
     fn body_is_the_spec_json_with_raw_payload() {
         let d = Delivery {
             message_id: Uuid::nil(),
+            id: Uuid::nil().to_string(),
             subject: "a.b".into(),
             event_type: Some("placed".into()),
             event_version: Some(2),

@@ -206,10 +206,10 @@ pub async fn replay(
             result: result.into(),
             detail,
         };
-        let Ok(uuid) = uuid::Uuid::parse_str(&d.id) else {
+        let Some((uuid, _)) = wire::message_id(&d.id) else {
             out.push(entry(
                 "not_replayable",
-                format!("its id {:?} is not a UUID", d.id),
+                format!("its id {:?} is not a message id", d.id),
             ));
             continue;
         };

@@ -46,6 +46,8 @@ use crate::postgres::{db_code, parse_lsn};
 pub struct PruneConfig {
     pub schema: String,
     pub table: String,
+    /// `--columns`: which columns are the id and occurred_at.
+    pub columns: crate::relay::columns::ColumnMap,
     pub slot: String,
     pub older_than: Duration,
     pub inbox_older_than: Option<Duration>,
@@ -94,6 +96,7 @@ fn interval(d: Duration) -> String {
 
 async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result<()> {
     let table = format!("\"{}\".\"{}\"", cfg.schema, cfg.table);
+    let keys = Keys::of(pool, cfg).await?;
     // The anchor: snapshot S, then W.
     let mut anchor = pool
         .begin()
@@ -134,7 +137,8 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
     let old: i64 = {
         let mut tx = in_snapshot(pool, &snapshot).await?;
         let n = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM {table} WHERE occurred_at < $1::timestamptz"
+            "SELECT count(*) FROM {table} WHERE {} < $1::timestamptz",
+            keys.occurred_at
         )))
         .bind(&cutoff)
         .fetch_one(&mut *tx)
@@ -174,7 +178,7 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
     }
 
     if partitioned {
-        for part in old_partitions(pool, &cfg.schema, &cfg.table, &cutoff).await? {
+        for part in old_partitions(pool, cfg, &keys.occurred_name, &cutoff).await? {
             match drop_partition(pool, &table, &part, &cfg.slot, cfg.wait).await? {
                 Ok(rows) => {
                     report.outbox_deleted += rows;
@@ -186,7 +190,7 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
             }
         }
     }
-    report.outbox_deleted += delete_batches(pool, &table, &snapshot, &cutoff, cfg.batch).await?;
+    report.outbox_deleted += delete_batches(pool, &table, &keys, &snapshot, &cutoff, cfg.batch).await?;
     anchor
         .rollback()
         .await
@@ -249,8 +253,8 @@ async fn wait_confirmed(pool: &PgPool, slot: &str, w: Lsn, wait: Duration) -> Re
 /// before the cutoff, oldest first.
 async fn old_partitions(
     pool: &PgPool,
-    schema: &str,
-    table: &str,
+    cfg: &PruneConfig,
+    occurred_at: &str,
     cutoff: &str,
 ) -> Result<Vec<String>> {
     let rows: Vec<String> = sqlx::query_scalar(
@@ -266,14 +270,15 @@ async fn old_partitions(
          WHERE n.nspname = $1 AND parent.relname = $2 AND pt.partstrat = 'r' \
            AND pt.partnatts = 1 \
            AND (SELECT attname FROM pg_attribute WHERE attrelid = parent.oid \
-                 AND attnum = pt.partattrs[0]) = 'occurred_at' \
+                 AND attnum = pt.partattrs[0]) = $4 \
            AND p.relkind = 'r' AND b.upper IS NOT NULL \
            AND b.upper::timestamptz <= $3::timestamptz \
          ORDER BY b.upper::timestamptz",
     )
-    .bind(schema)
-    .bind(table)
+    .bind(&cfg.schema)
+    .bind(&cfg.table)
     .bind(cutoff)
+    .bind(occurred_at)
     .fetch_all(pool)
     .await
     .map_err(Error::pg("listing the outbox's partitions"))?;
@@ -343,29 +348,82 @@ async fn drop_partition(
     Ok(Ok(rows as u64))
 }
 
+/// The columns prune reads, by role (SPEC §13), quoted for SQL.
+struct Keys {
+    id: String,
+    /// The id column's type, to read a text bound back into it.
+    id_type: &'static str,
+    occurred_at: String,
+    occurred_name: String,
+}
+
+impl Keys {
+    async fn of(pool: &PgPool, cfg: &PruneConfig) -> Result<Keys> {
+        use crate::relay::columns::{Role, Source};
+        use crate::relay::pgoutput::oid;
+        let table = format!("{}.{}", cfg.schema, cfg.table);
+        let columns = crate::postgres::provision::table_columns(pool, &cfg.schema, &cfg.table).await?;
+        if columns.is_empty() {
+            return Err(Error::setup(format!(
+                "table {table} does not exist: pass the relay's --table"
+            )));
+        }
+        let resolved = cfg.columns.resolve(&table, &columns).map_err(Error::setup)?;
+        let column = |role: Role| match resolved.source(role) {
+            Some(Source::Column(c)) => Ok(c.clone()),
+            _ => Err(Error::setup(format!(
+                "prune needs a column (not a json key) of table {table} for role {role}: map one with --columns {role}=COLUMN, as the relay's"
+            ))),
+        };
+        let (id, occurred) = (column(Role::Id)?, column(Role::OccurredAt)?);
+        let id_type = match columns.iter().find(|(n, _)| *n == id).map(|c| c.1) {
+            Some(oid::UUID) => "uuid",
+            Some(oid::INT8) => "int8",
+            Some(oid::INT4) => "int4",
+            Some(oid::VARCHAR) => "varchar",
+            _ => "text",
+        };
+        let quote = |n: &str| format!("\"{}\"", n.replace('"', "\"\""));
+        Ok(Keys {
+            id: quote(&id),
+            id_type,
+            occurred_at: quote(&occurred),
+            occurred_name: occurred,
+        })
+    }
+}
+
 /// Delete the rows older than the cutoff that snapshot `snapshot` sees, a
-/// batch per transaction, in primary-key order.
+/// batch per transaction, in id order.
 async fn delete_batches(
     pool: &PgPool,
     table: &str,
+    keys: &Keys,
     snapshot: &str,
     cutoff: &str,
     batch: i64,
 ) -> Result<u64> {
+    let Keys {
+        id,
+        id_type,
+        occurred_at: at,
+        ..
+    } = keys;
     let mut deleted = 0u64;
-    let mut after: Option<uuid::Uuid> = None;
+    let mut after: Option<String> = None;
     loop {
         let mut tx = in_snapshot(pool, snapshot).await?;
-        let (n, last): (i64, Option<uuid::Uuid>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        let (n, last): (i64, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "WITH victims AS ( \
-                 SELECT id FROM {table} WHERE occurred_at < $1::timestamptz AND ($2::uuid IS NULL OR id > $2) \
-                 ORDER BY id LIMIT $3), \
+                 SELECT {id} AS id FROM {table} WHERE {at} < $1::timestamptz \
+                   AND ($2::text IS NULL OR {id} > $2::text::{id_type}) \
+                 ORDER BY {id} LIMIT $3), \
              gone AS (DELETE FROM {table} t USING victims v \
-                      WHERE t.id = v.id AND t.occurred_at < $1::timestamptz RETURNING t.id) \
-             SELECT (SELECT count(*) FROM gone), (SELECT id FROM victims ORDER BY id DESC LIMIT 1)"
+                      WHERE t.{id} = v.id AND t.{at} < $1::timestamptz RETURNING t.{id}) \
+             SELECT (SELECT count(*) FROM gone), (SELECT id::text FROM victims ORDER BY id DESC LIMIT 1)"
         )))
         .bind(cutoff)
-        .bind(after)
+        .bind(after.as_deref())
         .bind(batch)
         .fetch_one(&mut *tx)
         .await

@@ -450,7 +450,10 @@ async fn publish_snapshot(
     // by ids alone: a bound is a place in an order the SQL and the stream
     // agree on.
     let plain = |role: Role| matches!(resolved.source(role), Some(Source::Column(_)));
-    let bounds = if plain(Role::OccurredAt) && plain(Role::Id) {
+    let uuid_id = typed
+        .iter()
+        .any(|(n, ty)| resolved.source(Role::Id) == Some(&Source::Column(n.clone())) && *ty == crate::relay::pgoutput::oid::UUID);
+    let bounds = if plain(Role::OccurredAt) && uuid_id {
         &resume.covered[..]
     } else {
         &[]
@@ -555,7 +558,7 @@ async fn publish_snapshot(
                         continue;
                     }
                     Err(e) => {
-                        router.bad_row(l.id(&values).map(|u| u.to_string()), pos, &e.to_string())
+                        router.bad_row(l.id(&values), pos, &e.to_string())
                     }
                 },
                 Err(e) => router.bad_row(None, pos, &e.to_string()),

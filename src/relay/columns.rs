@@ -73,8 +73,8 @@ impl Role {
         use oid::*;
         let text = [TEXT, VARCHAR, BPCHAR];
         let ok = match self {
-            Role::Id => [UUID, TEXT, VARCHAR].contains(&type_oid),
-            Role::Payload => [JSONB, JSON].contains(&type_oid),
+            Role::Id => [UUID, TEXT, VARCHAR, INT8, INT4].contains(&type_oid),
+            Role::Payload => [JSONB, JSON, TEXT, VARCHAR, BYTEA].contains(&type_oid),
             Role::AggregateType | Role::EventType | Role::Subject | Role::Stream => {
                 text.contains(&type_oid)
             }
@@ -88,8 +88,9 @@ impl Role {
             return Ok(());
         }
         Err(match self {
-            Role::Id => "uuid or text",
-            Role::Payload | Role::Headers => "jsonb or json",
+            Role::Id => "uuid, text or bigint",
+            Role::Payload => "jsonb, json, text or bytea",
+            Role::Headers => "jsonb or json",
             Role::AggregateType | Role::EventType | Role::Subject | Role::Stream => "text",
             Role::AggregateId => "text or uuid",
             Role::EventVersion => "an integer",
@@ -427,7 +428,16 @@ mod tests {
             ("payload=body", "payload=body", "no column \"body\""),
             ("payload=envelope,payload=topic", "payload", "given twice"),
             ("colour=topic", "colour", "unknown role"),
-            ("payload=topic", "payload=topic", "takes jsonb or json"),
+            (
+                "payload=occurred_at",
+                "payload=occurred_at",
+                "takes jsonb, json, text or bytea",
+            ),
+            (
+                "payload=envelope,id=occurred_at",
+                "id=occurred_at",
+                "takes uuid, text or bigint",
+            ),
             (
                 "payload=envelope,aggregate_id=topic.x",
                 "aggregate_id=topic.x",

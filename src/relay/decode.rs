@@ -277,7 +277,7 @@ impl Stage {
     /// An event `outbox_emit()` wrote: the next event of the transaction,
     /// exactly as a row there would be.
     fn on_emitted(&mut self, content: &bytes::Bytes, wm: &mut Watermark) -> Result<Step> {
-        let row = super::emitted::row(content).map_err(|e| (super::emitted::id(content), e));
+        let row = super::emitted::row(content).map_err(|e| (super::emitted::id(content).map(|u| u.to_string()), e));
         metrics::counter!(m::EMITTED_EVENTS).increment(1);
         self.next_event(row, wm, "Message")
     }
@@ -287,7 +287,7 @@ impl Stage {
     /// it already.
     fn next_event(
         &mut self,
-        row: std::result::Result<super::outbox_row::OutboxRow, (Option<uuid::Uuid>, String)>,
+        row: std::result::Result<super::outbox_row::OutboxRow, (Option<String>, String)>,
         wm: &mut Watermark,
         what: &'static str,
     ) -> Result<Step> {
@@ -310,7 +310,7 @@ impl Stage {
                 Some(txn.commit_time_micros),
                 self.max_payload,
             ),
-            Err((id, detail)) => self.router.bad_row(id.map(|u| u.to_string()), pos, &detail),
+            Err((id, detail)) => self.router.bad_row(id, pos, &detail),
         };
         if already_stored(&mut self.resume, pos, &msg.msg_id) {
             metrics::counter!(m::EVENTS_SKIPPED).increment(1);

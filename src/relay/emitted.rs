@@ -78,7 +78,7 @@ pub fn row(content: &Bytes) -> Result<OutboxRow, String> {
         None => None,
     };
     Ok(OutboxRow {
-        id,
+        id: id.to_string(),
         aggregate_type: Some(aggregate_type),
         aggregate_id: Some(aggregate_id),
         event_type: Some(event_type),
@@ -128,7 +128,7 @@ mod tests {
             row.occurred_at.as_deref(),
             Some("2025-11-24T16:00:00.123456Z")
         );
-        assert_eq!(id(&c), Some(row.id));
+        assert_eq!(id(&c).map(|u| u.to_string()), Some(row.id));
     }
 
     #[test]

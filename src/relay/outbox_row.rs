@@ -64,7 +64,8 @@ pub enum RowError {
 /// source for is `None` (its header is left out); one it has is required.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxRow {
-    pub id: Uuid,
+    /// The id's text form: the message's `Nats-Msg-Id`.
+    pub id: String,
     pub aggregate_type: Option<String>,
     pub aggregate_id: Option<String>,
     pub event_type: Option<String>,
@@ -155,9 +156,9 @@ impl OutboxLayout {
 
     /// The row id alone, so a row that fails to decode can still be
     /// dead-lettered under its own message id.
-    pub fn id(&self, values: &[Value]) -> Option<Uuid> {
+    pub fn id(&self, values: &[Value]) -> Option<String> {
         let mut r = Reader::new(self, values);
-        r.uuid(&self.id, "id").ok().flatten()
+        r.id(&self.id).ok().flatten()
     }
 
     pub fn row(&self, values: &[Value]) -> Result<OutboxRow, RowError> {
@@ -182,7 +183,7 @@ impl OutboxLayout {
         let aggregate_type = text(&mut r, &self.aggregate_type, "aggregate_type")?;
         let aggregate_id = text(&mut r, &self.aggregate_id, "aggregate_id")?;
         let event_type = text(&mut r, &self.event_type, "event_type")?;
-        let id = r.uuid(&self.id, "id")?.ok_or(RowError::BadValue {
+        let id = r.id(&self.id)?.ok_or(RowError::BadValue {
             column: "id".into(),
             detail: "is null".into(),
         })?;
@@ -191,7 +192,7 @@ impl OutboxLayout {
             None => None,
         };
         let payload = r
-            .json(&self.payload, "payload")?
+            .body(&self.payload)?
             .ok_or(RowError::BadValue {
                 column: "payload".into(),
                 detail: "is null".into(),
@@ -312,6 +313,57 @@ impl<'a> Reader<'a> {
                 .and_then(|s| Uuid::parse_str(s).map_err(|e| bad(column, e)))
                 .map(Some),
             (other, _) => Err(bad_type(column, other)),
+        }
+    }
+
+    /// The row id's text form, which is its `Nats-Msg-Id`: a uuid's
+    /// canonical text, an integer's decimal, a text's own. It must travel
+    /// as a header value and come back equal, so it is refused empty, with
+    /// a control character, or with space at either end (readers trim it).
+    fn id(&mut self, f: &Field) -> Result<Option<String>, RowError> {
+        let id = match (&f.key, self.layout.types[f.index]) {
+            (None, oid::UUID) => self.uuid(f, "id")?.map(|u| u.to_string()),
+            (None, oid::INT2 | oid::INT4 | oid::INT8) => {
+                self.int(f, "id")?.map(|n| n.to_string())
+            }
+            _ => self.text(f, "id")?,
+        };
+        match id {
+            Some(id) if !valid_msg_id(&id) => Err(bad(
+                "id",
+                format!("{id:?} cannot be a message id (empty, a control character, or space at either end)"),
+            )),
+            id => Ok(id),
+        }
+    }
+
+    /// The payload's bytes, as the producer wrote them: json and jsonb as
+    /// their text, text as is, bytea's bytes.
+    fn body(&mut self, f: &Field) -> Result<Option<Bytes>, RowError> {
+        let column = "payload";
+        if f.key.is_some() {
+            return self.json(f, column);
+        }
+        let i = f.index;
+        match self.layout.types[i] {
+            oid::TEXT | oid::VARCHAR => {
+                Ok(raw_at(self.values, i, column)?.map(|(Raw::Text(b) | Raw::Binary(b))| b.clone()))
+            }
+            oid::BYTEA => match raw_at(self.values, i, column)? {
+                None => Ok(None),
+                Some(Raw::Binary(b)) => Ok(Some(b.clone())),
+                // bytea's text form is hex (bytea_output's default since 9.0).
+                Some(Raw::Text(b)) => match b.strip_prefix(b"\\x") {
+                    Some(hex) => decode_hex(hex).map(|v| Some(Bytes::from(v))).ok_or_else(|| {
+                        bad(column, "bytea text is not hex")
+                    }),
+                    None => Err(bad(
+                        column,
+                        "bytea in escape format: set bytea_output = 'hex' for the relay's role",
+                    )),
+                },
+            },
+            _ => json_at(self.layout, self.values, i, column),
         }
     }
 
@@ -500,6 +552,21 @@ fn json_at(
     }
 }
 
+/// Whether a row id can be sent as `Nats-Msg-Id` and read back equal.
+pub fn valid_msg_id(id: &str) -> bool {
+    !id.is_empty() && id.trim() == id && !id.chars().any(char::is_control)
+}
+
+fn decode_hex(hex: &[u8]) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    hex.chunks_exact(2)
+        .map(|p| Some(nibble(p[0])? << 4 | nibble(p[1])?))
+        .collect()
+}
+
 fn raw_at<'v>(
     values: &'v [Value],
     i: usize,
@@ -632,7 +699,7 @@ mod tests {
                 b(&1_000_002i64.to_be_bytes()),
             ])
             .unwrap();
-        assert_eq!(row.id, id);
+        assert_eq!(row.id, id.to_string());
         assert_eq!(row.event_version, Some(3));
         assert_eq!(row.payload, Bytes::from_static(b"{}"));
         assert_eq!(
@@ -695,6 +762,38 @@ mod tests {
             ])
             .unwrap_err();
         assert!(e.to_string().contains("aggregate_id"), "{e}");
+    }
+
+    #[test]
+    fn ids_of_any_key_type_and_payloads_of_any_body_type() {
+        let b = |v: &[u8]| Value::Binary(Bytes::copy_from_slice(v));
+        let layout = |id: u32, payload: u32| {
+            let rel = outbox(&[("id", id), ("payload", payload), ("subject", oid::TEXT)]);
+            OutboxLayout::new(&rel, &ColumnMap::default(), &[]).unwrap()
+        };
+        let row = |l: &OutboxLayout, id: Value, payload: Value| l.row(&[id, payload, t("s")]);
+        // bigint: its decimal, in either tuple format; bytea: its bytes.
+        let l = layout(oid::INT8, oid::BYTEA);
+        let r = row(&l, t("1160481716839288832"), t("\\x7b7d")).unwrap();
+        assert_eq!((r.id.as_str(), &r.payload[..]), ("1160481716839288832", &b"{}"[..]));
+        let r = row(&l, b(&42i64.to_be_bytes()), b(b"\x00\xff")).unwrap();
+        assert_eq!((r.id.as_str(), &r.payload[..]), ("42", &b"\x00\xff"[..]));
+        for bad in ["\\x7b7", "\\xzz", "{}"] {
+            assert!(row(&l, t("1"), t(bad)).is_err(), "{bad}");
+        }
+        // text: as it is, unless it cannot travel as a header value.
+        let l = layout(oid::TEXT, oid::TEXT);
+        let r = row(&l, t("order-7"), t("plain text")).unwrap();
+        assert_eq!((r.id.as_str(), &r.payload[..]), ("order-7", &b"plain text"[..]));
+        for bad in ["", " a", "a ", "a\r\nNats-Expected-Stream: x"] {
+            let e = row(&l, t(bad), t("{}")).unwrap_err();
+            assert!(e.to_string().contains("message id"), "{bad:?}: {e}");
+            assert_eq!(l.id(&[t(bad), t("{}"), t("s")]), None);
+        }
+        // uuid: its canonical text.
+        let l = layout(oid::UUID, oid::JSONB);
+        let r = row(&l, t("0B7E5C3E-8D7F-4F57-9B5A-3F0D9A3C2E11"), t("{}")).unwrap();
+        assert_eq!(r.id, "0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11");
     }
 
     #[test]

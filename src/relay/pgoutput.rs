@@ -19,6 +19,7 @@ use bytes::Bytes;
 /// Postgres type OIDs the outbox columns may use.
 pub mod oid {
     pub const BOOL: u32 = 16;
+    pub const BYTEA: u32 = 17;
     pub const INT8: u32 = 20;
     pub const INT2: u32 = 21;
     pub const INT4: u32 = 23;

@@ -486,7 +486,7 @@ async fn read_headers(
 #[derive(Debug, Default)]
 pub struct BackfillResume {
     /// Ids of the backfill's messages read back: stored, skip them.
-    pub stored: std::collections::HashSet<uuid::Uuid>,
+    pub stored: std::collections::HashSet<String>,
     /// What the interrupted runs are known to have stored, beyond `stored`.
     pub covered: Vec<Covered>,
 }
@@ -633,13 +633,15 @@ pub async fn backfill_resume(
                 .is_some_and(|s| wire::same_database(s, database.0, database.1))
                 && get(wire::DLQ_CONSUMER).is_none()
                 && get(wire::BACKFILL) == Some(header);
-            let Some(id) = get(wire::MSG_ID)
-                .and_then(|v| v.parse().ok())
-                .filter(|_| ours)
-            else {
+            let Some(msg_id) = get(wire::MSG_ID).filter(|_| ours) else {
                 return;
             };
-            resume.stored.insert(id);
+            resume.stored.insert(msg_id.to_owned());
+            // A bound is a place in (occurred_at, id) order, which the SQL
+            // and this process agree on for uuid ids only.
+            let Ok(id) = msg_id.parse::<uuid::Uuid>() else {
+                return;
+            };
             if inherited.as_ref().is_none_or(|(i, _)| *i == n) {
                 inherited = Some((n, get(wire::BACKFILL_COVERED).unwrap_or("").to_owned()));
             }

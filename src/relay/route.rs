@@ -651,11 +651,10 @@ pub fn envelope(row: &OutboxRow, from: &Provenance<'_>) -> Bytes {
 mod tests {
     use super::*;
     use pgwire_replication::Lsn;
-    use uuid::Uuid;
 
     fn row() -> OutboxRow {
         OutboxRow {
-            id: Uuid::parse_str("0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11").unwrap(),
+            id: "0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11".into(),
             aggregate_type: Some("order".into()),
             aggregate_id: Some("42".into()),
             event_type: Some("placed".into()),
