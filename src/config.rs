@@ -543,6 +543,12 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_UNPUBLISHED")]
     pub unpublished: Option<String>,
 
+    /// The streams a `stream` column may name, comma-separated (SPEC §13
+    /// multi-stream routing): a row naming another is dead-lettered, and a
+    /// restart reads each one's tail. Required with a `stream` role.
+    #[arg(long, env = "OUTBOX_STREAMS", default_value = "")]
+    pub streams: String,
+
     /// Partitions for {partition} (FNV-1a of aggregate_id modulo this).
     #[arg(long, env = "OUTBOX_PARTITIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub partitions: u32,
@@ -857,6 +863,8 @@ pub struct RelayConfig {
     pub columns: ColumnMap,
     /// `--header-columns`.
     pub header_columns: Vec<String>,
+    /// `--streams`: where the `stream` role may route rows.
+    pub streams: Vec<String>,
     /// `--unpublished`.
     pub unpublished: Option<String>,
     pub partitions: u32,
@@ -944,6 +952,27 @@ impl RelayArgs {
             .filter(|c| !c.is_empty())
             .map(str::to_owned)
             .collect();
+        let streams: Vec<String> = self
+            .streams
+            .split(',')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(str::to_owned)
+            .collect();
+        for s in &streams {
+            if s.chars()
+                .any(|c| c == '.' || c == '*' || c == '>' || c.is_whitespace() || c.is_control())
+            {
+                return Err(Error::Config(format!(
+                    "invalid --streams entry {s:?}: a stream name has no '.', '*', '>' or whitespace"
+                )));
+            }
+        }
+        if !streams.is_empty() && self.publish_mode == "batch" {
+            return Err(Error::Config(
+                "--publish-mode batch cannot be used with --streams: an atomic batch lands in one stream, and rows go to several; use --publish-mode auto".into(),
+            ));
+        }
         let unpublished = self
             .unpublished
             .as_deref()
@@ -984,6 +1013,7 @@ impl RelayArgs {
             columns,
             header_columns,
             unpublished,
+            streams,
             partitions: self.partitions,
             envelope: self.envelope,
             stream_replicas: self.stream_replicas,

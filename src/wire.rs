@@ -77,6 +77,9 @@ pub const RESERVED_PREFIXES: [&str; 2] = [NATS_HEADER_PREFIX, OUTBOX_HEADER_PREF
 /// JetStream's optimistic-concurrency header: the publish is refused unless
 /// the stream's last message has this id. The relay's order guard.
 pub const EXPECTED_LAST_MSG_ID: &str = "Nats-Expected-Last-Msg-Id";
+/// Set on a row routed by its `stream` role (SPEC §13): JetStream refuses
+/// it unless it lands in that stream.
+pub const EXPECTED_STREAM: &str = "Nats-Expected-Stream";
 
 /// W3C trace context, passed from the row's `headers` to the handler.
 /// Subjects the processes of one durable talk on (core NATS, outside any
@@ -185,10 +188,13 @@ pub enum DlqReason {
     SchemaInvalid,
     /// The event type has no schema, and `--schema-missing dead-letter`.
     SchemaMissing,
+    /// The row's `stream` names a stream that does not exist, or one the
+    /// relay is not given (`--streams`).
+    StreamMissing,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 10] = [
+    pub const ALL: [DlqReason; 11] = [
         Self::InvalidSubject,
         Self::SubjectOutsideStream,
         Self::SubjectTooLong,
@@ -199,6 +205,7 @@ impl DlqReason {
         Self::Refused,
         Self::SchemaInvalid,
         Self::SchemaMissing,
+        Self::StreamMissing,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -213,6 +220,7 @@ impl DlqReason {
             Self::SchemaInvalid => "schema_invalid",
             Self::SchemaMissing => "schema_missing",
             Self::Refused => "refused",
+            Self::StreamMissing => "stream_missing",
         }
     }
 }
@@ -372,7 +380,10 @@ pub fn message_id(raw: &str) -> Option<(uuid::Uuid, String)> {
     }
     Some(match uuid::Uuid::parse_str(raw) {
         Ok(id) => (id, id.to_string()),
-        Err(_) => (uuid::Uuid::new_v5(&TEXT_IDS, raw.as_bytes()), raw.to_owned()),
+        Err(_) => (
+            uuid::Uuid::new_v5(&TEXT_IDS, raw.as_bytes()),
+            raw.to_owned(),
+        ),
     })
 }
 

@@ -603,7 +603,11 @@ async fn text_and_integer_message_ids_are_deduped_and_handed_over_as_they_are() 
         assert_eq!(mine.len(), 1, "{id}: one call, under its own id: {calls:?}");
         assert_eq!(mine[0].idempotency_key.as_deref(), Some(id));
     }
-    assert_eq!(inbox(&pool, "textid").await.len(), 4, "one inbox row per id");
+    assert_eq!(
+        inbox(&pool, "textid").await.len(),
+        4,
+        "one inbox row per id"
+    );
     let dlq = read_stream(
         &stack().nats_url,
         &wire::dlq_stream_name(&wire::consumer_dlq_prefix("ctext")),

@@ -150,7 +150,12 @@ async fn prune_reads_the_roles_of_a_table_keyed_by_text() {
     .execute(&pool)
     .await
     .unwrap();
-    let map = ["--table", "public.events", "--columns", "subject=topic,occurred_at=created_at"];
+    let map = [
+        "--table",
+        "public.events",
+        "--columns",
+        "subject=topic,occurred_at=created_at",
+    ];
     let relay = Service::relay(&url, &stack.nats_url, "prunemap", &map);
     for (n, age) in [(40, "10 days"), (25, "1 hour")] {
         sqlx::query(
@@ -173,7 +178,10 @@ async fn prune_reads_the_roles_of_a_table_keyed_by_text() {
         .fetch_all(&pool)
         .await
         .unwrap();
-    assert!(left.len() == 25 && left.iter().all(|i| i.ends_with("1 hour")), "{left:?}");
+    assert!(
+        left.len() == 25 && left.iter().all(|i| i.ends_with("1 hour")),
+        "{left:?}"
+    );
     drop(relay);
 }
 

@@ -23,10 +23,18 @@ struct Recipe {
     publish_all: &'static str,
 }
 
+/// What [`load`] left: the ids it expects published, in commit order (as
+/// the insert returned them), the relay still running.
+struct Loaded {
+    expected: Vec<String>,
+    relay: Service,
+    pool: sqlx::PgPool,
+}
+
 /// Rows in the table before the relay's first start, then 300 more in
 /// transactions of ten, the relay killed -9 a third of the way through and
 /// started again while rows keep coming.
-async fn relay_on(recipe: &Recipe) -> Vec<Got> {
+async fn load(recipe: &Recipe) -> Loaded {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, &format!("t_{}", recipe.ctx)).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(recipe.ddl))
@@ -85,24 +93,39 @@ async fn relay_on(recipe: &Recipe) -> Vec<Got> {
         expected.extend(txn(100 + t * 10).await);
     }
     relay.wait_ready();
+    Loaded {
+        expected,
+        relay,
+        pool,
+    }
+}
+
+/// [`load`], then every expected row once, in commit order, in stream
+/// `{CTX}_EVENTS`.
+async fn relay_on(recipe: &Recipe) -> Vec<Got> {
+    let Loaded {
+        expected, relay, ..
+    } = load(recipe).await;
     let got = read_stream(
-        &stack.nats_url,
+        &stack().nats_url,
         &wire::stream_name(recipe.ctx),
         expected.len() as u64,
         T,
     )
     .await;
-    let ids: Vec<String> = got
-        .iter()
-        .map(|g| g.h(wire::MSG_ID).unwrap_or("").to_owned())
-        .collect();
     assert_eq!(
-        ids,
+        ids(&got),
         expected,
         "every unpublished row once, in commit order\n{}",
         relay.log_text()
     );
     got
+}
+
+fn ids(got: &[Got]) -> Vec<String> {
+    got.iter()
+        .map(|g| g.h(wire::MSG_ID).unwrap_or("").to_owned())
+        .collect()
 }
 
 /// The event-driven-architecture design's table: `topic` is the subject,
@@ -219,6 +242,116 @@ async fn the_modkit_table() {
     assert_eq!(g.h(wire::AGGREGATE_ID), None);
 }
 
+/// DAARION's table: ids are UUIDs or snowflakes as text, `topic` is the
+/// subject, and `stream` names the (pre-created) stream each row must land
+/// in. Each stream gets its rows once, in commit order, across the kill -9;
+/// a row naming a stream that does not exist (listed or not), or one that
+/// does not capture its subject, is dead-lettered in the relay's own stream
+/// with its reason, and the rows after it go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daarion_table_routes_each_row_to_its_stream() {
+    let js = async_nats::jetstream::new(async_nats::connect(&stack().nats_url).await.unwrap());
+    for (name, subjects) in [
+        ("DAARION_ORDERS", "dorders.>"),
+        ("DAARION_BILLING", "dbilling.>"),
+    ] {
+        let _ = js.delete_stream(name).await;
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: name.into(),
+            subjects: vec![subjects.into()],
+            // Short: the relay's own resume, not the window, keeps the
+            // replay after the kill -9 from storing repeats.
+            duplicate_window: Duration::from_millis(100),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let Loaded {
+        expected,
+        relay,
+        pool,
+    } = load(&Recipe {
+        ctx: "daarion",
+        ddl: "CREATE SCHEMA daarion; CREATE TABLE daarion.outbox_events (id text primary key, stream text not null, \
+              topic text not null, payload jsonb not null, created_at timestamptz default now(), \
+              processed bool default false, processed_at timestamptz, error text)",
+        flags: &[
+            "--table",
+            "daarion.outbox_events",
+            "--columns",
+            "subject=topic,occurred_at=created_at",
+            "--streams",
+            "DAARION_ORDERS,DAARION_BILLING,DAARION_PAYMENTS",
+            "--unpublished",
+            "NOT processed",
+        ],
+        // Even rows are orders, odd ones invoices; every third id a UUID,
+        // the others snowflakes.
+        insert: "INSERT INTO daarion.outbox_events (id, stream, topic, payload) VALUES ( \
+                 CASE WHEN $2 % 3 = 0 THEN $1 ELSE (1160481716839288832 + $2)::text END, \
+                 CASE WHEN $2 % 2 = 0 THEN 'DAARION_ORDERS' ELSE 'DAARION_BILLING' END, \
+                 CASE WHEN $2 % 2 = 0 THEN 'dorders.order.placed.v1' ELSE 'dbilling.invoice.issued.v1' END, \
+                 jsonb_build_object('n', $2)) RETURNING stream || ' ' || id",
+        publish_all: "UPDATE daarion.outbox_events SET processed = true, processed_at = now()",
+    })
+    .await;
+    for stream in ["DAARION_ORDERS", "DAARION_BILLING"] {
+        let want: Vec<String> = expected
+            .iter()
+            .filter_map(|e| e.strip_prefix(&format!("{stream} ")))
+            .map(str::to_owned)
+            .collect();
+        let got = read_stream(&stack().nats_url, stream, want.len() as u64, T).await;
+        assert_eq!(
+            ids(&got),
+            want,
+            "{stream}: its rows once, in commit order\n{}",
+            relay.log_text()
+        );
+        assert!(got
+            .iter()
+            .all(|g| g.h("Nats-Expected-Stream") == Some(stream)));
+    }
+    // Rows no stream can take, between rows that go on.
+    sqlx::raw_sql(
+        "INSERT INTO daarion.outbox_events (id, stream, topic, payload) VALUES \
+         ('bad-1', 'DAARION_PAYMENTS', 'dpayments.paid.v1', '{}'), \
+         ('bad-2', 'ELSEWHERE', 'dorders.order.placed.v1', '{}'), \
+         ('bad-3', 'DAARION_ORDERS', 'dbilling.invoice.issued.v1', '{}'), \
+         ('after', 'DAARION_ORDERS', 'dorders.order.placed.v1', '{}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let dead = read_stream(&stack().nats_url, &wire::stream_name("daarion"), 3, T).await;
+    let why: Vec<(&str, &str)> = dead
+        .iter()
+        .map(|g| (g.h(wire::MSG_ID).unwrap(), g.h(wire::DLQ_REASON).unwrap()))
+        .collect();
+    assert_eq!(
+        why,
+        [
+            ("bad-1", "stream_missing"),
+            ("bad-2", "stream_missing"),
+            ("bad-3", "subject_outside_stream")
+        ]
+    );
+    assert!(dead[0]
+        .h(wire::DLQ_DETAIL)
+        .unwrap()
+        .contains("does not exist"));
+    assert!(dead[1]
+        .h(wire::DLQ_DETAIL)
+        .unwrap()
+        .contains("not one of --streams"));
+    eventually(T, "the row after them published", || async {
+        let now = read_stream(&stack().nats_url, "DAARION_ORDERS", 0, Duration::ZERO).await;
+        now.last().and_then(|g| g.h(wire::MSG_ID)) == Some("after")
+    })
+    .await;
+}
+
 /// A ledger keyed by a bigint identity whose payload is bytea: the id's
 /// decimal is `Nats-Msg-Id`, the bytes are the body as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,7 +377,11 @@ async fn a_table_keyed_by_bigint_with_a_bytea_payload() {
     .await;
     let g = &got[0];
     assert_eq!(g.subject, "ledger.entry.posted.v1");
-    assert_eq!(g.h(wire::MSG_ID), Some("6"), "the five sent before are not again");
+    assert_eq!(
+        g.h(wire::MSG_ID),
+        Some("6"),
+        "the five sent before are not again"
+    );
     assert_eq!(g.json()["n"], 0, "the bytea's bytes are the body");
 }
 

@@ -420,10 +420,9 @@ async fn usable_id<H>(shared: &Shared<H>, parts: &Parts<'_>) -> Option<Option<Uu
 /// says why. No handler call.
 async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Option<()> {
     // Without an id, the stream position stands in, so a redelivery dedupes.
-    let stand_in = u
-        .id
-        .and_then(|_| parts.id_text())
-        .unwrap_or_else(|| format!("{}:{}", shared.cfg.stream, parts.seq));
+    let stand_in =
+        u.id.and_then(|_| parts.id_text())
+            .unwrap_or_else(|| format!("{}:{}", shared.cfg.stream, parts.seq));
     dead_letter(shared, parts, &stand_in, &u.reason, 1).await?;
     if let Some(id) = u.id {
         persist(shared, "recording the dead letter", || {

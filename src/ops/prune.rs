@@ -190,7 +190,8 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
             }
         }
     }
-    report.outbox_deleted += delete_batches(pool, &table, &keys, &snapshot, &cutoff, cfg.batch).await?;
+    report.outbox_deleted +=
+        delete_batches(pool, &table, &keys, &snapshot, &cutoff, cfg.batch).await?;
     anchor
         .rollback()
         .await
@@ -362,18 +363,24 @@ impl Keys {
         use crate::relay::columns::{Role, Source};
         use crate::relay::pgoutput::oid;
         let table = format!("{}.{}", cfg.schema, cfg.table);
-        let columns = crate::postgres::provision::table_columns(pool, &cfg.schema, &cfg.table).await?;
+        let columns =
+            crate::postgres::provision::table_columns(pool, &cfg.schema, &cfg.table).await?;
         if columns.is_empty() {
             return Err(Error::setup(format!(
                 "table {table} does not exist: pass the relay's --table"
             )));
         }
-        let resolved = cfg.columns.resolve(&table, &columns).map_err(Error::setup)?;
-        let column = |role: Role| match resolved.source(role) {
+        let resolved = cfg
+            .columns
+            .resolve(&table, &columns)
+            .map_err(Error::setup)?;
+        let column = |role: Role| {
+            match resolved.source(role) {
             Some(Source::Column(c)) => Ok(c.clone()),
             _ => Err(Error::setup(format!(
                 "prune needs a column (not a json key) of table {table} for role {role}: map one with --columns {role}=COLUMN, as the relay's"
             ))),
+        }
         };
         let (id, occurred) = (column(Role::Id)?, column(Role::OccurredAt)?);
         let id_type = match columns.iter().find(|(n, _)| *n == id).map(|c| c.1) {

@@ -98,8 +98,23 @@ pub(super) async fn first_start(
             pid: None,
         });
     }
-    let tail =
-        publish::last_event_of_database(js, &cfg.stream, &system.system_id, &dsn.database).await?;
+    // Every stream rows may be routed to (SPEC §13) holds part of what
+    // was published.
+    let mut streams: Vec<&str> = vec![&cfg.stream];
+    for s in &cfg.streams {
+        if !streams.contains(&s.as_str()) {
+            streams.push(s);
+        }
+    }
+    let mut tail: Option<TailEvent> = None;
+    for stream in &streams {
+        let last =
+            publish::last_event_of_database(js, stream, &system.system_id, &dsn.database).await?;
+        tail = match (tail, last) {
+            (Some(a), Some(b)) => Some(earliest(a, b)),
+            (a, b) => a.or(b),
+        };
+    }
     let filter = plan(
         &cfg.backfill,
         cfg.resync_since.as_ref(),
@@ -114,15 +129,25 @@ pub(super) async fn first_start(
             backfill: Some(header),
             ..
         }) if export => {
-            let resume = publish::backfill_resume(
-                js,
-                &cfg.stream,
-                (&system.system_id, &dsn.database),
-                header,
-                cfg.max_inflight,
-            )
-            .await?;
-            let mut resume = resume;
+            let mut resume = publish::BackfillResume::default();
+            for stream in &streams {
+                let one = publish::backfill_resume(
+                    js,
+                    stream,
+                    (&system.system_id, &dsn.database),
+                    header,
+                    cfg.max_inflight,
+                )
+                .await?;
+                resume.stored.extend(one.stored);
+                resume.covered.extend(one.covered);
+            }
+            // A run's bounds were proved in one stream; with several, rows
+            // before them may have gone to another and been lost in flight:
+            // ids alone decide.
+            if streams.len() > 1 {
+                resume.covered.clear();
+            }
             // What earlier runs proved holds for their own rows only: under
             // another filter (a wider --unpublished or --resync-since) rows
             // before those bounds may never have been published.
@@ -182,6 +207,25 @@ pub(super) async fn first_start(
     // Ends the session; its temporary slot goes with it.
     drop(session);
     Ok(lsn)
+}
+
+/// Of two streams' newest events of this database, the one that decides
+/// the plan: an interrupted backfill's (it is resumed), else the one with
+/// the older transaction horizon. Events in flight to one stream may have
+/// been lost while another acked later ones, so a resync starts from the
+/// oldest stream's newest event: repeats, never a loss.
+fn earliest(a: TailEvent, b: TailEvent) -> TailEvent {
+    match (&a.backfill, &b.backfill) {
+        (Some(_), None) => return a,
+        (None, Some(_)) => return b,
+        _ => {}
+    }
+    // No horizon (an older relay wrote it) orders first.
+    if b.xid_horizon < a.xid_horizon {
+        b
+    } else {
+        a
+    }
 }
 
 /// Which rows a new slot's snapshot publishes.
@@ -450,9 +494,10 @@ async fn publish_snapshot(
     // by ids alone: a bound is a place in an order the SQL and the stream
     // agree on.
     let plain = |role: Role| matches!(resolved.source(role), Some(Source::Column(_)));
-    let uuid_id = typed
-        .iter()
-        .any(|(n, ty)| resolved.source(Role::Id) == Some(&Source::Column(n.clone())) && *ty == crate::relay::pgoutput::oid::UUID);
+    let uuid_id = typed.iter().any(|(n, ty)| {
+        resolved.source(Role::Id) == Some(&Source::Column(n.clone()))
+            && *ty == crate::relay::pgoutput::oid::UUID
+    });
     let bounds = if plain(Role::OccurredAt) && uuid_id {
         &resume.covered[..]
     } else {
@@ -557,9 +602,7 @@ async fn publish_snapshot(
                         skipped += 1;
                         continue;
                     }
-                    Err(e) => {
-                        router.bad_row(l.id(&values), pos, &e.to_string())
-                    }
+                    Err(e) => router.bad_row(l.id(&values), pos, &e.to_string()),
                 },
                 Err(e) => router.bad_row(None, pos, &e.to_string()),
             };

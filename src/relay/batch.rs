@@ -1020,6 +1020,7 @@ mod tests {
                 headers: Vec::new(),
                 body: bytes::Bytes::new(),
                 dlq_reason: None,
+                stream: None,
             },
         }
     }

@@ -254,6 +254,7 @@ impl ColumnMap {
         template_roles: &[&str],
         template_columns: &[String],
         header_columns: &[String],
+        streams: &[String],
     ) -> Result<Vec<String>, String> {
         let resolved = self.resolve(table, columns)?;
         if let Some(source @ Source::Key { .. }) = resolved.source(Role::Payload) {
@@ -262,11 +263,19 @@ impl ColumnMap {
                 "--columns payload={source}: the payload must be a whole column (the body is sent byte for byte; a key's value would be re-serialised)"
             ));
         }
-        if let Some(source) = resolved.source(Role::Stream) {
-            // Never ignored: every row would land in the one stream.
-            return Err(format!(
-                "role stream (column {source} of table {table}) routes each row to the stream it names, which this version of the relay does not do yet: such a table cannot be published as it stands (multi-stream routing, SPEC §13, is to come)"
-            ));
+        match (resolved.source(Role::Stream), streams.is_empty()) {
+            // The relay must know where to look for what it stored.
+            (Some(source), true) => {
+                return Err(format!(
+                    "role stream (column {source} of table {table}) routes each row to the stream it names: list the streams rows may name with --streams S1,S2 (a restart reads what each one holds)"
+                ))
+            }
+            (None, false) => {
+                return Err(format!(
+                    "--streams is given, but no column of table {table} plays role stream: map one with --columns stream=COLUMN, or drop --streams"
+                ))
+            }
+            _ => {}
         }
         let listing = columns
             .iter()
@@ -476,12 +485,12 @@ mod tests {
         let map = ColumnMap::parse("payload=envelope,occurred_at=occurred_at").unwrap();
         // No subject column: the template's roles must have sources.
         let e = map
-            .check("public.outbox", &envelope(), &["event_type"], &[], &[])
+            .check("public.outbox", &envelope(), &["event_type"], &[], &[], &[])
             .unwrap_err();
         assert!(e.contains("{event_type}") && e.contains("tenant_id"), "{e}");
         let with_subject = ColumnMap::parse("payload=envelope,subject=topic").unwrap();
         assert_eq!(
-            with_subject.check("public.outbox", &envelope(), &["event_type"], &[], &[]),
+            with_subject.check("public.outbox", &envelope(), &["event_type"], &[], &[], &[]),
             Ok(Vec::new())
         );
         // Columns by name, each once.
@@ -492,11 +501,19 @@ mod tests {
                 &[],
                 &["topic".into(), "tenant_id".into()],
                 &["tenant_id".into(), "attempts".into()],
+                &[],
             )
             .unwrap();
         assert_eq!(extra, ["topic", "tenant_id", "attempts"]);
         let e = map
-            .check("public.outbox", &envelope(), &[], &[], &["tenant".into()])
+            .check(
+                "public.outbox",
+                &envelope(),
+                &[],
+                &[],
+                &["tenant".into()],
+                &[],
+            )
             .unwrap_err();
         assert!(
             e.contains("--header-columns") && e.contains("\"tenant\""),
@@ -513,21 +530,40 @@ mod tests {
         let mut with_source = envelope();
         with_source.push(("source".into(), oid::TEXT));
         let e = map
-            .check("public.outbox", &with_source, &[], &[], &["source".into()])
+            .check(
+                "public.outbox",
+                &with_source,
+                &[],
+                &[],
+                &["source".into()],
+                &[],
+            )
             .unwrap_err();
         assert!(e.contains("Outbox-Source"), "{e}");
         // A payload from a key would not be the producer's bytes.
         let e = ColumnMap::parse("payload=envelope.payload")
             .unwrap()
-            .check("public.outbox", &envelope(), &[], &[], &[])
+            .check("public.outbox", &envelope(), &[], &[], &[], &[])
             .unwrap_err();
         assert!(e.contains("payload=envelope.payload"), "{e}");
-        // A stream column is refused, never ignored.
+        // A stream column is never ignored: it needs the streams it may
+        // name, and those need it.
         let mut daarion = envelope();
         daarion.push(("stream".into(), oid::TEXT));
         let e = map
-            .check("public.outbox", &daarion, &[], &[], &[])
+            .check("public.outbox", &daarion, &[], &[], &[], &[])
             .unwrap_err();
-        assert!(e.contains("role stream"), "{e}");
+        assert!(e.contains("role stream") && e.contains("--streams"), "{e}");
+        let streams = ["A".to_owned(), "B".to_owned()];
+        assert!(map
+            .check("public.outbox", &daarion, &[], &[], &[], &streams)
+            .is_ok());
+        let e = map
+            .check("public.outbox", &envelope(), &[], &[], &[], &streams)
+            .unwrap_err();
+        assert!(
+            e.contains("--streams") && e.contains("stream=COLUMN"),
+            "{e}"
+        );
     }
 }

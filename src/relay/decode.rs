@@ -277,7 +277,8 @@ impl Stage {
     /// An event `outbox_emit()` wrote: the next event of the transaction,
     /// exactly as a row there would be.
     fn on_emitted(&mut self, content: &bytes::Bytes, wm: &mut Watermark) -> Result<Step> {
-        let row = super::emitted::row(content).map_err(|e| (super::emitted::id(content).map(|u| u.to_string()), e));
+        let row = super::emitted::row(content)
+            .map_err(|e| (super::emitted::id(content).map(|u| u.to_string()), e));
         metrics::counter!(m::EMITTED_EVENTS).increment(1);
         self.next_event(row, wm, "Message")
     }

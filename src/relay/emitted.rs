@@ -88,6 +88,7 @@ pub fn row(content: &Bytes) -> Result<OutboxRow, String> {
         correlation_id: correlation_id.map(|u| u.to_string()),
         causation_id: causation_id.map(|u| u.to_string()),
         subject,
+        stream: None,
         headers: (!headers.is_empty()).then_some(headers),
         // An emitted event has no table columns: a template that names
         // one needs the event's own subject.

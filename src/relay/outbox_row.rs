@@ -39,6 +39,7 @@ pub struct OutboxLayout {
     causation_id: Option<Field>,
     subject: Option<Field>,
     headers: Option<Field>,
+    stream: Option<Field>,
     /// The columns a subject template or `--header-columns` name, in the
     /// order of the names given ([`OutboxRow::columns`]).
     extra: Vec<(String, usize)>,
@@ -77,6 +78,8 @@ pub struct OutboxRow {
     pub correlation_id: Option<String>,
     pub causation_id: Option<String>,
     pub subject: Option<String>,
+    /// The stream the row must land in (SPEC §13 multi-stream routing).
+    pub stream: Option<String>,
     /// The `headers` JSON text, when set.
     pub headers: Option<Bytes>,
     /// The text form of each column the layout was asked for (`None`:
@@ -149,6 +152,7 @@ impl OutboxLayout {
             causation_id: field(Role::CausationId),
             subject: field(Role::Subject),
             headers: field(Role::Headers),
+            stream: field(Role::Stream),
             extra,
             types: rel.columns.iter().map(|c| c.type_oid).collect(),
         })
@@ -191,12 +195,10 @@ impl OutboxLayout {
             Some(f) => Some(r.int(f, "event_version")?.unwrap_or(1)),
             None => None,
         };
-        let payload = r
-            .body(&self.payload)?
-            .ok_or(RowError::BadValue {
-                column: "payload".into(),
-                detail: "is null".into(),
-            })?;
+        let payload = r.body(&self.payload)?.ok_or(RowError::BadValue {
+            column: "payload".into(),
+            detail: "is null".into(),
+        })?;
         let opt = |r: &mut Reader, f: &Option<Field>, role: &'static str| match f {
             Some(f) => r.text(f, role),
             None => Ok(None),
@@ -214,6 +216,7 @@ impl OutboxLayout {
             None => None,
         };
         let subject = opt(&mut r, &self.subject, "subject")?;
+        let stream = text(&mut r, &self.stream, "stream")?;
         let headers = match &self.headers {
             Some(f) => r.json(f, "headers")?,
             None => None,
@@ -234,6 +237,7 @@ impl OutboxLayout {
             correlation_id,
             causation_id,
             subject,
+            stream,
             headers,
             columns,
         })
@@ -323,9 +327,7 @@ impl<'a> Reader<'a> {
     fn id(&mut self, f: &Field) -> Result<Option<String>, RowError> {
         let id = match (&f.key, self.layout.types[f.index]) {
             (None, oid::UUID) => self.uuid(f, "id")?.map(|u| u.to_string()),
-            (None, oid::INT2 | oid::INT4 | oid::INT8) => {
-                self.int(f, "id")?.map(|n| n.to_string())
-            }
+            (None, oid::INT2 | oid::INT4 | oid::INT8) => self.int(f, "id")?.map(|n| n.to_string()),
             _ => self.text(f, "id")?,
         };
         match id {
@@ -346,17 +348,17 @@ impl<'a> Reader<'a> {
         }
         let i = f.index;
         match self.layout.types[i] {
-            oid::TEXT | oid::VARCHAR => {
-                Ok(raw_at(self.values, i, column)?.map(|(Raw::Text(b) | Raw::Binary(b))| b.clone()))
-            }
+            oid::TEXT | oid::VARCHAR => Ok(
+                raw_at(self.values, i, column)?.map(|(Raw::Text(b) | Raw::Binary(b))| b.clone())
+            ),
             oid::BYTEA => match raw_at(self.values, i, column)? {
                 None => Ok(None),
                 Some(Raw::Binary(b)) => Ok(Some(b.clone())),
                 // bytea's text form is hex (bytea_output's default since 9.0).
                 Some(Raw::Text(b)) => match b.strip_prefix(b"\\x") {
-                    Some(hex) => decode_hex(hex).map(|v| Some(Bytes::from(v))).ok_or_else(|| {
-                        bad(column, "bytea text is not hex")
-                    }),
+                    Some(hex) => decode_hex(hex)
+                        .map(|v| Some(Bytes::from(v)))
+                        .ok_or_else(|| bad(column, "bytea text is not hex")),
                     None => Err(bad(
                         column,
                         "bytea in escape format: set bytea_output = 'hex' for the relay's role",
@@ -775,7 +777,10 @@ mod tests {
         // bigint: its decimal, in either tuple format; bytea: its bytes.
         let l = layout(oid::INT8, oid::BYTEA);
         let r = row(&l, t("1160481716839288832"), t("\\x7b7d")).unwrap();
-        assert_eq!((r.id.as_str(), &r.payload[..]), ("1160481716839288832", &b"{}"[..]));
+        assert_eq!(
+            (r.id.as_str(), &r.payload[..]),
+            ("1160481716839288832", &b"{}"[..])
+        );
         let r = row(&l, b(&42i64.to_be_bytes()), b(b"\x00\xff")).unwrap();
         assert_eq!((r.id.as_str(), &r.payload[..]), ("42", &b"\x00\xff"[..]));
         for bad in ["\\x7b7", "\\xzz", "{}"] {
@@ -784,7 +789,10 @@ mod tests {
         // text: as it is, unless it cannot travel as a header value.
         let l = layout(oid::TEXT, oid::TEXT);
         let r = row(&l, t("order-7"), t("plain text")).unwrap();
-        assert_eq!((r.id.as_str(), &r.payload[..]), ("order-7", &b"plain text"[..]));
+        assert_eq!(
+            (r.id.as_str(), &r.payload[..]),
+            ("order-7", &b"plain text"[..])
+        );
         for bad in ["", " a", "a ", "a\r\nNats-Expected-Stream: x"] {
             let e = row(&l, t(bad), t("{}")).unwrap_err();
             assert!(e.to_string().contains("message id"), "{bad:?}: {e}");

@@ -24,6 +24,7 @@ use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, stream, Context};
 use async_nats::HeaderMap;
 use futures::stream::StreamExt;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::acks::{Inbox, Next};
@@ -220,6 +221,49 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
             .ok()
             .filter(|&m| m > 0),
     })
+}
+
+/// The streams `--streams` names, as they are now (SPEC §13 multi-stream
+/// routing): each found one's subjects, and the smallest `max_msg_size`
+/// among them. One that does not exist is not an error: its rows are
+/// dead-lettered (`stream_missing`) until it does and the relay restarts.
+pub async fn routed_streams(
+    js: &Context,
+    names: &[String],
+    own: &str,
+) -> Result<(super::route::Streams, Option<usize>)> {
+    let mut streams = super::route::Streams {
+        own: own.to_owned(),
+        ..Default::default()
+    };
+    let mut max_msg_size: Option<usize> = None;
+    for name in names {
+        match js.get_stream(name).await {
+            Ok(mut stream) => {
+                let info = stream
+                    .info()
+                    .await
+                    .map_err(Error::nats(format!("reading stream {name}")))?;
+                if let Ok(max) = usize::try_from(info.config.max_message_size) {
+                    if max > 0 {
+                        max_msg_size = Some(max_msg_size.map_or(max, |m| m.min(max)));
+                    }
+                }
+                streams
+                    .found
+                    .push((Arc::from(name.as_str()), info.config.subjects.clone()));
+            }
+            Err(e) if stream_not_found(&e) => {
+                tracing::warn!(
+                    stream = %name,
+                    "--streams names a stream that does not exist: rows naming it are dead-lettered (stream_missing) until it is created and the relay restarts"
+                );
+                streams.missing.push(name.clone());
+            }
+            Err(e) => return Err(Error::nats(format!("looking up stream {name}"))(e)),
+        }
+    }
+    Ok((streams, max_msg_size))
 }
 
 /// The last message this source stored in the stream.
@@ -755,6 +799,61 @@ struct Outage {
     next_probe: Instant,
 }
 
+/// The id each publish must follow, per stream: `Nats-Expected-Last-Msg-Id`
+/// is checked against the stream the message lands in, and with the
+/// `stream` role (SPEC §13) rows go to several. A stream with none yet
+/// gets its next message alone.
+#[derive(Debug, Default)]
+struct Chains {
+    /// The relay's own stream (and every message without a `stream`).
+    own: Option<String>,
+    /// The streams rows named, few: a scan beats a map.
+    named: Vec<(Arc<str>, String)>,
+}
+
+impl Chains {
+    fn last(&self, stream: Option<&str>) -> Option<&str> {
+        match stream {
+            None => self.own.as_deref(),
+            Some(s) => self
+                .named
+                .iter()
+                .find(|(n, _)| &**n == s)
+                .map(|(_, id)| id.as_str()),
+        }
+    }
+
+    fn set(&mut self, stream: &Option<Arc<str>>, id: &str) {
+        let slot = match stream {
+            None => &mut self.own,
+            Some(s) => match self.named.iter().position(|(n, _)| n == s) {
+                Some(i) => {
+                    let last = &mut self.named[i].1;
+                    last.clear();
+                    last.push_str(id);
+                    return;
+                }
+                None => {
+                    self.named.push((s.clone(), id.to_owned()));
+                    return;
+                }
+            },
+        };
+        match slot {
+            Some(last) => {
+                last.clear();
+                last.push_str(id);
+            }
+            None => *slot = Some(id.to_owned()),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.own = None;
+        self.named.clear();
+    }
+}
+
 pub struct Publisher {
     js: Context,
     /// Opens the publish link: at the session's start ([`Self::connect`]),
@@ -776,7 +875,7 @@ pub struct Publisher {
     bytes: usize,
     /// Id of the message the next publish must follow; `None` until a solo
     /// publish is stored.
-    chain: Option<String>,
+    chain: Chains,
     /// The `max_payload` of the session's first link, which routing used:
     /// a later link with a smaller one gets messages checked against it.
     routed_for: usize,
@@ -814,7 +913,7 @@ impl Publisher {
             sent: VecDeque::new(),
             parked: VecDeque::new(),
             bytes: 0,
-            chain: None,
+            chain: Chains::default(),
             routed_for: usize::MAX,
             solo_pending: false,
             max_inflight,
@@ -853,7 +952,7 @@ impl Publisher {
     /// chained to may no longer be the stream's last (batches went since).
     pub(super) fn unchain(&mut self) {
         if self.sent.is_empty() && self.parked.is_empty() {
-            self.chain = None;
+            self.chain.clear();
             self.solo_pending = false;
         }
     }
@@ -1112,7 +1211,7 @@ impl Publisher {
             );
             self.bytes = self.bytes.saturating_sub(before) + sent.msg.wire_size();
         }
-        let prev = self.chain.as_deref();
+        let prev = self.chain.last(sent.msg.stream.as_deref());
         if !acks.publish(&sent.msg, prev) {
             return broken(sent, "the publish connection broke");
         }
@@ -1121,7 +1220,7 @@ impl Publisher {
         if prev.is_none() {
             self.solo_pending = true;
         }
-        self.chain = Some(sent.msg.msg_id.clone());
+        self.chain.set(&sent.msg.stream, &sent.msg.msg_id);
         sent.at = now;
         self.sent.push_back(sent);
         Ok(Sending::Sent)
@@ -1232,7 +1331,7 @@ impl Publisher {
                         // too. (With more in flight, those chained to it are
                         // refused and sent again in order instead.)
                         if duplicate && self.unanswered() == 0 {
-                            self.chain = None;
+                            self.chain.clear();
                         }
                     }
                     // What waited behind it goes out on the next call.
@@ -1389,7 +1488,7 @@ impl Publisher {
             acks.queue.forget();
             acks.link().barrier();
         }
-        self.chain = None;
+        self.chain.clear();
         self.solo_pending = false;
     }
 
@@ -1467,6 +1566,9 @@ fn refuses_the_message(e: &PublishError) -> bool {
         Some(
             jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
                 | jetstream::ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM
+                // Nats-Expected-Stream: the row's subject lands elsewhere
+                // now (the streams changed since the session began).
+                | jetstream::ErrorCode::STREAM_NOT_MATCH
         )
     )
 }
@@ -1493,7 +1595,26 @@ fn refused(id: String, e: PublishError) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{server_batches, stall, Covered, RunRead};
+    use super::{server_batches, stall, Chains, Covered, RunRead};
+    use std::sync::Arc;
+
+    #[test]
+    fn each_stream_chains_to_its_own_last_message() {
+        let mut c = Chains::default();
+        let (a, b): (Option<Arc<str>>, Option<Arc<str>>) = (Some("A".into()), Some("B".into()));
+        assert_eq!(c.last(None), None);
+        c.set(&None, "own-1");
+        c.set(&a, "a-1");
+        c.set(&a, "a-2");
+        assert_eq!(
+            (c.last(None), c.last(Some("A")), c.last(Some("B"))),
+            (Some("own-1"), Some("a-2"), None)
+        );
+        c.set(&b, "b-1");
+        assert_eq!(c.last(Some("B")), Some("b-1"));
+        c.clear();
+        assert_eq!((c.last(None), c.last(Some("A"))), (None, None));
+    }
     use std::time::Duration;
 
     fn covered(at: &str, id: u128, horizon: u64) -> Covered {

@@ -25,6 +25,9 @@ pub struct OutMessage {
     pub body: Bytes,
     /// Set on dead letters.
     pub dlq_reason: Option<DlqReason>,
+    /// The stream a row's `stream` role routes it to (then the message
+    /// carries [`wire::EXPECTED_STREAM`] too); `None`: the relay's own.
+    pub stream: Option<Arc<str>>,
 }
 
 impl OutMessage {
@@ -268,6 +271,34 @@ pub struct Router {
     columns: Vec<String>,
     /// `--header-columns`: each header's name and its index in `columns`.
     column_headers: Vec<(String, usize)>,
+    /// `--streams`: where the `stream` role may route a row.
+    streams: Option<Arc<Streams>>,
+}
+
+/// The streams a row's `stream` role may name (SPEC §13), as the session
+/// found them: each one's subject filters, and those given that do not
+/// exist.
+#[derive(Debug, Clone, Default)]
+pub struct Streams {
+    pub found: Vec<(Arc<str>, Vec<String>)>,
+    pub missing: Vec<String>,
+    /// The relay's own stream (`--stream`), where dead letters go: a row
+    /// naming it chains with them, as one of its messages.
+    pub own: String,
+}
+
+impl Streams {
+    /// The stream `name` and its filters, or why a row may not go there.
+    fn get(&self, name: &str) -> Result<&(Arc<str>, Vec<String>), String> {
+        if let Some(s) = self.found.iter().find(|(n, _)| &**n == name) {
+            return Ok(s);
+        }
+        Err(if self.missing.iter().any(|m| m == name) {
+            format!("the row names stream {name:?}, which does not exist")
+        } else {
+            format!("the row names stream {name:?}, which is not one of --streams")
+        })
+    }
 }
 
 impl Router {
@@ -292,7 +323,14 @@ impl Router {
             xid_horizon: None,
             columns: Vec::new(),
             column_headers: Vec::new(),
+            streams: None,
         }
+    }
+
+    /// Route each row to the stream its `stream` role names (`--streams`).
+    pub fn with_streams(mut self, streams: Arc<Streams>) -> Self {
+        self.streams = Some(streams);
+        self
     }
 
     /// The columns rows carry (the template's and `header_columns`), and
@@ -343,12 +381,23 @@ impl Router {
                 Err(what) => (String::new(), Some(what)),
             },
         };
-        let msg_id = row.id.to_string();
+        let msg_id = row.id.clone();
+        // Multi-stream routing: the stream the row names, its filters.
+        let (stream, captures, missing) = match (&self.streams, &row.stream) {
+            (Some(streams), Some(name)) => match streams.get(name) {
+                Ok((name, captures)) if **name == *streams.own => (None, &captures[..], None),
+                Ok((name, captures)) => (Some(name.clone()), &captures[..], None),
+                Err(why) => (None, &self.captures[..], Some(why)),
+            },
+            _ => (None, &self.captures[..], None),
+        };
         let mut reason = if lacking.is_some() || subject_problem(&subject).is_some() {
             Some(DlqReason::InvalidSubject)
         } else if subject.len() > MAX_SUBJECT_BYTES {
             Some(DlqReason::SubjectTooLong)
-        } else if !self.captures.iter().any(|f| subject_matches(f, &subject))
+        } else if missing.is_some() {
+            Some(DlqReason::StreamMissing)
+        } else if !captures.iter().any(|f| subject_matches(f, &subject))
             || subject.starts_with(&self.dlq_prefix)
         {
             Some(DlqReason::SubjectOutsideStream)
@@ -404,12 +453,16 @@ impl Router {
         if let Some(id) = schema_id {
             headers.push((Cow::Borrowed(wire::SCHEMA), id));
         }
+        if let Some(stream) = &stream {
+            headers.push((Cow::Borrowed(wire::EXPECTED_STREAM), stream.to_string()));
+        }
         let msg = OutMessage {
             subject,
             msg_id,
             headers,
             body,
             dlq_reason: None,
+            stream,
         };
         if let Some(what) = lacking {
             let detail = format!("the row has no subject and no {what} for the subject template");
@@ -418,6 +471,15 @@ impl Router {
                 &self.dlq_subject,
                 DlqReason::InvalidSubject,
                 Some(&detail),
+                max_payload,
+            );
+        }
+        if let Some(why) = missing {
+            return dead_letter(
+                msg,
+                &self.dlq_subject,
+                DlqReason::StreamMissing,
+                Some(&why),
                 max_payload,
             );
         }
@@ -455,6 +517,7 @@ impl Router {
             headers,
             body: Bytes::new(),
             dlq_reason: Some(DlqReason::BadRow),
+            stream: None,
         }
     }
 
@@ -572,6 +635,10 @@ pub fn dead_letter(
     }
     msg.subject = dlq_subject.to_owned();
     msg.dlq_reason = Some(reason);
+    // A dead letter goes to the relay's own stream.
+    if msg.stream.take().is_some() {
+        msg.headers.retain(|(k, _)| k != wire::EXPECTED_STREAM);
+    }
     if msg.header_size() > MAX_HEADER_BYTES || msg.header_size() > max_payload {
         // Huge user headers, or values that were routable but are too long
         // together: keep ours only.
@@ -664,6 +731,7 @@ mod tests {
             correlation_id: None,
             causation_id: None,
             subject: None,
+            stream: None,
             headers: None,
             columns: Vec::new(),
         }
@@ -684,6 +752,72 @@ mod tests {
         commit_lsn: Lsn(0x16B3748),
         index: 3,
     };
+
+    /// SPEC §13 multi-stream routing: a row lands in the stream it names,
+    /// which must be one found and capture its subject; a dead letter goes
+    /// to the relay's own stream, without the expected-stream header.
+    #[test]
+    fn a_row_goes_to_the_stream_it_names_or_is_dead_lettered_saying_why() {
+        let streams = Streams {
+            found: vec![
+                (Arc::from("ORDERS"), vec!["orders.>".into()]),
+                (
+                    Arc::from("SHOP_EVENTS"),
+                    vec![wire::stream_subjects("shop")],
+                ),
+            ],
+            missing: vec!["PAYMENTS".into()],
+            own: "SHOP_EVENTS".into(),
+        };
+        let r = router("{aggregate_type}.{event_type}").with_streams(Arc::new(streams));
+        let route = |stream: Option<&str>, subject: &str| {
+            let row = OutboxRow {
+                stream: stream.map(str::to_owned),
+                subject: Some(subject.into()),
+                ..row()
+            };
+            r.route_committed(row, POS, None, 1 << 20)
+        };
+        let m = route(Some("ORDERS"), "orders.placed");
+        assert_eq!((m.dlq_reason, m.stream.as_deref()), (None, Some("ORDERS")));
+        assert_eq!(m.header(wire::EXPECTED_STREAM), Some("ORDERS"));
+        for (stream, subject, reason, why) in [
+            (
+                Some("PAYMENTS"),
+                "payments.paid",
+                DlqReason::StreamMissing,
+                "does not exist",
+            ),
+            (
+                Some("ELSEWHERE"),
+                "orders.placed",
+                DlqReason::StreamMissing,
+                "not one of --streams",
+            ),
+            (
+                Some("ORDERS"),
+                "shop.placed",
+                DlqReason::SubjectOutsideStream,
+                "",
+            ),
+        ] {
+            let m = route(stream, subject);
+            assert_eq!(m.dlq_reason, Some(reason), "{stream:?} {subject}");
+            assert_eq!(
+                (m.subject.as_str(), m.stream.as_deref()),
+                ("shop.dlq.relay", None)
+            );
+            assert_eq!(m.header(wire::EXPECTED_STREAM), None);
+            assert!(m.header(wire::DLQ_DETAIL).unwrap_or("").contains(why));
+        }
+        // Without a stream role a row goes where it always did; naming the
+        // relay's own stream, it chains with its dead letters.
+        for stream in [None, Some("SHOP_EVENTS")] {
+            let m = route(stream, "shop.placed");
+            assert_eq!((m.dlq_reason, m.stream.clone()), (None, None), "{stream:?}");
+            assert_eq!(m.header(wire::EXPECTED_STREAM), None);
+        }
+    }
 
     #[test]
     fn default_template_and_headers() {
@@ -902,6 +1036,7 @@ mod tests {
             headers: vec![("A".into(), "b".into())],
             body: Bytes::from_static(b"xyz"),
             dlq_reason: None,
+            stream: None,
         };
         assert_eq!(m.wire_size(), "NATS/1.0\r\nA: b\r\n\r\n".len() + 3);
     }

@@ -8,6 +8,7 @@
 //! answering the server's keepalives while we hold back, so backpressure
 //! never trips `wal_sender_timeout`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -236,6 +237,7 @@ impl<'a> Session<'a> {
                 &cfg.template.roles(),
                 &cfg.template.columns(),
                 &cfg.header_columns,
+                &cfg.streams,
             )
             .map_err(Error::setup)?;
         if let Some(predicate) = &cfg.unpublished {
@@ -261,6 +263,16 @@ impl<'a> Session<'a> {
         )
         .await?;
 
+        // Multi-stream routing (SPEC §13): the streams rows may name. Each
+        // keeps its own order chain; an atomic batch lands in one stream,
+        // so these rows go event by event.
+        let routed = if cfg.streams.is_empty() {
+            None
+        } else {
+            Some(publish::routed_streams(js, &cfg.streams, &cfg.stream).await?)
+        };
+        let batches = shape.batches && routed.is_none();
+
         // Feedback well inside the server's timeout (Materialize's rule:
         // min(1 s, timeout / 2); we take a quarter for slack under load).
         let sender_timeout: String = sqlx::query_scalar("SHOW wal_sender_timeout")
@@ -276,6 +288,7 @@ impl<'a> Session<'a> {
         let max_payload = info
             .max_payload
             .min(shape.max_msg_size.unwrap_or(usize::MAX))
+            .min(routed.as_ref().and_then(|r| r.1).unwrap_or(usize::MAX))
             // What the publisher adds (the order chain, the batch headers)
             // must fit too: a row that only fits without them is too large.
             .saturating_sub(publish::HEADER_RESERVE);
@@ -293,7 +306,7 @@ impl<'a> Session<'a> {
                     max_message: max_payload,
                 },
             ),
-            shape.batches,
+            batches,
             cfg.stream.clone(),
         );
         publisher.per_event().connect().await?;
@@ -302,8 +315,9 @@ impl<'a> Session<'a> {
         // The link knows the account's or user's max_payload (the INFO after
         // CONNECT), which may be below the server's.
         let max_payload = publisher.per_event().max_message();
+        let streams = routed.as_ref().map(|(s, _)| Arc::new(s.clone()));
         let router = |source: &str| {
-            Router::new(
+            let router = Router::new(
                 &cfg.context,
                 cfg.template.clone(),
                 cfg.partitions,
@@ -312,7 +326,11 @@ impl<'a> Session<'a> {
                 shape.subjects.clone(),
             )
             .with_schemas(cfg.schemas.clone())
-            .with_columns(extra.clone(), &cfg.header_columns)
+            .with_columns(extra.clone(), &cfg.header_columns);
+            match &streams {
+                Some(streams) => router.with_streams(streams.clone()),
+                None => router,
+            }
         };
         let confirmed = match prepared.slot {
             Some(slot) => slot.confirmed,
@@ -352,17 +370,39 @@ impl<'a> Session<'a> {
             &history,
         );
         let source = lineage.source.clone();
-        let tail = publish::stored_tail(js, &cfg.stream, &lineage).await?;
-        let resume = match &tail {
-            Some(t) => Some(Resume {
-                tail: t.at,
-                stored: publish::stored_since(js, &cfg.stream, &lineage, t, confirmed).await?,
-            }),
-            None => None,
-        };
-        let resume_after = tail
+        // With multi-stream routing, every stream rows may name holds part
+        // of what was stored: the resume is their union, up to the newest.
+        let mut tail = None;
+        let mut resume: Option<Resume> = None;
+        let routed_names = streams
+            .iter()
+            .flat_map(|s| s.found.iter().map(|(n, _)| &**n));
+        let mut read: Vec<&str> = Vec::new();
+        for name in std::iter::once(cfg.stream.as_str()).chain(routed_names) {
+            if read.contains(&name) {
+                continue;
+            }
+            read.push(name);
+            let Some(t) = publish::stored_tail(js, name, &lineage).await? else {
+                continue;
+            };
+            let stored = publish::stored_since(js, name, &lineage, &t, confirmed).await?;
+            match &mut resume {
+                Some(r) => {
+                    r.tail = r.tail.max(t.at);
+                    r.stored.extend(stored);
+                }
+                None => resume = Some(Resume { tail: t.at, stored }),
+            }
+            // The batch path settles in the relay's own stream only (rows
+            // routed to several go event by event).
+            if name == cfg.stream {
+                tail = Some(t);
+            }
+        }
+        let resume_after = resume
             .as_ref()
-            .map(|t| format!("{}#{}", t.at.commit_lsn, t.at.index));
+            .map(|r| format!("{}#{}", r.tail.commit_lsn, r.tail.index));
         publisher.streaming(lineage, tail);
         self.set_failover(&mut client).await?;
         client.start().await?;
