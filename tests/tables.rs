@@ -1,5 +1,6 @@
 //! SPEC §13: the relay on outbox tables as their own designs define them,
-//! started with the flags docs/guide/outbox-tables.md gives for each. Every
+//! started with the flags docs/guide/outbox-tables.md gives for each, in a
+//! database `outbox-relay migrate` never touched. Every
 //! table is created by its own DDL; rows already there and unpublished are
 //! published first, those published already are not, and rows inserted
 //! across a kill -9 of the relay arrive once each, in commit order.
@@ -36,7 +37,8 @@ struct Loaded {
 /// started again while rows keep coming.
 async fn load(recipe: &Recipe) -> Loaded {
     let stack = stack();
-    let (url, pool) = fresh_db(&stack, &format!("t_{}", recipe.ctx)).await;
+    // No `outbox-relay migrate`: the relay needs none of its tables.
+    let (url, pool) = empty_db(&stack, &format!("t_{}", recipe.ctx)).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(recipe.ddl))
         .execute(&pool)
         .await
@@ -179,22 +181,22 @@ async fn the_envelope_table() {
 async fn the_polyshop_table() {
     let got = relay_on(&Recipe {
         ctx: "order",
-        ddl: "CREATE SCHEMA polyshop; CREATE TABLE polyshop.outbox_events (id uuid primary key, \
+        ddl: "CREATE TABLE outbox_events (id uuid primary key, \
               aggregate_id text not null, event_type text not null, version int not null default 1, \
               payload json not null, created_at timestamptz not null default now(), \
               processed boolean not null default false, processed_at timestamptz, error_message text)",
         flags: &[
             "--table",
-            "polyshop.outbox_events",
+            "public.outbox_events",
             "--columns",
             "subject=event_type,event_version=version,occurred_at=created_at",
             "--unpublished",
             "processed = false",
         ],
-        insert: "INSERT INTO polyshop.outbox_events (id, aggregate_id, event_type, payload) \
+        insert: "INSERT INTO outbox_events (id, aggregate_id, event_type, payload) \
                  VALUES ($1::uuid, 'o-' || $2, 'order.order.placed.v1', json_build_object('n', $2)) \
                  RETURNING id::text",
-        publish_all: "UPDATE polyshop.outbox_events SET processed = true, processed_at = now()",
+        publish_all: "UPDATE outbox_events SET processed = true, processed_at = now()",
     })
     .await;
     let g = &got[0];
@@ -273,12 +275,12 @@ async fn the_daarion_table_routes_each_row_to_its_stream() {
         pool,
     } = load(&Recipe {
         ctx: "daarion",
-        ddl: "CREATE SCHEMA daarion; CREATE TABLE daarion.outbox_events (id text primary key, stream text not null, \
+        ddl: "CREATE TABLE outbox_events (id text primary key, stream text not null, \
               topic text not null, payload jsonb not null, created_at timestamptz default now(), \
               processed bool default false, processed_at timestamptz, error text)",
         flags: &[
             "--table",
-            "daarion.outbox_events",
+            "public.outbox_events",
             "--columns",
             "subject=topic,occurred_at=created_at",
             "--streams",
@@ -288,12 +290,12 @@ async fn the_daarion_table_routes_each_row_to_its_stream() {
         ],
         // Even rows are orders, odd ones invoices; every third id a UUID,
         // the others snowflakes.
-        insert: "INSERT INTO daarion.outbox_events (id, stream, topic, payload) VALUES ( \
+        insert: "INSERT INTO outbox_events (id, stream, topic, payload) VALUES ( \
                  CASE WHEN $2 % 3 = 0 THEN $1 ELSE (1160481716839288832 + $2)::text END, \
                  CASE WHEN $2 % 2 = 0 THEN 'DAARION_ORDERS' ELSE 'DAARION_BILLING' END, \
                  CASE WHEN $2 % 2 = 0 THEN 'dorders.order.placed.v1' ELSE 'dbilling.invoice.issued.v1' END, \
                  jsonb_build_object('n', $2)) RETURNING stream || ' ' || id",
-        publish_all: "UPDATE daarion.outbox_events SET processed = true, processed_at = now()",
+        publish_all: "UPDATE outbox_events SET processed = true, processed_at = now()",
     })
     .await;
     for stream in ["DAARION_ORDERS", "DAARION_BILLING"] {
@@ -315,7 +317,7 @@ async fn the_daarion_table_routes_each_row_to_its_stream() {
     }
     // Rows no stream can take, between rows that go on.
     sqlx::raw_sql(
-        "INSERT INTO daarion.outbox_events (id, stream, topic, payload) VALUES \
+        "INSERT INTO outbox_events (id, stream, topic, payload) VALUES \
          ('bad-1', 'DAARION_PAYMENTS', 'dpayments.paid.v1', '{}'), \
          ('bad-2', 'ELSEWHERE', 'dorders.order.placed.v1', '{}'), \
          ('bad-3', 'DAARION_ORDERS', 'dbilling.invoice.issued.v1', '{}'), \

@@ -43,6 +43,14 @@ pub fn db_url(admin: &str, name: &str) -> String {
 
 /// A fresh database with the migrations applied (by the real binary).
 pub async fn fresh_db(stack: &Stack, name: &str) -> (String, PgPool) {
+    let (url, pool) = empty_db(stack, name).await;
+    migrate(&url);
+    (url, pool)
+}
+
+/// A fresh database with nothing in it: what a team's own database looks
+/// like to a relay on its own outbox table (SPEC §13: no migration).
+pub async fn empty_db(stack: &Stack, name: &str) -> (String, PgPool) {
     let admin = PgPoolOptions::new()
         .max_connections(1)
         .connect(&stack.admin_url)
@@ -65,7 +73,6 @@ pub async fn fresh_db(stack: &Stack, name: &str) -> (String, PgPool) {
         .await
         .unwrap();
     let url = db_url(&stack.admin_url, name);
-    migrate(&url);
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .connect(&url)
