@@ -428,6 +428,28 @@ async fn a_bad_column_map_is_one_line_naming_the_role_and_the_columns() {
             "{columns}: one line naming {role} and the columns: {err}"
         );
     }
+    // A misspelt key is told by the rows the table has.
+    sqlx::raw_sql(
+        "INSERT INTO outbox VALUES (gen_random_uuid(), 'badmap.x', '{\"partitionKey\": \"p\", \"n\": 1}')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let map = "payload=envelope,subject=topic,aggregate_id=envelope.partitonKey";
+    let (code, err) = run_relay_bounded(
+        &url,
+        &stack.nats_url,
+        "badmap",
+        &["--table", "public.outbox", "--columns", map],
+    );
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(
+        code == Some(1)
+            && errors.len() == 1
+            && errors[0].contains("aggregate_id=envelope.partitonKey")
+            && errors[0].contains("n, partitionKey"),
+        "one line naming the key and the keys the rows have: {err}"
+    );
     // Refused before the stream was even set up.
     let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
     assert!(js.get_stream(wire::stream_name("badmap")).await.is_err());

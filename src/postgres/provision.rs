@@ -177,6 +177,51 @@ pub async fn check_predicate(
     }
 }
 
+/// How many rows [`check_keys`] looks at.
+const KEY_SAMPLE: i64 = 100;
+
+/// `--columns ROLE=COLUMN.KEY`: a key that none of the table's rows sampled
+/// has is refused with one line listing the keys they do have (a misspelt
+/// key would dead-letter every row). A table with no rows yet, or one the
+/// relay may not read, cannot tell: nothing is refused then.
+pub async fn check_keys(
+    pool: &PgPool,
+    schema: &str,
+    table: &str,
+    keys: &[(String, String, String)],
+) -> Result<()> {
+    let quote = |n: &str| format!("\"{}\"", n.replace('"', "\"\""));
+    for (role, column, key) in keys {
+        let sql = format!(
+            "WITH sample AS (SELECT {c}::jsonb AS doc FROM {s}.{t} WHERE jsonb_typeof({c}::jsonb) = 'object' LIMIT {KEY_SAMPLE}) \
+             SELECT count(*) FILTER (WHERE doc ? $1), count(*), \
+                    (SELECT string_agg(k, ', ' ORDER BY k) FROM (SELECT DISTINCT jsonb_object_keys(doc) AS k FROM sample) ks) \
+             FROM sample",
+            c = quote(column),
+            s = quote(schema),
+            t = quote(table)
+        );
+        let row: std::result::Result<(i64, i64, Option<String>), sqlx::Error> =
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(key)
+                .fetch_one(pool)
+                .await;
+        match row {
+            Ok((0, n, found)) if n > 0 => {
+                return Err(Error::setup(format!(
+                    "--columns {role}={column}.{key}: none of {n} rows of table {schema}.{table} has key {key:?} in column {column} (their keys: {})",
+                    found.unwrap_or_default()
+                )))
+            }
+            Ok(_) => {}
+            // Not readable by the relay's role: the rows will tell.
+            Err(e) if crate::postgres::db_code(&e).as_deref() == Some("42501") => {}
+            Err(e) => return Err(Error::pg("checking the json keys --columns names")(e)),
+        }
+    }
+    Ok(())
+}
+
 /// The slot's state, after checking it is this database's pgoutput slot.
 pub async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
     let row = sqlx::query(

@@ -369,6 +369,14 @@ impl Resolved {
     pub fn source(&self, role: Role) -> Option<&Source> {
         self.roles.get(&role)
     }
+
+    /// The roles read from a json key: `(role, column, key)`.
+    pub fn keys(&self) -> impl Iterator<Item = (Role, &str, &str)> {
+        self.roles.iter().filter_map(|(role, s)| match s {
+            Source::Key { column, key } => Some((*role, column.as_str(), key.as_str())),
+            Source::Column(_) => None,
+        })
+    }
 }
 
 #[cfg(test)]

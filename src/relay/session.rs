@@ -240,6 +240,14 @@ impl<'a> Session<'a> {
                 &cfg.streams,
             )
             .map_err(Error::setup)?;
+        let keys: Vec<(String, String, String)> = cfg
+            .columns
+            .resolve(&table, &columns)
+            .map_err(Error::setup)?
+            .keys()
+            .map(|(role, column, key)| (role.to_string(), column.to_owned(), key.to_owned()))
+            .collect();
+        postgres::provision::check_keys(pool, &cfg.schema, &cfg.table, &keys).await?;
         if let Some(predicate) = &cfg.unpublished {
             postgres::provision::check_predicate(pool, &cfg.schema, &cfg.table, predicate).await?;
         }
