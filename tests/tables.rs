@@ -450,6 +450,23 @@ async fn a_bad_column_map_is_one_line_naming_the_role_and_the_columns() {
             && errors[0].contains("n, partitionKey"),
         "one line naming the key and the keys the rows have: {err}"
     );
+    // The envelope embeds the payload as JSON: not from a text column.
+    let (code, err) = run_relay_bounded(
+        &url,
+        &stack.nats_url,
+        "badmap",
+        &[
+            "--table",
+            "public.outbox",
+            "--columns",
+            "payload=topic,subject=topic",
+            "--envelope",
+        ],
+    );
+    assert!(
+        code == Some(1) && err.contains("--envelope") && err.contains("column topic"),
+        "{err}"
+    );
     // Refused before the stream was even set up.
     let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
     assert!(js.get_stream(wire::stream_name("badmap")).await.is_err());

@@ -106,15 +106,13 @@ pub(super) async fn first_start(
             streams.push(s);
         }
     }
-    let mut tail: Option<TailEvent> = None;
+    let mut lasts: Vec<TailEvent> = Vec::new();
     for stream in &streams {
-        let last =
-            publish::last_event_of_database(js, stream, &system.system_id, &dsn.database).await?;
-        tail = match (tail, last) {
-            (Some(a), Some(b)) => Some(earliest(a, b)),
-            (a, b) => a.or(b),
-        };
+        lasts.extend(
+            publish::last_event_of_database(js, stream, &system.system_id, &dsn.database).await?,
+        );
     }
+    let tail = decisive(lasts);
     let filter = plan(
         &cfg.backfill,
         cfg.resync_since.as_ref(),
@@ -130,13 +128,21 @@ pub(super) async fn first_start(
             ..
         }) if export => {
             let mut resume = publish::BackfillResume::default();
+            // With several streams no run's bound holds (see below): each
+            // is read back whole, within the scan budget, so the ids say
+            // what is stored.
+            let window = if streams.len() > 1 {
+                usize::MAX / 4
+            } else {
+                cfg.max_inflight
+            };
             for stream in &streams {
                 let one = publish::backfill_resume(
                     js,
                     stream,
                     (&system.system_id, &dsn.database),
                     header,
-                    cfg.max_inflight,
+                    window,
                 )
                 .await?;
                 resume.stored.extend(one.stored);
@@ -209,22 +215,25 @@ pub(super) async fn first_start(
     Ok(lsn)
 }
 
-/// Of two streams' newest events of this database, the one that decides
-/// the plan: an interrupted backfill's (it is resumed), else the one with
-/// the older transaction horizon. Events in flight to one stream may have
-/// been lost while another acked later ones, so a resync starts from the
-/// oldest stream's newest event: repeats, never a loss.
-fn earliest(a: TailEvent, b: TailEvent) -> TailEvent {
-    match (&a.backfill, &b.backfill) {
-        (Some(_), None) => return a,
-        (None, Some(_)) => return b,
-        _ => {}
-    }
+/// Of the streams' newest events of this database, what decides the plan.
+/// Streaming begins only once a first start's backfill is done, so one
+/// streamed event anywhere means the slot existed: a backfill event then
+/// is an old one, not an interrupted run. The resync then starts from the
+/// oldest transaction horizon of them all: events in flight to one stream
+/// may have been lost while another acked later ones (repeats, never a
+/// loss). With backfill events only, the newest run is the interrupted one.
+fn decisive(lasts: Vec<TailEvent>) -> Option<TailEvent> {
     // No horizon (an older relay wrote it) orders first.
-    if b.xid_horizon < a.xid_horizon {
-        b
+    let oldest = lasts.iter().map(|e| e.xid_horizon).min()?;
+    if lasts.iter().any(|e| e.backfill.is_none()) {
+        let mut streamed = lasts
+            .into_iter()
+            .filter(|e| e.backfill.is_none())
+            .min_by_key(|e| e.xid_horizon)?;
+        streamed.xid_horizon = oldest;
+        Some(streamed)
     } else {
-        a
+        lasts.into_iter().max_by_key(|e| e.xid_horizon)
     }
 }
 
@@ -396,7 +405,8 @@ async fn publish_snapshot(
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY; \
          SET TRANSACTION SNAPSHOT '{snapshot}'; \
-         SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'"
+         SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'; \
+         SET LOCAL bytea_output = 'hex'"
     )))
     .execute(&mut *tx)
     .await
@@ -691,6 +701,28 @@ mod tests {
             backfill: None,
             xid_horizon: Some(7_000),
         }
+    }
+
+    /// Across streams: one streamed event anywhere means the slot existed
+    /// (a lost slot, not an interrupted backfill), and the resync starts
+    /// from the oldest horizon of them all.
+    #[test]
+    fn the_streams_newest_events_decide_as_one() {
+        let at = |backfill: bool, h: u64| TailEvent {
+            backfill: backfill.then(|| "unpublished".to_owned()),
+            xid_horizon: Some(h),
+            ..streamed()
+        };
+        assert_eq!(decisive(Vec::new()), None);
+        let d = decisive(vec![at(true, 5), at(false, 9), at(false, 7)]).unwrap();
+        assert_eq!((d.backfill, d.xid_horizon), (None, Some(5)));
+        let d = decisive(vec![at(true, 3), at(true, 4)]).unwrap();
+        assert_eq!((d.backfill.is_some(), d.xid_horizon), (true, Some(4)));
+        let old = TailEvent {
+            xid_horizon: None,
+            ..at(false, 1)
+        };
+        assert_eq!(decisive(vec![at(false, 8), old]).unwrap().xid_horizon, None);
     }
 
     #[test]

@@ -326,14 +326,22 @@ impl<'a> Reader<'a> {
     /// a control character, or with space at either end (readers trim it).
     fn id(&mut self, f: &Field) -> Result<Option<String>, RowError> {
         let id = match (&f.key, self.layout.types[f.index]) {
-            (None, oid::UUID) => self.uuid(f, "id")?.map(|u| u.to_string()),
-            (None, oid::INT2 | oid::INT4 | oid::INT8) => self.int(f, "id")?.map(|n| n.to_string()),
-            _ => self.text(f, "id")?,
+            // Canonical, so always a valid message id.
+            (None, oid::UUID) => return Ok(self.uuid(f, "id")?.map(|u| u.to_string())),
+            (None, oid::INT2 | oid::INT4 | oid::INT8) => {
+                return Ok(self.int(f, "id")?.map(|n| n.to_string()))
+            }
+            // A text id holding a UUID goes as that UUID's canonical text,
+            // as it always did (and as the consumer keys it).
+            _ => self.text(f, "id")?.map(|t| match Uuid::parse_str(&t) {
+                Ok(u) => u.to_string(),
+                Err(_) => t,
+            }),
         };
         match id {
             Some(id) if !valid_msg_id(&id) => Err(bad(
                 "id",
-                format!("{id:?} cannot be a message id (empty, a control character, or space at either end)"),
+                format!("{id:?} cannot be a message id (empty, over {MAX_ID_BYTES} bytes, a control character, or space at either end)"),
             )),
             id => Ok(id),
         }
@@ -554,9 +562,16 @@ fn json_at(
     }
 }
 
+/// The longest row id sent: the publisher's header reserve holds the
+/// chain header with an id this long.
+pub const MAX_ID_BYTES: usize = 128;
+
 /// Whether a row id can be sent as `Nats-Msg-Id` and read back equal.
 pub fn valid_msg_id(id: &str) -> bool {
-    !id.is_empty() && id.trim() == id && !id.chars().any(char::is_control)
+    !id.is_empty()
+        && id.len() <= MAX_ID_BYTES
+        && id.trim() == id
+        && !id.chars().any(char::is_control)
 }
 
 fn decode_hex(hex: &[u8]) -> Option<Vec<u8>> {
@@ -798,6 +813,15 @@ mod tests {
             assert!(e.to_string().contains("message id"), "{bad:?}: {e}");
             assert_eq!(l.id(&[t(bad), t("{}"), t("s")]), None);
         }
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        assert!(
+            row(&l, t(&long), t("{}")).is_err(),
+            "over the header reserve"
+        );
+        assert!(row(&l, t(&long[1..]), t("{}")).is_ok());
+        // A text id holding a UUID goes as that UUID, as before text ids.
+        let r = row(&l, t("{0B7E5C3E-8D7F-4F57-9B5A-3F0D9A3C2E11}"), t("{}")).unwrap();
+        assert_eq!(r.id, "0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11");
         // uuid: its canonical text.
         let l = layout(oid::UUID, oid::JSONB);
         let r = row(&l, t("0B7E5C3E-8D7F-4F57-9B5A-3F0D9A3C2E11"), t("{}")).unwrap();

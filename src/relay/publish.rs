@@ -83,8 +83,10 @@ pub fn server_batches(version: &str) -> bool {
 pub const HEADER_RESERVE: usize = 256;
 
 /// The `Nats-Expected-Last-Msg-Id` header a message may gain when sent
-/// (its name, a 36-byte id and the separators), within [`HEADER_RESERVE`].
-const CHAIN_RESERVE: usize = 80;
+/// (its name, an id of up to `MAX_ID_BYTES` and the separators), within
+/// [`HEADER_RESERVE`].
+const CHAIN_RESERVE: usize = wire::EXPECTED_LAST_MSG_ID.len() + 4 + super::outbox_row::MAX_ID_BYTES;
+const _: () = assert!(CHAIN_RESERVE <= HEADER_RESERVE);
 
 /// Create the stream when missing; an existing stream is used as it is.
 fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
@@ -642,10 +644,12 @@ pub async fn backfill_resume(
 ) -> Result<BackfillResume> {
     let context = "reading back the interrupted backfill";
     let mut resume = BackfillResume::default();
-    let mut stream = js
-        .get_stream(stream_name)
-        .await
-        .map_err(Error::nats(context))?;
+    let mut stream = match js.get_stream(stream_name).await {
+        Ok(s) => s,
+        // A listed stream not created yet holds nothing of it.
+        Err(e) if stream_not_found(&e) => return Ok(resume),
+        Err(e) => return Err(Error::nats(context)(e)),
+    };
     let state = stream
         .info()
         .await

@@ -381,7 +381,6 @@ impl Router {
                 Err(what) => (String::new(), Some(what)),
             },
         };
-        let msg_id = row.id.clone();
         // Multi-stream routing: the stream the row names, its filters.
         let (stream, captures, missing) = match (&self.streams, &row.stream) {
             (Some(streams), Some(name)) => match streams.get(name) {
@@ -439,6 +438,9 @@ impl Router {
         } else {
             row.payload.clone()
         };
+        // Taken, not copied: the envelope above was the id's last reader.
+        let mut row = row;
+        let msg_id = std::mem::take(&mut row.id);
         let mut headers = self.standard_headers(row, &msg_id, pos);
         if headers.iter().any(|(_, v)| !header_value_ok(v)) {
             reason.get_or_insert(DlqReason::InvalidHeader);

@@ -240,10 +240,27 @@ impl<'a> Session<'a> {
                 &cfg.streams,
             )
             .map_err(Error::setup)?;
-        let keys: Vec<(String, String, String)> = cfg
+        let resolved = cfg
             .columns
             .resolve(&table, &columns)
-            .map_err(Error::setup)?
+            .map_err(Error::setup)?;
+        if cfg.envelope {
+            // The envelope embeds the payload as JSON, byte for byte.
+            let payload = resolved.source(crate::relay::columns::Role::Payload);
+            let ty = payload.and_then(|p| columns.iter().find(|(n, _)| n == p.column()));
+            if let Some((name, ty)) = ty.filter(|(_, ty)| {
+                ![
+                    crate::relay::pgoutput::oid::JSON,
+                    crate::relay::pgoutput::oid::JSONB,
+                ]
+                .contains(ty)
+            }) {
+                return Err(Error::setup(format!(
+                    "--envelope embeds the payload as JSON, and column {name} of table {table} (role payload) is not json or jsonb (type oid {ty}): drop --envelope, or map a json column"
+                )));
+            }
+        }
+        let keys: Vec<(String, String, String)> = resolved
             .keys()
             .map(|(role, column, key)| (role.to_string(), column.to_owned(), key.to_owned()))
             .collect();
