@@ -22,8 +22,15 @@ pub fn main() -> ExitCode {
     // quiet unless RUST_LOG asks.
     let quiet = matches!(
         cli.command,
-        Command::Prune(_) | Command::Consumer { .. } | Command::Dlq { .. }
+        Command::Prune(_) | Command::Consumer { .. } | Command::Dlq { .. } | Command::Audit(_)
     );
+    // The audit's exit status says what it found (SPEC §14): 2 is anything
+    // that kept it from saying.
+    let failure = if matches!(cli.command, Command::Audit(_)) {
+        ExitCode::from(2)
+    } else {
+        ExitCode::FAILURE
+    };
     init_logging(&cli.log_format, if quiet { "warn" } else { "info" });
     // The relay and the consumer run on one thread. The relay is one
     // ordered pipeline: its tasks (replication worker, session loop, NATS
@@ -47,12 +54,18 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli.command)) {
-        Ok(()) => ExitCode::SUCCESS,
+    let outcome = runtime.block_on(async {
+        match cli.command {
+            Command::Audit(args) => audit(*args).await,
+            other => run(other).await.map(|()| ExitCode::SUCCESS),
+        }
+    });
+    match outcome {
+        Ok(code) => code,
         Err(e) => {
             // One line, what is wrong and how to fix it; no backtrace.
             eprintln!("error: {e}");
-            ExitCode::FAILURE
+            failure
         }
     }
 }
@@ -70,6 +83,36 @@ fn init_logging(format: &str, default: &str) {
     } else {
         builder.init();
     }
+}
+
+/// `outbox-relay audit`: 0 clean, 1 with findings.
+async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
+    let cfg = args.validate()?;
+    let dsn = postgres::Dsn::parse(&cfg.relay.database_url)?;
+    if args.relay.check_config {
+        println!("configuration ok");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let pool = dsn.pool(2).await?;
+    let nats = crate::nats::connect(&cfg.relay.nats, "outbox-audit".into()).await?;
+    let js = async_nats::jetstream::new(nats.clone());
+    let report = crate::ops::audit::run(&pool, &js, &cfg).await?;
+    if let Some(path) = &args.metrics_file {
+        crate::ops::audit::write_metrics(path, &report)?;
+    }
+    if args.json {
+        println!("{}", to_json(&report)?);
+    } else {
+        for line in report.lines() {
+            println!("{line}");
+        }
+    }
+    crate::nats::flush_on_exit(&nats).await;
+    Ok(if report.clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 async fn run(command: Command) -> Result<(), Error> {
@@ -143,6 +186,7 @@ async fn run(command: Command) -> Result<(), Error> {
             endpoint.stop();
             Ok(())
         }
+        Command::Audit(_) => Err(Error::Config("audit runs on its own path".into())),
         Command::Prune(args) => {
             let cfg = args.validate()?;
             let dsn = postgres::Dsn::parse(&args.db.database_url)?;

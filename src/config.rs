@@ -43,6 +43,9 @@ pub enum Command {
     /// Delete outbox rows that are old and provably published, and old
     /// processed inbox rows, in small batches (safe from cron).
     Prune(PruneArgs),
+    /// Check that the streams hold every outbox row of a window exactly
+    /// once (exit 0), else list what is wrong (exit 1); bad input exits 2.
+    Audit(Box<AuditArgs>),
     /// List or replay dead letters.
     Dlq {
         #[command(subcommand)]
@@ -197,6 +200,83 @@ pub struct ConsumerResetArgs {
     /// Start over from the first message stored at or after this RFC 3339 time.
     #[arg(long)]
     pub time: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// The relay's flags (or its environment): the audit reads the table,
+    /// roles, streams and slot they name, and --repair routes as it does.
+    #[command(flatten)]
+    pub relay: RelayArgs,
+    /// Start of the window, RFC 3339 (rows by their occurred_at role).
+    #[arg(long, conflicts_with = "last")]
+    pub since: Option<String>,
+    /// The window is this long, up to --until (e.g. 2h).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub last: Option<Duration>,
+    /// End of the window, RFC 3339 [default: now].
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Publish the rows missing from the stream again (never deletes).
+    #[arg(long)]
+    pub repair: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// How long to wait for the relay to confirm the audit's snapshot.
+    #[arg(long, env = "OUTBOX_AUDIT_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub wait: Duration,
+    /// Add the holes found to the counter outbox_audit_holes_total in this
+    /// Prometheus text file (node_exporter's textfile collector).
+    #[arg(long, env = "OUTBOX_AUDIT_METRICS_FILE")]
+    pub metrics_file: Option<std::path::PathBuf>,
+}
+
+impl AuditArgs {
+    pub fn validate(&self) -> Result<crate::ops::audit::AuditConfig> {
+        let relay = self.relay.validate()?;
+        let parse = |flag: &str, t: &str| {
+            time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).map_err(
+                |e| {
+                    Error::Config(format!(
+                        "{flag} {t:?}: {e} (expected an RFC 3339 time such as 2026-11-23T10:00:00Z)"
+                    ))
+                },
+            )
+        };
+        let now = time::OffsetDateTime::now_utc();
+        let until = match &self.until {
+            Some(t) => parse("--until", t)?.min(now),
+            None => now,
+        };
+        let since = match (&self.since, self.last) {
+            (Some(t), None) => parse("--since", t)?,
+            (None, Some(d)) => until - d,
+            _ => {
+                return Err(Error::Config(
+                    "give the window with --since TIME or --last DURATION".into(),
+                ))
+            }
+        };
+        if since > now {
+            return Err(Error::Config(format!(
+                "--since {} is in the future: there is nothing to audit yet",
+                self.since.as_deref().unwrap_or_default()
+            )));
+        }
+        if since >= until {
+            return Err(Error::Config(
+                "the window is empty: --since must be before --until".into(),
+            ));
+        }
+        Ok(crate::ops::audit::AuditConfig {
+            relay,
+            since,
+            until,
+            repair: self.repair,
+            wait: self.wait,
+        })
+    }
 }
 
 #[derive(Debug, Args)]

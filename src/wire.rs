@@ -16,6 +16,12 @@ use pgwire_replication::Lsn;
 /// (`<occurred_at> <id> <xid horizon>`, comma-separated; see
 /// `publish::Covered`).
 pub const BACKFILL_COVERED: &str = "Outbox-Backfill-Covered";
+/// On an event written with `outbox_emit()`: it has no outbox row (the
+/// audit counts it as not verifiable).
+pub const EMITTED: &str = "Outbox-Emitted";
+/// On a row `outbox-relay audit --repair` published again: not a relay's
+/// message, so never a relay's tail.
+pub const REPAIR: &str = "Outbox-Repair";
 
 /// JetStream's dedupe key: the outbox row id.
 pub const MSG_ID: &str = "Nats-Msg-Id";

@@ -2,6 +2,7 @@
 //! real stack that `scripts/test.sh` starts (Postgres with wal_level=logical
 //! and nats-server with JetStream, on loopback).
 
+mod audit;
 mod common;
 mod consumer;
 mod deploy;

@@ -51,6 +51,9 @@ pub const STANDBY: &str = "outbox_relay_standby";
 pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
 /// 1 while the relay publishes a new slot's snapshot.
 pub const BACKFILLING: &str = "outbox_relay_backfilling";
+/// Rows `outbox-relay audit` found missing from the stream (SPEC §14),
+/// summed over runs in its `--metrics-file`.
+pub const AUDIT_HOLES: &str = "outbox_audit_holes_total";
 
 // Schemas (SPEC §10).
 /// Payloads that failed their schema (or had none, with

@@ -2,6 +2,7 @@
 //! `pg_replication_slots` monitor ([`slot_monitor`]) and the operator
 //! endpoint ([`endpoint`]: `/metrics`, `/healthz`, `/readyz`).
 
+pub mod audit;
 pub mod dlq;
 pub mod endpoint;
 pub mod metrics;

@@ -96,7 +96,7 @@ fn interval(d: Duration) -> String {
 
 async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result<()> {
     let table = format!("\"{}\".\"{}\"", cfg.schema, cfg.table);
-    let keys = Keys::of(pool, cfg).await?;
+    let keys = Keys::of(pool, &cfg.schema, &cfg.table, &cfg.columns).await?;
     // The anchor: snapshot S, then W.
     let mut anchor = pool
         .begin()
@@ -218,7 +218,7 @@ async fn in_snapshot(
     Ok(tx)
 }
 
-enum Confirmed {
+pub(crate) enum Confirmed {
     Reached(Lsn),
     Behind(Option<Lsn>),
 }
@@ -238,7 +238,12 @@ async fn slot_confirmed(pool: &PgPool, slot: &str) -> Result<Option<Lsn>> {
     text.flatten().map(|t| parse_lsn(&t)).transpose()
 }
 
-async fn wait_confirmed(pool: &PgPool, slot: &str, w: Lsn, wait: Duration) -> Result<Confirmed> {
+pub(crate) async fn wait_confirmed(
+    pool: &PgPool,
+    slot: &str,
+    w: Lsn,
+    wait: Duration,
+) -> Result<Confirmed> {
     let deadline = Instant::now() + wait;
     loop {
         let confirmed = slot_confirmed(pool, slot).await?;
@@ -350,30 +355,31 @@ async fn drop_partition(
 }
 
 /// The columns prune reads, by role (SPEC §13), quoted for SQL.
-struct Keys {
-    id: String,
+pub(crate) struct Keys {
+    pub id: String,
     /// The id column's type, to read a text bound back into it.
     id_type: &'static str,
-    occurred_at: String,
+    pub occurred_at: String,
     occurred_name: String,
 }
 
 impl Keys {
-    async fn of(pool: &PgPool, cfg: &PruneConfig) -> Result<Keys> {
+    pub async fn of(
+        pool: &PgPool,
+        schema: &str,
+        table_name: &str,
+        map: &crate::relay::columns::ColumnMap,
+    ) -> Result<Keys> {
         use crate::relay::columns::{Role, Source};
         use crate::relay::pgoutput::oid;
-        let table = format!("{}.{}", cfg.schema, cfg.table);
-        let columns =
-            crate::postgres::provision::table_columns(pool, &cfg.schema, &cfg.table).await?;
+        let table = format!("{schema}.{table_name}");
+        let columns = crate::postgres::provision::table_columns(pool, schema, table_name).await?;
         if columns.is_empty() {
             return Err(Error::setup(format!(
                 "table {table} does not exist: pass the relay's --table"
             )));
         }
-        let resolved = cfg
-            .columns
-            .resolve(&table, &columns)
-            .map_err(Error::setup)?;
+        let resolved = map.resolve(&table, &columns).map_err(Error::setup)?;
         let column = |role: Role| {
             match resolved.source(role) {
             Some(Source::Column(c)) => Ok(c.clone()),

@@ -313,6 +313,11 @@ impl Stage {
             ),
             Err((id, detail)) => self.router.bad_row(id, pos, &detail),
         };
+        let mut msg = msg;
+        if what == "Message" {
+            msg.headers
+                .push((std::borrow::Cow::Borrowed(wire::EMITTED), "1".to_owned()));
+        }
         if already_stored(&mut self.resume, pos, &msg.msg_id) {
             metrics::counter!(m::EVENTS_SKIPPED).increment(1);
             return Ok(wm.ack(ticket).map_or(Step::Nothing, Step::Confirm));

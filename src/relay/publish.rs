@@ -343,7 +343,10 @@ pub async fn last_event_of_database(
     scan_tail(js, stream_name, |h| {
         let get = |name: &str| h.get(name).map(|v| v.as_str().to_owned());
         let source = get(wire::SOURCE)?;
-        if !wire::same_database(&source, system_id, database) || get(wire::DLQ_CONSUMER).is_some() {
+        if !wire::same_database(&source, system_id, database)
+            || get(wire::DLQ_CONSUMER).is_some()
+            || get(wire::REPAIR).is_some()
+        {
             return None;
         }
         Some(TailEvent {

@@ -1,0 +1,619 @@
+//! `outbox-relay audit` (SPEC §14): does the stream hold what the relay
+//! confirmed? The outbox rows of a window (by the `occurred_at` role, in a
+//! snapshot the slot has confirmed) against this database's messages in the
+//! streams (`Outbox-Source`), by id.
+//!
+//! Memory stays flat whatever the window: the messages' headers are read
+//! once, in stream order, and copied into a temporary table of the audit's
+//! own transaction (`COPY`, a megabyte at a time), so the comparison is
+//! Postgres' set work (hash or sort, spilling to disk), not ids held here.
+//! The one check made while reading, commit order, keeps the last position
+//! per stream and source. `--repair` republishes the missing rows through
+//! the relay's own router, marked `Outbox-Repair`, and never deletes.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, Context};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::Serialize;
+use sqlx::{PgPool, Row};
+use time::OffsetDateTime;
+
+use crate::config::RelayConfig;
+use crate::error::{Error, Result};
+use crate::ops::metrics as m;
+use crate::relay::outbox_row::OutboxLayout;
+use crate::relay::pgoutput::{Column, Relation, Value};
+use crate::relay::route::Router;
+use crate::wire::{self, Position};
+use pgwire_replication::Lsn;
+
+/// What the audit compares, and how long it waits for the relay.
+#[derive(Debug, Clone)]
+pub struct AuditConfig {
+    pub relay: RelayConfig,
+    pub since: OffsetDateTime,
+    pub until: OffsetDateTime,
+    pub repair: bool,
+    /// How long to wait for the slot to confirm the audit's snapshot.
+    pub wait: Duration,
+}
+
+/// One thing the stream does not hold as it should.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Finding {
+    /// `missing`, `duplicate`, `no_row` or `out_of_order`.
+    pub kind: &'static str,
+    pub id: String,
+    pub detail: String,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub since: String,
+    pub until: String,
+    pub rows: i64,
+    pub messages: i64,
+    /// Events written with `outbox_emit()`: no row to check them against.
+    pub unverifiable: i64,
+    pub findings: Vec<Finding>,
+    /// Ids `--repair` published again.
+    pub repaired: Vec<String>,
+    pub seconds: f64,
+}
+
+impl Report {
+    pub fn clean(&self) -> bool {
+        self.findings.is_empty()
+    }
+
+    /// One line per finding, then the summary.
+    pub fn lines(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .findings
+            .iter()
+            .map(|f| format!("{} {} {}", f.kind, f.id, f.detail))
+            .collect();
+        for id in &self.repaired {
+            out.push(format!("repaired {id} published again"));
+        }
+        let count = |k: &str| self.findings.iter().filter(|f| f.kind == k).count();
+        out.push(format!(
+            "audit {} .. {}: {} rows, {} messages; {} missing, {} duplicate, {} without a row, {} out of order; {} emitted events not verifiable; {} repaired; {:.1}s",
+            self.since,
+            self.until,
+            self.rows,
+            self.messages,
+            count("missing"),
+            count("duplicate"),
+            count("no_row"),
+            count("out_of_order"),
+            self.unverifiable,
+            self.repaired.len(),
+            self.seconds,
+        ));
+        out
+    }
+}
+
+/// Clock skew allowed between Postgres (`occurred_at`) and the streams'
+/// timestamps: a message is read from this long before the window.
+const SKEW: Duration = Duration::from_secs(300);
+/// COPY chunk size.
+const CHUNK: usize = 1 << 20;
+/// At most this many findings of one kind are listed (all are counted).
+const MAX_LISTED: i64 = 1000;
+
+pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Report> {
+    let started = Instant::now();
+    let rc = &cfg.relay;
+    let rfc = |t: OffsetDateTime| {
+        t.format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default()
+    };
+    let mut report = Report {
+        since: rfc(cfg.since),
+        until: rfc(cfg.until),
+        ..Report::default()
+    };
+    let keys = crate::ops::prune::Keys::of(pool, &rc.schema, &rc.table, &rc.columns).await?;
+    let database: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(pool)
+        .await
+        .map_err(Error::pg("reading the database name"))?;
+    // The system id tells this cluster's messages from another's of the
+    // same database name; without the privilege, the name decides.
+    let system_id: Option<String> =
+        sqlx::query_scalar("SELECT system_identifier::text FROM pg_control_system()")
+            .fetch_one(pool)
+            .await
+            .ok();
+
+    // The streams first: bad input is said before anything waits.
+    let mut names: Vec<&str> = vec![&rc.stream];
+    for s in &rc.streams {
+        if !names.contains(&s.as_str()) {
+            names.push(s);
+        }
+    }
+    let mut streams = Vec::new();
+    for name in &names {
+        let mut stream = js.get_stream(*name).await.map_err(|e| {
+            Error::Config(format!(
+                "stream {name}: {e} (pass the relay's --stream / --streams)"
+            ))
+        })?;
+        let state = stream
+            .info()
+            .await
+            .map_err(Error::nats(format!("reading stream {name}")))?
+            .state
+            .clone();
+        if state.messages > 0 && state.first_sequence > 1 && state.first_timestamp > cfg.since {
+            return Err(Error::Config(format!(
+                "stream {name} reaches back to {} only (its older messages expired or were purged), after --since {}: audit a window it holds",
+                rfc(state.first_timestamp),
+                report.since
+            )));
+        }
+        streams.push((
+            name.to_string(),
+            stream,
+            state.last_sequence,
+            state.last_timestamp,
+        ));
+    }
+
+    // The audit's snapshot, and the WAL position behind it: once the slot
+    // confirmed that, every row the snapshot holds was published.
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(Error::pg("starting the audit"))?;
+    sqlx::raw_sql(
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; \
+         SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'; \
+         SET LOCAL idle_in_transaction_session_timeout = 0",
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(Error::pg("starting the audit"))?;
+    let w: String = sqlx::query_scalar("SELECT pg_current_wal_insert_lsn()::text")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(Error::pg("taking the audit's snapshot"))?;
+    let w = Lsn::parse(&w).map_err(|e| Error::setup(format!("WAL position {w:?}: {e}")))?;
+    match crate::ops::prune::wait_confirmed(pool, &rc.slot, w, cfg.wait).await? {
+        crate::ops::prune::Confirmed::Reached(_) => {}
+        crate::ops::prune::Confirmed::Behind(at) => {
+            return Err(Error::setup(format!(
+                "slot {} has not confirmed {w} within {:?} (it is at {}): the relay is down or behind, and rows it has not published yet would show as missing; run the audit again once it has caught up",
+                rc.slot,
+                cfg.wait,
+                at.map_or_else(|| "nothing".to_owned(), |l| l.to_string())
+            )))
+        }
+    }
+
+    sqlx::raw_sql(
+        "CREATE TEMP TABLE outbox_audit (stream text, seq int8, id text, source text, \
+         emitted bool) ON COMMIT DROP",
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(Error::pg("creating the audit's temporary table"))?;
+    let mine = |source: &str| {
+        let mut parts = source.splitn(4, '/');
+        let (sys, _, db) = (parts.next(), parts.next(), parts.next());
+        db == Some(database.as_str()) && system_id.as_deref().is_none_or(|s| sys == Some(s))
+    };
+    let start = cfg.since - SKEW;
+    for (name, stream, last, last_at) in &streams {
+        if *last == 0 || *last_at < start {
+            continue;
+        }
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                headers_only: true,
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime {
+                    start_time: start,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(Error::nats(format!("reading stream {name}")))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(Error::nats(format!("reading stream {name}")))?;
+        let mut copy = tx
+            .copy_in_raw("COPY outbox_audit FROM STDIN")
+            .await
+            .map_err(Error::pg("copying the stream's ids"))?;
+        let mut buf = String::with_capacity(CHUNK + 1024);
+        // Commit order, checked as read: the newest position per source.
+        let mut newest: HashMap<String, Position> = HashMap::new();
+        loop {
+            let msg = match tokio::time::timeout(Duration::from_secs(30), messages.next()).await {
+                Ok(Some(Ok(msg))) => msg,
+                Ok(Some(Err(e))) => return Err(Error::nats(format!("reading stream {name}"))(e)),
+                Ok(None) => break,
+                Err(_) => {
+                    return Err(Error::setup(format!(
+                        "stream {name} stopped answering while read"
+                    )))
+                }
+            };
+            let seq = msg
+                .info()
+                .map_err(|source| Error::Nats {
+                    context: format!("reading stream {name}"),
+                    source,
+                })?
+                .stream_sequence;
+            if let Some(h) = msg.headers.as_ref() {
+                let get = |k: &str| h.get(k).map(|v| v.as_str());
+                let source = get(wire::SOURCE).unwrap_or("");
+                let in_window = get(wire::OCCURRED_AT)
+                    .and_then(|t| {
+                        OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                            .ok()
+                    })
+                    .is_some_and(|t| t >= cfg.since && t < cfg.until);
+                let ours = in_window && mine(source) && get(wire::DLQ_CONSUMER).is_none();
+                if let (true, Some(id)) = (ours, get(wire::MSG_ID)) {
+                    let emitted = get(wire::EMITTED).is_some();
+                    // Streamed events only: a backfill's or a repair's have
+                    // no WAL position.
+                    let pos = Position::from_headers(get).filter(|p| p.commit_lsn != Lsn::ZERO);
+                    if let Some(p) = pos {
+                        match newest.get_mut(source) {
+                            Some(prev) if p < *prev => report.findings.push(Finding {
+                                kind: "out_of_order",
+                                id: id.to_owned(),
+                                detail: format!(
+                                    "stream {name} seq {seq}: WAL position {}#{} after {}#{}",
+                                    p.commit_lsn, p.index, prev.commit_lsn, prev.index
+                                ),
+                            }),
+                            Some(prev) => *prev = p,
+                            None => {
+                                newest.insert(source.to_owned(), p);
+                            }
+                        }
+                    }
+                    let _ = writeln!(
+                        buf,
+                        "{}\t{seq}\t{}\t{}\t{emitted}",
+                        copy_text(name),
+                        copy_text(id),
+                        copy_text(source)
+                    );
+                }
+            }
+            continue_flush(&mut buf, &mut copy).await?;
+            if seq >= *last {
+                break;
+            }
+        }
+        if !buf.is_empty() {
+            copy.send(buf.as_bytes())
+                .await
+                .map_err(Error::pg("copying the stream's ids"))?;
+        }
+        copy.finish()
+            .await
+            .map_err(Error::pg("copying the stream's ids"))?;
+    }
+    sqlx::raw_sql("CREATE INDEX ON outbox_audit (id); ANALYZE outbox_audit")
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::pg("indexing the audit's ids"))?;
+
+    let table = format!("{}.{}", quote(&rc.schema), quote(&rc.table));
+    let (id, at) = (&keys.id, &keys.occurred_at);
+    let window = format!("{at} >= $1::timestamptz AND {at} < $2::timestamptz");
+    let since = report.since.clone();
+    let until = report.until.clone();
+    report.rows = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {table} WHERE {window}"
+    )))
+    .bind(&since)
+    .bind(&until)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(Error::pg("counting the window's rows"))?;
+    report.messages = sqlx::query_scalar("SELECT count(*) FROM outbox_audit WHERE NOT emitted")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(Error::pg("counting the window's messages"))?;
+    // A row's id as the relay sends it (a uuid's text is canonical).
+    let missing: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT r.{id}::text, r.{at}::text FROM {table} r WHERE {window} \
+         AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.{id}::text) \
+         ORDER BY r.{at}, r.{id} LIMIT {MAX_LISTED}"
+    )))
+    .bind(&since)
+    .bind(&until)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(Error::pg("finding rows missing from the stream"))?;
+    for (id, at) in &missing {
+        report.findings.push(Finding {
+            kind: "missing",
+            id: id.clone(),
+            detail: format!("row of {at} is not in the stream"),
+        });
+    }
+    let duplicates: Vec<(String, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT id, count(*), string_agg(stream || ' seq ' || seq, ', ' ORDER BY stream, seq) \
+         FROM outbox_audit GROUP BY id HAVING count(*) > 1 ORDER BY min(seq) LIMIT {MAX_LISTED}"
+    )))
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(Error::pg("finding ids stored more than once"))?;
+    for (id, n, at) in duplicates {
+        report.findings.push(Finding {
+            kind: "duplicate",
+            id,
+            detail: format!("stored {n} times: {at}"),
+        });
+    }
+    let orphans: Vec<(String, String, i64, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT DISTINCT ON (a.id) a.id, a.stream, a.seq, a.emitted FROM outbox_audit a \
+         WHERE NOT EXISTS (SELECT 1 FROM {table} r WHERE r.{id}::text = a.id) \
+         ORDER BY a.id, a.seq"
+    )))
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(Error::pg("finding messages without a row"))?;
+    for (id, stream, seq, emitted) in orphans {
+        if emitted {
+            report.unverifiable += 1;
+        } else if (report.findings.len() as i64) < 4 * MAX_LISTED {
+            report.findings.push(Finding {
+                kind: "no_row",
+                id,
+                detail: format!(
+                    "stream {stream} seq {seq}: no row of {}.{} has this id (deleted, or not this table's)",
+                    rc.schema, rc.table
+                ),
+            });
+        }
+    }
+    let holes = missing.len() as u64;
+    metrics::counter!(m::AUDIT_HOLES).increment(holes);
+
+    if cfg.repair && !missing.is_empty() {
+        report.repaired = repair(
+            pool,
+            &mut tx,
+            js,
+            cfg,
+            &keys,
+            &missing,
+            system_id.as_deref(),
+            &database,
+        )
+        .await?;
+    }
+    tx.rollback().await.map_err(Error::pg("ending the audit"))?;
+    report.seconds = started.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Add this run's holes to `outbox_audit_holes_total` in a Prometheus text
+/// file, so the counter grows across runs (a cron job's process is gone
+/// before any scrape); the findings of the last run beside it.
+pub fn write_metrics(path: &std::path::Path, report: &Report) -> Result<()> {
+    let before: u64 = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|l| {
+                l.strip_prefix(&format!("{} ", m::AUDIT_HOLES))
+                    .map(str::to_owned)
+            })
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let holes = report
+        .findings
+        .iter()
+        .filter(|f| f.kind == "missing")
+        .count() as u64;
+    let now = OffsetDateTime::now_utc().unix_timestamp();
+    let text = format!(
+        "# HELP {h} Outbox rows outbox-relay audit found missing from the stream.\n# TYPE {h} counter\n{h} {}\n\
+         # HELP outbox_audit_findings Findings of the last audit run.\n# TYPE outbox_audit_findings gauge\noutbox_audit_findings {}\n\
+         # HELP outbox_audit_last_run_timestamp_seconds When the last audit run ended.\n# TYPE outbox_audit_last_run_timestamp_seconds gauge\noutbox_audit_last_run_timestamp_seconds {now}\n",
+        before + holes,
+        report.findings.len(),
+        h = m::AUDIT_HOLES,
+    );
+    // Written whole, then renamed: a scrape never reads half a file.
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| Error::Config(format!("writing {}: {e}", path.display())))
+}
+
+async fn continue_flush(
+    buf: &mut String,
+    copy: &mut sqlx::postgres::PgCopyIn<&mut sqlx::PgConnection>,
+) -> Result<()> {
+    if buf.len() >= CHUNK {
+        copy.send(buf.as_bytes())
+            .await
+            .map_err(Error::pg("copying the stream's ids"))?;
+        buf.clear();
+    }
+    Ok(())
+}
+
+/// A value in COPY's text format.
+fn copy_text(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('\t', "\\t")
+        .replace('\n', "\\n")
+        .replace('\r', "\\r")
+}
+
+fn quote(n: &str) -> String {
+    format!("\"{}\"", n.replace('"', "\"\""))
+}
+
+/// Publish the missing rows again, as the relay would route them now, in
+/// (occurred_at, id) order, each acked before the next; marked
+/// `Outbox-Repair` so no relay takes one for the tail of its own.
+#[allow(clippy::too_many_arguments)]
+async fn repair(
+    pool: &PgPool,
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    js: &Context,
+    cfg: &AuditConfig,
+    keys: &crate::ops::prune::Keys,
+    missing: &[(String, String)],
+    system_id: Option<&str>,
+    database: &str,
+) -> Result<Vec<String>> {
+    let rc = &cfg.relay;
+    let columns = crate::postgres::provision::table_columns(pool, &rc.schema, &rc.table).await?;
+    let relation = Relation {
+        id: 0,
+        namespace: rc.schema.clone(),
+        name: rc.table.clone(),
+        replica_identity: b'd',
+        columns: columns
+            .iter()
+            .map(|(name, ty)| Column {
+                key: false,
+                name: name.clone(),
+                type_oid: *ty,
+                type_modifier: -1,
+            })
+            .collect(),
+    };
+    let table = format!("{}.{}", rc.schema, rc.table);
+    let extra = rc
+        .columns
+        .check(
+            &table,
+            &columns,
+            &rc.template.roles(),
+            &rc.template.columns(),
+            &rc.header_columns,
+            &rc.streams,
+        )
+        .map_err(Error::setup)?;
+    let own = js
+        .get_stream(&rc.stream)
+        .await
+        .map_err(Error::nats("reading the relay's stream"))?
+        .cached_info()
+        .config
+        .subjects
+        .clone();
+    let source = wire::source_id(system_id.unwrap_or("unknown"), 0, database, "audit-repair");
+    let mut router = Router::new(
+        &rc.context,
+        rc.template.clone(),
+        rc.partitions,
+        rc.envelope,
+        source,
+        own,
+    )
+    .with_schemas(rc.schemas.clone())
+    .with_columns(extra.clone(), &rc.header_columns);
+    if !rc.streams.is_empty() {
+        let (streams, _) =
+            crate::relay::publish::routed_streams(js, &rc.streams, &rc.stream).await?;
+        router = router.with_streams(std::sync::Arc::new(streams));
+    }
+    let layout = OutboxLayout::new(&relation, &rc.columns, router.columns())
+        .map_err(|e| Error::setup(e.to_string()))?;
+    let select = columns
+        .iter()
+        .map(|(name, _)| format!("{}::text", quote(name)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let ids: Vec<String> = missing.iter().map(|(id, _)| id.clone()).collect();
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {select} FROM {}.{} WHERE {}::text = ANY($1) ORDER BY {}, {}",
+        quote(&rc.schema),
+        quote(&rc.table),
+        keys.id,
+        keys.occurred_at,
+        keys.id
+    )))
+    .bind(&ids)
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(Error::pg("reading the rows to repair"))?;
+    // A row over the server's limit is dead-lettered by routing.
+    let max_payload = js
+        .client()
+        .server_info()
+        .max_payload
+        .saturating_sub(crate::relay::publish::HEADER_RESERVE);
+    let mut sent = Vec::new();
+    for (index, row) in rows.iter().enumerate() {
+        let values: Vec<Value> = (0..columns.len())
+            .map(|i| match row.try_get::<Option<String>, _>(i) {
+                Ok(Some(v)) => Value::Text(Bytes::from(v)),
+                _ => Value::Null,
+            })
+            .collect();
+        let pos = Position {
+            commit_lsn: Lsn::ZERO,
+            index: index as u32,
+        };
+        let msg = match layout.row(&values) {
+            Ok(r) => router.route_committed(r, pos, None, max_payload),
+            Err(e) => router.bad_row(layout.id(&values), pos, &e.to_string()),
+        };
+        let mut headers = async_nats::HeaderMap::new();
+        for (k, v) in &msg.headers {
+            headers.append(k.as_ref(), v.as_str());
+        }
+        headers.insert(wire::REPAIR, "audit");
+        js.publish_with_headers(msg.subject.clone(), headers, msg.body.clone())
+            .await
+            .map_err(Error::nats("publishing a repaired row"))?
+            .await
+            .map_err(Error::nats("publishing a repaired row"))?;
+        sent.push(msg.msg_id);
+    }
+    Ok(sent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_text_escapes_what_copy_reads_specially() {
+        assert_eq!(copy_text("a\tb\\c\nd"), "a\\tb\\\\c\\nd");
+        assert_eq!(copy_text("plain-id"), "plain-id");
+    }
+
+    #[test]
+    fn the_summary_counts_each_kind() {
+        let r = Report {
+            rows: 3,
+            messages: 2,
+            findings: vec![Finding {
+                kind: "missing",
+                id: "a".into(),
+                detail: "row".into(),
+            }],
+            ..Report::default()
+        };
+        let lines = r.lines();
+        assert_eq!(lines[0], "missing a row");
+        assert!(lines[1].contains("1 missing, 0 duplicate"), "{}", lines[1]);
+        assert!(!r.clean());
+    }
+}

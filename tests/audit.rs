@@ -1,0 +1,220 @@
+//! SPEC §14: `outbox-relay audit` against real faults in a real stream:
+//! messages deleted by their sequence, one stored twice, one stored again
+//! under another id, a relay killed mid-load; `--repair` and bad input.
+
+use std::process::Command;
+use std::time::Duration;
+
+use crate::common::*;
+use async_nats::jetstream;
+use outbox_relay::wire;
+
+const T: Duration = Duration::from_secs(90);
+
+/// `outbox-relay audit …` to its end: (exit code, stdout + stderr).
+fn audit(url: &str, ctx: &str, extra: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(BIN)
+        .args(["audit", "--database-url", url, "--context", ctx])
+        .args(["--nats-url", &stack().nats_url, "--wait", "20s"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+fn lines<'a>(out: &'a str, kind: &str) -> Vec<&'a str> {
+    out.lines()
+        .filter(|l| l.starts_with(&format!("{kind} ")))
+        .collect()
+}
+
+/// A message of the stream, published again as it is, under `id`.
+async fn copy_of(js: &jetstream::Context, stream: &str, seq: u64, id: Option<&str>) -> String {
+    let m = js
+        .get_stream(stream)
+        .await
+        .unwrap()
+        .get_raw_message(seq)
+        .await
+        .unwrap();
+    // As stored, less the relay's publish-time expectations.
+    let mut headers = async_nats::HeaderMap::new();
+    for (k, v) in m.headers.iter() {
+        if !k.to_string().starts_with("Nats-Expected") {
+            for v in v {
+                headers.append(k.to_string().as_str(), v.as_str());
+            }
+        }
+    }
+    let original = headers.get(wire::MSG_ID).unwrap().as_str().to_owned();
+    if let Some(id) = id {
+        headers.insert(wire::MSG_ID, id);
+    }
+    js.publish_with_headers(m.subject.to_string(), headers, m.payload.clone())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    original
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_finds_each_fault_exactly_and_repair_fills_the_holes() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_audit").await;
+    let ctx = "auditx";
+    let stream = wire::stream_name(ctx);
+    // A short duplicate window: a copy stored later is kept, as in a
+    // stream whose window passed.
+    let mut relay = Service::relay(&url, &stack.nats_url, ctx, &["--duplicate-window", "1s"]);
+    // A relay killed mid-load loses nothing: the audit says so.
+    for t in 0..20 {
+        if t == 8 {
+            relay.kill9();
+        }
+        if t == 12 {
+            relay.restart();
+        }
+        insert_txn(&pool, 1, t * 10, 10, 16).await;
+    }
+    sqlx::query("SELECT outbox_emit(aggregate_type => 'order', aggregate_id => 'e', event_type => 'placed', payload => '{}')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    relay.wait_ready();
+    read_stream(&stack.nats_url, &stream, 201, T).await;
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    assert_eq!(code, Some(0), "clean after the kill -9: {out}");
+    assert!(
+        out.contains("200 rows, 200 messages; 0 missing, 0 duplicate, 0 without a row, 0 out of order; 1 emitted events not verifiable"),
+        "{out}"
+    );
+
+    // Holes: two messages deleted by their sequence.
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let mut gone = Vec::new();
+    for seq in [10, 120] {
+        let m = js
+            .get_stream(&stream)
+            .await
+            .unwrap()
+            .get_raw_message(seq)
+            .await
+            .unwrap();
+        gone.push(m.headers.get(wire::MSG_ID).unwrap().as_str().to_owned());
+        js.get_stream(&stream)
+            .await
+            .unwrap()
+            .delete_message(seq)
+            .await
+            .unwrap();
+    }
+    let metrics = std::env::temp_dir().join(format!("audit-{}.prom", std::process::id()));
+    let _ = std::fs::remove_file(&metrics);
+    let metrics_flag = metrics.to_str().unwrap();
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--metrics-file", metrics_flag]);
+    assert_eq!(code, Some(1), "{out}");
+    let mut missing: Vec<&str> = lines(&out, "missing")
+        .iter()
+        .map(|l| l.split(' ').nth(1).unwrap())
+        .collect();
+    missing.sort();
+    let mut want: Vec<&str> = gone.iter().map(String::as_str).collect();
+    want.sort();
+    assert_eq!(missing, want, "{out}");
+    assert!(
+        out.contains("2 missing, 0 duplicate, 0 without a row, 0 out of order"),
+        "{out}"
+    );
+    let prom = std::fs::read_to_string(&metrics).unwrap();
+    assert!(prom.contains("outbox_audit_holes_total 2"), "{prom}");
+
+    // --repair publishes exactly those again; the next audit is clean.
+    let (code, out) = audit(
+        &url,
+        ctx,
+        &["--last", "1h", "--repair", "--metrics-file", metrics_flag],
+    );
+    assert_eq!(code, Some(1), "it reports what it found: {out}");
+    assert_eq!(lines(&out, "repaired").len(), 2, "{out}");
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--metrics-file", metrics_flag]);
+    assert_eq!(code, Some(0), "clean after the repair: {out}");
+    let prom = std::fs::read_to_string(&metrics).unwrap();
+    assert!(
+        prom.contains("outbox_audit_holes_total 4"),
+        "summed over runs: {prom}"
+    );
+    let _ = std::fs::remove_file(&metrics);
+
+    // One stored twice (past the duplicate window), one stored again under
+    // another id: both after newer events, so out of order too.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let twice = copy_of(&js, &stream, 30, None).await;
+    let other = "9c1d0c2e-0000-4000-8000-000000000001";
+    copy_of(&js, &stream, 40, Some(other)).await;
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--json"]);
+    assert_eq!(code, Some(1), "{out}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let found: Vec<(String, String)> = report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["kind"].as_str().unwrap().into(),
+                f["id"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    for want in [
+        ("duplicate", twice.as_str()),
+        ("no_row", other),
+        ("out_of_order", twice.as_str()),
+        ("out_of_order", other),
+    ] {
+        assert!(
+            found.iter().any(|(k, i)| (k.as_str(), i.as_str()) == want),
+            "{want:?} in {found:?}"
+        );
+    }
+    assert_eq!(found.len(), 4, "nothing else: {found:?}");
+    drop(relay);
+}
+
+/// Bad input exits 2 with one line: a window that starts in the future,
+/// a stream that does not exist, a window the stream no longer reaches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_refuses_what_it_cannot_answer() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_audit_bad").await;
+    let ctx = "auditbad";
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    insert_txn(&pool, 1, 0, 5, 0).await;
+    let stream = wire::stream_name(ctx);
+    read_stream(&stack.nats_url, &stream, 5, T).await;
+    let future = (time::OffsetDateTime::now_utc() + time::Duration::hours(1))
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let (code, out) = audit(&url, ctx, &["--since", &future]);
+    assert!(code == Some(2) && out.contains("in the future"), "{out}");
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--stream", "NO_SUCH_STREAM"]);
+    assert!(code == Some(2) && out.contains("NO_SUCH_STREAM"), "{out}");
+    let (code, out) = audit(&url, ctx, &[]);
+    assert!(code == Some(2) && out.contains("--since"), "{out}");
+    // The stream's first message gone: it no longer reaches back an hour.
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_message(1)
+        .await
+        .unwrap();
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    assert!(code == Some(2) && out.contains("reaches back"), "{out}");
+    drop(relay);
+}
