@@ -5,6 +5,7 @@
 #                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
+#   scripts/bench.sh audit [--rows N]   rows/s and peak RSS of `outbox-relay audit`
 #   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--max-ack-pending N] [--out DIR]
 #   scripts/bench.sh publish-paths [--messages N] [--txns-per-s N] [--out DIR]
 #     (no relay: async-nats against a hand-written HPUB writer, client CPU per message)
@@ -21,7 +22,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 MODE=relay
-case "${1:-}" in relay|consumer|prune|pipeline|publish-paths) MODE="$1"; shift ;; esac
+case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit) MODE="$1"; shift ;; esac
 BENCH=relay_e2e
 [ "$MODE" = consumer ] && BENCH=consumer_throughput
 [ "$MODE" = prune ] && BENCH=prune_load
@@ -69,6 +70,21 @@ fi
 METRICS_PORT="$(scripts/stack.sh free-port)"
 RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" "$BIN" --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
+if [ "$MODE" = audit ]; then
+  ROWS=1000000
+  while [ $# -gt 0 ]; do case "$1" in --rows) ROWS="$2"; shift 2 ;; *) echo "unknown audit flag $1" >&2; exit 2 ;; esac; done
+  # Transactions of 1,000 rows, as fast as Postgres takes them.
+  psql -X -q -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "
+    DO \$\$ BEGIN FOR b IN 0..$(( (ROWS + 999) / 1000 - 1 )) LOOP
+      INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload)
+      SELECT gen_random_uuid(), 'order', 'a' || (g % 997), 'placed', jsonb_build_object('n', g)
+      FROM generate_series(1, 1000) g; COMMIT; END LOOP; END \$\$" >/dev/null
+  # The audit waits (--wait) for the relay to confirm what it reads.
+  /usr/bin/time -v "$BIN" audit --context bench --last 1h --wait 10m >"$STACK_DIR/audit.out" 2>"$STACK_DIR/audit.err" || true
+  tail -1 "$STACK_DIR/audit.out"
+  grep -E "Maximum resident|Elapsed" "$STACK_DIR/audit.err"
+  exit
+fi
 if [ "$MODE" = prune ] || [ "$MODE" = pipeline ]; then
   RELAY_BIN="$BIN" timeout 900 cargo bench --quiet --bench "$BENCH" -- "$@"
   exit

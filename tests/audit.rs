@@ -72,6 +72,7 @@ async fn audit_finds_each_fault_exactly_and_repair_fills_the_holes() {
     // A short duplicate window: a copy stored later is kept, as in a
     // stream whose window passed.
     let mut relay = Service::relay(&url, &stack.nats_url, ctx, &["--duplicate-window", "1s"]);
+    assert_eq!(ctx, "auditx", "the audit thread below names it");
     // A relay killed mid-load loses nothing: the audit says so.
     for t in 0..20 {
         if t == 8 {
@@ -86,8 +87,9 @@ async fn audit_finds_each_fault_exactly_and_repair_fills_the_holes() {
         .execute(&pool)
         .await
         .unwrap();
+    // No wait for the stream here: the audit waits for the slot to
+    // confirm its snapshot, then reads what the stream holds by then.
     relay.wait_ready();
-    read_stream(&stack.nats_url, &stream, 201, T).await;
     let (code, out) = audit(&url, ctx, &["--last", "1h"]);
     assert_eq!(code, Some(0), "clean after the kill -9: {out}");
     assert!(
@@ -150,6 +152,21 @@ async fn audit_finds_each_fault_exactly_and_repair_fills_the_holes() {
         "summed over runs: {prom}"
     );
     let _ = std::fs::remove_file(&metrics);
+
+    // Rows the relay has not published when the audit starts: it waits for
+    // the slot, then reads what the stream holds by then, and finds them.
+    relay.kill9();
+    for t in 0..5 {
+        insert_txn(&pool, 2, t * 10, 10, 16).await;
+    }
+    let running = {
+        let url = url.clone();
+        std::thread::spawn(move || audit(&url, "auditx", &["--last", "1h"]))
+    };
+    relay.restart();
+    let (code, out) = running.join().unwrap();
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("250 rows, 250 messages; 0 missing"), "{out}");
 
     // One stored twice (past the duplicate window), one stored again under
     // another id: both after newer events, so out of order too.

@@ -22,6 +22,7 @@ const COMMANDS: &[&[&str]] = &[
     &["slot", "status"],
     &["slot", "drop"],
     &["prune"],
+    &["audit"],
     &["dlq"],
     &["dlq", "list"],
     &["dlq", "replay"],
