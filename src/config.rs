@@ -641,6 +641,16 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
     pub stream_replicas: u8,
 
+    /// The NATS server's monitoring URL (http://host:8222): the relay reads
+    /// its sync_interval to say whether an acked event survives an OS crash.
+    #[arg(long, env = "NATS_MONITOR_URL")]
+    pub nats_monitor_url: Option<String>,
+
+    /// Refuse to start unless an acked event survives one server's OS crash
+    /// (2+ replicas, or one on a server with sync_interval: always).
+    #[arg(long, env = "OUTBOX_REQUIRE_DURABLE")]
+    pub require_durable: bool,
+
     /// Stream max age when created (0 = unlimited), e.g. 7d.
     #[arg(long, env = "OUTBOX_STREAM_MAX_AGE", default_value = "0s", value_parser = humantime::parse_duration)]
     pub stream_max_age: Duration,
@@ -950,6 +960,10 @@ pub struct RelayConfig {
     pub partitions: u32,
     pub envelope: bool,
     pub stream_replicas: u8,
+    /// `--nats-monitor-url`.
+    pub nats_monitor_url: Option<String>,
+    /// `--require-durable`.
+    pub require_durable: bool,
     pub stream_max_age: Duration,
     pub stream_max_bytes: i64,
     pub duplicate_window: Duration,
@@ -1097,6 +1111,8 @@ impl RelayArgs {
             partitions: self.partitions,
             envelope: self.envelope,
             stream_replicas: self.stream_replicas,
+            nats_monitor_url: self.nats_monitor_url.clone(),
+            require_durable: self.require_durable,
             stream_max_age: self.stream_max_age,
             stream_max_bytes: self.stream_max_bytes,
             duplicate_window: self.duplicate_window,

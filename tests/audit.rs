@@ -1,6 +1,7 @@
 //! SPEC §14: `outbox-relay audit` against real faults in a real stream:
 //! messages deleted by their sequence, one stored twice, one stored again
 //! under another id, a relay killed mid-load; `--repair` and bad input.
+//! And the broker's durability, as the relay reports it.
 
 use std::process::Command;
 use std::time::Duration;
@@ -234,4 +235,58 @@ async fn audit_refuses_what_it_cannot_answer() {
     let (code, out) = audit(&url, ctx, &["--last", "1h"]);
     assert!(code == Some(2) && out.contains("reaches back"), "{out}");
     drop(relay);
+}
+
+/// A one-replica stream on a server with the default sync_interval: the
+/// gauge says 0, `/readyz` says why (still ready), `--require-durable`
+/// refuses to start. The same stream on a server with `sync_interval:
+/// always`, read from its monitoring port: 1. (Three replicas: the cluster
+/// test in lifecycle.rs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_says_whether_an_acked_event_is_durable() {
+    let stack = stack();
+    let (url, _pool) = fresh_db(&stack, "a_durable").await;
+    let mut relay = Service::relay(&url, &stack.nats_url, "durable", &[]);
+    relay.wait_ready();
+    assert_eq!(
+        relay.scrape().await.value("outbox_relay_stream_durable"),
+        Some(0.0)
+    );
+    let (status, body) = relay.http_get("/readyz").await;
+    assert!(
+        status == 200 && body.contains("not durable") && body.contains("--nats-monitor-url"),
+        "{status} {body}"
+    );
+    relay.term(Duration::from_secs(10));
+    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "durable", &["--require-durable"]);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(
+        code == Some(1) && errors.len() == 1 && errors[0].contains("--require-durable"),
+        "{err}"
+    );
+
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sync-always-conf");
+    std::fs::create_dir_all(&dir).unwrap();
+    let conf = dir.join("sync.conf");
+    std::fs::write(&conf, "jetstream { sync_interval: always }\n").unwrap();
+    let monitor = free_port();
+    let nats = OwnNats::start_with(
+        &stack,
+        "sync-always",
+        &["-c", conf.to_str().unwrap(), "-m", &monitor.to_string()],
+    );
+    let (url2, _pool2) = fresh_db(&stack, "a_durable2").await;
+    let monitor_url = format!("http://127.0.0.1:{monitor}");
+    let relay = Service::relay(
+        &url2,
+        &nats.url,
+        "durable2",
+        &["--nats-monitor-url", &monitor_url, "--require-durable"],
+    );
+    eventually(T, "outbox_relay_stream_durable 1", || async {
+        relay.scrape().await.value("outbox_relay_stream_durable") == Some(1.0)
+    })
+    .await;
+    let (_, body) = relay.http_get("/readyz").await;
+    assert_eq!(body, "ready\n");
 }

@@ -692,6 +692,11 @@ async fn relay_rides_out_the_stream_leader_killed_twice_on_a_3_node_cluster() {
     let stop = Arc::new(AtomicBool::new(false));
     let producer = spawn_producer(pool.clone(), 1_000_000, 1000, stop.clone());
     cluster.wait_healthy(&js, &stream, T).await;
+    // SPEC §14: three replicas make an acked event durable.
+    eventually(T, "outbox_relay_stream_durable 1", || async {
+        relay.scrape().await.value("outbox_relay_stream_durable") == Some(1.0)
+    })
+    .await;
     for round in 1..=2 {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let leader = cluster.wait_leader(&js, &stream, T).await;

@@ -51,6 +51,9 @@ pub const STANDBY: &str = "outbox_relay_standby";
 pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
 /// 1 while the relay publishes a new slot's snapshot.
 pub const BACKFILLING: &str = "outbox_relay_backfilling";
+/// 1 when an event the stream acked survives one server's OS crash
+/// (replicas, or `sync_interval: always`), else 0 (SPEC §14).
+pub const STREAM_DURABLE: &str = "outbox_relay_stream_durable";
 /// Rows `outbox-relay audit` found missing from the stream (SPEC §14),
 /// summed over runs in its `--metrics-file`.
 pub const AUDIT_HOLES: &str = "outbox_audit_holes_total";
@@ -131,6 +134,7 @@ pub const ALL: &[&str] = &[
     STANDBY,
     BACKFILL_ROWS,
     BACKFILLING,
+    STREAM_DURABLE,
     SLOT_LAG_BYTES,
     SLOT_RETAINED_WAL_BYTES,
     SLOT_ACTIVE,
@@ -246,6 +250,10 @@ pub fn register_relay() {
         "Replication sessions restarted after an error"
     );
     describe_gauge!(STREAMING, "1 while the relay streams from its slot");
+    describe_gauge!(
+        STREAM_DURABLE,
+        "1 when an event the stream acked survives one server's OS crash (replicas, or sync_interval: always)"
+    );
     describe_counter!(
         BACKFILL_ROWS,
         "Rows published from a new slot's snapshot (first start, resync)"

@@ -4,6 +4,7 @@
 
 pub mod audit;
 pub mod dlq;
+pub mod durability;
 pub mod endpoint;
 pub mod metrics;
 pub mod prune;

@@ -106,6 +106,9 @@ pub struct StreamShape {
     pub max_msg_size: Option<usize>,
     /// The stream takes atomic batches: publish in them.
     pub batches: bool,
+    pub replicas: usize,
+    /// File storage (else memory).
+    pub file: bool,
 }
 
 /// Create the stream when missing; an existing stream is used as it is, but
@@ -218,6 +221,8 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
     }
     Ok(StreamShape {
         batches,
+        replicas: config.num_replicas,
+        file: config.storage == stream::StorageType::File,
         subjects: config.subjects,
         max_msg_size: usize::try_from(config.max_message_size)
             .ok()

@@ -288,6 +288,31 @@ impl<'a> Session<'a> {
         )
         .await?;
 
+        // Is an acked event durable? (SPEC §14.) Said once per session.
+        let sync_always = match &cfg.nats_monitor_url {
+            Some(url) => match crate::ops::durability::sync_always(url).await {
+                Ok(always) => Some(always),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the server's sync_interval");
+                    None
+                }
+            },
+            None => None,
+        };
+        let durability =
+            crate::ops::durability::judge(&cfg.stream, shape.replicas, shape.file, sync_always);
+        metrics::gauge!(m::STREAM_DURABLE).set(if durability.durable { 1.0 } else { 0.0 });
+        if !durability.durable {
+            if cfg.require_durable {
+                return Err(Error::Config(format!(
+                    "--require-durable: {}",
+                    durability.why
+                )));
+            }
+            tracing::warn!("acked events are not durable: {}", durability.why);
+            ready.note(format!("acked events are not durable: {}", durability.why));
+        }
+
         // Multi-stream routing (SPEC §13): the streams rows may name. Each
         // keeps its own order chain; an atomic batch lands in one stream,
         // so these rows go event by event.
