@@ -51,7 +51,7 @@ pub fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+            return failure;
         }
     };
     let outcome = runtime.block_on(async {
@@ -97,14 +97,17 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
     let nats = crate::nats::connect(&cfg.relay.nats, "outbox-audit".into()).await?;
     let js = async_nats::jetstream::new(nats.clone());
     let report = crate::ops::audit::run(&pool, &js, &cfg).await?;
-    if let Some(path) = &args.metrics_file {
-        crate::ops::audit::write_metrics(path, &report)?;
-    }
     if args.json {
         println!("{}", to_json(&report)?);
     } else {
         for line in report.lines() {
             println!("{line}");
+        }
+    }
+    // After the report: a file it cannot write must not hide what it found.
+    if let Some(path) = &args.metrics_file {
+        if let Err(e) = crate::ops::audit::write_metrics(path, &report) {
+            eprintln!("warning: {e}");
         }
     }
     crate::nats::flush_on_exit(&nats).await;

@@ -647,7 +647,7 @@ pub struct RelayArgs {
     pub nats_monitor_url: Option<String>,
 
     /// Refuse to start unless an acked event survives one server's OS crash
-    /// (2+ replicas, or one on a server with sync_interval: always).
+    /// (3+ replicas, or one on a server with sync_interval: always).
     #[arg(long, env = "OUTBOX_REQUIRE_DURABLE")]
     pub require_durable: bool,
 

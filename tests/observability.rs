@@ -65,7 +65,9 @@ async fn readyz_waits_for_the_slot_then_metrics_count_every_event() {
 
     blocker.rollback().await.unwrap();
     eventually(T, "/readyz ready once streaming", || async {
-        relay.http_get("/readyz").await == (200, "ready\n".to_owned())
+        // Ready; on this one-replica stream, with why an ack is not durable.
+        let (status, body) = relay.http_get("/readyz").await;
+        status == 200 && body.starts_with("ready")
     })
     .await;
     assert_eq!(

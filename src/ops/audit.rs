@@ -16,17 +16,16 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, Context};
-use bytes::Bytes;
 use futures::StreamExt;
 use serde::Serialize;
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;
 use crate::relay::outbox_row::OutboxLayout;
-use crate::relay::pgoutput::{Column, Relation, Value};
+use crate::relay::pgoutput::{Column, Relation};
 use crate::relay::route::Router;
 use crate::wire::{self, Position};
 use pgwire_replication::Lsn;
@@ -59,6 +58,11 @@ pub struct Report {
     pub messages: i64,
     /// Events written with `outbox_emit()`: no row to check them against.
     pub unverifiable: i64,
+    /// Each kind's count; `findings` lists up to 1,000 of each.
+    pub missing: i64,
+    pub duplicate: i64,
+    pub no_row: i64,
+    pub out_of_order: i64,
     pub findings: Vec<Finding>,
     /// Ids `--repair` published again.
     pub repaired: Vec<String>,
@@ -67,7 +71,7 @@ pub struct Report {
 
 impl Report {
     pub fn clean(&self) -> bool {
-        self.findings.is_empty()
+        self.missing + self.duplicate + self.no_row + self.out_of_order == 0
     }
 
     /// One line per finding, then the summary.
@@ -77,20 +81,19 @@ impl Report {
             .iter()
             .map(|f| format!("{} {} {}", f.kind, f.id, f.detail))
             .collect();
-        for id in &self.repaired {
-            out.push(format!("repaired {id} published again"));
+        for what in &self.repaired {
+            out.push(format!("repaired {what}"));
         }
-        let count = |k: &str| self.findings.iter().filter(|f| f.kind == k).count();
         out.push(format!(
             "audit {} .. {}: {} rows, {} messages; {} missing, {} duplicate, {} without a row, {} out of order; {} emitted events not verifiable; {} repaired; {:.1}s",
             self.since,
             self.until,
             self.rows,
             self.messages,
-            count("missing"),
-            count("duplicate"),
-            count("no_row"),
-            count("out_of_order"),
+            self.missing,
+            self.duplicate,
+            self.no_row,
+            self.out_of_order,
             self.unverifiable,
             self.repaired.len(),
             self.seconds,
@@ -145,12 +148,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                 "stream {name}: {e} (pass the relay's --stream / --streams)"
             ))
         })?;
-        let state = stream
-            .info()
-            .await
-            .map_err(Error::nats(format!("reading stream {name}")))?
-            .state
-            .clone();
+        let state = state_of(&mut stream, name).await?;
         if state.messages > 0 && state.first_sequence > 1 && state.first_timestamp > cfg.since {
             return Err(Error::Config(format!(
                 "stream {name} reaches back to {} only (its older messages expired or were purged), after --since {}: audit a window it holds",
@@ -196,7 +194,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     let started = Instant::now();
     sqlx::raw_sql(
         "CREATE TEMP TABLE outbox_audit (stream text, seq int8, id text, source text, \
-         emitted bool) ON COMMIT DROP",
+         emitted bool, lsn int8) ON COMMIT DROP",
     )
     .execute(&mut *tx)
     .await
@@ -210,12 +208,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     for (name, stream) in &mut streams {
         // Read now: the relay has confirmed the snapshot, so the stream
         // holds everything up to it.
-        let state = stream
-            .info()
-            .await
-            .map_err(Error::nats(format!("reading stream {name}")))?
-            .state
-            .clone();
+        let state = state_of(stream, name).await?;
         let last = &state.last_sequence;
         if *last == 0 || state.last_timestamp < start {
             continue;
@@ -252,13 +245,13 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                     )))
                 }
             };
-            let seq = msg
-                .info()
-                .map_err(|source| Error::Nats {
-                    context: format!("reading stream {name}"),
-                    source,
-                })?
-                .stream_sequence;
+            let info = msg.info().map_err(|source| Error::Nats {
+                context: format!("reading stream {name}"),
+                source,
+            })?;
+            // The last message may be gone (deleted): nothing pending ends
+            // the read too.
+            let (seq, done) = (info.stream_sequence, info.pending == 0);
             if let Some(h) = msg.headers.as_ref() {
                 let get = |k: &str| h.get(k).map(|v| v.as_str());
                 let source = get(wire::SOURCE).unwrap_or("");
@@ -268,7 +261,14 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                             .ok()
                     })
                     .is_some_and(|t| t >= cfg.since && t < cfg.until);
-                let ours = in_window && mine(source) && get(wire::DLQ_CONSUMER).is_none();
+                // A row the relay could not read is dead-lettered without
+                // its time: counted whatever the window, or it would show
+                // as missing for ever.
+                let timeless_letter =
+                    get(wire::OCCURRED_AT).is_none() && get(wire::DLQ_REASON).is_some();
+                let ours = (in_window || timeless_letter)
+                    && mine(source)
+                    && get(wire::DLQ_CONSUMER).is_none();
                 if let (true, Some(id)) = (ours, get(wire::MSG_ID)) {
                     let emitted = get(wire::EMITTED).is_some();
                     // Streamed events only: a backfill's or a repair's have
@@ -276,31 +276,40 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                     let pos = Position::from_headers(get).filter(|p| p.commit_lsn != Lsn::ZERO);
                     if let Some(p) = pos {
                         match newest.get_mut(source) {
-                            Some(prev) if p < *prev => report.findings.push(Finding {
-                                kind: "out_of_order",
-                                id: id.to_owned(),
-                                detail: format!(
-                                    "stream {name} seq {seq}: WAL position {}#{} after {}#{}",
-                                    p.commit_lsn, p.index, prev.commit_lsn, prev.index
-                                ),
-                            }),
+                            Some(prev) if p < *prev => {
+                                report.out_of_order += 1;
+                                if report.out_of_order <= MAX_LISTED {
+                                    report.findings.push(Finding {
+                                        kind: "out_of_order",
+                                        id: id.to_owned(),
+                                        detail: format!(
+                                            "stream {name} seq {seq}: WAL position {}#{} after {}#{}",
+                                            p.commit_lsn, p.index, prev.commit_lsn, prev.index
+                                        ),
+                                    });
+                                }
+                            }
                             Some(prev) => *prev = p,
                             None => {
                                 newest.insert(source.to_owned(), p);
                             }
                         }
                     }
+                    // Committed after the audit's snapshot: its row is not
+                    // visible, so it cannot be judged without one.
+                    let lsn = Position::from_headers(get).map_or(0, |p| p.commit_lsn.0);
                     let _ = writeln!(
                         buf,
-                        "{}\t{seq}\t{}\t{}\t{emitted}",
+                        "{}\t{seq}\t{}\t{}\t{emitted}\t{}",
                         copy_text(name),
                         copy_text(id),
-                        copy_text(source)
+                        copy_text(source),
+                        lsn as i64
                     );
                 }
             }
             continue_flush(&mut buf, &mut copy).await?;
-            if seq >= *last {
+            if seq >= *last || done {
                 break;
             }
         }
@@ -335,11 +344,28 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .fetch_one(&mut *tx)
         .await
         .map_err(Error::pg("counting the window's messages"))?;
-    // A row's id as the relay sends it (a uuid's text is canonical).
+    // A row's id as the relay sends it: a text id holding a UUID goes as
+    // that UUID's canonical text.
+    let sent_id = if keys.id_type == "uuid" || keys.id_type.starts_with("int") {
+        format!("r.{id}::text")
+    } else {
+        format!(
+            "CASE WHEN r.{id} ~* '^[0-9a-f]{{8}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{12}}$' \
+             THEN r.{id}::uuid::text ELSE r.{id}::text END"
+        )
+    };
+    let holes = format!(
+        "FROM {table} r WHERE {window} \
+         AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = {sent_id})"
+    );
+    report.missing = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) {holes}")))
+        .bind(&since)
+        .bind(&until)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(Error::pg("counting rows missing from the stream"))?;
     let missing: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT r.{id}::text, r.{at}::text FROM {table} r WHERE {window} \
-         AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.{id}::text) \
-         ORDER BY r.{at}, r.{id} LIMIT {MAX_LISTED}"
+        "SELECT {sent_id}, r.{at}::text {holes} ORDER BY r.{at}, r.{id} LIMIT {MAX_LISTED}"
     )))
     .bind(&since)
     .bind(&until)
@@ -353,9 +379,16 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
             detail: format!("row of {at} is not in the stream"),
         });
     }
+    let twice = "FROM outbox_audit GROUP BY id HAVING count(*) > 1";
+    report.duplicate = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT id {twice}) d"
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(Error::pg("counting ids stored more than once"))?;
     let duplicates: Vec<(String, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT id, count(*), string_agg(stream || ' seq ' || seq, ', ' ORDER BY stream, seq) \
-         FROM outbox_audit GROUP BY id HAVING count(*) > 1 ORDER BY min(seq) LIMIT {MAX_LISTED}"
+         {twice} ORDER BY min(seq) LIMIT {MAX_LISTED}"
     )))
     .fetch_all(&mut *tx)
     .await
@@ -367,30 +400,39 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
             detail: format!("stored {n} times: {at}"),
         });
     }
-    let orphans: Vec<(String, String, i64, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT DISTINCT ON (a.id) a.id, a.stream, a.seq, a.emitted FROM outbox_audit a \
-         WHERE NOT EXISTS (SELECT 1 FROM {table} r WHERE r.{id}::text = a.id) \
-         ORDER BY a.id, a.seq"
+    // Messages committed after the snapshot (its WAL position `w`) have
+    // rows the snapshot cannot see: not judged.
+    let orphans = format!(
+        "FROM outbox_audit a WHERE a.lsn < {} \
+         AND NOT EXISTS (SELECT 1 FROM {table} r WHERE {sent_id} = a.id)",
+        w.0 as i64
+    );
+    let (no_row, emitted): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(DISTINCT a.id) FILTER (WHERE NOT a.emitted), count(DISTINCT a.id) FILTER (WHERE a.emitted) {orphans}"
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(Error::pg("counting messages without a row"))?;
+    report.no_row = no_row;
+    report.unverifiable = emitted;
+    let listed: Vec<(String, String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT DISTINCT ON (a.id) a.id, a.stream, a.seq {orphans} AND NOT a.emitted \
+         ORDER BY a.id, a.seq LIMIT {MAX_LISTED}"
     )))
     .fetch_all(&mut *tx)
     .await
     .map_err(Error::pg("finding messages without a row"))?;
-    for (id, stream, seq, emitted) in orphans {
-        if emitted {
-            report.unverifiable += 1;
-        } else if (report.findings.len() as i64) < 4 * MAX_LISTED {
-            report.findings.push(Finding {
-                kind: "no_row",
-                id,
-                detail: format!(
-                    "stream {stream} seq {seq}: no row of {}.{} has this id (deleted, or not this table's)",
-                    rc.schema, rc.table
-                ),
-            });
-        }
+    for (id, stream, seq) in listed {
+        report.findings.push(Finding {
+            kind: "no_row",
+            id,
+            detail: format!(
+                "stream {stream} seq {seq}: no row of {}.{} has this id (deleted, or not this table's)",
+                rc.schema, rc.table
+            ),
+        });
     }
-    let holes = missing.len() as u64;
-    metrics::counter!(m::AUDIT_HOLES).increment(holes);
+    metrics::counter!(m::AUDIT_HOLES).increment(report.missing as u64);
 
     if cfg.repair && !missing.is_empty() {
         report.repaired = repair(
@@ -435,7 +477,7 @@ pub fn write_metrics(path: &std::path::Path, report: &Report) -> Result<()> {
          # HELP outbox_audit_findings Findings of the last audit run.\n# TYPE outbox_audit_findings gauge\noutbox_audit_findings {}\n\
          # HELP outbox_audit_last_run_timestamp_seconds When the last audit run ended.\n# TYPE outbox_audit_last_run_timestamp_seconds gauge\noutbox_audit_last_run_timestamp_seconds {now}\n",
         before + holes,
-        report.findings.len(),
+        report.missing + report.duplicate + report.no_row + report.out_of_order,
         h = m::AUDIT_HOLES,
     );
     // Written whole, then renamed: a scrape never reads half a file.
@@ -443,6 +485,18 @@ pub fn write_metrics(path: &std::path::Path, report: &Report) -> Result<()> {
     std::fs::write(&tmp, text)
         .and_then(|()| std::fs::rename(&tmp, path))
         .map_err(|e| Error::Config(format!("writing {}: {e}", path.display())))
+}
+
+async fn state_of(
+    stream: &mut jetstream::stream::Stream,
+    name: &str,
+) -> Result<jetstream::stream::State> {
+    Ok(stream
+        .info()
+        .await
+        .map_err(Error::nats(format!("reading stream {name}")))?
+        .state
+        .clone())
 }
 
 async fn continue_flush(
@@ -565,12 +619,7 @@ async fn repair(
         .saturating_sub(crate::relay::publish::HEADER_RESERVE);
     let mut sent = Vec::new();
     for (index, row) in rows.iter().enumerate() {
-        let values: Vec<Value> = (0..columns.len())
-            .map(|i| match row.try_get::<Option<String>, _>(i) {
-                Ok(Some(v)) => Value::Text(Bytes::from(v)),
-                _ => Value::Null,
-            })
-            .collect();
+        let values = crate::relay::backfill::text_values(row, columns.len());
         let pos = Position {
             commit_lsn: Lsn::ZERO,
             index: index as u32,
@@ -584,12 +633,21 @@ async fn repair(
             headers.append(k.as_ref(), v.as_str());
         }
         headers.insert(wire::REPAIR, "audit");
-        js.publish_with_headers(msg.subject.clone(), headers, msg.body.clone())
+        let ack = js
+            .publish_with_headers(msg.subject.clone(), headers, msg.body.clone())
             .await
             .map_err(Error::nats("publishing a repaired row"))?
             .await
             .map_err(Error::nats("publishing a repaired row"))?;
-        sent.push(msg.msg_id);
+        sent.push(if ack.duplicate {
+            // Deleted inside the duplicate window: JetStream dropped the copy.
+            format!(
+                "{} not stored: the stream's duplicate window still holds its id; repair again once it passed",
+                msg.msg_id
+            )
+        } else {
+            format!("{} published again", msg.msg_id)
+        });
     }
     Ok(sent)
 }
@@ -609,6 +667,7 @@ mod tests {
         let r = Report {
             rows: 3,
             messages: 2,
+            missing: 1,
             findings: vec![Finding {
                 kind: "missing",
                 id: "a".into(),

@@ -2,9 +2,10 @@
 //! JetStream acked an event; after that the event lives only in the stream.
 //! A one-replica file stream whose server fsyncs every `sync_interval`
 //! (two minutes by default) loses what it acked since the last sync to an
-//! OS crash or power loss (Jepsen, NATS 2.12.1). Two replicas or more
-//! survive one server's crash; one replica only with `sync_interval:
-//! always`, which the relay can read from the server's monitoring port.
+//! OS crash or power loss (Jepsen, NATS 2.12.1). Three replicas survive
+//! one server's crash and keep taking events (two would lose quorum);
+//! one replica only with `sync_interval: always`, which the relay can read
+//! from the server's monitoring port.
 
 use std::time::Duration;
 
@@ -20,13 +21,17 @@ pub struct Durability {
 /// Pure: `sync_always` is the server's setting when it could be read.
 pub fn judge(stream: &str, replicas: usize, file: bool, sync_always: Option<bool>) -> Durability {
     let (durable, why) = match (replicas, file, sync_always) {
-        (r, _, _) if r >= 2 => (
+        (r, _, _) if r >= 3 => (
             true,
             format!("stream {stream} has {r} replicas: an acked event survives one server's crash"),
         ),
+        (2, _, _) => (
+            false,
+            format!("stream {stream} has 2 replicas: one server's crash stops it taking events (no quorum) and one more loses what it acked; use 3"),
+        ),
         (_, false, _) => (
             false,
-            format!("stream {stream} is one replica in memory: an acked event is lost when its server stops; use file storage with 3 replicas"),
+            format!("stream {stream} is one replica in memory: an acked event is lost when its server stops; use 3 replicas"),
         ),
         (_, true, Some(true)) => (
             true,
@@ -76,7 +81,11 @@ mod tests {
     #[test]
     fn replicas_or_sync_always_make_an_ack_durable() {
         assert!(judge("S", 3, true, None).durable);
-        assert!(judge("S", 2, false, None).durable);
+        assert!(
+            judge("S", 3, false, None).durable,
+            "R3 in memory: one crash"
+        );
+        assert!(!judge("S", 2, true, None).durable, "SPEC §14: R3");
         assert!(judge("S", 1, true, Some(true)).durable);
         let d = judge("S", 1, true, Some(false));
         assert!(

@@ -358,7 +358,7 @@ async fn drop_partition(
 pub(crate) struct Keys {
     pub id: String,
     /// The id column's type, to read a text bound back into it.
-    id_type: &'static str,
+    pub id_type: &'static str,
     pub occurred_at: String,
     occurred_name: String,
 }

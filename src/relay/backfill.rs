@@ -589,12 +589,7 @@ async fn publish_snapshot(
             break;
         }
         for row in &rows {
-            let values: Vec<Value> = (0..columns.len())
-                .map(|i| match row.try_get::<Option<String>, _>(i) {
-                    Ok(Some(v)) => Value::Text(Bytes::from(v)),
-                    _ => Value::Null,
-                })
-                .collect();
+            let values = text_values(row, columns.len());
             let pos = Position {
                 commit_lsn: Lsn::ZERO,
                 index,
@@ -650,6 +645,17 @@ async fn publish_snapshot(
         .await
         .map_err(Error::pg("ending the backfill transaction"))?;
     Ok(acked)
+}
+
+/// A row selected as `column::text, …`, as the decoder takes a tuple in
+/// text format.
+pub(crate) fn text_values(row: &sqlx::postgres::PgRow, n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| match row.try_get::<Option<String>, _>(i) {
+            Ok(Some(v)) => Value::Text(Bytes::from(v)),
+            _ => Value::Null,
+        })
+        .collect()
 }
 
 async fn await_ack(publisher: &mut Publisher) -> Result<u64> {

@@ -19,7 +19,7 @@
 //! so the path is exercised, not hoped for.
 
 mod acks;
-mod backfill;
+pub(crate) mod backfill;
 pub(crate) mod batch;
 pub(crate) mod columns;
 pub(crate) mod decode;

@@ -292,6 +292,14 @@ impl<'a> Session<'a> {
         let sync_always = match &cfg.nats_monitor_url {
             Some(url) => match crate::ops::durability::sync_always(url).await {
                 Ok(always) => Some(always),
+                // Unknown is not "not durable": a monitoring port down for
+                // a moment must not stop a relay for good.
+                Err(e) if cfg.require_durable && shape.replicas < 3 => {
+                    return Err(Error::Nats {
+                        context: "--require-durable needs the server's sync_interval".into(),
+                        source: Box::new(e),
+                    })
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the server's sync_interval");
                     None
