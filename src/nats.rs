@@ -7,6 +7,35 @@ use std::time::Duration;
 use crate::config::NatsArgs;
 use crate::error::{Error, Result};
 
+/// The nats-server lines SPEC §15 supports, each tested.
+pub const SUPPORTED: &str = "2.10, 2.11, 2.12, 2.14, 2.15";
+
+/// SPEC §15: a server older than 2.10 is refused (one line naming it and
+/// the range); one newer than the newest line tested is warned about
+/// (`Ok(Some(warning))`), since it may well work.
+pub fn check_version(version: &str) -> Result<Option<String>> {
+    let mut parts = version
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = match (parts.next(), parts.next()) {
+        (Some(major), Some(minor)) => (major, minor),
+        _ => {
+            return Ok(Some(format!(
+                "nats-server reports version {version:?}, which this relay cannot read; it is tested on {SUPPORTED}"
+            )))
+        }
+    };
+    if (major, minor) < (2, 10) {
+        return Err(Error::Config(format!(
+            "nats-server {version} is older than 2.10, the oldest this relay supports ({SUPPORTED}): upgrade the server"
+        )));
+    }
+    Ok(((major, minor) > (2, 15)).then(|| {
+        format!("nats-server {version} is newer than the lines this relay is tested on ({SUPPORTED}); it may work")
+    }))
+}
+
 /// Connect (reconnecting forever afterwards) with settings that passed
 /// [`NatsArgs::validate`] (the commands' `validate` runs it). `name` shows in
 /// the server's connection list. Errors name the servers without credentials.
@@ -120,5 +149,26 @@ mod tests {
             "nats://***@a:4222,tls://***@b:4222,nats://c:4222"
         );
         assert_eq!(redact_url("c:4222"), "c:4222");
+    }
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::check_version;
+
+    #[test]
+    fn old_servers_are_refused_and_newer_ones_warned_about() {
+        for ok in ["2.10.0", "2.11.11", "2.12.1", "2.15.1", "v2.14.0-beta"] {
+            assert_eq!(check_version(ok).unwrap(), None, "{ok}");
+        }
+        let e = check_version("2.9.25").unwrap_err().to_string();
+        assert!(e.contains("2.9.25") && e.contains("2.10, 2.11"), "{e}");
+        assert!(check_version("1.4.0").is_err());
+        assert!(check_version("2.16.0")
+            .unwrap()
+            .unwrap()
+            .contains("may work"));
+        assert!(check_version("3.0.0").unwrap().unwrap().contains("newer"));
+        assert!(check_version("dev").unwrap().is_some());
     }
 }

@@ -270,6 +270,9 @@ impl<'a> Session<'a> {
         }
         // Read once per session: server_info() clones the whole INFO block.
         let info = nats.server_info();
+        if let Some(warning) = crate::nats::check_version(&info.version)? {
+            tracing::warn!("{warning}");
+        }
         let dlq_subject = wire::relay_dlq_subject(&cfg.context);
         let shape = publish::ensure_stream(
             js,
