@@ -25,7 +25,6 @@ use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;
 use crate::relay::outbox_row::OutboxLayout;
-use crate::relay::pgoutput::{Column, Relation};
 use crate::relay::route::Router;
 use crate::wire::{self, Position};
 use pgwire_replication::Lsn;
@@ -540,21 +539,7 @@ async fn repair(
 ) -> Result<Vec<String>> {
     let rc = &cfg.relay;
     let columns = crate::postgres::provision::table_columns(pool, &rc.schema, &rc.table).await?;
-    let relation = Relation {
-        id: 0,
-        namespace: rc.schema.clone(),
-        name: rc.table.clone(),
-        replica_identity: b'd',
-        columns: columns
-            .iter()
-            .map(|(name, ty)| Column {
-                key: false,
-                name: name.clone(),
-                type_oid: *ty,
-                type_modifier: -1,
-            })
-            .collect(),
-    };
+    let relation = crate::relay::backfill::text_relation(&rc.schema, &rc.table, &columns);
     let table = format!("{}.{}", rc.schema, rc.table);
     let extra = rc
         .columns

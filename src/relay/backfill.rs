@@ -425,29 +425,14 @@ async fn publish_snapshot(
     .map_err(Error::pg("reading the outbox's columns"))?;
     // The table as pgoutput would describe it: every value read as text, so
     // the stream's row decoding serves the backfill too.
-    let relation = Relation {
-        id: 0,
-        namespace: cfg.schema.clone(),
-        name: cfg.table.clone(),
-        replica_identity: b'd',
-        columns: columns
-            .iter()
-            .map(|(name, oid)| Column {
-                key: false,
-                name: name.clone(),
-                type_oid: u32::try_from(*oid).unwrap_or_default(),
-                type_modifier: -1,
-            })
-            .collect(),
-    };
+    let typed: Vec<(String, u32)> = columns
+        .iter()
+        .map(|(name, oid)| (name.clone(), u32::try_from(*oid).unwrap_or_default()))
+        .collect();
+    let relation = text_relation(&cfg.schema, &cfg.table, &typed);
     let layout = OutboxLayout::new(&relation, &cfg.columns, router.columns());
     let has = |name: &str| columns.iter().any(|(n, _)| n == name);
     // The roles the order and the filters read (SPEC §13).
-    let typed: Vec<(String, u32)> = relation
-        .columns
-        .iter()
-        .map(|c| (c.name.clone(), c.type_oid))
-        .collect();
     let table = format!("{}.{}", cfg.schema, cfg.table);
     let resolved = cfg.columns.resolve(&table, &typed).map_err(Error::setup)?;
     let id_sql = resolved
@@ -645,6 +630,26 @@ async fn publish_snapshot(
         .await
         .map_err(Error::pg("ending the backfill transaction"))?;
     Ok(acked)
+}
+
+/// The table as pgoutput would describe it with every value read as text,
+/// so the stream's row decoding serves rows read by SQL too.
+pub(crate) fn text_relation(schema: &str, table: &str, columns: &[(String, u32)]) -> Relation {
+    Relation {
+        id: 0,
+        namespace: schema.to_owned(),
+        name: table.to_owned(),
+        replica_identity: b'd',
+        columns: columns
+            .iter()
+            .map(|(name, ty)| Column {
+                key: false,
+                name: name.clone(),
+                type_oid: *ty,
+                type_modifier: -1,
+            })
+            .collect(),
+    }
 }
 
 /// A row selected as `column::text, …`, as the decoder takes a tuple in
