@@ -10,9 +10,37 @@ use crate::error::{Error, Result};
 /// The nats-server lines SPEC §15 supports, each tested.
 pub const SUPPORTED: &str = "2.10, 2.11, 2.12, 2.14, 2.15";
 
+/// The newest patch release of each supported line that fixed a published
+/// security advisory (advisories.nats.io, read 2026-11-27), with one advisory
+/// it fixed. `None`: the line got no fix for advisories published after its
+/// last release, so every release of it is behind.
+const SECURITY_FLOORS: &[((u32, u32), Option<u32>, &str)] = &[
+    (
+        (2, 10),
+        None,
+        "CVE-2026-33248 (NATS-2026-13), fixed in 2.11.15 and 2.12.6 only",
+    ),
+    (
+        (2, 11),
+        Some(16),
+        "NATS-2026-16 (route authentication bypass)",
+    ),
+    (
+        (2, 12),
+        Some(12),
+        "NATS-2026-26 (MQTT replay past subscribe denies)",
+    ),
+    (
+        (2, 14),
+        Some(3),
+        "NATS-2026-26 (MQTT replay past subscribe denies)",
+    ),
+];
+
 /// SPEC §15: a server older than 2.10 is refused (one line naming it and
 /// the range); one newer than the newest line tested is warned about
-/// (`Ok(Some(warning))`), since it may well work.
+/// (`Ok(Some(warning))`), since it may well work, and so is one below its
+/// line's last security fix, naming the release that has it.
 pub fn check_version(version: &str) -> Result<Option<String>> {
     let mut parts = version
         .split(|c: char| !c.is_ascii_digit())
@@ -26,14 +54,29 @@ pub fn check_version(version: &str) -> Result<Option<String>> {
             )))
         }
     };
+    let patch = parts.next().unwrap_or(0);
     if (major, minor) < (2, 10) {
         return Err(Error::Config(format!(
             "nats-server {version} is older than 2.10, the oldest this relay supports ({SUPPORTED}): upgrade the server"
         )));
     }
-    Ok(((major, minor) > (2, 15)).then(|| {
-        format!("nats-server {version} is newer than the lines this relay is tested on ({SUPPORTED}); it may work")
-    }))
+    if (major, minor) > (2, 15) {
+        return Ok(Some(format!(
+            "nats-server {version} is newer than the lines this relay is tested on ({SUPPORTED}); it may work"
+        )));
+    }
+    let floor = SECURITY_FLOORS
+        .iter()
+        .find(|(line, _, _)| *line == (major, minor));
+    Ok(match floor {
+        Some((_, None, advisory)) => Some(format!(
+            "nats-server {version}: the {major}.{minor} line has no fix for {advisory}; upgrade to 2.11.16 or newer"
+        )),
+        Some((_, Some(fixed), advisory)) if patch < *fixed => Some(format!(
+            "nats-server {version} is below {major}.{minor}.{fixed}, the line's last security release ({advisory}); upgrade to {major}.{minor}.{fixed} or newer"
+        )),
+        _ => None,
+    })
 }
 
 /// Connect (reconnecting forever afterwards) with settings that passed
@@ -158,7 +201,7 @@ mod version_tests {
 
     #[test]
     fn old_servers_are_refused_and_newer_ones_warned_about() {
-        for ok in ["2.10.0", "2.11.11", "2.12.1", "2.15.1", "v2.14.0-beta"] {
+        for ok in ["2.11.16", "2.12.12", "2.14.3", "2.14.6", "2.15.0", "2.15.1"] {
             assert_eq!(check_version(ok).unwrap(), None, "{ok}");
         }
         let e = check_version("2.9.25").unwrap_err().to_string();
@@ -170,5 +213,21 @@ mod version_tests {
             .contains("may work"));
         assert!(check_version("3.0.0").unwrap().unwrap().contains("newer"));
         assert!(check_version("dev").unwrap().is_some());
+    }
+
+    #[test]
+    fn a_release_below_its_lines_last_security_fix_is_warned_about_naming_it() {
+        let w = |v: &str| check_version(v).unwrap().unwrap_or_default();
+        assert!(w("2.11.11").contains("below 2.11.16"), "{}", w("2.11.11"));
+        assert!(
+            w("2.12.8").contains("upgrade to 2.12.12"),
+            "{}",
+            w("2.12.8")
+        );
+        assert!(w("2.14.2").contains("2.14.3"), "{}", w("2.14.2"));
+        assert!(w("v2.14.0-beta").contains("2.14.3"));
+        for old in ["2.10.0", "2.10.26", "2.10.99"] {
+            assert!(w(old).contains("2.10 line has no fix"), "{}", w(old));
+        }
     }
 }

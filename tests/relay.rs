@@ -505,6 +505,13 @@ async fn a_server_without_atomic_batches_gets_one_publish_per_event() {
         m.value("outbox_relay_batches_total{result=\"committed\"}"),
         Some(0.0)
     );
+    // SPEC §15: 2.11.11 is behind its line's last security release.
+    let log = relay.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("below 2.11.16")),
+        "one warning naming the release with the fix: {log}"
+    );
 }
 
 /// Issue 32: nats-server stages an atomic batch of a one-replica file

@@ -901,6 +901,11 @@ impl OwnNats {
         self.child.as_ref().unwrap().id()
     }
 
+    /// Where JetStream keeps its files (`-sd`).
+    pub fn store(&self) -> PathBuf {
+        self.dir.join("store")
+    }
+
     /// Stop it (SIGTERM, as an orchestrator would) and wait.
     pub fn down(&mut self) {
         if let Some(mut c) = self.child.take() {
