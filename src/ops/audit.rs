@@ -142,11 +142,23 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     }
     let mut streams = Vec::new();
     for name in &names {
-        let mut stream = js.get_stream(*name).await.map_err(|e| {
-            Error::Config(format!(
-                "stream {name}: {e} (pass the relay's --stream / --streams)"
-            ))
-        })?;
+        let mut stream = match js.get_stream(*name).await {
+            Ok(stream) => stream,
+            // Rows naming a listed stream that does not exist are the
+            // relay's dead letters (`stream_missing`), read from its own.
+            Err(e) if *name != rc.stream && crate::relay::publish::stream_not_found(&e) => {
+                tracing::info!(
+                    stream = name,
+                    "listed in --streams but does not exist: its rows are dead letters"
+                );
+                continue;
+            }
+            Err(e) => {
+                return Err(Error::Config(format!(
+                    "stream {name}: {e} (pass the relay's --stream / --streams)"
+                )))
+            }
+        };
         let state = state_of(&mut stream, name).await?;
         if state.messages > 0 && state.first_sequence > 1 && state.first_timestamp > cfg.since {
             return Err(Error::Config(format!(
@@ -328,7 +340,8 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
 
     let table = format!("{}.{}", quote(&rc.schema), quote(&rc.table));
     let (id, at) = (&keys.id, &keys.occurred_at);
-    let window = format!("{at} >= $1::timestamptz AND {at} < $2::timestamptz");
+    let scope = audited_rows(pool, rc).await?;
+    let window = format!("{at} >= $1::timestamptz AND {at} < $2::timestamptz AND ({scope})");
     let since = report.since.clone();
     let until = report.until.clone();
     report.rows = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -449,6 +462,22 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     tx.rollback().await.map_err(Error::pg("ending the audit"))?;
     report.seconds = started.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Which rows of the table are the stream's to hold: those the relay was
+/// told were not published before it (`--unpublished`, else `published_at
+/// IS NULL` where that column exists), as its first start judged them. A
+/// row the worker it replaced had published is not a hole.
+async fn audited_rows(pool: &PgPool, rc: &crate::config::RelayConfig) -> Result<String> {
+    if let Some(predicate) = &rc.unpublished {
+        return Ok(predicate.clone());
+    }
+    let columns = crate::postgres::provision::table_columns(pool, &rc.schema, &rc.table).await?;
+    Ok(if columns.iter().any(|(name, _)| name == "published_at") {
+        "published_at IS NULL".into()
+    } else {
+        "true".into()
+    })
 }
 
 /// Add this run's holes to `outbox_audit_holes_total` in a Prometheus text

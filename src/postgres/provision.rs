@@ -54,6 +54,21 @@ pub async fn prepare(
             "wal_level is {wal_level}; the relay needs logical: run ALTER SYSTEM SET wal_level = logical; and restart Postgres"
         )));
     }
+    let (version_num, version, standby, feedback): (i32, String, bool, String) = sqlx::query_as(
+        "SELECT current_setting('server_version_num')::int, current_setting('server_version'), \
+                pg_is_in_recovery(), current_setting('hot_standby_feedback')",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("reading the server's version"))?;
+    if let Some(warning) = check_server(version_num, &version, standby, &feedback)? {
+        tracing::warn!("{warning}");
+    }
+    if standby {
+        tracing::info!(
+            "DATABASE_URL is a physical standby: a new slot is created at the primary's next running-transactions record (the background writer logs one every 15 s while the primary writes WAL; SELECT pg_log_standby_snapshot(); on the primary makes it now)"
+        );
+    }
     let exists: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = $2)",
     )
@@ -88,6 +103,12 @@ pub async fn prepare(
             Err(e) if db_code(&e).as_deref() == Some("42501") => {
                 return Err(Error::setup(format!(
                     "publication {publication} is missing and this role may not create it; as the table owner run: {sql};"
+                )))
+            }
+            // Read-only: a standby gets its publications from the primary.
+            Err(e) if standby && db_code(&e).as_deref() == Some("25006") => {
+                return Err(Error::setup(format!(
+                    "publication {publication} is missing and DATABASE_URL is a standby, which cannot create it: on the primary run: {sql};"
                 )))
             }
             Err(e) => return Err(Error::pg("creating the publication")(e)),
@@ -287,6 +308,41 @@ pub async fn persist_slot(pool: &PgPool, init: &str, slot: &str) -> Result<Lsn> 
     }
 }
 
+/// The PostgreSQL majors SPEC §15 supports, each tested.
+pub const SUPPORTED: &str = "14 to 18";
+
+/// SPEC §15, pure: PostgreSQL older than 14 is refused in one line naming
+/// it and the range, a newer major than 18 warned about (`Ok(Some(_))`);
+/// a standby must be one the relay can decode on (16 or newer, with
+/// `hot_standby_feedback`, or the primary removes rows the slot still needs
+/// and the standby invalidates it).
+pub fn check_server(
+    version_num: i32,
+    version: &str,
+    standby: bool,
+    hot_standby_feedback: &str,
+) -> Result<Option<String>> {
+    let major = version_num / 10_000;
+    if major < 14 {
+        return Err(Error::Config(format!(
+            "PostgreSQL {version} is older than 14, the oldest this relay supports ({SUPPORTED}): upgrade the server"
+        )));
+    }
+    if standby && major < 16 {
+        return Err(Error::Config(format!(
+            "DATABASE_URL is a standby running PostgreSQL {version}: logical decoding on a standby needs 16 or newer; point DATABASE_URL at the primary, or upgrade"
+        )));
+    }
+    if standby && hot_standby_feedback != "on" {
+        return Err(Error::Config(
+            "DATABASE_URL is a standby with hot_standby_feedback off: the primary would remove rows the slot still needs, and the standby would invalidate the slot; on the standby run ALTER SYSTEM SET hot_standby_feedback = on; SELECT pg_reload_conf();".into(),
+        ));
+    }
+    Ok((major > 18).then(|| {
+        format!("PostgreSQL {version} is newer than the majors this relay is tested on ({SUPPORTED}); it may work")
+    }))
+}
+
 /// What the server says of carrying the slot across a promotion.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FailoverFacts {
@@ -295,6 +351,9 @@ pub struct FailoverFacts {
     pub slot_failover: Option<bool>,
     /// `synchronized_standby_slots`, on servers that have it.
     pub synchronized_standby_slots: Option<String>,
+    /// The relay streams from a standby (PostgreSQL 16+): its slot is the
+    /// standby's own, which the server will not make a failover slot.
+    pub in_recovery: bool,
 }
 
 pub async fn failover_facts(pool: &PgPool, slot: &str) -> Result<FailoverFacts> {
@@ -303,7 +362,8 @@ pub async fn failover_facts(pool: &PgPool, slot: &str) -> Result<FailoverFacts> 
         "SELECT current_setting('server_version_num')::int AS version, \
                 (SELECT (to_jsonb(s) ->> 'failover')::bool FROM pg_replication_slots s \
                   WHERE slot_name = $1) AS failover, \
-                current_setting('synchronized_standby_slots', true) AS standby_slots",
+                current_setting('synchronized_standby_slots', true) AS standby_slots, \
+                pg_is_in_recovery() AS in_recovery",
     )
     .bind(slot)
     .fetch_one(pool)
@@ -313,6 +373,7 @@ pub async fn failover_facts(pool: &PgPool, slot: &str) -> Result<FailoverFacts> 
         server_version_num: row.get("version"),
         slot_failover: row.get("failover"),
         synchronized_standby_slots: row.get("standby_slots"),
+        in_recovery: row.get("in_recovery"),
     })
 }
 
@@ -327,6 +388,14 @@ pub struct FailoverPlan {
 
 /// Pure: from `--failover-slot` and what the server says.
 pub fn failover_plan(wanted: bool, slot: &str, facts: &FailoverFacts) -> FailoverPlan {
+    if facts.in_recovery {
+        return FailoverPlan {
+            note: wanted.then(|| format!(
+                "slot {slot} is this standby's own, which cannot be a failover slot: it stays on this server, and goes on when the standby is promoted"
+            )),
+            ..FailoverPlan::default()
+        };
+    }
     if facts.server_version_num < 170_000 {
         return FailoverPlan {
             note: wanted.then(|| format!(
@@ -457,6 +526,38 @@ pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
 }
 
 #[cfg(test)]
+mod version_tests {
+    use super::check_server;
+
+    #[test]
+    fn versions_outside_14_to_18_and_standbys_that_cannot_decode_are_refused() {
+        for (num, v) in [(140_000, "14.0"), (150_018, "15.18"), (180_004, "18.4")] {
+            assert_eq!(check_server(num, v, false, "off").unwrap(), None, "{v}");
+        }
+        let e = check_server(130_023, "13.23", false, "on")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("PostgreSQL 13.23") && e.contains("14 to 18"),
+            "{e}"
+        );
+        assert!(check_server(190_000, "19devel", false, "on")
+            .unwrap()
+            .unwrap()
+            .contains("newer"));
+        let e = check_server(150_018, "15.18", true, "on")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("PostgreSQL 15.18") && e.contains("16"), "{e}");
+        let e = check_server(160_014, "16.14", true, "off")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hot_standby_feedback = on"), "{e}");
+        assert_eq!(check_server(160_014, "16.14", true, "on").unwrap(), None);
+    }
+}
+
+#[cfg(test)]
 mod tests {
     #[test]
     fn a_short_xid_takes_the_epoch_of_the_next_id_or_the_one_before() {
@@ -477,7 +578,19 @@ mod tests {
             server_version_num: version,
             slot_failover: failover,
             synchronized_standby_slots: standby.map(str::to_owned),
+            in_recovery: false,
         }
+    }
+
+    #[test]
+    fn a_standbys_own_slot_is_never_made_a_failover_slot() {
+        let on_standby = FailoverFacts {
+            in_recovery: true,
+            ..facts(170_010, Some(false), Some(""))
+        };
+        let plan = failover_plan(true, "s", &on_standby);
+        assert_eq!((plan.alter, plan.warning), (None, None));
+        assert!(plan.note.unwrap_or_default().contains("standby's own"));
     }
 
     #[test]

@@ -70,15 +70,17 @@ pub(super) async fn first_start(
         ..
     } = *env;
     let init = wire::init_slot_name(&cfg.slot);
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(pool)
+        .await
+        .map_err(Error::pg("reading the server's version"))?;
     let mut session =
         ReplicationClient::connect_gated(dsn.replication_config(&init, &cfg.publication)).await?;
     let system = session.identify_system().await?;
     // The temporary slot first, exporting its snapshot whether or not the
     // plan then uses it: the plan is read after it.
     let created = session
-        .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT {init} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')"
-        ))
+        .simple_query(&create_init_slot(&init, version))
         .await
         .map_err(Error::from)
         .map_err(|e| match e.sqlstate().as_deref() {
@@ -87,6 +89,10 @@ pub(super) async fn first_start(
                 slot: init.clone(),
                 pid: None,
             },
+            // A standby whose primary does not log what decoding needs.
+            Some("55000") if e.to_string().contains("on the primary") => Error::setup(
+                "the primary's wal_level is not logical, so this standby cannot decode its WAL: on the primary run ALTER SYSTEM SET wal_level = logical; and restart it",
+            ),
             _ => e,
         })?;
     // Another relay may have finished its first start since this one found
@@ -682,6 +688,17 @@ fn full_xid(column: &str, xmax: u64) -> String {
     )
 }
 
+/// The temporary slot's command: PostgreSQL 14 knows only the old option
+/// syntax (15 added the parenthesized list and deprecated the keywords).
+fn create_init_slot(init: &str, server_version_num: i32) -> String {
+    let export = if server_version_num < 150_000 {
+        "EXPORT_SNAPSHOT"
+    } else {
+        "(SNAPSHOT 'export')"
+    };
+    format!("CREATE_REPLICATION_SLOT {init} TEMPORARY LOGICAL pgoutput {export}")
+}
+
 /// SQL for a role's source in the backfill's order: its column, or a key
 /// of a json column as text.
 fn source_sql(source: &Source) -> String {
@@ -703,6 +720,17 @@ fn quote(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_temporary_slot_is_asked_for_in_the_servers_own_syntax() {
+        assert_eq!(
+            create_init_slot("s_init", 140_023),
+            "CREATE_REPLICATION_SLOT s_init TEMPORARY LOGICAL pgoutput EXPORT_SNAPSHOT"
+        );
+        for v in [150_000, 180_004] {
+            assert!(create_init_slot("s_init", v).ends_with("pgoutput (SNAPSHOT 'export')"));
+        }
+    }
 
     fn streamed() -> TailEvent {
         TailEvent {

@@ -89,7 +89,7 @@ const CHAIN_RESERVE: usize = wire::EXPECTED_LAST_MSG_ID.len() + 4 + super::outbo
 const _: () = assert!(CHAIN_RESERVE <= HEADER_RESERVE);
 
 /// Create the stream when missing; an existing stream is used as it is.
-fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
+pub(crate) fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
     matches!(
         e.kind(),
         jetstream::context::GetStreamErrorKind::JetStream(ref j)

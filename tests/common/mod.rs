@@ -35,6 +35,15 @@ pub fn stack() -> Stack {
     }
 }
 
+/// The PostgreSQL major this run tests: `STACK_PG_MAJOR` in a matrix run
+/// of `scripts/test.sh`, else Debian 12's 15.
+pub fn pg_major() -> u32 {
+    std::env::var("STACK_PG_MAJOR")
+        .ok()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(15)
+}
+
 /// A URL for database `name` on the stack's server.
 pub fn db_url(admin: &str, name: &str) -> String {
     let base = admin.rsplit_once('/').map_or(admin, |(b, _)| b);
@@ -965,19 +974,20 @@ pub struct OwnStack {
 
 impl OwnStack {
     pub fn up(name: &str, tls: bool) -> Self {
+        Self::up_with(name, &[("STACK_TLS", if tls { "1" } else { "0" })])
+    }
+
+    /// With `stack.sh up`'s settings (`STACK_PG_MAJOR`, say) in `env`.
+    pub fn up_with(name: &str, env: &[(&str, &str)]) -> Self {
         // Outside the checkout: run as root, Postgres runs as an unprivileged
         // user, who cannot enter a private (0700) checkout.
         let dir = std::env::temp_dir().join(format!("outbox-relay-{name}-{}", std::process::id()));
-        let env = stack_sh_up(
-            "up",
-            "down",
-            &dir,
-            &[
-                ("STACK_TLS", if tls { "1" } else { "0" }.to_owned()),
-                // The main stack's nats-server, already installed.
-                ("NATS_SERVER_BIN", stack().nats_bin),
-            ],
-        );
+        let mut settings = vec![
+            // The main stack's nats-server, already installed.
+            ("NATS_SERVER_BIN", stack().nats_bin),
+        ];
+        settings.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
+        let env = stack_sh_up("up", "down", &dir, &settings);
         OwnStack { dir, env }
     }
 
@@ -1028,8 +1038,9 @@ impl Drop for OwnStack {
     }
 }
 
-/// A PostgreSQL 17 primary and a streaming standby that synchronizes
-/// failover slots (`scripts/stack.sh pg17-pair-up`). Stopped on drop.
+/// A PostgreSQL primary and a streaming standby (`scripts/stack.sh
+/// pg-pair-up`), on 17 or newer one that synchronizes failover slots.
+/// Stopped on drop.
 pub struct OwnPgPair {
     dir: PathBuf,
     pub primary_url: String,
@@ -1037,9 +1048,18 @@ pub struct OwnPgPair {
 }
 
 impl OwnPgPair {
-    pub fn up(name: &str) -> Self {
+    /// The run's PostgreSQL major (`STACK_PG_MAJOR` in a matrix run), or
+    /// `min_major` where that is older.
+    pub fn up(name: &str, min_major: u32) -> Self {
+        Self::up_with(name, pg_major().max(min_major), &[])
+    }
+
+    /// PostgreSQL `major`, with `stack.sh pg-pair-up`'s settings in `env`.
+    pub fn up_with(name: &str, major: u32, env: &[(&str, &str)]) -> Self {
         let dir = std::env::temp_dir().join(format!("outbox-relay-{name}-{}", std::process::id()));
-        let env = stack_sh_up("pg17-pair-up", "pg17-pair-down", &dir, &[]);
+        let mut settings = vec![("STACK_PG_MAJOR", major.to_string())];
+        settings.extend(env.iter().map(|(k, v)| (*k, v.to_string())));
+        let env = stack_sh_up("pg-pair-up", "pg-pair-down", &dir, &settings);
         OwnPgPair {
             primary_url: env["PRIMARY_URL"].clone(),
             standby_url: env["STANDBY_URL"].clone(),
@@ -1050,7 +1070,7 @@ impl OwnPgPair {
     /// Crash the primary and promote the standby.
     pub fn failover(&self) {
         let out = Command::new(STACK_SH)
-            .arg("pg17-failover")
+            .arg("pg-failover")
             .arg(&self.dir)
             .output()
             .unwrap();
@@ -1065,7 +1085,7 @@ impl OwnPgPair {
 impl Drop for OwnPgPair {
     fn drop(&mut self) {
         let _ = Command::new(STACK_SH)
-            .arg("pg17-pair-down")
+            .arg("pg-pair-down")
             .arg(&self.dir)
             .status();
         let _ = std::fs::remove_dir_all(&self.dir);
