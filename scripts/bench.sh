@@ -6,6 +6,11 @@
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
 #   scripts/bench.sh audit [--rows N]   rows/s and peak RSS of `outbox-relay audit`
+#   scripts/bench.sh catchup [--events N]
+#     a backlog of N rows written while the relay is stopped, decoded by
+#     pg_recvlogical (pgoutput, to /dev/null) before and after the relay
+#     drains the same WAL to JetStream: the relay's catch-up rate against
+#     the walsender's own decode rate, the ceiling of one slot
 #   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--max-ack-pending N] [--out DIR]
 #   scripts/bench.sh publish-paths [--messages N] [--txns-per-s N] [--out DIR]
 #     (no relay: async-nats against a hand-written HPUB writer, client CPU per message)
@@ -23,7 +28,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 MODE=relay
-case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit) MODE="$1"; shift ;; esac
+case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit|catchup) MODE="$1"; shift ;; esac
 BENCH=relay_e2e
 [ "$MODE" = consumer ] && BENCH=consumer_throughput
 [ "$MODE" = prune ] && BENCH=prune_load
@@ -71,6 +76,47 @@ fi
 METRICS_PORT="$(scripts/stack.sh free-port)"
 RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" "$BIN" --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
 export RELAY_PID RELAY_METRICS="127.0.0.1:$METRICS_PORT"
+if [ "$MODE" = catchup ]; then
+  EVENTS=200000
+  while [ $# -gt 0 ]; do case "$1" in --events) EVENTS="$2"; shift 2 ;; *) echo "unknown catchup flag $1" >&2; exit 2 ;; esac; done
+  sql() { psql -X -q -t -A -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "$1"; }
+  # The relay made its slot and publication; it stops, and two more slots
+  # start where its slot is, one per pg_recvlogical run.
+  kill "$RELAY_PID"; while kill -0 "$RELAY_PID" 2>/dev/null; do sleep 0.1; done
+  rm -f "$STACK_DIR/relay.pid"
+  sql "SELECT pg_create_logical_replication_slot('bench_recv_a', 'pgoutput'), pg_create_logical_replication_slot('bench_recv_b', 'pgoutput')" >/dev/null
+  # 50-row transactions of 256-byte payloads, as the relay runs' flat load.
+  sql "DO \$\$ BEGIN FOR b IN 0..$(( (EVENTS + 49) / 50 - 1 )) LOOP
+      INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload)
+      SELECT gen_random_uuid(), 'order', 'a' || (g % 997), 'placed', jsonb_build_object('n', g, 'pad', repeat('x', 230))
+      FROM generate_series(1, 50) g; COMMIT; END LOOP; END \$\$" >/dev/null
+  END_LSN="$(sql "SELECT pg_current_wal_lsn()")"
+  WAL_BYTES="$(sql "SELECT pg_wal_lsn_diff('$END_LSN', confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = 'bench_recv_a'")"
+  now() { date +%s.%N; }
+  recv() {
+    local t0 t1
+    t0="$(now)"
+    "$PG_BINDIR/pg_recvlogical" -d "$DATABASE_URL" --slot "$1" --start --endpos "$END_LSN" \
+      -o proto_version=1 -o publication_names=outbox_relay_bench -o messages=true \
+      --no-loop -F 0 -f /dev/null
+    t1="$(now)"
+    echo "$t0 $t1" | awk -v n="$EVENTS" '{printf "%.0f", n / ($2 - $1)}'
+  }
+  RECV_A="$(recv bench_recv_a)"
+  t0="$(now)"
+  RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" "$BIN" --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
+  until [ "$(sql "SELECT confirmed_flush_lsn >= '$END_LSN' FROM pg_replication_slots WHERE slot_name = 'outbox_relay_bench'")" = t ]; do
+    sleep 0.05
+  done
+  t1="$(now)"
+  RELAY_RATE="$(echo "$t0 $t1" | awk -v n="$EVENTS" '{printf "%.0f", n / ($2 - $1)}')"
+  RECV_B="$(recv bench_recv_b)"
+  echo "catch-up of $EVENTS events ($WAL_BYTES bytes of WAL), 50-row transactions, 256-byte payloads:"
+  echo "  pg_recvlogical (pgoutput to /dev/null): $RECV_A events/s before the relay, $RECV_B after"
+  echo "  relay (start to slot confirmed at the backlog's end, publish mode ${OUTBOX_PUBLISH_MODE:-auto}): $RELAY_RATE events/s"
+  echo "$RELAY_RATE $RECV_A $RECV_B" | awk '{printf "  relay / pg_recvlogical: %.2f (mean of the two decode runs)\n", $1 / (($2 + $3) / 2)}'
+  exit
+fi
 if [ "$MODE" = audit ]; then
   ROWS=1000000
   while [ $# -gt 0 ]; do case "$1" in --rows) ROWS="$2"; shift 2 ;; *) echo "unknown audit flag $1" >&2; exit 2 ;; esac; done
