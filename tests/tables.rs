@@ -130,20 +130,19 @@ async fn relay_on(recipe: &Recipe) -> Vec<Got> {
     got
 }
 
-/// `outbox-relay audit --last 1h` on the recipe's database with its flags.
+/// `outbox-relay audit` on the recipe's database with its flags (and
+/// `--last 1h` unless they give a window).
 fn audit(ctx: &str, flags: &[&str]) -> (Option<i32>, String) {
     let url = db_url(&stack().admin_url, &format!("t_{ctx}"));
     let out = std::process::Command::new(BIN)
         .args(["audit", "--database-url", &url, "--context", ctx])
-        .args([
-            "--nats-url",
-            &stack().nats_url,
-            "--wait",
-            "20s",
-            "--last",
-            "1h",
-        ])
+        .args(["--nats-url", &stack().nats_url, "--wait", "20s"])
         .args(flags)
+        .args(if flags.contains(&"--last") {
+            &[][..]
+        } else {
+            &["--last", "1h"][..]
+        })
         .output()
         .unwrap();
     let text = format!(
@@ -509,4 +508,85 @@ async fn a_bad_column_map_is_one_line_naming_the_role_and_the_columns() {
     // Refused before the stream was even set up.
     let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
     assert!(js.get_stream(wire::stream_name("badmap")).await.is_err());
+}
+
+/// A table whose event id and time live in its jsonb body (SPEC §13's
+/// `column.key` sources for the `id` and `occurred_at` roles): the audit
+/// checks it (a message deleted from the stream is found, `--repair` puts
+/// it back) and `prune` deletes by the body's time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_and_prune_read_id_and_time_from_a_json_body() {
+    let stack = stack();
+    let ctx = "jsonkeys";
+    let (url, pool) = empty_db(&stack, &format!("t_{ctx}")).await;
+    sqlx::raw_sql(
+        "CREATE TABLE events (seq bigserial primary key, topic text not null, body jsonb not null)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let flags: &[&str] = &[
+        "--table",
+        "public.events",
+        "--columns",
+        "id=body.eventId,occurred_at=body.occurredAt,payload=body,subject=topic",
+        // Short, so a repaired copy is stored, not deduplicated.
+        "--duplicate-window",
+        "1s",
+    ];
+    let relay = Service::relay(&url, &stack.nats_url, ctx, flags);
+    // Ten a week old, twenty of now; one transaction each.
+    for (n, age) in [(10, "7 days"), (20, "0 s")] {
+        sqlx::query(
+            "INSERT INTO events (topic, body) SELECT 'jsonkeys.placed', jsonb_build_object( \
+             'eventId', gen_random_uuid()::text, 'occurredAt', now() - $2::interval, 'n', g) \
+             FROM generate_series(1, $1::int4) g",
+        )
+        .bind(n)
+        .bind(age)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let stream = wire::stream_name(ctx);
+    read_stream(&stack.nats_url, &stream, 30, T).await;
+    let (code, out) = audit(ctx, &[flags, &["--last", "30d"]].concat());
+    assert!(
+        code == Some(0) && out.contains("30 rows, 30 messages; 0 missing"),
+        "{out}"
+    );
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_message(15)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (code, out) = audit(ctx, &[flags, &["--last", "30d", "--repair"]].concat());
+    assert!(
+        code == Some(1) && out.contains("1 missing") && out.contains("; 1 repaired"),
+        "{out}"
+    );
+    let (code, out) = audit(ctx, &[flags, &["--last", "30d"]].concat());
+    assert_eq!(code, Some(0), "{out}");
+
+    let out = std::process::Command::new(BIN)
+        .args(["prune", "--database-url", &url, "--context", ctx])
+        .args(&flags[..4])
+        .args(["--older-than", "1d", "--wait", "20s"])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        left, 20,
+        "the week-old rows deleted by body.occurredAt: {text}"
+    );
+    drop(relay);
 }

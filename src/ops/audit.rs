@@ -339,7 +339,8 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .map_err(Error::pg("indexing the audit's ids"))?;
 
     let table = format!("{}.{}", quote(&rc.schema), quote(&rc.table));
-    let (id, at) = (&keys.id, &keys.occurred_at);
+    let at = keys.occurred_at(None);
+    let (r_id, r_at) = (keys.id(Some("r")), keys.occurred_at(Some("r")));
     let scope = audited_rows(pool, rc).await?;
     let window = format!("{at} >= $1::timestamptz AND {at} < $2::timestamptz AND ({scope})");
     let since = report.since.clone();
@@ -359,11 +360,11 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     // A row's id as the relay sends it: a text id holding a UUID goes as
     // that UUID's canonical text.
     let sent_id = if keys.id_type == "uuid" || keys.id_type.starts_with("int") {
-        format!("r.{id}::text")
+        format!("{r_id}::text")
     } else {
         format!(
-            "CASE WHEN r.{id} ~* '^[0-9a-f]{{8}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{12}}$' \
-             THEN r.{id}::uuid::text ELSE r.{id}::text END"
+            "CASE WHEN {r_id} ~* '^[0-9a-f]{{8}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{12}}$' \
+             THEN {r_id}::uuid::text ELSE {r_id}::text END"
         )
     };
     let holes = format!(
@@ -377,7 +378,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .await
         .map_err(Error::pg("counting rows missing from the stream"))?;
     let missing: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {sent_id}, r.{at}::text {holes} ORDER BY r.{at}, r.{id} LIMIT {MAX_LISTED}"
+        "SELECT {sent_id}, {r_at}::text {holes} ORDER BY {r_at}, {r_id} LIMIT {MAX_LISTED}"
     )))
     .bind(&since)
     .bind(&until)
@@ -617,9 +618,9 @@ async fn repair(
         "SELECT {select} FROM {}.{} WHERE {}::text = ANY($1) ORDER BY {}, {}",
         quote(&rc.schema),
         quote(&rc.table),
-        keys.id,
-        keys.occurred_at,
-        keys.id
+        keys.id(None),
+        keys.occurred_at(None),
+        keys.id(None)
     )))
     .bind(&ids)
     .fetch_all(&mut **tx)

@@ -138,7 +138,7 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
         let mut tx = in_snapshot(pool, &snapshot).await?;
         let n = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT count(*) FROM {table} WHERE {} < $1::timestamptz",
-            keys.occurred_at
+            keys.occurred_at(None)
         )))
         .bind(&cutoff)
         .fetch_one(&mut *tx)
@@ -177,8 +177,9 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
         return Ok(());
     }
 
-    if partitioned {
-        for part in old_partitions(pool, cfg, &keys.occurred_name, &cutoff).await? {
+    // By a json key's time, partitions are not bounded by it: rows only.
+    if let (true, Some(occurred)) = (partitioned, keys.occurred_column()) {
+        for part in old_partitions(pool, cfg, occurred, &cutoff).await? {
             match drop_partition(pool, &table, &part, &cfg.slot, cfg.wait).await? {
                 Ok(rows) => {
                     report.outbox_deleted += rows;
@@ -354,13 +355,14 @@ async fn drop_partition(
     Ok(Ok(rows as u64))
 }
 
-/// The columns prune reads, by role (SPEC §13), quoted for SQL.
+/// Where prune and the audit read a row's id and time (SPEC §13): a column,
+/// or a top-level key of a json column. A key's time is cast, so a value
+/// that is not a time stops the command with Postgres's own message.
 pub(crate) struct Keys {
-    pub id: String,
-    /// The id column's type, to read a text bound back into it.
+    id: crate::relay::columns::Source,
+    /// The id's type, to read a text bound back into it.
     pub id_type: &'static str,
-    pub occurred_at: String,
-    occurred_name: String,
+    occurred: crate::relay::columns::Source,
 }
 
 impl Keys {
@@ -380,29 +382,70 @@ impl Keys {
             )));
         }
         let resolved = map.resolve(&table, &columns).map_err(Error::setup)?;
-        let column = |role: Role| {
-            match resolved.source(role) {
-            Some(Source::Column(c)) => Ok(c.clone()),
-            _ => Err(Error::setup(format!(
-                "prune needs a column (not a json key) of table {table} for role {role}: map one with --columns {role}=COLUMN, as the relay's"
-            ))),
-        }
+        let source = |role: Role| {
+            resolved.source(role).cloned().ok_or_else(|| {
+                Error::setup(format!(
+                    "table {table} has no {role} role: map one with --columns {role}=SOURCE, as the relay's"
+                ))
+            })
         };
-        let (id, occurred) = (column(Role::Id)?, column(Role::OccurredAt)?);
-        let id_type = match columns.iter().find(|(n, _)| *n == id).map(|c| c.1) {
-            Some(oid::UUID) => "uuid",
-            Some(oid::INT8) => "int8",
-            Some(oid::INT4) => "int4",
-            Some(oid::VARCHAR) => "varchar",
-            _ => "text",
+        let (id, occurred) = (source(Role::Id)?, source(Role::OccurredAt)?);
+        let id_type = match &id {
+            Source::Column(c) => match columns.iter().find(|(n, _)| n == c).map(|c| c.1) {
+                Some(oid::UUID) => "uuid",
+                Some(oid::INT8) => "int8",
+                Some(oid::INT4) => "int4",
+                Some(oid::VARCHAR) => "varchar",
+                _ => "text",
+            },
+            Source::Key { .. } => "text",
         };
-        let quote = |n: &str| format!("\"{}\"", n.replace('"', "\"\""));
         Ok(Keys {
-            id: quote(&id),
+            id,
             id_type,
-            occurred_at: quote(&occurred),
-            occurred_name: occurred,
+            occurred,
         })
+    }
+
+    /// The id in SQL, its column qualified by `alias` when given.
+    pub fn id(&self, alias: Option<&str>) -> String {
+        source_sql(&self.id, alias, None)
+    }
+
+    /// The time in SQL (a timestamptz), qualified by `alias` when given.
+    pub fn occurred_at(&self, alias: Option<&str>) -> String {
+        source_sql(&self.occurred, alias, Some("timestamptz"))
+    }
+
+    /// The time's column, when it is one: partitions are bounded by it.
+    fn occurred_column(&self) -> Option<&str> {
+        match &self.occurred {
+            crate::relay::columns::Source::Column(c) => Some(c),
+            crate::relay::columns::Source::Key { .. } => None,
+        }
+    }
+}
+
+fn source_sql(
+    source: &crate::relay::columns::Source,
+    alias: Option<&str>,
+    cast: Option<&str>,
+) -> String {
+    use crate::relay::columns::Source;
+    let quote = postgres_protocol::escape::escape_identifier;
+    let column = |c: &str| match alias {
+        Some(a) => format!("{a}.{}", quote(c)),
+        None => quote(c),
+    };
+    match source {
+        Source::Column(c) => column(c),
+        Source::Key { column: c, key } => {
+            let text = format!("({}->>'{}')", column(c), key.replace('\'', "''"));
+            match cast {
+                Some(ty) => format!("({text}::{ty})"),
+                None => text,
+            }
+        }
     }
 }
 
@@ -416,24 +459,20 @@ async fn delete_batches(
     cutoff: &str,
     batch: i64,
 ) -> Result<u64> {
-    let Keys {
-        id,
-        id_type,
-        occurred_at: at,
-        ..
-    } = keys;
+    let (id, id_type, at) = (keys.id(None), keys.id_type, keys.occurred_at(None));
+    let (t_id, t_at) = (keys.id(Some("t")), keys.occurred_at(Some("t")));
     let mut deleted = 0u64;
     let mut after: Option<String> = None;
     loop {
         let mut tx = in_snapshot(pool, snapshot).await?;
         let (n, last): (i64, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "WITH victims AS ( \
-                 SELECT {id} AS id FROM {table} WHERE {at} < $1::timestamptz \
+                 SELECT {id} AS vid FROM {table} WHERE {at} < $1::timestamptz \
                    AND ($2::text IS NULL OR {id} > $2::text::{id_type}) \
                  ORDER BY {id} LIMIT $3), \
              gone AS (DELETE FROM {table} t USING victims v \
-                      WHERE t.{id} = v.id AND t.{at} < $1::timestamptz RETURNING t.{id}) \
-             SELECT (SELECT count(*) FROM gone), (SELECT id::text FROM victims ORDER BY id DESC LIMIT 1)"
+                      WHERE {t_id} = v.vid AND {t_at} < $1::timestamptz RETURNING {t_id}) \
+             SELECT (SELECT count(*) FROM gone), (SELECT vid::text FROM victims ORDER BY vid DESC LIMIT 1)"
         )))
         .bind(cutoff)
         .bind(after.as_deref())
