@@ -105,7 +105,10 @@ if [ "$MODE" = catchup ]; then
   RECV_A="$(recv bench_recv_a)"
   t0="$(now)"
   RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" "$BIN" --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
+  deadline=$(( $(date +%s) + 600 ))
   until [ "$(sql "SELECT confirmed_flush_lsn >= '$END_LSN' FROM pg_replication_slots WHERE slot_name = 'outbox_relay_bench'")" = t ]; do
+    kill -0 "$RELAY_PID" 2>/dev/null || { cat "$STACK_DIR/relay.log" >&2; echo "bench: the relay exited" >&2; exit 1; }
+    [ "$(date +%s)" -lt "$deadline" ] || { echo "bench: the relay did not catch up within 600 s" >&2; exit 1; }
     sleep 0.05
   done
   t1="$(now)"

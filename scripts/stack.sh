@@ -24,6 +24,9 @@
 #   scripts/stack.sh free-port  print a loopback port that is free now
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
+#   scripts/stack.sh nats-bin-debian
+#                               print the path of Debian 12's own nats-server (2.9, older
+#                               than the relay supports), unpacked into .tools/ if missing
 #   scripts/stack.sh pg-restart DIR [fast|immediate]
 #                               restart that stack's Postgres (immediate = crash)
 #   scripts/stack.sh pg-pair-up DIR
@@ -31,8 +34,9 @@
 #                               major STACK_PG_MAJOR (default 17; 15 or newer); on 17+
 #                               the standby synchronizes failover slots; writes DIR/env
 #                               (PRIMARY_URL, STANDBY_URL). STACK_PRIMARY_WAL_LEVEL
-#                               (default logical) and STACK_STANDBY_FEEDBACK (default
-#                               on: hot_standby_feedback) make a pair the relay refuses.
+#                               (default logical), STACK_STANDBY_WAL_LEVEL (default
+#                               logical) and STACK_STANDBY_FEEDBACK (default on:
+#                               hot_standby_feedback) make a pair the relay refuses.
 #   scripts/stack.sh pg-failover DIR
 #                               crash the primary (immediate stop) and promote the standby
 #   scripts/stack.sh pg-pair-down DIR
@@ -114,6 +118,24 @@ promtool_bin() {
     rm -rf "$dir/deb" "$dir/usr/bin/prometheus"
   fi
   [ -x "$bin" ] || die "promtool not found at $bin"
+  echo "$bin"
+}
+
+# Debian 12's nats-server package (2.9.10), unpacked into .tools/ without
+# installing or starting anything: the release the relay must refuse.
+nats_debian_bin() {
+  local dir="$TOOLS/nats-debian" bin
+  bin="$dir/usr/sbin/nats-server"
+  if [ ! -x "$bin" ]; then
+    command -v apt-get >/dev/null 2>&1 || die "apt-get not found; cannot fetch Debian's nats-server"
+    echo "stack.sh: fetching nats-server (Debian package) into $dir" >&2
+    mkdir -p "$dir/deb"
+    (cd "$dir/deb" && apt-get download nats-server >/dev/null 2>&1) \
+      || die "apt-get download nats-server failed"
+    dpkg-deb -x "$(ls "$dir"/deb/nats-server_*.deb | head -1)" "$dir" || die "cannot unpack nats-server"
+    rm -rf "$dir/deb"
+  fi
+  [ -x "$bin" ] || die "nats-server not found at $bin"
   echo "$bin"
 }
 
@@ -213,6 +235,8 @@ HBA
     || { tail -20 "$dir/pg/postgres.log" >&2; die "postgres did not start"; }
   local pgpid
   pgpid="$(head -1 "$dir/pg/data/postmaster.pid")"
+  # Enough for `down` to stop this Postgres should the rest fail.
+  echo "export PG_BINDIR=$bindir" >"$dir/env"
 
   local natstls=()
   if [ "$tls" = 1 ]; then
@@ -416,6 +440,8 @@ pg_pair_up() {
   echo "host replication all 127.0.0.1/32 trust" >>"$dir/primary/data/pg_hba.conf"
   as_pg_user "$bindir/pg_ctl" -D "$dir/primary/data" -l "$dir/primary/postgres.log" -w -t 60 start >/dev/null \
     || { tail -20 "$dir/primary/postgres.log" >&2; die "primary did not start"; }
+  # Enough for `pg-pair-down` to stop what runs should the rest fail.
+  echo "export PG_BINDIR=$bindir" >"$dir/env"
   psql_at() { PGCONNECT_TIMEOUT=10 psql -X -q -v ON_ERROR_STOP=1 "postgres://postgres@127.0.0.1:$1/postgres" -c "$2"; }
   psql_at "$p1" "SELECT pg_create_physical_replication_slot('standby1')" >/dev/null \
     || die "could not create the standby's slot"
@@ -427,6 +453,7 @@ pg_pair_up() {
 primary_conninfo = 'host=127.0.0.1 port=$p1 user=postgres dbname=postgres application_name=standby1'
 primary_slot_name = 'standby1'
 hot_standby_feedback = ${STACK_STANDBY_FEEDBACK:-on}
+wal_level = ${STACK_STANDBY_WAL_LEVEL:-logical}
 CONF
   if [ "$major" -ge 17 ]; then
     printf "sync_replication_slots = on\nsynchronized_standby_slots = ''\n" >>"$dir/standby/data/postgresql.conf"
@@ -549,6 +576,7 @@ case "${1:-}" in
       *) die "nats-node: start or kill, not $4" ;;
     esac ;;
   nats-bin) nats_bin ;;
+  nats-bin-debian) nats_debian_bin ;;
   promtool) promtool_bin ;;
   pg-bin) [ -n "${2:-}" ] || die "usage: stack.sh pg-bin MAJOR"; pg_bin "$2" ;;
   pg17-bin) pg_bin 17 ;;

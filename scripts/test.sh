@@ -21,7 +21,7 @@ trap cleanup EXIT INT TERM
 # "PostgreSQL 15.18 and nats-server 2.15.1", from the binaries an env names.
 versions() {
   local pg nats
-  pg="$("$PG_BINDIR/postgres" --version | awk '{print $NF}')"
+  pg="$("$PG_BINDIR/postgres" --version | awk '{print $3}')"
   nats="$("$NATS_SERVER_BIN" --version | awk '{print $NF}')"
   echo "PostgreSQL $pg and nats-server ${nats#v}"
 }
@@ -63,6 +63,8 @@ fi
 # stack of its own. Each pair is one PostgreSQL and one nats-server release
 # the run above did not test (it ran 15 and 2.15).
 MATRIX_PAIRS=("14 2.10.26" "16 2.11.11" "17 2.12.8" "18 2.14.6")
+# The default stack's servers would only take CPU from the matrix's.
+scripts/stack.sh down "$STACK_DIR" || true
 MATRIX_TESTS=(
   relay::kill_9_under_load_loses_nothing_and_duplicates_nothing
   relay::nats_restart_under_load_loses_nothing_and_keeps_order
@@ -75,9 +77,13 @@ for pair in "${MATRIX_PAIRS[@]}"; do
   read -r pg nats <<<"$pair"
   tests=("${MATRIX_TESTS[@]}")
   # Failover slots: 17 ran above (its pair is 17 whatever the stack's).
-  [ "$pg" -ge 18 ] && tests+=(lifecycle::a_failover_slot_carries_the_relay_across_a_promotion)
+  if [ "$pg" -ge 18 ]; then
+    tests+=(lifecycle::a_failover_slot_carries_the_relay_across_a_promotion)
+  fi
   # Decoding on a standby: 16 ran above (its pair is 16 at the least).
-  [ "$pg" -ge 17 ] && tests+=(versions::a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_and_promotion)
+  if [ "$pg" -ge 17 ]; then
+    tests+=(versions::a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_and_promotion)
+  fi
   MATRIX_DIR="$(mktemp -d -t outbox-relay-matrix.XXXXXX)"
   env -u NATS_SERVER_BIN -u PG_BINDIR STACK_PG_MAJOR="$pg" NATS_SERVER_VERSION="$nats" \
     scripts/stack.sh up "$MATRIX_DIR" >/dev/null

@@ -18,12 +18,13 @@ const SECURITY_FLOORS: &[((u32, u32), Option<u32>, &str)] = &[
     (
         (2, 10),
         None,
-        "CVE-2026-33248 (NATS-2026-13), fixed in 2.11.15 and 2.12.6 only",
+        "CVE-2026-33248 (NATS-2026-13), fixed in 2.11.15 and 2.12.6",
     ),
+    // 2.11.16 fixed NATS-2026-16 and -18; NATS-2026-26 names no 2.11 release.
     (
         (2, 11),
-        Some(16),
-        "NATS-2026-16 (route authentication bypass)",
+        None,
+        "NATS-2026-26 (MQTT replay past subscribe denies), fixed in 2.12.12 and 2.14.3",
     ),
     (
         (2, 12),
@@ -70,7 +71,7 @@ pub fn check_version(version: &str) -> Result<Option<String>> {
         .find(|(line, _, _)| *line == (major, minor));
     Ok(match floor {
         Some((_, None, advisory)) => Some(format!(
-            "nats-server {version}: the {major}.{minor} line has no fix for {advisory}; upgrade to 2.11.16 or newer"
+            "nats-server {version}: the {major}.{minor} line has no fix for {advisory}; upgrade to 2.12.12, 2.14.3 or newer"
         )),
         Some((_, Some(fixed), advisory)) if patch < *fixed => Some(format!(
             "nats-server {version} is below {major}.{minor}.{fixed}, the line's last security release ({advisory}); upgrade to {major}.{minor}.{fixed} or newer"
@@ -201,7 +202,7 @@ mod version_tests {
 
     #[test]
     fn old_servers_are_refused_and_newer_ones_warned_about() {
-        for ok in ["2.11.16", "2.12.12", "2.14.3", "2.14.6", "2.15.0", "2.15.1"] {
+        for ok in ["2.12.12", "2.14.3", "2.14.6", "2.15.0", "2.15.1"] {
             assert_eq!(check_version(ok).unwrap(), None, "{ok}");
         }
         let e = check_version("2.9.25").unwrap_err().to_string();
@@ -218,7 +219,10 @@ mod version_tests {
     #[test]
     fn a_release_below_its_lines_last_security_fix_is_warned_about_naming_it() {
         let w = |v: &str| check_version(v).unwrap().unwrap_or_default();
-        assert!(w("2.11.11").contains("below 2.11.16"), "{}", w("2.11.11"));
+        for v in ["2.11.11", "2.11.16"] {
+            assert!(w(v).contains("2.11 line has no fix"), "{}", w(v));
+            assert!(w(v).contains("upgrade to 2.12.12, 2.14.3"), "{}", w(v));
+        }
         assert!(
             w("2.12.8").contains("upgrade to 2.12.12"),
             "{}",

@@ -332,6 +332,52 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     );
 }
 
+/// A row marked published after the relay sent it (by the application, or
+/// an old worker still running through a cutover) whose message the
+/// stream then lost is still a hole: the audit finds it and says the row
+/// is marked published. The relay's predicate may name the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hole_is_found_whether_or_not_its_row_is_marked_published() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_marked").await;
+    let ctx = "marked";
+    let stream = wire::stream_name(ctx);
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &["--duplicate-window", "1s"]);
+    let ids = insert_txn(&pool, 1, 0, 10, 0).await;
+    read_stream(&stack.nats_url, &stream, 10, T).await;
+    sqlx::query("UPDATE outbox_events SET published_at = now() WHERE id = $1")
+        .bind(ids[4])
+        .execute(&pool)
+        .await
+        .unwrap();
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_message(5)
+        .await
+        .unwrap();
+    let (code, out) = audit(
+        &url,
+        ctx,
+        &[
+            "--last",
+            "1h",
+            "--unpublished",
+            "outbox_events.published_at IS NULL",
+        ],
+    );
+    assert_eq!(code, Some(1), "{out}");
+    let found = lines(&out, "missing");
+    assert!(
+        found.len() == 1
+            && found[0].contains(&ids[4].to_string())
+            && found[0].contains("marked published"),
+        "{out}"
+    );
+    drop(relay);
+}
+
 /// Bad input exits 2 with one line: a window that starts in the future,
 /// a stream that does not exist, a window the stream no longer reaches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -505,12 +505,12 @@ async fn a_server_without_atomic_batches_gets_one_publish_per_event() {
         m.value("outbox_relay_batches_total{result=\"committed\"}"),
         Some(0.0)
     );
-    // SPEC §15: 2.11.11 is behind its line's last security release.
+    // SPEC §15: the 2.11 line has no fix for a 2026 advisory.
     let log = relay.log_text();
     assert!(
         log.lines()
-            .any(|l| l.contains("WARN") && l.contains("below 2.11.16")),
-        "one warning naming the release with the fix: {log}"
+            .any(|l| l.contains("WARN") && l.contains("upgrade to 2.12.12, 2.14.3")),
+        "one warning naming the releases with the fix: {log}"
     );
 }
 

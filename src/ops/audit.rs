@@ -184,10 +184,14 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     .execute(&mut *tx)
     .await
     .map_err(Error::pg("starting the audit"))?;
-    let w: String = sqlx::query_scalar("SELECT pg_current_wal_insert_lsn()::text")
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(Error::pg("taking the audit's snapshot"))?;
+    // On a standby (the relay may stream from one), what it replayed.
+    let w: String = sqlx::query_scalar(
+        "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
+                 ELSE pg_current_wal_insert_lsn() END)::text",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(Error::pg("taking the audit's snapshot"))?;
     let w = Lsn::parse(&w).map_err(|e| Error::setup(format!("WAL position {w:?}: {e}")))?;
     match crate::ops::prune::wait_confirmed(pool, &rc.slot, w, cfg.wait).await? {
         crate::ops::prune::Confirmed::Reached(_) => {}
@@ -341,8 +345,12 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     let table = format!("{}.{}", quote(&rc.schema), quote(&rc.table));
     let at = keys.occurred_at(None);
     let (r_id, r_at) = (keys.id(Some("r")), keys.occurred_at(Some("r")));
-    let scope = audited_rows(pool, rc).await?;
-    let window = format!("{at} >= $1::timestamptz AND {at} < $2::timestamptz AND ({scope})");
+    let window = format!("{at} >= $1::timestamptz AND {at} < $2::timestamptz");
+    // Rows the relay's first start took for published (the worker it
+    // replaced sent them) are held to the stream like any other: a row
+    // marked so later may be one the relay sent and the stream lost. A
+    // hole among them is said to be one.
+    let unpublished = unpublished_rows(pool, rc).await?;
     let since = report.since.clone();
     let until = report.until.clone();
     report.rows = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -359,17 +367,12 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .map_err(Error::pg("counting the window's messages"))?;
     // A row's id as the relay sends it: a text id holding a UUID goes as
     // that UUID's canonical text.
-    let sent_id = if keys.id_type == "uuid" || keys.id_type.starts_with("int") {
-        format!("{r_id}::text")
-    } else {
-        format!(
-            "CASE WHEN {r_id} ~* '^[0-9a-f]{{8}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{12}}$' \
-             THEN {r_id}::uuid::text ELSE {r_id}::text END"
-        )
-    };
+    let sent_id = sent_id_sql(&keys, &r_id);
+    // The window's rows in a subquery of their own, so that the relay's
+    // predicate may name the table as it does there.
     let holes = format!(
-        "FROM {table} r WHERE {window} \
-         AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = {sent_id})"
+        "FROM (SELECT *, ({unpublished}) AS outbox_audit_unpublished FROM {table} WHERE {window}) r \
+         WHERE NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = {sent_id})"
     );
     report.missing = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) {holes}")))
         .bind(&since)
@@ -377,21 +380,29 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .fetch_one(&mut *tx)
         .await
         .map_err(Error::pg("counting rows missing from the stream"))?;
-    let missing: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {sent_id}, {r_at}::text {holes} ORDER BY {r_at}, {r_id} LIMIT {MAX_LISTED}"
-    )))
-    .bind(&since)
-    .bind(&until)
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(Error::pg("finding rows missing from the stream"))?;
-    for (id, at) in &missing {
+    let missing: Vec<(String, String, Option<bool>)> =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {sent_id}, {r_at}::text, r.outbox_audit_unpublished {holes} \
+         ORDER BY {r_at}, {r_id} LIMIT {MAX_LISTED}"
+        )))
+        .bind(&since)
+        .bind(&until)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(Error::pg("finding rows missing from the stream"))?;
+    for (id, at, unpublished) in &missing {
+        let marked = if *unpublished == Some(false) {
+            " (marked published: sent by the worker the relay replaced, if older than the relay's first start)"
+        } else {
+            ""
+        };
         report.findings.push(Finding {
             kind: "missing",
             id: id.clone(),
-            detail: format!("row of {at} is not in the stream"),
+            detail: format!("row of {at} is not in the stream{marked}"),
         });
     }
+    let missing: Vec<(String, String)> = missing.into_iter().map(|(id, at, _)| (id, at)).collect();
     let twice = "FROM outbox_audit GROUP BY id HAVING count(*) > 1";
     report.duplicate = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM (SELECT id {twice}) d"
@@ -465,11 +476,23 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     Ok(report)
 }
 
-/// Which rows of the table are the stream's to hold: those the relay was
-/// told were not published before it (`--unpublished`, else `published_at
-/// IS NULL` where that column exists), as its first start judged them. A
-/// row the worker it replaced had published is not a hole.
-async fn audited_rows(pool: &PgPool, rc: &crate::config::RelayConfig) -> Result<String> {
+/// A row's id as the relay sends it, from its SQL `id`: a text id holding
+/// a UUID goes as that UUID's canonical text.
+fn sent_id_sql(keys: &crate::ops::prune::Keys, id: &str) -> String {
+    if keys.id_type == "uuid" || keys.id_type.starts_with("int") {
+        format!("{id}::text")
+    } else {
+        format!(
+            "CASE WHEN {id} ~* '^[0-9a-f]{{8}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{4}}-?[0-9a-f]{{12}}$' \
+             THEN {id}::uuid::text ELSE {id}::text END"
+        )
+    }
+}
+
+/// The rows the relay's first start takes for unpublished (`--unpublished`,
+/// else `published_at IS NULL` where that column exists), as SQL over the
+/// table's columns.
+async fn unpublished_rows(pool: &PgPool, rc: &crate::config::RelayConfig) -> Result<String> {
     if let Some(predicate) = &rc.unpublished {
         return Ok(predicate.clone());
     }
@@ -614,11 +637,12 @@ async fn repair(
         .collect::<Vec<_>>()
         .join(", ");
     let ids: Vec<String> = missing.iter().map(|(id, _)| id.clone()).collect();
+    // By the id as it was sent (a text UUID in canonical form), as found.
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {select} FROM {}.{} WHERE {}::text = ANY($1) ORDER BY {}, {}",
+        "SELECT {select} FROM {}.{} WHERE {} = ANY($1) ORDER BY {}, {}",
         quote(&rc.schema),
         quote(&rc.table),
-        keys.id(None),
+        sent_id_sql(keys, &keys.id(None)),
         keys.occurred_at(None),
         keys.id(None)
     )))

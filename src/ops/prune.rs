@@ -211,7 +211,8 @@ async fn in_snapshot(
         .map_err(Error::pg("starting a transaction in the prune snapshot"))?;
     // Snapshot names are server-made hex and dashes.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'"
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{snapshot}'; \
+         SET LOCAL TimeZone = 'UTC'"
     )))
     .execute(&mut *tx)
     .await
@@ -426,6 +427,10 @@ impl Keys {
     }
 }
 
+/// An ISO 8601 / RFC 3339 date and time, as a json key holds one.
+const TIME_SHAPE: &str =
+    r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|z|[+-]\d{2}(:?\d{2})?)?$";
+
 fn source_sql(
     source: &crate::relay::columns::Source,
     alias: Option<&str>,
@@ -442,7 +447,10 @@ fn source_sql(
         Source::Key { column: c, key } => {
             let text = format!("({}->>'{}')", column(c), key.replace('\'', "''"));
             match cast {
-                Some(ty) => format!("({text}::{ty})"),
+                // Only what reads as a time is cast: one malformed value
+                // (a row the relay dead-lettered) must not fail the whole
+                // statement. It reads as null, in no window.
+                Some(ty) => format!("(CASE WHEN {text} ~ '{TIME_SHAPE}' THEN {text}::{ty} END)"),
                 None => text,
             }
         }
@@ -460,18 +468,20 @@ async fn delete_batches(
     batch: i64,
 ) -> Result<u64> {
     let (id, id_type, at) = (keys.id(None), keys.id_type, keys.occurred_at(None));
-    let (t_id, t_at) = (keys.id(Some("t")), keys.occurred_at(Some("t")));
+    let t_at = keys.occurred_at(Some("t"));
     let mut deleted = 0u64;
     let mut after: Option<String> = None;
     loop {
         let mut tx = in_snapshot(pool, snapshot).await?;
         let (n, last): (i64, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "WITH victims AS ( \
-                 SELECT {id} AS vid FROM {table} WHERE {at} < $1::timestamptz \
+                 SELECT tableoid AS vrel, ctid AS vrow, {id} AS vid FROM {table} \
+                 WHERE {at} < $1::timestamptz \
                    AND ($2::text IS NULL OR {id} > $2::text::{id_type}) \
                  ORDER BY {id} LIMIT $3), \
              gone AS (DELETE FROM {table} t USING victims v \
-                      WHERE {t_id} = v.vid AND {t_at} < $1::timestamptz RETURNING {t_id}) \
+                      WHERE t.tableoid = v.vrel AND t.ctid = v.vrow \
+                        AND {t_at} < $1::timestamptz RETURNING 1) \
              SELECT (SELECT count(*) FROM gone), (SELECT vid::text FROM victims ORDER BY vid DESC LIMIT 1)"
         )))
         .bind(cutoff)

@@ -65,6 +65,15 @@ pub async fn prepare(
         tracing::warn!("{warning}");
     }
     if standby {
+        let slot: String = sqlx::query_scalar("SELECT current_setting('primary_slot_name')")
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("reading primary_slot_name"))?;
+        if slot.is_empty() {
+            tracing::warn!(
+                "DATABASE_URL is a standby without primary_slot_name: while it is disconnected the primary neither keeps the WAL it needs nor honours hot_standby_feedback, and may remove rows this relay's slot still has to decode (the standby then invalidates the slot); give the standby a physical slot on the primary"
+            );
+        }
         tracing::info!(
             "DATABASE_URL is a physical standby: a new slot is created at the primary's next running-transactions record (the background writer logs one every 15 s while the primary writes WAL; SELECT pg_log_standby_snapshot(); on the primary makes it now)"
         );

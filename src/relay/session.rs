@@ -98,7 +98,10 @@ fn sample_horizons(
                 _ = every.tick() => {}
             }
             let sample: std::result::Result<(String, String), _> = sqlx::query_as(
-                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, pg_current_wal_insert_lsn()::text",
+                // On a standby, the snapshot is of what it replayed.
+                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, \
+                        (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
+                         ELSE pg_current_wal_insert_lsn() END)::text",
             )
             .fetch_one(&pool)
             .await;

@@ -863,9 +863,14 @@ impl OwnNats {
             String::from_utf8_lossy(&out.stderr)
         );
         let bin = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        Self::start_bin(stack, name, &bin)
+    }
+
+    /// The nats-server binary at `bin`.
+    pub fn start_bin(stack: &Stack, name: &str, bin: &str) -> OwnNats {
         let mut n = Self::start_with(stack, name, &[]);
         n.down();
-        n.bin = bin;
+        n.bin = bin.to_owned();
         n.up();
         n
     }
@@ -1120,7 +1125,7 @@ fn consume_args(
     .collect()
 }
 
-const STACK_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
+pub const STACK_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
 
 /// A 3-node JetStream cluster of the test's own (`scripts/stack.sh
 /// nats-cluster-up`), for leader-failure tests. Stopped on drop.
