@@ -102,41 +102,36 @@ nats_bin() {
   echo "$bin"
 }
 
-# promtool (to check deploy/prometheus/alerts.yml) from Debian's prometheus
-# package, unpacked into .tools/ without installing or starting anything.
-promtool_bin() {
-  if [ -n "${PROMTOOL_BIN:-}" ]; then echo "$PROMTOOL_BIN"; return; fi
-  local dir="$TOOLS/prometheus" bin
-  bin="$dir/usr/bin/promtool"
+# A program from a Debian package, unpacked into .tools/NAME without
+# installing or starting anything: debian_bin NAME PACKAGE PATH-IN-PACKAGE.
+debian_bin() {
+  local dir="$TOOLS/$1" pkg="$2" bin
+  bin="$dir/$3"
   if [ ! -x "$bin" ]; then
-    command -v apt-get >/dev/null 2>&1 || die "apt-get not found; cannot fetch promtool"
-    echo "stack.sh: fetching promtool (Debian package prometheus) into $dir" >&2
+    command -v apt-get >/dev/null 2>&1 || die "apt-get not found; cannot fetch $pkg"
+    echo "stack.sh: fetching $pkg (Debian package) into $dir" >&2
     mkdir -p "$dir/deb"
-    (cd "$dir/deb" && apt-get download prometheus >/dev/null 2>&1) \
-      || die "apt-get download prometheus failed"
-    dpkg-deb -x "$(ls "$dir"/deb/prometheus_*.deb | head -1)" "$dir" || die "cannot unpack prometheus"
-    rm -rf "$dir/deb" "$dir/usr/bin/prometheus"
+    (cd "$dir/deb" && apt-get download "$pkg" >/dev/null 2>&1) \
+      || die "apt-get download $pkg failed"
+    dpkg-deb -x "$(ls "$dir"/deb/"$pkg"_*.deb | head -1)" "$dir" || die "cannot unpack $pkg"
+    rm -rf "$dir/deb"
   fi
-  [ -x "$bin" ] || die "promtool not found at $bin"
+  [ -x "$bin" ] || die "$pkg: $bin not found"
   echo "$bin"
 }
 
-# Debian 12's nats-server package (2.9.10), unpacked into .tools/ without
-# installing or starting anything: the release the relay must refuse.
-nats_debian_bin() {
-  local dir="$TOOLS/nats-debian" bin
-  bin="$dir/usr/sbin/nats-server"
-  if [ ! -x "$bin" ]; then
-    command -v apt-get >/dev/null 2>&1 || die "apt-get not found; cannot fetch Debian's nats-server"
-    echo "stack.sh: fetching nats-server (Debian package) into $dir" >&2
-    mkdir -p "$dir/deb"
-    (cd "$dir/deb" && apt-get download nats-server >/dev/null 2>&1) \
-      || die "apt-get download nats-server failed"
-    dpkg-deb -x "$(ls "$dir"/deb/nats-server_*.deb | head -1)" "$dir" || die "cannot unpack nats-server"
-    rm -rf "$dir/deb"
-  fi
-  [ -x "$bin" ] || die "nats-server not found at $bin"
+# promtool, to check deploy/prometheus/alerts.yml.
+promtool_bin() {
+  if [ -n "${PROMTOOL_BIN:-}" ]; then echo "$PROMTOOL_BIN"; return; fi
+  local bin
+  bin="$(debian_bin prometheus prometheus usr/bin/promtool)" || exit 1
+  rm -f "$TOOLS/prometheus/usr/bin/prometheus"
   echo "$bin"
+}
+
+# Debian 12's own nats-server (2.9.10): the release the relay must refuse.
+nats_debian_bin() {
+  debian_bin nats-debian nats-server usr/sbin/nats-server
 }
 
 # A throwaway CA and a server certificate for 127.0.0.1 / localhost.

@@ -18,18 +18,10 @@ fn audit(url: &str, ctx: &str, extra: &[&str]) -> (Option<i32>, String) {
 }
 
 fn audit_at(url: &str, nats_url: &str, ctx: &str, extra: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(BIN)
-        .args(["audit", "--database-url", url, "--context", ctx])
-        .args(["--nats-url", nats_url, "--wait", "20s"])
-        .args(extra)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
+    let mut args = vec!["audit", "--database-url", url, "--context", ctx];
+    args.extend(["--nats-url", nats_url, "--wait", "20s"]);
+    args.extend(extra);
+    run_output_bounded(&args, Duration::from_secs(90))
 }
 
 fn lines<'a>(out: &'a str, kind: &str) -> Vec<&'a str> {

@@ -147,23 +147,14 @@ async fn relay_on(recipe: &Recipe) -> Vec<Got> {
 /// `--last 1h` unless they give a window).
 fn audit(ctx: &str, flags: &[&str]) -> (Option<i32>, String) {
     let url = db_url(&stack().admin_url, &format!("t_{ctx}"));
-    let out = std::process::Command::new(BIN)
-        .args(["audit", "--database-url", &url, "--context", ctx])
-        .args(["--nats-url", &stack().nats_url, "--wait", "20s"])
-        .args(flags)
-        .args(if flags.contains(&"--last") || flags.contains(&"--since") {
-            &[][..]
-        } else {
-            &["--last", "1h"][..]
-        })
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
+    let nats = stack().nats_url;
+    let mut args = vec!["audit", "--database-url", &url, "--context", ctx];
+    args.extend(["--nats-url", &nats, "--wait", "20s"]);
+    args.extend(flags);
+    if !flags.contains(&"--last") && !flags.contains(&"--since") {
+        args.extend(["--last", "1h"]);
+    }
+    run_output_bounded(&args, Duration::from_secs(60))
 }
 
 fn ids(got: &[Got]) -> Vec<String> {
@@ -585,15 +576,11 @@ async fn audit_and_prune_read_id_and_time_from_a_json_body() {
     let (code, out) = audit(ctx, &[flags, &["--last", "30d"]].concat());
     assert_eq!(code, Some(0), "{out}");
 
-    let out = std::process::Command::new(BIN)
-        .args(["prune", "--database-url", &url, "--context", ctx])
-        .args(&flags[..4])
-        .args(["--older-than", "1d", "--wait", "20s"])
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let mut args = vec!["prune", "--database-url", &url, "--context", ctx];
+    args.extend(&flags[..4]);
+    args.extend(["--older-than", "1d", "--wait", "20s"]);
+    let (code, text) = run_output_bounded(&args, Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{text}");
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
         .fetch_one(&pool)
         .await
