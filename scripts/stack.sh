@@ -24,6 +24,9 @@
 #   scripts/stack.sh free-port  print a loopback port that is free now
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
+#   scripts/stack.sh pgbouncer-bin
+#                               print a command that runs Debian 12's PgBouncer,
+#                               unpacked into .tools/ if missing
 #   scripts/stack.sh nats-bin-debian
 #                               print the path of Debian 12's own nats-server (2.9, older
 #                               than the relay supports), unpacked into .tools/ if missing
@@ -127,6 +130,28 @@ promtool_bin() {
   bin="$(debian_bin prometheus prometheus usr/bin/promtool)" || exit 1
   rm -f "$TOOLS/prometheus/usr/bin/prometheus"
   echo "$bin"
+}
+
+# PgBouncer (Debian 12's, with the c-ares library it needs beside it), for
+# the consumer's pooler check: prints a wrapper that runs it.
+pgbouncer_bin() {
+  local dir="$TOOLS/pgbouncer" run
+  run="$dir/run-pgbouncer"
+  if [ ! -x "$run" ]; then
+    debian_bin pgbouncer pgbouncer usr/sbin/pgbouncer >/dev/null || exit 1
+    if [ ! -e "$dir/usr/lib/x86_64-linux-gnu/libcares.so.2" ]; then
+      mkdir -p "$dir/deb"
+      (cd "$dir/deb" && apt-get download libc-ares2 >/dev/null 2>&1) \
+        || die "apt-get download libc-ares2 failed"
+      dpkg-deb -x "$(ls "$dir"/deb/libc-ares2_*.deb | head -1)" "$dir" || die "cannot unpack libc-ares2"
+      rm -rf "$dir/deb"
+    fi
+    printf '#!/bin/sh\nLD_LIBRARY_PATH="%s" exec "%s" "$@"\n' \
+      "$dir/usr/lib/x86_64-linux-gnu" "$dir/usr/sbin/pgbouncer" >"$run"
+    chmod 755 "$run"
+  fi
+  "$run" --version >/dev/null 2>&1 || die "PgBouncer at $dir does not run"
+  echo "$run"
 }
 
 # Debian 12's own nats-server (2.9.10): the release the relay must refuse.
@@ -572,6 +597,7 @@ case "${1:-}" in
     esac ;;
   nats-bin) nats_bin ;;
   nats-bin-debian) nats_debian_bin ;;
+  pgbouncer-bin) pgbouncer_bin ;;
   promtool) promtool_bin ;;
   pg-bin) [ -n "${2:-}" ] || die "usage: stack.sh pg-bin MAJOR"; pg_bin "$2" ;;
   pg17-bin) pg_bin 17 ;;

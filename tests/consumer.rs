@@ -5394,3 +5394,150 @@ async fn a_retry_lost_with_its_helper_keeps_its_backoff() {
     .await;
     wait_processed(&crew.pool, crew.ctx, 2).await;
 }
+
+/// PgBouncer (Debian's) in front of the consumer's Postgres, `pool_mode`
+/// of `mode`, listening on a port of its own; stopped on drop.
+struct Bouncer {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl Bouncer {
+    fn start(mode: &str) -> Bouncer {
+        let out = std::process::Command::new(STACK_SH)
+            .arg("pgbouncer-bin")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "stack.sh pgbouncer-bin: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bin = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        let target = pg_target(&stack().admin_url);
+        let pg_port = target.rsplit_once(':').unwrap().1.to_owned();
+        // Outside a private checkout: PgBouncer drops root for nobody.
+        let dir = std::env::temp_dir().join(format!(
+            "outbox-relay-pgbouncer-{mode}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = free_port();
+        std::fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n").unwrap();
+        std::fs::write(
+            dir.join("pgbouncer.ini"),
+            format!(
+                "[databases]\n* = host=127.0.0.1 port={pg_port}\n\n[pgbouncer]\n\
+                 listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+                 auth_type = trust\nauth_file = {}\npool_mode = {mode}\n\
+                 default_pool_size = 8\nmax_client_conn = 200\n\
+                 ignore_startup_parameters = extra_float_digits,options\n",
+                dir.join("users.txt").display()
+            ),
+        )
+        .unwrap();
+        let mut cmd = std::process::Command::new(&bin);
+        let uid = std::process::Command::new("id").arg("-u").output().unwrap();
+        if String::from_utf8_lossy(&uid.stdout).trim() == "0" {
+            // PgBouncer refuses to run as root.
+            cmd.args(["-u", "nobody"]);
+        }
+        let child = cmd
+            .arg(dir.join("pgbouncer.ini"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.join("pgbouncer.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "PgBouncer did not start: {}",
+                std::fs::read_to_string(dir.join("pgbouncer.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Bouncer { child, dir, port }
+    }
+
+    fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+}
+
+impl Drop for Bouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Issue 43: behind a transaction-pooling PgBouncer the crew's session
+/// advisory locks would stay on server connections handed to other
+/// clients: the consumer refuses to start, in one line. Behind a session
+/// pool it starts and consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_pooling_proxy_is_refused_at_start_and_a_session_pool_is_not() {
+    let stack = stack();
+    let (_url, pool) = fresh_db(&stack, "c_bouncer").await;
+    let js = js(&stack.nats_url).await;
+    let _ = js.delete_stream("CBOUNCE_EVENTS").await;
+    js.create_stream(stream::Config {
+        name: "CBOUNCE_EVENTS".into(),
+        subjects: vec!["cbounce.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    for mode in ["transaction", "statement"] {
+        let bouncer = Bouncer::start(mode);
+        let url = bouncer.url("c_bouncer");
+        let (code, stderr) = run_bounded(
+            &[
+                "consume",
+                "--database-url",
+                &url,
+                "--nats-url",
+                &stack.nats_url,
+                "--stream",
+                "CBOUNCE_EVENTS",
+                "--durable",
+                "bounce",
+                "--handler-url",
+                "http://127.0.0.1:9/h",
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ],
+            Duration::from_secs(30),
+        );
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+        assert!(
+            code == Some(1) && errors.len() == 1 && errors[0].contains("transaction-pooling"),
+            "{mode}: {stderr}"
+        );
+    }
+    let bouncer = Bouncer::start("session");
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let consumer = Service::consumer(
+        &bouncer.url("c_bouncer"),
+        &stack.nats_url,
+        "CBOUNCE_EVENTS",
+        "bounce",
+        &handler_url,
+        &[],
+    );
+    let id = Uuid::new_v4();
+    publish_with(&js, "cbounce.x", &[(wire::MSG_ID, &id.to_string())], b"{}").await;
+    eventually(
+        T,
+        "the message handled through the session pool",
+        || async { handler.calls_for(id).len() == 1 },
+    )
+    .await;
+    drop(consumer);
+    drop(pool);
+}

@@ -102,6 +102,7 @@ pub async fn run<H: Handler>(
         "not consuming yet: creating consumer {} on stream {}",
         cfg.durable, cfg.stream
     ));
+    crate::postgres::pooler::check_session_pinned(&pool).await?;
     inbox::check_schema(&pool).await.map_err(|e| Error::Setup {
         message: format!(
             "the inbox tables lack what the consumer needs ({e}); run `outbox-relay migrate` against this database"

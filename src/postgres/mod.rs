@@ -4,6 +4,7 @@
 //! table, publication and slot exist.
 
 mod pgpass;
+pub(crate) mod pooler;
 pub(crate) mod provision;
 
 use std::path::PathBuf;
