@@ -19,8 +19,7 @@
 
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
-use sqlx::{PgPool, Postgres, Row};
+use sqlx::{Connection, PgConnection, PgPool, Row};
 
 use crate::error::{Error, Result};
 
@@ -29,20 +28,27 @@ const WAIT: Duration = Duration::from_secs(3);
 
 /// Refuse a connection that does not keep its backend (see the module doc).
 pub async fn check_session_pinned(pool: &PgPool) -> Result<()> {
-    let mut a = pool
-        .acquire()
+    // Connections of its own: the pool may be smaller than two.
+    let options = pool.connect_options();
+    let mut a = PgConnection::connect_with(&options)
         .await
         .map_err(Error::pg("connecting for the pooler check"))?;
-    let mut b = pool
-        .acquire()
+    let mut b = PgConnection::connect_with(&options)
         .await
         .map_err(Error::pg("connecting for the pooler check"))?;
+    let verdict = probe(&mut a, &mut b).await;
+    let _ = a.close().await;
+    let _ = b.close().await;
+    verdict
+}
+
+async fn probe(a: &mut PgConnection, b: &mut PgConnection) -> Result<()> {
     let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
-    if let Err(why) = run(&mut a, "BEGIN").await {
+    if let Err(why) = run(a, "BEGIN").await {
         return Err(refusal(&format!("a transaction block was refused ({why})")));
     }
-    seen_a.push(pid(&mut a).await?);
-    match tokio::time::timeout(WAIT, pid(&mut b)).await {
+    seen_a.push(pid(a).await?);
+    match tokio::time::timeout(WAIT, pid(b)).await {
         Ok(p) => seen_b.push(p?),
         Err(_) => {
             return Err(refusal(&format!(
@@ -50,13 +56,13 @@ pub async fn check_session_pinned(pool: &PgPool) -> Result<()> {
             )))
         }
     }
-    run(&mut a, "COMMIT")
+    run(a, "COMMIT")
         .await
         .map_err(|e| Error::setup(format!("the pooler check: COMMIT: {e}")))?;
-    seen_a.push(pid(&mut a).await?);
-    seen_a.push(pid(&mut a).await?);
-    seen_b.push(pid(&mut b).await?);
-    seen_b.push(pid(&mut b).await?);
+    seen_a.push(pid(a).await?);
+    seen_a.push(pid(a).await?);
+    seen_b.push(pid(b).await?);
+    seen_b.push(pid(b).await?);
     match verdict(&seen_a, &seen_b) {
         None => Ok(()),
         Some(why) => Err(refusal(&why)),
@@ -79,16 +85,13 @@ fn refusal(why: &str) -> Error {
     ))
 }
 
-async fn run(
-    conn: &mut PoolConnection<Postgres>,
-    sql: &'static str,
-) -> std::result::Result<(), sqlx::Error> {
-    sqlx::raw_sql(sql).execute(&mut **conn).await.map(|_| ())
+async fn run(conn: &mut PgConnection, sql: &'static str) -> std::result::Result<(), sqlx::Error> {
+    sqlx::raw_sql(sql).execute(conn).await.map(|_| ())
 }
 
-async fn pid(conn: &mut PoolConnection<Postgres>) -> Result<i32> {
+async fn pid(conn: &mut PgConnection) -> Result<i32> {
     let row = sqlx::raw_sql("SELECT pg_backend_pid()::text")
-        .fetch_one(&mut **conn)
+        .fetch_one(conn)
         .await
         .map_err(Error::pg("the pooler check: pg_backend_pid()"))?;
     let text: String = row
