@@ -3481,6 +3481,7 @@ async fn three_processes_of_one_durable_share_its_work_across_a_kill_a_sigterm_a
 /// writing (their effects roll back).
 struct CrewEffects {
     process: String,
+    call_timeout: Duration,
 }
 
 impl outbox_relay::consumer::Handler for CrewEffects {
@@ -3515,11 +3516,19 @@ impl outbox_relay::consumer::Handler for CrewEffects {
         {
             return Outcome::Retry(e.to_string());
         }
+        // Inside the call, its writes and inbox row uncommitted.
+        if let Some(ms) = v["sleep_ms"].as_u64() {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         if d.delivered <= fails {
             Outcome::Retry("fails as scripted, after writing".into())
         } else {
             Outcome::Processed
         }
+    }
+
+    fn call_timeout(&self) -> Duration {
+        self.call_timeout
     }
 }
 
@@ -3559,7 +3568,13 @@ async fn crew_rust_child() {
         cfg,
         pool,
         js,
-        CrewEffects { process },
+        CrewEffects {
+            process,
+            call_timeout: std::env::var("CREW_CHILD_CALL_TIMEOUT_MS")
+                .ok()
+                .and_then(|ms| ms.parse().ok())
+                .map_or(Duration::from_secs(30), Duration::from_millis),
+        },
         outbox_relay::ops::endpoint::Readiness::default(),
         shutdown,
     )
@@ -5540,4 +5555,120 @@ async fn a_transaction_pooling_proxy_is_refused_at_start_and_a_session_pool_is_n
     .await;
     drop(consumer);
     drop(pool);
+}
+
+/// Issue 43: a process frozen (SIGSTOP) inside a Rust handler's call holds
+/// that message's inbox row and the call's writes, uncommitted. Postgres
+/// ends the frozen transaction once it has been idle past the handler's
+/// call timeout (here 2 s, plus 5 s), and the process that took the lease
+/// runs the message: one committed effect, and the aggregate goes on in
+/// order. Before, the new process waited on the row lock for as long as
+/// the freeze lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_frozen_inside_a_rust_call_holds_its_message_no_longer_than_the_call_timeout() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_rfreeze").await;
+    sqlx::query(
+        "CREATE TABLE crew_effects (message_id uuid NOT NULL, aggregate text NOT NULL, process text NOT NULL, started float8 NOT NULL, ended float8 NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "crfreeze", DUP).await;
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let spawn = |name: &str| {
+        let log = std::fs::File::create(logs.join(format!("rfreeze-{name}.log"))).unwrap();
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "consumer::crew_rust_child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("CREW_CHILD_DB", &url)
+            .env("CREW_CHILD_NATS", &stack.nats_url)
+            .env("CREW_CHILD_STREAM", &stream)
+            .env("CREW_CHILD_NAME", name)
+            .env("CREW_CHILD_CALL_TIMEOUT_MS", "2000")
+            .env("RUST_LOG", "outbox_relay=info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    };
+    let a = Reaped(spawn("a"));
+    let slow = Uuid::new_v4();
+    publish(
+        &js,
+        "crfreeze.event.placed.v1",
+        Some(slow),
+        "k",
+        br#"{"aggregate": "k", "sleep_ms": 1500}"#,
+    )
+    .await;
+    // Inside the call: its effect written, the transaction idle.
+    eventually(T, "a inside the slow call", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction' AND query LIKE 'INSERT INTO crew_effects%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            > 0
+    })
+    .await;
+    signal(a.0.id(), "STOP");
+    let frozen = Instant::now();
+    let b = Reaped(spawn("b"));
+    let next = Uuid::new_v4();
+    publish(
+        &js,
+        "crfreeze.event.placed.v1",
+        Some(next),
+        "k",
+        br#"{"aggregate": "k"}"#,
+    )
+    .await;
+    let effects = |id: Uuid| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (String, f64)>(
+                "SELECT process, ended FROM crew_effects WHERE message_id = $1",
+            )
+            .bind(id)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    eventually(T, "b runs the message the frozen a held", || async {
+        effects(slow).await.len() == 1 && effects(next).await.len() == 1
+    })
+    .await;
+    println!(
+        "the held message ran elsewhere {:.1} s after the freeze",
+        frozen.elapsed().as_secs_f64()
+    );
+    let (first, second) = (effects(slow).await, effects(next).await);
+    assert_eq!(first[0].0, "b", "the frozen process committed nothing");
+    assert!(first[0].1 <= second[0].1, "the aggregate keeps its order");
+    // Thawed, a finds its transaction gone: still one effect each.
+    signal(a.0.id(), "CONT");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(effects(slow).await.len(), 1);
+    drop((a, b));
+}
+
+/// A child process killed (even a stopped one) when the test ends, passed
+/// or not.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -93,12 +93,25 @@ pub trait Handler: Send + Sync + 'static {
         MAX_GROUP
     }
 
+    /// The longest a call inside the inbox transaction may take; one that
+    /// takes longer fails (and is retried, its writes rolled back). It also
+    /// bounds how long a process frozen in a call (SIGSTOP, a VM pause)
+    /// holds its inbox rows: Postgres ends a transaction that stays idle
+    /// [`IDLE_MARGIN`] longer, so another process can run the message.
+    fn call_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(30)
+    }
+
     /// The call for a handler that is not [`in_transaction`](Self::in_transaction).
     fn handle_detached(&self, delivery: &Delivery) -> impl Future<Output = Outcome> + Send {
         let _ = delivery;
         async { Outcome::Retry("this handler runs only inside the inbox transaction".into()) }
     }
 }
+
+/// How much longer than [`Handler::call_timeout`] a group transaction may
+/// stay idle before Postgres ends it: a live process never gets there.
+pub const IDLE_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Run one handler call, timed. A panic is an attempt that failed, counted
 /// like any other: left to unwind, it would roll back the claim that counts

@@ -213,7 +213,19 @@ async fn run_group<H: Handler>(
     ctx: &Context<H>,
     group: &[Request],
 ) -> Result<Vec<Ran>, sqlx::Error> {
-    let mut tx = ctx.pool.begin().await?;
+    // A process frozen inside a call (SIGSTOP, a VM pause) would hold its
+    // inbox rows, and with them the message's next run elsewhere, for as
+    // long as it stays frozen: Postgres ends the transaction instead, once
+    // it has been idle longer than any live call may take. Sent with the
+    // BEGIN, which goes with the claim: no round trip of its own.
+    let idle = ctx.handler.call_timeout() + handler::IDLE_MARGIN;
+    let mut tx = ctx
+        .pool
+        .begin_with(sqlx::AssertSqlSafe(format!(
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
+            idle.as_millis()
+        )))
+        .await?;
     let ids: Vec<Uuid> = group.iter().map(|r| r.delivery.message_id).collect();
     let subjects: Vec<&str> = group.iter().map(|r| r.delivery.subject.as_str()).collect();
     let seqs: Vec<i64> = group
@@ -260,8 +272,18 @@ async fn run_group<H: Handler>(
                 Err(e) => books.blame_last_call(&mut tx, e).await?,
             }
         }
-        // A panic is this message's failure, not the group's.
-        let outcome = handler::call(|| ctx.handler.handle(&mut tx, &delivery)).await;
+        // A panic is this message's failure, not the group's; so is a call
+        // over its time, which Postgres would otherwise end with the group.
+        let limit = ctx.handler.call_timeout();
+        let outcome = match tokio::time::timeout(
+            limit,
+            handler::call(|| ctx.handler.handle(&mut tx, &delivery)),
+        )
+        .await
+        {
+            Ok(outcome) => outcome,
+            Err(_) => Outcome::Retry(format!("the handler did not answer within {limit:?}")),
+        };
         if outcome == Outcome::Processed {
             books.processed.push(id);
             books.last_call = Some((books.done.len(), attempts));
