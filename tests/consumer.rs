@@ -3520,6 +3520,22 @@ impl outbox_relay::consumer::Handler for CrewEffects {
         if let Some(ms) = v["sleep_ms"].as_u64() {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
+        // The first delivery only: past its call timeout, in Rust or in a
+        // statement (a lock wait, say).
+        if d.delivered == 1 {
+            if let Some(ms) = v["sleep_first_ms"].as_u64() {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            if let Some(s) = v["pg_sleep_first"].as_f64() {
+                if let Err(e) = sqlx::query("SELECT pg_sleep($1)")
+                    .bind(s)
+                    .execute(&mut *tx)
+                    .await
+                {
+                    return Outcome::Retry(e.to_string());
+                }
+            }
+        }
         if d.delivered <= fails {
             Outcome::Retry("fails as scripted, after writing".into())
         } else {
@@ -5560,7 +5576,7 @@ async fn a_transaction_pooling_proxy_is_refused_at_start_and_a_session_pool_is_n
 /// Issue 43: a process frozen (SIGSTOP) inside a Rust handler's call holds
 /// that message's inbox row and the call's writes, uncommitted. Postgres
 /// ends the frozen transaction once it has been idle past the handler's
-/// call timeout (here 2 s, plus 5 s), and the process that took the lease
+/// call timeout (here 5 s, plus 5 s), and the process that took the lease
 /// runs the message: one committed effect, and the aggregate goes on in
 /// order. Before, the new process waited on the row lock for as long as
 /// the freeze lasted.
@@ -5591,7 +5607,7 @@ async fn a_process_frozen_inside_a_rust_call_holds_its_message_no_longer_than_th
             .env("CREW_CHILD_NATS", &stack.nats_url)
             .env("CREW_CHILD_STREAM", &stream)
             .env("CREW_CHILD_NAME", name)
-            .env("CREW_CHILD_CALL_TIMEOUT_MS", "2000")
+            .env("CREW_CHILD_CALL_TIMEOUT_MS", "5000")
             .env("RUST_LOG", "outbox_relay=info")
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -5605,7 +5621,7 @@ async fn a_process_frozen_inside_a_rust_call_holds_its_message_no_longer_than_th
         "crfreeze.event.placed.v1",
         Some(slow),
         "k",
-        br#"{"aggregate": "k", "sleep_ms": 1500}"#,
+        br#"{"aggregate": "k", "sleep_ms": 4000}"#,
     )
     .await;
     // Inside the call: its effect written, the transaction idle.
@@ -5671,4 +5687,69 @@ impl Drop for Reaped {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// A Rust handler's call over its `call_timeout` (here 1 s) fails and is
+/// retried, its writes rolled back, whether it overran in Rust or in a
+/// statement (which Postgres cancels); the group's other calls commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_call_over_its_timeout_fails_alone_and_is_retried() {
+    let stack = stack();
+    let (_url, pool) = fresh_db(&stack, "c_rtimeout").await;
+    sqlx::query(
+        "CREATE TABLE crew_effects (message_id uuid NOT NULL, aggregate text NOT NULL, process text NOT NULL, started float8 NOT NULL, ended float8 NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "crtimeout", DUP).await;
+    let consumer = RustConsumer::start(
+        rust_cfg(&stream, "rtimeout", "crtimeout"),
+        &pool,
+        &js,
+        CrewEffects {
+            process: "p".into(),
+            call_timeout: Duration::from_secs(1),
+        },
+    );
+    let bodies: [&[u8]; 3] = [
+        br#"{"aggregate": "r", "sleep_first_ms": 3000}"#,
+        br#"{"aggregate": "s", "pg_sleep_first": 600}"#,
+        br#"{"aggregate": "t"}"#,
+    ];
+    let mut ids = Vec::new();
+    for (i, body) in bodies.iter().enumerate() {
+        let id = Uuid::new_v4();
+        publish(
+            &js,
+            "crtimeout.event.placed.v1",
+            Some(id),
+            &format!("a{i}"),
+            body,
+        )
+        .await;
+        ids.push(id);
+    }
+    let effects = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM crew_effects WHERE message_id = ANY($1)")
+            .bind(&ids)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    eventually(T, "every message's effect, once", || async {
+        effects().await == 3
+    })
+    .await;
+    let attempts: Vec<i32> = sqlx::query_scalar(
+        "SELECT attempts FROM inbox_messages WHERE message_id = ANY($1) ORDER BY attempts",
+    )
+    .bind(&ids)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, [1, 2, 2], "the two slow calls failed once each");
+    consumer.stop().await;
+    assert_eq!(effects().await, 3, "no effect of a failed call committed");
 }

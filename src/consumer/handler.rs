@@ -98,6 +98,10 @@ pub trait Handler: Send + Sync + 'static {
     /// bounds how long a process frozen in a call (SIGSTOP, a VM pause)
     /// holds its inbox rows: Postgres ends a transaction that stays idle
     /// [`IDLE_MARGIN`] longer, so another process can run the message.
+    /// A statement of the call is cancelled past it too. `Duration::MAX`
+    /// lifts the bound (to about 24 days). A handler that blocks its thread
+    /// cannot be stopped at the limit: Postgres then ends the whole group,
+    /// whose messages run again.
     fn call_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(30)
     }
@@ -112,6 +116,17 @@ pub trait Handler: Send + Sync + 'static {
 /// How much longer than [`Handler::call_timeout`] a group transaction may
 /// stay idle before Postgres ends it: a live process never gets there.
 pub const IDLE_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A call's time limit and the group transaction's idle limit from
+/// [`Handler::call_timeout`]: at least 1 ms, and small enough for Postgres's
+/// settings (int milliseconds); `Duration::MAX` is about 24 days.
+pub fn call_limits(
+    call_timeout: std::time::Duration,
+) -> (std::time::Duration, std::time::Duration) {
+    let most = std::time::Duration::from_millis(i32::MAX as u64) - IDLE_MARGIN;
+    let limit = call_timeout.clamp(std::time::Duration::from_millis(1), most);
+    (limit, limit + IDLE_MARGIN)
+}
 
 /// Run one handler call, timed. A panic is an attempt that failed, counted
 /// like any other: left to unwind, it would roll back the claim that counts
@@ -290,6 +305,19 @@ async fn snippet(mut resp: reqwest::Response) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn call_limits_stay_within_what_postgres_takes() {
+        use std::time::Duration;
+        assert_eq!(
+            call_limits(Duration::from_secs(30)),
+            (Duration::from_secs(30), Duration::from_secs(35))
+        );
+        assert_eq!(call_limits(Duration::ZERO).0, Duration::from_millis(1));
+        let (limit, idle) = call_limits(Duration::MAX);
+        assert_eq!(idle.as_millis(), i32::MAX as u128);
+        assert!(limit < idle);
+    }
 
     #[test]
     fn body_is_the_spec_json_with_raw_payload() {

@@ -177,11 +177,15 @@ impl Lease {
             None => bounded_session(pool, "connecting for the consumer lease").await?,
         };
         let sent = Instant::now();
-        let got: bool = tokio::time::timeout(
+        // With the backend that took it: a proxy that moved this
+        // connection to another (transaction pooling) has lost it.
+        let (got, backend): (bool, i32) = tokio::time::timeout(
             RENEW,
-            sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
-                .bind(lock_name(stream, durable))
-                .fetch_one(&mut conn),
+            sqlx::query_as(
+                "SELECT pg_try_advisory_lock(hashtextextended($1, 0)), pg_backend_pid()",
+            )
+            .bind(lock_name(stream, durable))
+            .fetch_one(&mut conn),
         )
         .await
         .map_err(|_| Error::pg("pg_try_advisory_lock")(sqlx::Error::PoolTimedOut))?
@@ -211,7 +215,13 @@ impl Lease {
         let proof = Proof::default();
         proof.renew(proof_end(sent));
         let (lost, stop) = (CancellationToken::new(), CancellationToken::new());
-        tokio::spawn(keep(conn, proof.clone(), lost.clone(), stop.clone()));
+        tokio::spawn(keep(
+            conn,
+            backend,
+            proof.clone(),
+            lost.clone(),
+            stop.clone(),
+        ));
         Ok(Some(Lease { proof, lost, stop }))
     }
 
@@ -240,6 +250,7 @@ impl Drop for Lease {
 /// frees the lock within [`LEASE_TTL`] of the last ping at the latest).
 async fn keep(
     mut conn: PgConnection,
+    backend: i32,
     proof: Proof,
     lost: CancellationToken,
     stop: CancellationToken,
@@ -255,8 +266,10 @@ async fn keep(
             _ = tick.tick() => {}
         }
         let sent = Instant::now();
-        match tokio::time::timeout(RENEW, conn.ping()).await {
-            Ok(Ok(())) => proof.renew(proof_end(sent)),
+        let same_backend =
+            sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(&mut conn);
+        match tokio::time::timeout(RENEW, same_backend).await {
+            Ok(Ok(pid)) if pid == backend => proof.renew(proof_end(sent)),
             _ => {
                 proof.revoke();
                 lost.cancel();

@@ -216,14 +216,18 @@ async fn run_group<H: Handler>(
     // A process frozen inside a call (SIGSTOP, a VM pause) would hold its
     // inbox rows, and with them the message's next run elsewhere, for as
     // long as it stays frozen: Postgres ends the transaction instead, once
-    // it has been idle longer than any live call may take. Sent with the
-    // BEGIN, which goes with the claim: no round trip of its own.
-    let idle = ctx.handler.call_timeout() + handler::IDLE_MARGIN;
+    // it has been idle longer than any live call may take. A statement
+    // stuck past a call's time (a lock wait) is cancelled, so a call the
+    // timeout below dropped does not hold the group. Sent with the BEGIN,
+    // which goes with the claim: no round trip of its own.
+    let (limit, idle) = handler::call_limits(ctx.handler.call_timeout());
     let mut tx = ctx
         .pool
         .begin_with(sqlx::AssertSqlSafe(format!(
-            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
-            idle.as_millis()
+            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
+             SET LOCAL statement_timeout = {}",
+            idle.as_millis(),
+            limit.as_millis()
         )))
         .await?;
     let ids: Vec<Uuid> = group.iter().map(|r| r.delivery.message_id).collect();
@@ -274,22 +278,34 @@ async fn run_group<H: Handler>(
         }
         // A panic is this message's failure, not the group's; so is a call
         // over its time, which Postgres would otherwise end with the group.
-        let limit = ctx.handler.call_timeout();
-        let outcome = match tokio::time::timeout(
+        let (outcome, dropped) = match tokio::time::timeout(
             limit,
             handler::call(|| ctx.handler.handle(&mut tx, &delivery)),
         )
         .await
         {
-            Ok(outcome) => outcome,
-            Err(_) => Outcome::Retry(format!("the handler did not answer within {limit:?}")),
+            Ok(outcome) => (outcome, false),
+            Err(_) => {
+                metrics::histogram!(crate::ops::metrics::CONSUMER_HANDLER_SECONDS)
+                    .record(limit.as_secs_f64());
+                let why = format!("the handler did not answer within {limit:?}");
+                (Outcome::Retry(why), true)
+            }
         };
         if outcome == Outcome::Processed {
             books.processed.push(id);
             books.last_call = Some((books.done.len(), attempts));
             books.done.push(Ran::Processed { duplicate: false });
         } else {
-            sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await?;
+            // A statement the dropped call left running ends (at the
+            // latest at statement_timeout) with its own answer, which the
+            // next statement reads first: then once more.
+            if let Err(e) = sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await {
+                if !dropped {
+                    return Err(e);
+                }
+                sqlx::raw_sql(ROLLBACK_TO).execute(&mut *tx).await?;
+            }
             books.last_call = None;
             books.done.push(Ran::Failed {
                 outcome,

@@ -6,16 +6,17 @@
 //! whether each of two client connections keeps one backend.
 //!
 //! The probe, on two connections `a` and `b` (simple-protocol queries,
-//! which a pooler passes whatever its prepared-statement support): `a`
-//! holds a transaction open while `b` asks, so the two run on different
-//! backends; then `a`, `a`, `b`, `b` ask one after the other. Direct, or
-//! through a session pool, each connection sees one backend throughout.
-//! Through a transaction pool every query takes an idle backend: handed
-//! out last-released first (PgBouncer's default) the four run on `a`'s,
-//! so `b` moves; oldest first, `a` gets `b`'s at once. A pool of one backend
-//! makes `b` wait for `a`'s transaction: that too is a pool. Other clients
-//! of the pool only move backends more; nothing makes a direct connection
-//! move, so the probe never refuses one.
+//! which a pooler passes whatever its prepared-statement support), one
+//! query at a time: `b`, `a`, `a`, `b`, `a`, `b`. Direct, or through a
+//! session pool, each connection keeps its own backend, and two live
+//! connections never share one. Through a transaction pool each query
+//! takes an idle backend: handed out last-released first (PgBouncer's
+//! default), `a` gets the one `b` just used; oldest first, the backends
+//! rotate under each connection. Nothing here waits for a backend, so a
+//! session pool that is briefly full is not taken for a transaction pool.
+//! Two proxies behind one address (replicas) can still each keep a
+//! connection on one backend: the lease's keeper checks its backend at
+//! every renewal too (`consumer/lease.rs`).
 
 use std::time::Duration;
 
@@ -23,11 +24,20 @@ use sqlx::{Connection, PgConnection, PgPool, Row};
 
 use crate::error::{Error, Result};
 
-/// How long `b` may wait for a backend while `a` holds one.
-const WAIT: Duration = Duration::from_secs(3);
+/// The whole check, connections included.
+const WITHIN: Duration = Duration::from_secs(10);
 
 /// Refuse a connection that does not keep its backend (see the module doc).
 pub async fn check_session_pinned(pool: &PgPool) -> Result<()> {
+    match tokio::time::timeout(WITHIN, check(pool)).await {
+        Ok(verdict) => verdict,
+        Err(_) => Err(Error::setup(format!(
+            "Postgres did not answer the consumer's start-up check within {WITHIN:?}"
+        ))),
+    }
+}
+
+async fn check(pool: &PgPool) -> Result<()> {
     // Connections of its own: the pool may be smaller than two.
     let options = pool.connect_options();
     let mut a = PgConnection::connect_with(&options)
@@ -36,57 +46,48 @@ pub async fn check_session_pinned(pool: &PgPool) -> Result<()> {
     let mut b = PgConnection::connect_with(&options)
         .await
         .map_err(Error::pg("connecting for the pooler check"))?;
-    let verdict = probe(&mut a, &mut b).await;
+    let seen = probe(&mut a, &mut b).await;
     let _ = a.close().await;
     let _ = b.close().await;
-    verdict
-}
-
-async fn probe(a: &mut PgConnection, b: &mut PgConnection) -> Result<()> {
-    let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
-    if let Err(why) = run(a, "BEGIN").await {
-        return Err(refusal(&format!("a transaction block was refused ({why})")));
-    }
-    seen_a.push(pid(a).await?);
-    match tokio::time::timeout(WAIT, pid(b)).await {
-        Ok(p) => seen_b.push(p?),
-        Err(_) => {
-            return Err(refusal(&format!(
-                "a second connection waited over {WAIT:?} for a backend while the first held a transaction open"
-            )))
-        }
-    }
-    run(a, "COMMIT")
-        .await
-        .map_err(|e| Error::setup(format!("the pooler check: COMMIT: {e}")))?;
-    seen_a.push(pid(a).await?);
-    seen_a.push(pid(a).await?);
-    seen_b.push(pid(b).await?);
-    seen_b.push(pid(b).await?);
+    let (seen_a, seen_b) = seen?;
     match verdict(&seen_a, &seen_b) {
         None => Ok(()),
         Some(why) => Err(refusal(&why)),
     }
 }
 
-/// Pure: `None` when each connection kept one backend, else what moved.
+async fn probe(a: &mut PgConnection, b: &mut PgConnection) -> Result<(Vec<i32>, Vec<i32>)> {
+    let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
+    seen_b.push(pid(b).await?);
+    seen_a.push(pid(a).await?);
+    seen_a.push(pid(a).await?);
+    seen_b.push(pid(b).await?);
+    seen_a.push(pid(a).await?);
+    seen_b.push(pid(b).await?);
+    Ok((seen_a, seen_b))
+}
+
+/// Pure: `None` when each connection kept a backend of its own, else
+/// what moved or was shared.
 fn verdict(a: &[i32], b: &[i32]) -> Option<String> {
     let moved = |name: &str, pids: &[i32]| {
         pids.windows(2)
             .any(|w| w[0] != w[1])
             .then(|| format!("one connection's queries ran on backends {pids:?} ({name})"))
     };
-    moved("first", a).or_else(|| moved("second", b))
+    moved("first", a)
+        .or_else(|| moved("second", b))
+        .or_else(|| {
+            a.iter()
+                .any(|p| b.contains(p))
+                .then(|| format!("two connections ran on one backend ({a:?} and {b:?})"))
+        })
 }
 
 fn refusal(why: &str) -> Error {
     Error::setup(format!(
         "DATABASE_URL reaches Postgres through a transaction-pooling proxy (PgBouncer with pool_mode = transaction or statement?): {why}. The consumer's lease and member locks are session advisory locks, which such a proxy leaves to other clients; connect the consumer to Postgres directly, or through a pool in session mode"
     ))
-}
-
-async fn run(conn: &mut PgConnection, sql: &'static str) -> std::result::Result<(), sqlx::Error> {
-    sqlx::raw_sql(sql).execute(conn).await.map(|_| ())
 }
 
 async fn pid(conn: &mut PgConnection) -> Result<i32> {
@@ -108,9 +109,12 @@ mod tests {
     #[test]
     fn a_connection_that_changes_backend_is_a_pool() {
         assert_eq!(verdict(&[7, 7, 7], &[9, 9, 9]), None);
-        // Last released first: `b` lands on `a`'s backend.
-        assert!(verdict(&[7, 7, 7], &[9, 7, 7]).unwrap().contains("second"));
-        // Oldest first: `a` lands on `b`'s at once.
+        // Last released first: every query on the one `b` used first.
+        assert!(verdict(&[9, 9, 9], &[9, 9, 9])
+            .unwrap()
+            .contains("one backend"));
+        // Oldest first: the backends rotate.
         assert!(verdict(&[7, 9, 7], &[9, 7, 9]).unwrap().contains("first"));
+        assert!(verdict(&[7, 7, 7], &[9, 7, 9]).unwrap().contains("second"));
     }
 }
