@@ -3548,6 +3548,50 @@ impl outbox_relay::consumer::Handler for CrewEffects {
     }
 }
 
+/// The table `CrewEffects` writes to.
+async fn crew_effects_table(pool: &sqlx::PgPool) {
+    sqlx::query(
+        "CREATE TABLE crew_effects (message_id uuid NOT NULL, aggregate text NOT NULL, process text NOT NULL, started float8 NOT NULL, ended float8 NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// One process of a Rust-handler crew ([`crew_rust_child`]), logging to
+/// `{log}-{name}.log`; `call_timeout_ms` for its handler, else 30 s.
+fn rust_child(
+    db: &str,
+    nats: &str,
+    stream: &str,
+    log: &str,
+    name: &str,
+    call_timeout_ms: Option<u64>,
+) -> std::process::Child {
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let log = std::fs::File::create(logs.join(format!("{log}-{name}.log"))).unwrap();
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "consumer::crew_rust_child",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+    ])
+    .env("CREW_CHILD_DB", db)
+    .env("CREW_CHILD_NATS", nats)
+    .env("CREW_CHILD_STREAM", stream)
+    .env("CREW_CHILD_NAME", name)
+    .env("RUST_LOG", "outbox_relay=info");
+    if let Some(ms) = call_timeout_ms {
+        cmd.env("CREW_CHILD_CALL_TIMEOUT_MS", ms.to_string());
+    }
+    cmd.stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap()
+}
+
 /// Not a test: one process of the Rust crew test below, which starts it
 /// with `CREW_CHILD_*` set. It runs until SIGTERM (or kill -9).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -3610,35 +3654,10 @@ async fn three_processes_of_a_rust_handler_durable_keep_exactly_once_effects_acr
 ) {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "c_rcrew").await;
-    sqlx::query(
-        "CREATE TABLE crew_effects (message_id uuid NOT NULL, aggregate text NOT NULL, process text NOT NULL, started float8 NOT NULL, ended float8 NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    crew_effects_table(&pool).await;
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "crcrew", DUP).await;
-    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
-    std::fs::create_dir_all(&logs).unwrap();
-    let spawn = |name: &str| {
-        let log = std::fs::File::create(logs.join(format!("rcrew-{name}.log"))).unwrap();
-        std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "consumer::crew_rust_child",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-            ])
-            .env("CREW_CHILD_DB", &url)
-            .env("CREW_CHILD_NATS", &stack.nats_url)
-            .env("CREW_CHILD_STREAM", &stream)
-            .env("CREW_CHILD_NAME", name)
-            .env("RUST_LOG", "outbox_relay=info")
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap()
-    };
+    let spawn = |name: &str| rust_child(&url, &stack.nats_url, &stream, "rcrew", name, None);
     // Member locks: the lease's connection holds a second lock (the
     // dispatcher's tag) beside the lease itself.
     let members = || async {
@@ -5584,36 +5603,11 @@ async fn a_transaction_pooling_proxy_is_refused_at_start_and_a_session_pool_is_n
 async fn a_process_frozen_inside_a_rust_call_holds_its_message_no_longer_than_the_call_timeout() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "c_rfreeze").await;
-    sqlx::query(
-        "CREATE TABLE crew_effects (message_id uuid NOT NULL, aggregate text NOT NULL, process text NOT NULL, started float8 NOT NULL, ended float8 NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    crew_effects_table(&pool).await;
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "crfreeze", DUP).await;
-    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("relay-logs");
-    std::fs::create_dir_all(&logs).unwrap();
-    let spawn = |name: &str| {
-        let log = std::fs::File::create(logs.join(format!("rfreeze-{name}.log"))).unwrap();
-        std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "consumer::crew_rust_child",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-            ])
-            .env("CREW_CHILD_DB", &url)
-            .env("CREW_CHILD_NATS", &stack.nats_url)
-            .env("CREW_CHILD_STREAM", &stream)
-            .env("CREW_CHILD_NAME", name)
-            .env("CREW_CHILD_CALL_TIMEOUT_MS", "5000")
-            .env("RUST_LOG", "outbox_relay=info")
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap()
-    };
+    let spawn =
+        |name: &str| rust_child(&url, &stack.nats_url, &stream, "rfreeze", name, Some(5000));
     let a = Reaped(spawn("a"));
     let slow = Uuid::new_v4();
     publish(
@@ -5696,12 +5690,7 @@ impl Drop for Reaped {
 async fn a_rust_call_over_its_timeout_fails_alone_and_is_retried() {
     let stack = stack();
     let (_url, pool) = fresh_db(&stack, "c_rtimeout").await;
-    sqlx::query(
-        "CREATE TABLE crew_effects (message_id uuid NOT NULL, aggregate text NOT NULL, process text NOT NULL, started float8 NOT NULL, ended float8 NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    crew_effects_table(&pool).await;
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "crtimeout", DUP).await;
     let consumer = RustConsumer::start(
