@@ -40,7 +40,7 @@ use super::outbox_row::OutboxLayout;
 use super::pgoutput::{Column, Relation, Value};
 use super::publish::{self, Publisher, TailEvent};
 use super::route::{OutMessage, Router};
-use super::session::Env;
+use super::Env;
 use crate::config::Backfill;
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;

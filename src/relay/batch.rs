@@ -45,7 +45,7 @@ use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, Context};
 use pgwire_replication::Lsn;
 
-use super::acks::CommitAnswer;
+use super::answer::CommitAnswer;
 use super::link::{Heard, Reply};
 use super::publish::{self, Ack, Publisher, Tail};
 use super::route::OutMessage;

@@ -36,7 +36,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::acks::{self, Answer, CommitAnswer};
+use super::answer::{self, Answer, CommitAnswer};
 use crate::config::NatsArgs;
 
 /// How a message is answered.
@@ -785,10 +785,10 @@ async fn read_in(
                 if let Some(tail) = tail {
                     if let Some(token) = tail.strip_prefix(COMMIT as char) {
                         if let Ok(token) = token.parse() {
-                            shared.commit_answer(token, acks::read_commit(status, &payload));
+                            shared.commit_answer(token, answer::read_commit(status, &payload));
                         }
                     } else if let Ok(token) = tail.parse() {
-                        shared.answer(token, acks::read(status, &payload));
+                        shared.answer(token, answer::read(status, &payload));
                     }
                 }
             }

@@ -19,6 +19,7 @@
 //! so the path is exercised, not hoped for.
 
 mod acks;
+mod answer;
 pub(crate) mod backfill;
 pub(crate) mod batch;
 pub(crate) mod columns;
@@ -46,7 +47,7 @@ use crate::error::{Class, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
 use crate::postgres::Dsn;
-use session::{Env, Session};
+use session::Session;
 
 /// A session that streamed this long resets the reconnect backoff.
 const HEALTHY_SESSION: Duration = Duration::from_secs(30);
@@ -54,6 +55,18 @@ const HEALTHY_SESSION: Duration = Duration::from_secs(30);
 /// How often a standby asks for the slot: a takeover comes within about
 /// this long of the active relay's walsender going away.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
+
+/// What every session of one relay shares (the first start's backfill
+/// too: it sits here so that neither sees the other).
+pub(super) struct Env<'a> {
+    pub cfg: &'a RelayConfig,
+    pub dsn: &'a Dsn,
+    pub pool: &'a sqlx::PgPool,
+    pub js: &'a jetstream::Context,
+    pub nats: &'a async_nats::Client,
+    pub ready: &'a Readiness,
+    pub lag: &'a LagClock,
+}
 
 /// The commit time of the oldest event read and not yet acked, shared by
 /// every session of the process: a session that ends with events unacked

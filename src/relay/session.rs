@@ -11,7 +11,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream;
 use pgwire_replication::{Lsn, ReplicationClient};
 use tokio_util::sync::CancellationToken;
 
@@ -23,13 +22,12 @@ use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
 use super::watermark::Watermark;
+use super::Env;
 use super::Stopped;
-use crate::config::RelayConfig;
 use crate::error::{Error, Result};
-use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
+use crate::postgres;
 use crate::postgres::provision::{self, SlotState};
-use crate::postgres::{self, Dsn};
 use crate::wire;
 
 /// Events buffered between the replication worker and the loop.
@@ -41,17 +39,6 @@ use crate::wire;
 /// four), at most 512.
 fn replication_buffer(max_inflight_bytes: usize, max_message: usize) -> usize {
     (max_inflight_bytes / max_message.max(1)).clamp(4, 512)
-}
-
-/// What every session of one relay shares.
-pub(super) struct Env<'a> {
-    pub cfg: &'a RelayConfig,
-    pub dsn: &'a Dsn,
-    pub pool: &'a sqlx::PgPool,
-    pub js: &'a jetstream::Context,
-    pub nats: &'a async_nats::Client,
-    pub ready: &'a Readiness,
-    pub lag: &'a super::LagClock,
 }
 
 pub(super) struct Session<'a> {
