@@ -5455,16 +5455,7 @@ struct Bouncer {
 
 impl Bouncer {
     fn start(mode: &str) -> Bouncer {
-        let out = std::process::Command::new(STACK_SH)
-            .arg("pgbouncer-bin")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "stack.sh pgbouncer-bin: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let bin = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        let bin = stack_tool("pgbouncer-bin", &[]);
         let target = pg_target(&stack().admin_url);
         let pg_port = target.rsplit_once(':').unwrap().1.to_owned();
         // Outside a private checkout: PgBouncer drops root for nobody.
@@ -5500,15 +5491,10 @@ impl Bouncer {
             .stderr(std::fs::File::create(dir.join("pgbouncer.log")).unwrap())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "PgBouncer did not start: {}",
-                std::fs::read_to_string(dir.join("pgbouncer.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(port, || {
+            let log = std::fs::read_to_string(dir.join("pgbouncer.log")).unwrap_or_default();
+            format!("PgBouncer did not start: {log}")
+        });
         Bouncer { child, dir, port }
     }
 
@@ -5545,24 +5531,16 @@ async fn a_transaction_pooling_proxy_is_refused_at_start_and_a_session_pool_is_n
     for mode in ["transaction", "statement"] {
         let bouncer = Bouncer::start(mode);
         let url = bouncer.url("c_bouncer");
-        let (code, stderr) = run_bounded(
-            &[
-                "consume",
-                "--database-url",
-                &url,
-                "--nats-url",
-                &stack.nats_url,
-                "--stream",
-                "CBOUNCE_EVENTS",
-                "--durable",
-                "bounce",
-                "--handler-url",
-                "http://127.0.0.1:9/h",
-                "--metrics-addr",
-                "127.0.0.1:0",
-            ],
-            Duration::from_secs(30),
+        let args = consume_args(
+            &url,
+            &stack.nats_url,
+            "CBOUNCE_EVENTS",
+            "bounce",
+            "http://127.0.0.1:9/h",
+            &["--metrics-addr", "127.0.0.1:0"],
         );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, stderr) = run_bounded(&args, Duration::from_secs(30));
         let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
         assert!(
             code == Some(1) && errors.len() == 1 && errors[0].contains("transaction-pooling"),

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::common::*;
 use outbox_relay::wire;
@@ -98,16 +98,7 @@ async fn a_postgres_older_than_14_is_refused_in_one_line() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_server_older_than_2_10_is_refused_in_one_line() {
     let stack = stack();
-    let out = Command::new(STACK_SH)
-        .arg("nats-bin-debian")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "stack.sh nats-bin-debian: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let bin = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let bin = stack_tool("nats-bin-debian", &[]);
     let nats = OwnNats::start_bin(&stack, "nats29", &bin);
     let (url, _pool) = fresh_db(&stack, "v_nats29").await;
     let (code, err) = run_relay_bounded(&url, &nats.url, "nats29", &[]);
@@ -133,11 +124,7 @@ async fn a_nats_server_without_jetstream_is_refused_in_one_line() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "nats-server did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_listening(port, || "nats-server did not start".into());
     let (url, _pool) = fresh_db(&stack, "v_nojs").await;
     let (code, err) = run_relay_bounded(&url, &format!("nats://127.0.0.1:{port}"), "nojs", &[]);
     let _ = nats.kill();

@@ -44,6 +44,33 @@ pub fn pg_major() -> u32 {
         .unwrap_or(15)
 }
 
+/// The path `scripts/stack.sh TOOL` prints (installing the tool on first
+/// use), with `env` set and the stack's own nats-server binary unset.
+pub fn stack_tool(tool: &str, env: &[(&str, &str)]) -> String {
+    let out = Command::new(STACK_SH)
+        .arg(tool)
+        .envs(env.iter().copied())
+        .env_remove("NATS_SERVER_BIN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stack.sh {tool} {env:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// Block until something listens on 127.0.0.1:`port` (10 s at most, then
+/// a panic with `why()`).
+pub fn wait_listening(port: u16, why: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{}", why());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A URL for database `name` on the stack's server.
 pub fn db_url(admin: &str, name: &str) -> String {
     let base = admin.rsplit_once('/').map_or(admin, |(b, _)| b);
@@ -851,18 +878,7 @@ impl OwnNats {
     /// A nats-server of release `version`, installed by `stack.sh nats-bin`
     /// like the stack's own.
     pub fn start_version(stack: &Stack, name: &str, version: &str) -> OwnNats {
-        let out = Command::new(STACK_SH)
-            .arg("nats-bin")
-            .env("NATS_SERVER_VERSION", version)
-            .env_remove("NATS_SERVER_BIN")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "stack.sh nats-bin {version}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let bin = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+        let bin = stack_tool("nats-bin", &[("NATS_SERVER_VERSION", version)]);
         Self::start_bin(stack, name, &bin)
     }
 
@@ -904,11 +920,7 @@ impl OwnNats {
             .spawn()
             .unwrap();
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "own nats-server did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(self.port, || "own nats-server did not start".into());
     }
 
     pub fn pid(&self) -> u32 {
@@ -1098,7 +1110,7 @@ impl Drop for OwnPgPair {
 }
 
 /// `outbox-relay consume` for durable `durable`, then `extra`.
-fn consume_args(
+pub fn consume_args(
     db_url: &str,
     nats_url: &str,
     stream: &str,
@@ -1125,7 +1137,7 @@ fn consume_args(
     .collect()
 }
 
-pub const STACK_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
+const STACK_SH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack.sh");
 
 /// A 3-node JetStream cluster of the test's own (`scripts/stack.sh
 /// nats-cluster-up`), for leader-failure tests. Stopped on drop.
