@@ -4,8 +4,156 @@
 
 use std::time::Duration;
 
-use crate::config::NatsArgs;
+use clap::Args;
+
 use crate::error::{Error, Result};
+
+/// NATS connection: servers, TLS and authentication. Secrets come best from
+/// the environment (`NATS_PASSWORD`, `NATS_TOKEN`): `--help` never shows their
+/// values, and neither do logs or errors.
+#[derive(Clone, Args)]
+pub struct NatsArgs {
+    /// NATS servers, comma-separated; `tls://` requires TLS.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        hide_env_values = true
+    )]
+    pub nats_url: String,
+
+    /// User name for user/password authentication.
+    #[arg(long, env = "NATS_USER")]
+    pub nats_user: Option<String>,
+
+    /// Password for --nats-user (prefer the environment variable).
+    #[arg(long, env = "NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+
+    /// Token authentication (prefer the environment variable).
+    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+
+    /// Credentials file (user JWT and NKey seed, as `nsc` writes it).
+    #[arg(long, env = "NATS_CREDS")]
+    pub nats_creds: Option<std::path::PathBuf>,
+
+    /// CA certificates (PEM) that sign the servers' certificates; implies TLS.
+    #[arg(long, env = "NATS_CA")]
+    pub nats_ca: Option<std::path::PathBuf>,
+
+    /// Client certificate (PEM) for mutual TLS; needs --nats-tls-key.
+    #[arg(long, env = "NATS_TLS_CERT")]
+    pub nats_tls_cert: Option<std::path::PathBuf>,
+
+    /// Client private key (PEM) for mutual TLS.
+    #[arg(long, env = "NATS_TLS_KEY")]
+    pub nats_tls_key: Option<std::path::PathBuf>,
+
+    /// Require TLS even with nats:// URLs.
+    #[arg(long, env = "NATS_TLS")]
+    pub nats_tls: bool,
+
+    /// TLS before anything else on every NATS connection: for servers
+    /// configured with `tls { handshake_first: true }`, which send their
+    /// INFO only over TLS. Implies TLS.
+    #[arg(long, env = "NATS_TLS_FIRST")]
+    pub nats_tls_first: bool,
+}
+
+impl std::fmt::Debug for NatsArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |v: &Option<String>| v.as_ref().map(|_| "<set>");
+        f.debug_struct("NatsArgs")
+            .field("nats_url", &redact_url(&self.nats_url))
+            .field("nats_user", &self.nats_user)
+            .field("nats_password", &set(&self.nats_password))
+            .field("nats_token", &set(&self.nats_token))
+            .field("nats_creds", &self.nats_creds)
+            .field("nats_ca", &self.nats_ca)
+            .field("nats_tls_cert", &self.nats_tls_cert)
+            .field("nats_tls_key", &self.nats_tls_key)
+            .field("nats_tls", &self.nats_tls)
+            .finish()
+    }
+}
+
+impl NatsArgs {
+    /// `NATS_URL`: comma-separated servers (a cluster), each parsed; an entry
+    /// that does not parse is named (without its credentials).
+    pub fn servers(&self) -> Result<Vec<async_nats::ServerAddr>> {
+        if self.nats_url.trim().is_empty() {
+            return Err(Error::Config("NATS_URL is empty".into()));
+        }
+        self.nats_url
+            .split(',')
+            .map(|entry| {
+                let entry = entry.trim();
+                if entry.is_empty() {
+                    return Err(Error::Config(format!(
+                        "NATS_URL {:?} has an empty entry (a stray comma?)",
+                        redact_url(&self.nats_url)
+                    )));
+                }
+                entry.parse().map_err(|e| {
+                    Error::Config(format!(
+                        "NATS_URL entry {:?}: {e} (expected comma-separated nats://host:port or tls://host:port)",
+                        redact_url(entry)
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// Contradictions and missing files, reported before connecting.
+    pub fn validate(&self) -> Result<()> {
+        self.servers()?;
+        match (&self.nats_user, &self.nats_password) {
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "--nats-user needs a password (NATS_PASSWORD)".into(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(Error::Config(
+                    "NATS_PASSWORD is set without --nats-user (NATS_USER)".into(),
+                ))
+            }
+            _ => {}
+        }
+        let methods = [
+            self.nats_user.is_some(),
+            self.nats_token.is_some(),
+            self.nats_creds.is_some(),
+        ];
+        if methods.iter().filter(|m| **m).count() > 1 {
+            return Err(Error::Config(
+                "choose one NATS authentication: user/password, token or credentials file".into(),
+            ));
+        }
+        if self.nats_tls_cert.is_some() != self.nats_tls_key.is_some() {
+            return Err(Error::Config(
+                "--nats-tls-cert and --nats-tls-key go together".into(),
+            ));
+        }
+        for (flag, path) in [
+            ("--nats-creds", &self.nats_creds),
+            ("--nats-ca", &self.nats_ca),
+            ("--nats-tls-cert", &self.nats_tls_cert),
+            ("--nats-tls-key", &self.nats_tls_key),
+        ] {
+            if let Some(p) = path {
+                if !p.is_file() {
+                    return Err(Error::Config(format!(
+                        "{flag} {}: not a readable file",
+                        p.display()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
 
 /// The nats-server lines SPEC §15 supports, each tested.
 pub const SUPPORTED: &str = "2.10, 2.11, 2.12, 2.14, 2.15";

@@ -424,6 +424,21 @@ pub fn dlq_stream_name(prefix: &str) -> String {
         .collect()
 }
 
+/// `Outbox-` and the column name in Title-Case, `_` as `-` (SPEC §13):
+/// `tenant_id` → `Outbox-Tenant-Id`.
+pub fn column_header(column: &str) -> String {
+    let mut out = String::from("Outbox");
+    for word in column.split('_').filter(|w| !w.is_empty()) {
+        out.push('-');
+        let mut chars = word.chars();
+        if let Some(c) = chars.next() {
+            out.extend(c.to_uppercase());
+            out.push_str(&chars.as_str().to_ascii_lowercase());
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
 

@@ -9,6 +9,7 @@ mod deploy;
 mod docs;
 mod emitted;
 mod hardening;
+mod layout;
 mod lifecycle;
 mod observability;
 mod operations;

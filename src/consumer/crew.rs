@@ -1470,7 +1470,7 @@ pub(super) async fn run_caught<H: Handler>(
                 Some(seq) => (
                     Finished::Parked {
                         seq,
-                        due: Instant::now() + super::PANIC_PAUSE,
+                        due: Instant::now() + super::config::PANIC_PAUSE,
                     },
                     false,
                 ),

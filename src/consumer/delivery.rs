@@ -14,13 +14,13 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::config::ConsumeConfig;
 use super::dead_letter::{self, DeadLetters};
 use super::handler::{self, Delivery, Handler, Outcome};
 use super::inbox::{self, Claim};
 use super::lease::Proof;
 use super::scheduler::{Finished, Job};
 use super::transaction::{self, Ran, Transactions};
-use super::ConsumeConfig;
 use crate::ops::metrics as m;
 use crate::schema::{Schemas, Verdict};
 use crate::wire::{self, DlqReason};
@@ -902,6 +902,54 @@ pub(super) fn backoff_after(shared_backoff: &[Duration], attempts: i32) -> Durat
 /// The key's oldest parked message, if any (`None` once the consumer stops).
 async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
     Some(parked_head(shared, key).await?.map(|(seq, ..)| seq))
+}
+
+/// The processing state a job needs, one per dispatcher period and one for
+/// the jobs the crew sends this process.
+pub(super) fn new_shared<H: Handler>(
+    cfg: &ConsumeConfig,
+    pool: &PgPool,
+    stream: &jetstream::stream::Stream,
+    dlq: &DeadLetters,
+    handler: std::sync::Arc<H>,
+    stop: CancellationToken,
+    proof: Proof,
+) -> std::sync::Arc<Shared<H>> {
+    std::sync::Arc::new(Shared {
+        pool: pool.clone(),
+        handler: handler.clone(),
+        dlq: dlq.clone(),
+        cfg: cfg.clone(),
+        stream: stream.clone(),
+        stop,
+        proof,
+        calls: Default::default(),
+        dlq_failing: AtomicUsize::new(0),
+        batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
+        transactions: handler.in_transaction().then(|| {
+            // A quarter of the pool each for the dispatcher's and the crew's
+            // jobs, so parking, retries and the lease check still find a
+            // connection; four shared groups are enough to keep Postgres
+            // busy, one message each is not.
+            let max_group = handler.max_group().clamp(1, transaction::MAX_GROUP);
+            let quarter_pool = (pool.options().get_max_connections() / 4).max(1) as usize;
+            let workers = if max_group == 1 {
+                quarter_pool
+            } else {
+                quarter_pool.min(4)
+            };
+            transaction::Transactions::start(
+                pool.clone(),
+                handler.clone(),
+                transaction::Settings {
+                    consumer: cfg.durable.clone(),
+                    stream: cfg.stream.clone(),
+                    workers,
+                    max_group,
+                },
+            )
+        }),
+    })
 }
 
 #[cfg(test)]

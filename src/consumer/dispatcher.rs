@@ -19,12 +19,14 @@ use sqlx::PgPool;
 use tokio::task::{JoinError, JoinSet};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+use super::config::{durable_config, window, ConsumeConfig, JS_REQUEST, MAX_RESUBSCRIBE_BACKOFF};
 use super::crew::{self, Crew, Registry, Sent, Worker};
 use super::dead_letter::DeadLetters;
+use super::delivery::new_shared;
 use super::delivery::{self, Shared};
+use super::handler::Handler;
 use super::lease::Lease;
 use super::scheduler::{Finished, Job, Scheduler};
-use super::{new_shared, ConsumeConfig, Ended, Handler, JS_REQUEST, MAX_RESUBSCRIBE_BACKOFF};
 use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
@@ -32,6 +34,12 @@ use crate::wire;
 
 const PULL_HEARTBEAT: Duration = Duration::from_millis(500);
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
+/// Why an active period ended.
+pub(super) enum Ended {
+    Shutdown,
+    LeaseLost,
+}
+
 /// How often the dispatcher looks whether its NATS client reconnected.
 const RECONNECT_CHECK: Duration = Duration::from_millis(100);
 /// How often the dispatcher checks that it still holds the lease.
@@ -660,12 +668,12 @@ impl<H: Handler> Dispatch<'_, H> {
         if let Some(d) = durable.filter(|d| d.asked > self.window_set + ACK_LANDS) {
             self.window = d.limit;
         }
-        let want = super::window(cfg.max_ack_pending, self.crew.helpers() + 1);
+        let want = window(cfg.max_ack_pending, self.crew.helpers() + 1);
         if want == self.window {
             return;
         }
         let stream = self.active.stream.clone();
-        let config = super::durable_config(cfg, want);
+        let config = durable_config(cfg, want);
         self.resize = Some(tokio::spawn(async move {
             match tokio::time::timeout(JS_REQUEST, stream.update_consumer(config)).await {
                 Ok(Ok(_)) => {

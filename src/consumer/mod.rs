@@ -20,6 +20,7 @@
 //! Shutdown: stop pulling, hand the lease over, let running jobs finish
 //! (bounded), NAK what waits so the next dispatcher gets it at once.
 
+mod config;
 mod crew;
 mod dead_letter;
 mod delivery;
@@ -43,48 +44,18 @@ use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
 use crate::wire;
+pub use config::ConsumeConfig;
+use config::{durable_config, JS_REQUEST};
 use crew::{Member, Worker};
 use dead_letter::DeadLetters;
-use delivery::Shared;
-use dispatcher::{Active, LEASE_POLL};
+use delivery::new_shared;
+use dispatcher::{Active, Ended, LEASE_POLL};
 pub use handler::{Delivery, Handler, HttpHandler, Outcome};
 use lease::Lease;
-
-/// Validated consumer settings.
-#[derive(Debug, Clone)]
-pub struct ConsumeConfig {
-    pub stream: String,
-    pub durable: String,
-    pub filter: Option<String>,
-    pub ack_wait: Duration,
-    pub max_deliver: i64,
-    pub max_ack_pending: i64,
-    pub concurrency: usize,
-    /// NAK delay for delivery n is `backoff[min(n, len) - 1]`.
-    pub backoff: Vec<Duration>,
-    /// Failing aggregates whose parked state the dispatcher holds in
-    /// memory; the rest wait in the inbox and are read back as room frees.
-    pub max_parked_keys: usize,
-    pub dlq_prefix: String,
-    pub dlq_replicas: u8,
-    pub shutdown_timeout: Duration,
-    /// `--schemas`: payloads are checked before the handler is called; one
-    /// that fails is dead-lettered without a call. SIGHUP reloads them.
-    pub schemas: Option<std::sync::Arc<crate::schema::Schemas>>,
-}
-
-/// The longest pause between attempts to rebuild a failed pull stream.
-const MAX_RESUBSCRIBE_BACKOFF: Duration = Duration::from_secs(1);
 
 /// How often the other processes of the crew ask for it: a dispatcher's
 /// SIGTERM hands over within this (SPEC §11: one second).
 const LEASE_ASK: Duration = Duration::from_millis(250);
-
-/// Why an active period ended.
-enum Ended {
-    Shutdown,
-    LeaseLost,
-}
 
 /// Run until `shutdown`. The consumer is created, or updated to these
 /// settings. One instance per durable is active (see [`lease`]); the others
@@ -210,35 +181,6 @@ pub async fn run<H: Handler>(
     ended
 }
 
-/// The durable, with `window` deliveries unacked at most. The dispatcher
-/// sizes the window from the crew: `--max-ack-pending` for each process it
-/// dispatches for ([`window`]), so every process's `--concurrency` can be
-/// busy at the defaults; a window of one process's size left the others
-/// about two jobs between them.
-fn durable_config(cfg: &ConsumeConfig, window: i64) -> pull::Config {
-    pull::Config {
-        durable_name: Some(cfg.durable.clone()),
-        filter_subject: cfg.filter.clone().unwrap_or_default(),
-        ack_policy: jetstream::consumer::AckPolicy::Explicit,
-        ack_wait: cfg.ack_wait,
-        // Attempts are counted in the inbox (`--max-deliver`); JetStream
-        // redelivers only what a crash or a reset left unacked, and must
-        // never give up on it.
-        max_deliver: -1,
-        max_ack_pending: window,
-        ..Default::default()
-    }
-}
-
-/// The durable's ack-pending window for a crew of `processes`: each
-/// process's share (`--max-ack-pending`), or no limit when there is none.
-pub(super) fn window(per_process: i64, processes: usize) -> i64 {
-    if per_process <= 0 {
-        return per_process;
-    }
-    per_process.saturating_mul(i64::try_from(processes.max(1)).unwrap_or(i64::MAX))
-}
-
 /// Ask for the lease until shutdown; dispatch while holding it.
 #[allow(clippy::too_many_arguments)]
 async fn dispatch<H: Handler>(
@@ -338,54 +280,6 @@ async fn dispatch<H: Handler>(
             Err(e) => return Err(e),
         }
     }
-}
-
-/// The processing state a job needs, one per dispatcher period and one for
-/// the jobs the crew sends this process.
-fn new_shared<H: Handler>(
-    cfg: &ConsumeConfig,
-    pool: &PgPool,
-    stream: &jetstream::stream::Stream,
-    dlq: &DeadLetters,
-    handler: Arc<H>,
-    stop: CancellationToken,
-    proof: lease::Proof,
-) -> Arc<Shared<H>> {
-    Arc::new(Shared {
-        pool: pool.clone(),
-        handler: handler.clone(),
-        dlq: dlq.clone(),
-        cfg: cfg.clone(),
-        stream: stream.clone(),
-        stop,
-        proof,
-        calls: Default::default(),
-        dlq_failing: AtomicUsize::new(0),
-        batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
-        transactions: handler.in_transaction().then(|| {
-            // A quarter of the pool each for the dispatcher's and the crew's
-            // jobs, so parking, retries and the lease check still find a
-            // connection; four shared groups are enough to keep Postgres
-            // busy, one message each is not.
-            let max_group = handler.max_group().clamp(1, transaction::MAX_GROUP);
-            let quarter_pool = (pool.options().get_max_connections() / 4).max(1) as usize;
-            let workers = if max_group == 1 {
-                quarter_pool
-            } else {
-                quarter_pool.min(4)
-            };
-            transaction::Transactions::start(
-                pool.clone(),
-                handler.clone(),
-                transaction::Settings {
-                    consumer: cfg.durable.clone(),
-                    stream: cfg.stream.clone(),
-                    workers,
-                    max_group,
-                },
-            )
-        }),
-    })
 }
 
 /// Distinct subjects, and last messages read, when looking for event
@@ -516,23 +410,4 @@ async fn watch_lag(
     }
 }
 
-/// How long the dispatcher waits on one JetStream request.
-const JS_REQUEST: Duration = Duration::from_secs(2);
-/// The pause before a parked message whose retry panicked is tried again.
-const PANIC_PAUSE: Duration = Duration::from_secs(5);
-
 type Consumer = jetstream::consumer::Consumer<pull::Config>;
-
-#[cfg(test)]
-mod tests {
-    use super::window;
-
-    #[test]
-    fn the_window_grows_with_the_crew_and_keeps_no_limit_unlimited() {
-        assert_eq!(window(50, 1), 50);
-        assert_eq!(window(50, 4), 200);
-        assert_eq!(window(50, 0), 50, "the dispatcher counts itself");
-        assert_eq!(window(-1, 4), -1, "no limit stays none");
-        assert_eq!(window(i64::MAX, 3), i64::MAX);
-    }
-}

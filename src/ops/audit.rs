@@ -21,9 +21,9 @@ use serde::Serialize;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
-use crate::config::RelayConfig;
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;
+use crate::relay::config::RelayConfig;
 use crate::relay::outbox_row::OutboxLayout;
 use crate::relay::route::Router;
 use crate::wire::{self, Position};
@@ -492,7 +492,7 @@ fn sent_id_sql(keys: &crate::ops::prune::Keys, id: &str) -> String {
 /// The rows the relay's first start takes for unpublished (`--unpublished`,
 /// else `published_at IS NULL` where that column exists), as SQL over the
 /// table's columns.
-async fn unpublished_rows(pool: &PgPool, rc: &crate::config::RelayConfig) -> Result<String> {
+async fn unpublished_rows(pool: &PgPool, rc: &RelayConfig) -> Result<String> {
     if let Some(predicate) = &rc.unpublished {
         return Ok(predicate.clone());
     }

@@ -169,7 +169,7 @@ const HANDLER_BUCKETS: &[f64] = &[
 /// Install the process-wide recorder and return the handle that renders it.
 /// Histogram samples are kept in lock-free buffers until rendered; `upkeep`
 /// must run periodically so an unscraped process does not grow them.
-pub fn install() -> crate::Result<PrometheusHandle> {
+pub fn install() -> crate::error::Result<PrometheusHandle> {
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(COMMIT_TO_ACK_SECONDS.into()),
@@ -181,14 +181,16 @@ pub fn install() -> crate::Result<PrometheusHandle> {
                 HANDLER_BUCKETS,
             )
         })
-        .map_err(|e| crate::Error::Setup {
+        .map_err(|e| crate::error::Error::Setup {
             message: format!("metrics buckets: {e}"),
             source: Some(Box::new(e)),
         })?;
-    builder.install_recorder().map_err(|e| crate::Error::Setup {
-        message: format!("cannot install the metrics recorder: {e}"),
-        source: Some(Box::new(e)),
-    })
+    builder
+        .install_recorder()
+        .map_err(|e| crate::error::Error::Setup {
+            message: format!("cannot install the metrics recorder: {e}"),
+            source: Some(Box::new(e)),
+        })
 }
 
 /// Drain histogram buffers every few seconds until `shutdown`.

@@ -35,13 +35,13 @@ use pgwire_replication::{Lsn, ReplicationClient};
 use sqlx::Row;
 
 use super::columns::{Role, Source};
+use super::config::Backfill;
 use super::decode::log_dead_letter;
+use super::env::Env;
 use super::outbox_row::OutboxLayout;
 use super::pgoutput::{Column, Relation, Value};
 use super::publish::{self, Publisher, TailEvent};
 use super::route::{OutMessage, Router};
-use super::Env;
-use crate::config::Backfill;
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;
 use crate::postgres::{parse_lsn, provision};

@@ -300,7 +300,7 @@ impl ColumnMap {
             ("--header-columns", header_columns),
         ] {
             for name in names {
-                let header = super::route::column_header(name);
+                let header = crate::wire::column_header(name);
                 if flag == "--header-columns" && is_relay_header(&header) {
                     return Err(format!(
                         "--header-columns {name}: its header {header} is one the relay sets itself (resume, lineage and dead letters read it); copy the column under another name, or through the headers column"

@@ -37,7 +37,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::answer::{self, Answer, CommitAnswer};
-use crate::config::NatsArgs;
+use crate::nats::NatsArgs;
 
 /// How a message is answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -23,8 +23,10 @@ mod answer;
 pub(crate) mod backfill;
 pub(crate) mod batch;
 pub(crate) mod columns;
+pub mod config;
 pub(crate) mod decode;
 pub(crate) mod emitted;
+mod env;
 pub(crate) mod fence;
 pub(crate) mod link;
 pub(crate) mod outbox_row;
@@ -34,7 +36,6 @@ pub(crate) mod route;
 mod session;
 pub(crate) mod watermark;
 
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -42,11 +43,13 @@ use async_nats::jetstream;
 use pgwire_replication::Lsn;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::RelayConfig;
 use crate::error::{Class, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
 use crate::postgres::Dsn;
+use config::RelayConfig;
+pub use env::Stopped;
+use env::{Env, LagClock};
 use session::Session;
 
 /// A session that streamed this long resets the reconnect backoff.
@@ -55,47 +58,6 @@ const HEALTHY_SESSION: Duration = Duration::from_secs(30);
 /// How often a standby asks for the slot: a takeover comes within about
 /// this long of the active relay's walsender going away.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
-
-/// What every session of one relay shares (the first start's backfill
-/// too: it sits here so that neither sees the other).
-pub(super) struct Env<'a> {
-    pub cfg: &'a RelayConfig,
-    pub dsn: &'a Dsn,
-    pub pool: &'a sqlx::PgPool,
-    pub js: &'a jetstream::Context,
-    pub nats: &'a async_nats::Client,
-    pub ready: &'a Readiness,
-    pub lag: &'a LagClock,
-}
-
-/// The commit time of the oldest event read and not yet acked, shared by
-/// every session of the process: a session that ends with events unacked
-/// leaves it in place, so the lag keeps growing until a later session
-/// publishes them (it reads them again) or finds nothing to publish.
-#[derive(Debug, Default)]
-pub(crate) struct LagClock {
-    /// Postgres-epoch microseconds; 0 when nothing is unacked.
-    oldest: AtomicI64,
-}
-
-impl LagClock {
-    pub(crate) fn set(&self, oldest_pg_micros: Option<i64>) {
-        self.oldest
-            .store(oldest_pg_micros.unwrap_or(0), Ordering::Relaxed);
-    }
-
-    /// Seconds from the oldest unacked commit to `now_unix_micros`; 0 when
-    /// nothing is unacked.
-    pub(crate) fn seconds_at(&self, now_unix_micros: i64) -> f64 {
-        match self.oldest.load(Ordering::Relaxed) {
-            0 => 0.0,
-            pg => {
-                let commit = pg.saturating_add(outbox_row::PG_EPOCH_UNIX_MICROS);
-                (now_unix_micros - commit).max(0) as f64 / 1e6
-            }
-        }
-    }
-}
 
 /// How often `outbox_relay_lag_seconds` is brought up to date.
 const LAG_TICK: Duration = Duration::from_secs(1);
@@ -110,14 +72,6 @@ async fn lag_gauge(clock: Arc<LagClock>, stop: CancellationToken) {
             _ = tick.tick() => gauge.set(clock.seconds_at(session::unix_micros_now())),
         }
     }
-}
-
-/// What the process reports when it stops.
-#[derive(Debug, Clone, Copy)]
-pub struct Stopped {
-    /// The last position this process confirmed to the slot, over all
-    /// its sessions (0/0: none).
-    pub confirmed: Lsn,
 }
 
 /// Run until `shutdown`, reconnecting after transient failures. Errors that

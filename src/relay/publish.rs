@@ -28,11 +28,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::acks::{Inbox, Next};
+use super::config::PublishMode;
 use super::fence::Fence;
 use super::link::{Denied, Dialer, Link, LinkError};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
-use crate::config::PublishMode;
 use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
 use crate::wire::{self, DlqReason, Position};

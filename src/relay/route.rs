@@ -191,21 +191,6 @@ fn is_identifier(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-/// `Outbox-` and the column name in Title-Case, `_` as `-` (SPEC §13):
-/// `tenant_id` → `Outbox-Tenant-Id`.
-pub fn column_header(column: &str) -> String {
-    let mut out = String::from("Outbox");
-    for word in column.split('_').filter(|w| !w.is_empty()) {
-        out.push('-');
-        let mut chars = word.chars();
-        if let Some(c) = chars.next() {
-            out.extend(c.to_uppercase());
-            out.push_str(&chars.as_str().to_ascii_lowercase());
-        }
-    }
-    out
-}
-
 /// Stable partition of an aggregate: FNV-1a 64 of its id, modulo `partitions`.
 /// FNV because it is fixed forever (a std hasher may change between releases),
 /// and any language can compute it to subscribe to one partition.
@@ -338,7 +323,7 @@ impl Router {
     pub fn with_columns(mut self, columns: Vec<String>, header_columns: &[String]) -> Self {
         self.column_headers = header_columns
             .iter()
-            .filter_map(|h| Some((column_header(h), columns.iter().position(|c| c == h)?)))
+            .filter_map(|h| Some((wire::column_header(h), columns.iter().position(|c| c == h)?)))
             .collect();
         self.columns = columns;
         self
@@ -1074,6 +1059,6 @@ mod tests {
         r.columns[1] = None;
         let m = router.route(&r, POS, 1 << 20);
         assert_eq!(m.dlq_reason, Some(DlqReason::InvalidSubject));
-        assert_eq!(column_header("dedupe_key"), "Outbox-Dedupe-Key");
+        assert_eq!(wire::column_header("dedupe_key"), "Outbox-Dedupe-Key");
     }
 }
