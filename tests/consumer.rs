@@ -422,6 +422,11 @@ async fn each_answer_of_the_spec_table() {
     assert_eq!(result("dead_lettered"), Some(2.0));
     assert_eq!(result("retried"), Some(5.0));
     assert_eq!(result("duplicate"), Some(0.0));
+    // A lone process refuses no job of the crew, and says so from the start.
+    for reason in ["full", "fenced", "late", "unheard", "bad"] {
+        let series = format!("outbox_consumer_crew_refusals_total{{reason=\"{reason}\"}}");
+        assert_eq!(m.value(&series), Some(0.0), "{series}");
+    }
     assert_eq!(handler.calls().len(), 11);
     assert_eq!(m.value("outbox_consumer_handler_seconds_count"), Some(11.0));
     eventually(T, "pending gauge back to 0", || async {

@@ -90,6 +90,9 @@ pub const CONSUMER_STANDBY: &str = "outbox_consumer_standby";
 pub const CONSUMER_PROCESSES: &str = "outbox_consumer_processes";
 /// Jobs (handler calls with their inbox writes) this process runs now.
 pub const CONSUMER_RUNNING_JOBS: &str = "outbox_consumer_running_jobs";
+/// Job requests this process refused as a member of the crew, by `reason`
+/// ([`CREW_REFUSAL_REASONS`]).
+pub const CONSUMER_CREW_REFUSALS: &str = "outbox_consumer_crew_refusals_total";
 /// Jobs the dispatcher has handed to other processes and not heard back of.
 pub const CONSUMER_REMOTE_JOBS: &str = "outbox_consumer_remote_jobs";
 pub const CONSUMER_DLQ_FAILING: &str = "outbox_consumer_dead_letters_failing";
@@ -110,6 +113,12 @@ pub const CONSUMER_RESULTS: [&str; 5] = [
     "dead_lettered",
     "expired",
 ];
+
+/// `reason` label values of [`CONSUMER_CREW_REFUSALS`]: no room (or
+/// leaving), from a dispatcher not served (or an earlier period of it), past
+/// the request's last beat, while this process cannot prove it is heard,
+/// and a request it cannot read.
+pub const CREW_REFUSAL_REASONS: [&str; 5] = ["full", "fenced", "late", "unheard", "bad"];
 
 /// Every metric name this crate exports, for tests and for the deploy/ files'
 /// checks. Histograms are listed by base name.
@@ -148,6 +157,7 @@ pub const ALL: &[&str] = &[
     CONSUMER_STANDBY,
     CONSUMER_PROCESSES,
     CONSUMER_RUNNING_JOBS,
+    CONSUMER_CREW_REFUSALS,
     CONSUMER_REMOTE_JOBS,
     CONSUMER_DLQ_FAILING,
     CONSUMER_ACK_PENDING,
@@ -335,6 +345,10 @@ pub fn register_consumer() {
         CONSUMER_RUNNING_JOBS,
         "Jobs (handler calls with their inbox writes) this process runs now"
     );
+    describe_counter!(
+        CONSUMER_CREW_REFUSALS,
+        "Job requests this process refused as a member of the crew, by reason: full, fenced (not the dispatcher it serves), late, unheard (it cannot prove it is heard), bad"
+    );
     describe_gauge!(
         CONSUMER_REMOTE_JOBS,
         "Jobs this dispatcher has handed to other processes of the durable and not heard back of"
@@ -364,6 +378,9 @@ pub fn register_consumer() {
     metrics::gauge!(CONSUMER_DLQ_FAILING).set(0.0);
     for result in CONSUMER_RESULTS {
         metrics::counter!(CONSUMER_MESSAGES, "result" => result).increment(0);
+    }
+    for reason in CREW_REFUSAL_REASONS {
+        metrics::counter!(CONSUMER_CREW_REFUSALS, "reason" => reason).increment(0);
     }
 }
 

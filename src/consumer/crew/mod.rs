@@ -42,7 +42,7 @@
 //!   first. Once it lapses the helper offers no room, refuses jobs and cuts
 //!   its calls in flight; a job past its call is never cut (it records its
 //!   outcome). A lock whose connection failed is taken back under the same
-//!   id. The dispatcher takes a job for lost only later: [`GRACE`] after the
+//!   id. The dispatcher takes a job for lost only later: [`GRACE`](rule::GRACE) after the
 //!   helper's lock went, [`SILENT`] after it last heard the helper (while it
 //!   hears itself), or when a beat past the job's start no longer lists it.
 //!   A lost job is handled as one that panicked here: what the inbox holds
@@ -80,31 +80,15 @@ use super::scheduler::{Finished, Job};
 use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
+pub(super) use rule::BEAT;
+#[cfg(test)]
+pub(super) use rule::GRACE;
+use rule::{Answer, Heard, Ledger, Lost, Standing, FENCE, LIVENESS, PING, SILENT};
 
-/// How often every process says what it runs.
-pub(super) const BEAT: Duration = Duration::from_millis(250);
-/// A helper that cannot hear its own beats for this long stops its jobs.
-const FENCE: Duration = Duration::from_secs(2);
-/// A helper the dispatcher has not heard for this long has stopped its
-/// jobs (it could not hear itself for [`FENCE`]).
-const SILENT: Duration = Duration::from_secs(5);
-/// How long after a helper's member lock went its jobs may still call: its
-/// proof runs [`LEASE_TTL`](super::lease::LEASE_TTL) less a margin from
-/// its last successful check of the lock, and the lock was held then. A
-/// helper that loses its lock's connection (a Postgres restart, a
-/// terminated backend) goes on with its calls while it takes the lock back.
-pub(super) const GRACE: Duration = super::lease::LEASE_TTL;
-/// A member-lock check that takes longer has failed.
-const PING: Duration = Duration::from_millis(500);
-/// A helper's proof runs this long from its last good member-lock check:
-/// its lock may vanish right after it (a terminated backend, a restart),
-/// and the dispatcher waits [`GRACE`] from when it sees that; the check of
-/// the proof comes each beat, after at most 2 [`PING`]s of the last one.
-const MEMBER_PROOF: Duration = Duration::from_millis(1500);
+mod rule;
+
 /// How long a helper may take to answer a request or a sync.
 const SEND_TIMEOUT: Duration = Duration::from_millis(500);
-/// How often the dispatcher asks Postgres who is alive.
-const LIVENESS: Duration = Duration::from_millis(500);
 /// A new dispatcher that cannot account for every live process by then
 /// gives the lease up and asks again.
 const ADOPT_LIMIT: Duration = Duration::from_secs(30);
@@ -207,48 +191,8 @@ pub(super) struct Running {
     pub mine: bool,
 }
 
-/// What a process runs, and the dispatcher it serves: a job request from
-/// any other is refused, and so is a job this process would start as a
-/// dispatcher another has replaced.
-#[derive(Default)]
-pub(super) struct Roster {
-    pub jobs: HashMap<u64, Running>,
-    pub serving: Option<i32>,
-    /// The period of `serving` that synced this process: a request sent in
-    /// an earlier period of the same process is refused.
-    pub period: u64,
-}
-
-impl Roster {
-    /// Another process dispatches now, or this one in a later period: it
-    /// must not start jobs as dispatcher `me` in period `period`.
-    pub fn replaced(&self, me: i32, period: u64) -> bool {
-        match self.serving {
-            Some(s) if s != me => true,
-            Some(_) => self.period != period,
-            None => false,
-        }
-    }
-
-    /// Whether a job request from dispatcher `from` in its period
-    /// `period`, to expire after beat `until`, may start here at beat
-    /// `beat`.
-    fn admits(
-        &self,
-        from: i32,
-        period: u64,
-        until: u64,
-        beat: u64,
-    ) -> std::result::Result<(), &'static str> {
-        if self.serving != Some(from) || self.period != period {
-            Err("fenced")
-        } else if beat > until {
-            Err("late")
-        } else {
-            Ok(())
-        }
-    }
-}
+/// What a process runs, and the dispatcher it serves (see [`rule::Roster`]).
+pub(super) type Roster = rule::Roster<Running>;
 
 pub(super) type Registry = Arc<Mutex<Roster>>;
 
@@ -411,67 +355,13 @@ pub(super) enum Sent {
     Refused,
 }
 
-struct Helper {
-    capacity: usize,
-    leaving: bool,
-    beat: u64,
-    heard: Instant,
-    running: Vec<Running>,
-    serving: Option<i32>,
-}
+type EndTx = oneshot::Sender<Option<(Finished<Instant>, bool)>>;
 
-struct Waiter {
-    member: i32,
-    /// Beats after this one must list the job while it runs.
-    since_beat: u64,
-    tx: oneshot::Sender<Option<(Finished<Instant>, bool)>>,
-}
-
-struct State {
-    helpers: HashMap<i32, Helper>,
-    alive: HashSet<i32>,
-    /// Members heard of whose lock is gone, and since when.
-    gone: HashMap<i32, Instant>,
-    reserved: HashMap<i32, usize>,
-    waiting: HashMap<u64, Waiter>,
-    /// When this process last heard its own beat: silence from others means
-    /// something only while it does.
-    self_heard: Option<Instant>,
-    syncing: HashSet<i32>,
-}
-
-impl State {
-    fn fail_where(&mut self, lost: impl Fn(u64, &Waiter) -> bool) {
-        let ids: Vec<u64> = self
-            .waiting
-            .iter()
-            .filter(|(id, w)| lost(**id, w))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in ids {
-            if let Some(w) = self.waiting.remove(&id) {
-                tracing::warn!(job = id, member = w.member, "a job another process ran is lost; the inbox decides, and JetStream delivers it again if unacked");
-                let _ = w.tx.send(None);
-            }
-        }
-    }
-
-    fn hears_itself(&self) -> bool {
-        self.self_heard.is_some_and(|t| t.elapsed() < FENCE)
-    }
-
-    /// The helper has stopped whatever it ran: its lock has been gone for
-    /// [`GRACE`], or this process (hearing itself) has not heard it for
-    /// [`SILENT`].
-    fn stopped(&self, member: i32) -> bool {
-        if self.gone.get(&member).is_some_and(|t| t.elapsed() >= GRACE) {
-            return true;
-        }
-        self.hears_itself()
-            && self
-                .helpers
-                .get(&member)
-                .is_some_and(|h| h.heard.elapsed() >= SILENT)
+/// Jobs the ledger took for lost: their waits end with `None`.
+fn end_lost(lost: Lost<EndTx>) {
+    for (id, w) in lost {
+        tracing::warn!(job = id, member = w.member, "a job another process ran is lost; the inbox decides, and JetStream delivers it again if unacked");
+        let _ = w.end.send(None);
     }
 }
 
@@ -489,7 +379,7 @@ struct CrewInner {
     me: i32,
     period: u64,
     worker: Arc<Worker>,
-    state: Mutex<State>,
+    state: Mutex<Ledger<EndTx>>,
     /// Set on hand-over: waiting on other processes' jobs stops (the next
     /// dispatcher adopts them).
     handover: CancellationToken,
@@ -511,22 +401,15 @@ impl Crew {
             .subscribe(format!("{base}.s.*"))
             .await
             .map_err(Error::nats("subscribing to the crew"))?;
+        let period = new_job_id() ^ (uuid::Uuid::new_v4().as_u128() as u64);
         let crew = Crew {
             inner: Arc::new(CrewInner {
                 client,
                 base,
                 me,
-                period: new_job_id() ^ (uuid::Uuid::new_v4().as_u128() as u64),
+                period,
                 worker,
-                state: Mutex::new(State {
-                    helpers: HashMap::new(),
-                    alive: HashSet::new(),
-                    gone: HashMap::new(),
-                    reserved: HashMap::new(),
-                    waiting: HashMap::new(),
-                    self_heard: None,
-                    syncing: HashSet::new(),
-                }),
+                state: Mutex::new(Ledger::new(me, period)),
                 handover: CancellationToken::new(),
             }),
         };
@@ -542,7 +425,7 @@ impl Crew {
         (self.inner.me, self.inner.period)
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+    fn state(&self) -> std::sync::MutexGuard<'_, Ledger<EndTx>> {
         self.inner
             .state
             .lock()
@@ -574,90 +457,42 @@ impl Crew {
                             }
                         }
                     } else if let Ok(d) = serde_json::from_slice::<Done>(&msg.payload) {
-                        if let Some(w) = self.state().waiting.remove(&d.id) {
+                        let waiter = self.state().ended(d.id);
+                        if let Some(w) = waiter {
                             let end = (!d.lost).then(|| (d.how.into_finished(), d.panicked));
-                            let _ = w.tx.send(end);
+                            let _ = w.end.send(end);
                         }
                     }
                 }
                 _ = tick.tick() => {
                     // Without an answer from Postgres, silence still counts.
                     let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable)).await;
-                    let mut s = self.state();
-                    let alive = match alive {
-                        Ok(Ok(alive)) => alive,
-                        _ => s.alive.clone(),
-                    };
-                    let now = Instant::now();
-                    let known: Vec<i32> = s
-                        .helpers
-                        .keys()
-                        .copied()
-                        .chain(s.waiting.values().map(|w| w.member))
-                        .collect();
-                    for id in known {
-                        if alive.contains(&id) {
-                            s.gone.remove(&id);
-                        } else {
-                            s.gone.entry(id).or_insert(now);
-                        }
-                    }
-                    s.alive = alive;
-                    let stopped: HashSet<i32> = s
-                        .waiting
-                        .values()
-                        .map(|w| w.member)
-                        .filter(|m| s.stopped(*m))
-                        .collect();
-                    s.fail_where(|_, w| stopped.contains(&w.member));
-                    // Forget who is gone for good, once nothing waits on it.
-                    let waited: HashSet<i32> = s.waiting.values().map(|w| w.member).collect();
-                    let forget: Vec<i32> = s
-                        .gone
-                        .iter()
-                        .filter(|(id, t)| t.elapsed() >= SILENT && !waited.contains(id))
-                        .map(|(id, _)| *id)
-                        .collect();
-                    for id in forget {
-                        s.gone.remove(&id);
-                        s.helpers.remove(&id);
-                    }
+                    let lost = self.state().liveness(alive.ok().and_then(|a| a.ok()), Instant::now());
+                    end_lost(lost);
                 }
             }
         }
         // The period ended: nobody waits for these any more.
-        self.state().waiting.clear();
+        self.state().clear();
     }
 
     /// A process's beat. Returns the member to acknowledge, and its beat:
     /// one that serves this dispatcher (the acknowledgement is what keeps
     /// its jobs running).
     fn heard(&self, h: Hello) -> Option<(i32, u64)> {
-        let me = self.inner.me;
-        let mut s = self.state();
-        if h.member == self.inner.worker.member.load(Ordering::Relaxed) {
-            s.self_heard = Some(Instant::now());
-        }
-        let listed: HashSet<u64> = h.running.iter().map(|r| r.id).collect();
-        let (member, beat) = (h.member, h.beat);
-        s.fail_where(|id, w| w.member == member && beat > w.since_beat && !listed.contains(&id));
-        // A process that serves no one (it just joined) or an old
-        // dispatcher is synced before it is sent anything.
-        let ours = h.serving == Some(me) && h.period == self.inner.period;
-        let sync = !ours && !h.leaving && s.syncing.insert(member);
-        let ack = ours.then_some((member, beat));
-        s.helpers.insert(
-            h.member,
-            Helper {
-                capacity: h.capacity,
-                leaving: h.leaving,
-                beat: h.beat,
-                heard: Instant::now(),
-                running: h.running,
-                serving: h.serving.filter(|_| h.period == self.inner.period),
-            },
-        );
-        drop(s);
+        let member = h.member;
+        let heard = Heard {
+            member,
+            capacity: h.capacity,
+            leaving: h.leaving,
+            beat: h.beat,
+            running: h.running.iter().map(|r| r.id).collect(),
+            serving: h.serving,
+            period: h.period,
+        };
+        let own = self.inner.worker.member.load(Ordering::Relaxed);
+        let (Answer { ack, sync }, lost) = self.state().heard(heard, own, Instant::now());
+        end_lost(lost);
         if sync {
             let crew = self.clone();
             tokio::spawn(async move {
@@ -666,12 +501,14 @@ impl Crew {
                     // job of a previous dispatcher here means that process
                     // could not be reached when this period began and did
                     // not stop its jobs in time.
-                    let waited: HashSet<u64> = crew.state().waiting.keys().copied().collect();
-                    let foreign: Vec<&Running> = answer
-                        .running
-                        .iter()
-                        .filter(|r| !waited.contains(&r.id))
-                        .collect();
+                    let foreign: Vec<&Running> = {
+                        let s = crew.state();
+                        answer
+                            .running
+                            .iter()
+                            .filter(|r| !s.is_waited(r.id))
+                            .collect()
+                    };
                     if !foreign.is_empty() {
                         tracing::warn!(
                             member,
@@ -680,7 +517,7 @@ impl Crew {
                         );
                     }
                 }
-                crew.state().syncing.remove(&member);
+                crew.state().synced(member);
             });
         }
         ack
@@ -704,60 +541,29 @@ impl Crew {
         serde_json::from_slice(&reply.payload).ok()
     }
 
-    fn pickable(&self, s: &State, id: i32, h: &Helper) -> bool {
-        id != self.inner.me
-            && id != self.inner.worker.member.load(Ordering::Relaxed)
-            && !h.leaving
-            && h.serving == Some(self.inner.me)
-            && s.alive.contains(&id)
-            && h.heard.elapsed() < SILENT
+    fn own(&self) -> i32 {
+        self.inner.worker.member.load(Ordering::Relaxed)
     }
 
     /// Jobs the other processes can take at once.
     pub fn capacity(&self) -> usize {
-        let s = self.state();
-        s.helpers
-            .iter()
-            .filter(|(id, h)| self.pickable(&s, **id, h))
-            .map(|(_, h)| h.capacity)
-            .sum()
+        self.state().capacity(self.own(), Instant::now())
     }
 
     /// Other live processes of the crew.
     pub fn helpers(&self) -> usize {
-        let s = self.state();
-        s.helpers
-            .iter()
-            .filter(|(id, h)| self.pickable(&s, **id, h))
-            .count()
+        self.state().helper_count(self.own(), Instant::now())
     }
 
     /// The helper with the most room, which keeps a place for the job.
     pub fn pick(&self) -> Option<i32> {
-        let mut s = self.state();
-        let best = s
-            .helpers
-            .iter()
-            .filter(|(id, h)| self.pickable(&s, **id, h))
-            .map(|(id, h)| {
-                (
-                    *id,
-                    h.capacity.saturating_sub(*s.reserved.get(id).unwrap_or(&0)),
-                )
-            })
-            .filter(|(_, free)| *free > 0)
-            .max_by_key(|(_, free)| *free)
-            .map(|(id, _)| id)?;
-        *s.reserved.entry(best).or_default() += 1;
-        Some(best)
+        let own = self.own();
+        self.state().pick(own, Instant::now())
     }
 
     /// The job's place at `member` is free again.
     pub fn unreserve(&self, member: i32) {
-        let mut s = self.state();
-        if let Some(n) = s.reserved.get_mut(&member) {
-            *n = n.saturating_sub(1);
-        }
+        self.state().unreserve(member);
     }
 
     /// Hand `job` to `member`.
@@ -772,19 +578,7 @@ impl Crew {
         // Waiting before asking: its end may come before the answer does.
         // The request expires one beat after the last one heard: a beat
         // past that which does not list the job says it never started.
-        let until = {
-            let mut s = self.state();
-            let until = s.helpers.get(&member).map_or(0, |h| h.beat) + 1;
-            s.waiting.insert(
-                id,
-                Waiter {
-                    member,
-                    since_beat: u64::MAX,
-                    tx,
-                },
-            );
-            until
-        };
+        let until = self.state().expect(id, member, tx);
         let (head, headers, body) = match job {
             Job::Deliver(msg) | Job::Check(msg) => (
                 JobHead {
@@ -817,12 +611,12 @@ impl Crew {
                 Bytes::new(),
             ),
             _ => {
-                self.state().waiting.remove(&id);
+                self.state().ended(id);
                 return Sent::Refused;
             }
         };
         let Ok(mut payload) = serde_json::to_vec(&head) else {
-            self.state().waiting.remove(&id);
+            self.state().ended(id);
             return Sent::Refused;
         };
         payload.push(b'\n');
@@ -833,7 +627,7 @@ impl Crew {
         // brought it back to the same refusal).
         let size = payload.len() + headers.as_ref().map_or(0, crate::nats::header_size);
         if size > self.inner.client.server_info().max_payload {
-            self.state().waiting.remove(&id);
+            self.state().ended(id);
             return Sent::Refused;
         }
         let subject = format!("{}.job.{member}", self.inner.base);
@@ -854,23 +648,19 @@ impl Crew {
             Ok(Ok(reply)) => {
                 let text = String::from_utf8_lossy(&reply.payload);
                 if let Some(beat) = text.strip_prefix("ok ").and_then(|b| b.trim().parse().ok()) {
-                    if let Some(w) = s.waiting.get_mut(&id) {
-                        w.since_beat = beat;
-                    }
+                    s.accepted(id, beat);
                     return Sent::Accepted(rx);
                 }
-                s.waiting.remove(&id);
+                s.ended(id);
                 Sent::Refused
             }
             Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
-                s.waiting.remove(&id);
+                s.ended(id);
                 Sent::Refused
             }
             // It may have been accepted: a beat past `until` tells.
             _ => {
-                if let Some(w) = s.waiting.get_mut(&id) {
-                    w.since_beat = until;
-                }
+                s.unanswered(id, until);
                 Sent::Accepted(rx)
             }
         }
@@ -880,7 +670,7 @@ impl Crew {
     /// then on it serves this one only) and take on the jobs each runs,
     /// each with the receiver its end arrives on. A live process that does
     /// not answer is waited for until it has stopped its jobs; one whose
-    /// lock just went, until [`GRACE`] says it has. Bounded by
+    /// lock just went, until [`GRACE`](rule::GRACE) says it has. Bounded by
     /// [`ADOPT_LIMIT`] (an error: the lease is given up and asked again).
     pub async fn adopt(
         &self,
@@ -910,14 +700,7 @@ impl Crew {
                         let mut s = self.state();
                         for running in &a.running {
                             let (tx, rx) = oneshot::channel();
-                            s.waiting.insert(
-                                running.id,
-                                Waiter {
-                                    member: *m,
-                                    since_beat: a.beat,
-                                    tx,
-                                },
-                            );
+                            s.adopt(running.id, *m, a.beat, tx);
                             adopted.push((running.clone(), rx));
                         }
                         answers.insert(*m, a);
@@ -928,17 +711,14 @@ impl Crew {
                     .filter(|m| !answers.contains_key(m))
                     .copied()
                     .collect();
+                let now = Instant::now();
+                let answered: HashSet<i32> = answers.keys().copied().collect();
                 let s = self.state();
                 // Heard running jobs, its lock gone: it stops them within
                 // GRACE of noticing.
-                let stopping = s.helpers.iter().any(|(id, h)| {
-                    !live.contains(id)
-                        && !answers.contains_key(id)
-                        && !h.running.is_empty()
-                        && h.heard > started
-                        && started.elapsed() < GRACE + LIVENESS
-                });
-                let mute = s.hears_itself() && started.elapsed() >= SILENT;
+                let stopping = s.stopping(&live, &answered, started, now);
+                let mute = s.hears_itself(now) && started.elapsed() >= SILENT;
+                drop(s);
                 let own = self.inner.worker.member.load(Ordering::Relaxed);
                 if !answers.contains_key(&own) && started.elapsed() >= FENCE {
                     return Err(Error::Nats {
@@ -1132,7 +912,7 @@ impl Subs {
 ///
 /// Nothing in this loop waits longer than [`PING`]: the checks that stop
 /// this process's jobs (its lock, the dispatcher's acknowledgements) must
-/// come every beat, or the dispatcher's [`GRACE`] would not cover them.
+/// come every beat, or the dispatcher's [`GRACE`](rule::GRACE) would not cover them.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn work<H: Handler>(
     shared: Arc<Shared<H>>,
@@ -1151,21 +931,10 @@ pub(super) async fn work<H: Handler>(
     let mut subs = Subs::open(&client, &base, member.id, false).await;
     let mut tasks: JoinSet<(u64, Finished<Instant>, bool)> = JoinSet::new();
     let mut beat = tokio::time::interval(BEAT);
-    let mut beat_no: u64 = 0;
-    // When each recent beat was sent, to date the dispatcher's answers.
-    let mut sent: std::collections::VecDeque<(u64, Instant)> = Default::default();
-    // When this process sent the newest beat the dispatcher acknowledged,
-    // and the newest successful check of its member lock: the proof its
-    // jobs need to start a call ends FENCE after the first and MEMBER_PROOF
-    // after the second.
-    let mut acked = Instant::now();
-    let mut member_proven = Instant::now();
-    let prove = |acked: Instant, member_proven: Instant| {
-        shared
-            .proof
-            .set((acked + FENCE).min(member_proven + MEMBER_PROOF));
-    };
-    prove(acked, member_proven);
+    // The proof this process's jobs need to start a call: see `Standing`.
+    let mut standing = Standing::new(Instant::now());
+    let prove = |standing: &Standing| shared.proof.set(standing.ends());
+    prove(&standing);
     let mut unheard = false;
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     let mut leaving: Option<Instant> = None;
@@ -1208,9 +977,8 @@ pub(super) async fn work<H: Handler>(
                 // everything started before.
                 let hello = {
                     let mut r = roster(&worker.registry);
-                    r.serving = Some(sync.from);
-                    r.period = sync.period;
-                    hello(&r, member.id, room(&shared, capacity), leaving.is_some(), beat_no)
+                    r.serve(sync.from, sync.period);
+                    hello(&r, member.id, room(&shared, capacity), leaving.is_some(), standing.last_beat())
                 };
                 if let Ok(body) = serde_json::to_vec(&hello) {
                     bounded(client.publish(reply, body.into())).await;
@@ -1219,25 +987,23 @@ pub(super) async fn work<H: Handler>(
             req = next(&mut subs.jobs) => {
                 let Some(req) = req else { subs.jobs = None; continue };
                 let Some(reply) = req.reply.clone() else { continue };
-                if tasks.len() >= capacity || leaving.is_some() {
-                    bounded(client.publish(reply, "full".into())).await;
-                    continue;
-                }
                 let Some((head, job)) = decode(&req, &js) else {
+                    metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => "bad").increment(1);
                     bounded(client.publish(reply, "bad".into())).await;
                     continue;
                 };
-                let admitted = {
-                    let mut r = roster(&worker.registry);
-                    // Unheard, a job would soon be stopped again.
-                    let admitted = if !shared.proof.holds() { Err("unheard") } else { r.admits(head.from, head.period, head.until, beat_no) };
-                    if admitted.is_ok() {
-                        r.jobs.insert(head.id, Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false });
-                    }
-                    admitted
-                };
+                let running = Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false };
+                let beat_no = standing.last_beat();
+                // Unheard, a job would soon be stopped again.
+                let admitted = roster(&worker.registry).admit(
+                    (head.from, head.period, head.until),
+                    (beat_no, standing.holds(Instant::now()), tasks.len() < capacity && leaving.is_none()),
+                    head.id,
+                    running,
+                );
                 if let Err(why) = admitted {
-                    bounded(client.publish(reply, why.into())).await;
+                    metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => why.as_str()).increment(1);
+                    bounded(client.publish(reply, why.as_str().into())).await;
                     continue;
                 }
                 bounded(client.publish(reply, format!("ok {beat_no}").into())).await;
@@ -1252,13 +1018,9 @@ pub(super) async fn work<H: Handler>(
                     Some(msg) => {
                         // An empty answer is from a dispatcher that does not
                         // name the beat (an older version): dated now.
-                        let at = match std::str::from_utf8(&msg.payload).ok().and_then(|b| b.parse::<u64>().ok()) {
-                            Some(b) => sent.iter().find(|(n, _)| *n == b).map(|(_, t)| *t),
-                            None => Some(Instant::now()),
-                        };
-                        if let Some(at) = at.filter(|at| *at > acked) {
-                            acked = at;
-                            prove(acked, member_proven);
+                        let named = std::str::from_utf8(&msg.payload).ok().and_then(|b| b.parse::<u64>().ok());
+                        if standing.acknowledged(named, Instant::now()) {
+                            prove(&standing);
                         }
                     }
                     None => subs.ack = None,
@@ -1271,7 +1033,7 @@ pub(super) async fn work<H: Handler>(
                 // lock went: their calls stop first. The proof (the
                 // dispatcher's acknowledgement of a recent beat, and the
                 // member lock) says whether that can have happened.
-                let now_unheard = !shared.proof.holds();
+                let now_unheard = !standing.holds(Instant::now());
                 if now_unheard && !unheard {
                     worker.fences.fetch_add(1, Ordering::Relaxed);
                     if !tasks.is_empty() {
@@ -1280,11 +1042,7 @@ pub(super) async fn work<H: Handler>(
                     }
                 }
                 unheard = now_unheard;
-                beat_no += 1;
-                sent.push_back((beat_no, Instant::now()));
-                if sent.len() > 64 {
-                    sent.pop_front();
-                }
+                let beat_no = standing.beat(Instant::now());
                 let hello = hello(&roster(&worker.registry), member.id, room(&shared, capacity), leaving.is_some(), beat_no);
                 running_gauge.set(hello.running.len() as f64);
                 if let Ok(body) = serde_json::to_vec(&hello) {
@@ -1297,8 +1055,8 @@ pub(super) async fn work<H: Handler>(
                 }
                 let pinged = Instant::now();
                 if member.held().await {
-                    member_proven = pinged;
-                    prove(acked, member_proven);
+                    standing.lock_held(pinged);
+                    prove(&standing);
                 } else {
                     // Under the same id: the dispatcher waits GRACE before it
                     // takes a member whose lock went for gone, and a blip
@@ -1309,8 +1067,8 @@ pub(super) async fn work<H: Handler>(
                         Ok(Ok(Some(m))) => {
                             tracing::info!(member = m.id, "the crew membership's connection failed; took the membership back");
                             member = m;
-                            member_proven = Instant::now();
-                            prove(acked, member_proven);
+                            standing.lock_held(Instant::now());
+                            prove(&standing);
                         }
                         Ok(Ok(None)) => tracing::warn!("the crew membership's connection failed and its lock is still held; retrying"),
                         Ok(Err(e)) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
@@ -1504,52 +1262,6 @@ mod tests {
         assert!(
             matches!(parked, Ended::Parked { seq: 4, due_ms } if due_ms > 9_000 && due_ms <= 10_000)
         );
-    }
-
-    /// Review of the crew, finding 5: a request that timed out at the
-    /// dispatcher could still start at the helper after the dispatcher had
-    /// taken it for lost. It now names the helper's last beat at which it
-    /// may start; and an old dispatcher's requests are refused once a new
-    /// one has synced the helper.
-    #[test]
-    fn a_job_request_is_refused_once_late_or_from_a_replaced_dispatcher() {
-        let mut r = Roster::default();
-        assert_eq!(r.admits(7, 1, 5, 1), Err("fenced"), "serves no one yet");
-        r.serving = Some(7);
-        r.period = 1;
-        assert_eq!(r.admits(7, 1, 5, 5), Ok(()));
-        assert_eq!(r.admits(7, 1, 5, 6), Err("late"));
-        assert_eq!(
-            r.admits(8, 1, 9, 1),
-            Err("fenced"),
-            "not the dispatcher it serves"
-        );
-        assert!(r.replaced(8, 1));
-        assert!(!r.replaced(7, 1));
-        assert!(r.replaced(7, 2), "a later period of the same process");
-        assert!(!Roster::default().replaced(7, 1), "nobody synced it yet");
-    }
-
-    /// Issue 43, item 7: the same process dispatches again (it lost its
-    /// lease and took it back). A request its previous period sent, still
-    /// on its way, came with the same member id and was admitted after the
-    /// new period's sync: a job the new period knew nothing of.
-    #[test]
-    fn a_request_from_a_previous_period_of_the_same_dispatcher_is_refused() {
-        let mut r = Roster {
-            serving: Some(7),
-            period: 1,
-            ..Default::default()
-        };
-        assert_eq!(r.admits(7, 1, 5, 5), Ok(()));
-        // The new period syncs it.
-        r.period = 2;
-        assert_eq!(
-            r.admits(7, 1, 5, 5),
-            Err("fenced"),
-            "the old period's request"
-        );
-        assert_eq!(r.admits(7, 2, 5, 5), Ok(()));
     }
 
     #[test]

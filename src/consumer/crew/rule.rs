@@ -1,0 +1,1190 @@
+//! The crew's rule, without I/O: who may start a job, when the dispatcher
+//! may take a job for lost (and so run it again), and when a helper must
+//! stop. Time comes in as an argument, messages as values; the shell in
+//! `mod.rs` does the NATS and Postgres work and asks these types what to do.
+//!
+//! The one rule (see the module above): **a job is run again only once its
+//! first run has stopped.** Two halves keep it:
+//!
+//! - the helper ([`Roster`], [`Standing`]) starts a job only if the request is
+//!   from the dispatcher it serves, in that dispatcher's period, before the
+//!   request's expiry beat, and while its proof holds; and it makes calls
+//!   only while its proof holds. The proof ends [`FENCE`] after it sent the
+//!   newest beat the dispatcher acknowledged, and [`MEMBER_PROOF`] after its
+//!   newest good check of its member lock;
+//! - the dispatcher ([`Ledger`]) takes a job for lost only when the helper
+//!   cannot be running it any more: [`GRACE`] after Postgres said the
+//!   helper's lock went (its proof ran out [`MEMBER_PROOF`] after its last
+//!   good check, before that), [`SILENT`] after it last heard the helper
+//!   while it hears itself (the newest beat it acknowledged was sent before
+//!   that, so the proof ran out [`FENCE`] later), or when a beat past the
+//!   job's start does not list it (the job ended, or was never admitted).
+//!
+//! `tests` drives both halves through random joins, kills, freezes,
+//! partitions and late or lost messages, and checks the rule on every step.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+/// How often every process says what it runs.
+pub(crate) const BEAT: Duration = Duration::from_millis(250);
+/// A helper that cannot hear its own beats for this long stops its jobs.
+pub(super) const FENCE: Duration = Duration::from_secs(2);
+/// A helper the dispatcher has not heard for this long has stopped its
+/// jobs (it could not hear itself for [`FENCE`]).
+pub(super) const SILENT: Duration = Duration::from_secs(5);
+/// How long after a helper's member lock went its jobs may still call: its
+/// proof runs [`LEASE_TTL`](super::super::lease::LEASE_TTL) less a margin
+/// from its last successful check of the lock, and the lock was held then.
+/// A helper that loses its lock's connection (a Postgres restart, a
+/// terminated backend) goes on with its calls while it takes the lock back.
+pub(crate) const GRACE: Duration = super::super::lease::LEASE_TTL;
+/// How often the dispatcher asks Postgres who is alive.
+pub(super) const LIVENESS: Duration = Duration::from_millis(500);
+/// A member-lock check that takes longer has failed.
+pub(super) const PING: Duration = Duration::from_millis(500);
+/// A helper's proof runs this long from its last good member-lock check:
+/// its lock may vanish right after it (a terminated backend, a restart),
+/// and the dispatcher waits [`GRACE`] from when it sees that; the check of
+/// the proof comes each beat, after at most 2 [`PING`]s of the last one.
+pub(super) const MEMBER_PROOF: Duration = Duration::from_millis(1500);
+
+/// Why a helper refuses a job request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// No room for another job, or this process is leaving.
+    Full,
+    /// From a dispatcher this process does not serve, or from an earlier
+    /// period of the one it serves.
+    Fenced,
+    /// Past the beat the request named as its last.
+    Late,
+    /// This process cannot prove it is heard (or holds its lock).
+    Unheard,
+}
+
+impl Refusal {
+    /// The word the helper answers with (and the metric's label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Full => "full",
+            Refusal::Fenced => "fenced",
+            Refusal::Late => "late",
+            Refusal::Unheard => "unheard",
+        }
+    }
+}
+
+/// What a process runs (by job id, with what the shell keeps of each), and
+/// the dispatcher it serves.
+#[derive(Debug)]
+pub(crate) struct Roster<R> {
+    pub jobs: HashMap<u64, R>,
+    pub serving: Option<i32>,
+    /// The period of `serving` that synced this process: a request sent in
+    /// an earlier period of the same process is refused.
+    pub period: u64,
+}
+
+impl<R> Default for Roster<R> {
+    fn default() -> Self {
+        Roster {
+            jobs: HashMap::new(),
+            serving: None,
+            period: 0,
+        }
+    }
+}
+
+impl<R> Roster<R> {
+    /// Another process dispatches now, or this one in a later period: it
+    /// must not start jobs as dispatcher `me` in period `period`.
+    pub fn replaced(&self, me: i32, period: u64) -> bool {
+        match self.serving {
+            Some(s) if s != me => true,
+            Some(_) => self.period != period,
+            None => false,
+        }
+    }
+
+    /// A sync from the dispatcher that holds the lease now: from here on
+    /// only it is served.
+    pub fn serve(&mut self, from: i32, period: u64) {
+        self.serving = Some(from);
+        self.period = period;
+    }
+
+    /// Whether a job request from dispatcher `from` in its period `period`,
+    /// to expire after beat `until`, may start here at beat `beat`, `proven`
+    /// saying whether this process's proof holds and `room` whether it
+    /// takes another job; admitted, it is listed.
+    pub fn admit(
+        &mut self,
+        request: (i32, u64, u64),
+        (beat, proven, room): (u64, bool, bool),
+        id: u64,
+        job: R,
+    ) -> std::result::Result<(), Refusal> {
+        let (from, period, until) = request;
+        if !room {
+            Err(Refusal::Full)
+        } else if !proven {
+            Err(Refusal::Unheard)
+        } else if self.serving != Some(from) || self.period != period {
+            Err(Refusal::Fenced)
+        } else if beat > until {
+            Err(Refusal::Late)
+        } else {
+            self.jobs.insert(id, job);
+            Ok(())
+        }
+    }
+}
+
+/// A helper's own account of whether it may act for the dispatcher: the
+/// beats it sent, the newest one acknowledged, its newest good lock check.
+#[derive(Debug)]
+pub(super) struct Standing {
+    beat: u64,
+    /// When each recent beat was sent, to date the dispatcher's answers.
+    sent: VecDeque<(u64, Instant)>,
+    acked: Instant,
+    member_proven: Instant,
+}
+
+impl Standing {
+    /// Joined at `now`: the membership was just proven.
+    pub fn new(now: Instant) -> Standing {
+        Standing {
+            beat: 0,
+            sent: VecDeque::new(),
+            acked: now,
+            member_proven: now,
+        }
+    }
+
+    /// Until when this process may start a call for the dispatcher.
+    pub fn ends(&self) -> Instant {
+        (self.acked + FENCE).min(self.member_proven + MEMBER_PROOF)
+    }
+
+    pub fn holds(&self, now: Instant) -> bool {
+        now < self.ends()
+    }
+
+    /// The number of the beat sent now.
+    pub fn beat(&mut self, now: Instant) -> u64 {
+        self.beat += 1;
+        self.sent.push_back((self.beat, now));
+        if self.sent.len() > 64 {
+            self.sent.pop_front();
+        }
+        self.beat
+    }
+
+    /// The newest beat sent.
+    pub fn last_beat(&self) -> u64 {
+        self.beat
+    }
+
+    /// The dispatcher heard beat `named`: the proof runs from when that
+    /// beat was sent, not from when the answer came (after a freeze, say).
+    /// `None`: an answer that names no beat (an older dispatcher), dated
+    /// `now`. True when the proof moved.
+    pub fn acknowledged(&mut self, named: Option<u64>, now: Instant) -> bool {
+        let at = match named {
+            Some(b) => self.sent.iter().find(|(n, _)| *n == b).map(|(_, t)| *t),
+            None => Some(now),
+        };
+        match at {
+            Some(at) if at > self.acked => {
+                self.acked = at;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The member lock was held when the check was sent, at `pinged`.
+    pub fn lock_held(&mut self, pinged: Instant) {
+        self.member_proven = self.member_proven.max(pinged);
+    }
+}
+
+/// A beat from a process, as the dispatcher reads it.
+#[derive(Debug, Clone)]
+pub(super) struct Heard {
+    pub member: i32,
+    pub capacity: usize,
+    pub leaving: bool,
+    pub beat: u64,
+    pub running: HashSet<u64>,
+    pub serving: Option<i32>,
+    pub period: u64,
+}
+
+/// What the dispatcher knows of a process from its beats.
+#[derive(Debug)]
+pub(super) struct Helper {
+    pub capacity: usize,
+    pub leaving: bool,
+    pub beat: u64,
+    pub heard: Instant,
+    pub running: usize,
+    pub serving: Option<i32>,
+}
+
+/// A job handed to a helper, and what the shell needs to end it (`T`).
+#[derive(Debug)]
+pub(super) struct Waiter<T> {
+    pub member: i32,
+    /// Beats after this one must list the job while it runs.
+    since_beat: u64,
+    pub end: T,
+}
+
+/// What a beat asks of the dispatcher.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Answer {
+    /// Acknowledge this beat of this member (it serves this dispatcher).
+    pub ack: Option<(i32, u64)>,
+    /// Sync this member first (it serves no one, or another dispatcher).
+    pub sync: bool,
+}
+
+/// The dispatcher's account of the crew for one period: who is alive, who
+/// serves it, which jobs each runs for it. Jobs it takes for lost come
+/// back out of it, with their `T`, for the shell to end.
+#[derive(Debug)]
+pub(super) struct Ledger<T> {
+    me: i32,
+    period: u64,
+    pub helpers: HashMap<i32, Helper>,
+    pub alive: HashSet<i32>,
+    /// Members heard of whose lock is gone, and since when.
+    gone: HashMap<i32, Instant>,
+    reserved: HashMap<i32, usize>,
+    waiting: HashMap<u64, Waiter<T>>,
+    /// When this process last heard its own beat: silence from others
+    /// means something only while it does.
+    self_heard: Option<Instant>,
+    syncing: HashSet<i32>,
+}
+
+/// Jobs taken for lost: the shell ends each (the inbox decides, and a reset
+/// to the ack floor brings back what is unacked).
+pub(super) type Lost<T> = Vec<(u64, Waiter<T>)>;
+
+impl<T> Ledger<T> {
+    pub fn new(me: i32, period: u64) -> Ledger<T> {
+        Ledger {
+            me,
+            period,
+            helpers: HashMap::new(),
+            alive: HashSet::new(),
+            gone: HashMap::new(),
+            reserved: HashMap::new(),
+            waiting: HashMap::new(),
+            self_heard: None,
+            syncing: HashSet::new(),
+        }
+    }
+
+    fn take_where(&mut self, lost: impl Fn(u64, &Waiter<T>) -> bool) -> Lost<T> {
+        let ids: Vec<u64> = self
+            .waiting
+            .iter()
+            .filter(|(id, w)| lost(**id, w))
+            .map(|(id, _)| *id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| self.waiting.remove(&id).map(|w| (id, w)))
+            .collect()
+    }
+
+    pub fn hears_itself(&self, now: Instant) -> bool {
+        self.self_heard
+            .is_some_and(|t| now.saturating_duration_since(t) < FENCE)
+    }
+
+    /// The helper has stopped whatever it ran: its lock has been gone for
+    /// [`GRACE`], or this process (hearing itself) has not heard it for
+    /// [`SILENT`].
+    pub fn stopped(&self, member: i32, now: Instant) -> bool {
+        if self
+            .gone
+            .get(&member)
+            .is_some_and(|t| now.saturating_duration_since(*t) >= GRACE)
+        {
+            return true;
+        }
+        self.hears_itself(now)
+            && self
+                .helpers
+                .get(&member)
+                .is_some_and(|h| now.saturating_duration_since(h.heard) >= SILENT)
+    }
+
+    /// A process's beat, heard at `now`; `own` is this process's member
+    /// id. A beat past a job's start that does not list it ends the wait
+    /// for it (its end was reported first, or it never started).
+    pub fn heard(&mut self, h: Heard, own: i32, now: Instant) -> (Answer, Lost<T>) {
+        if h.member == own {
+            self.self_heard = Some(now);
+        }
+        let (member, beat) = (h.member, h.beat);
+        let lost = self.take_where(|id, w| {
+            w.member == member && beat > w.since_beat && !h.running.contains(&id)
+        });
+        let ours = h.serving == Some(self.me) && h.period == self.period;
+        let answer = Answer {
+            sync: !ours && !h.leaving && self.syncing.insert(member),
+            ack: ours.then_some((member, beat)),
+        };
+        self.helpers.insert(
+            member,
+            Helper {
+                capacity: h.capacity,
+                leaving: h.leaving,
+                beat,
+                heard: now,
+                running: h.running.len(),
+                serving: h.serving.filter(|_| h.period == self.period),
+            },
+        );
+        (answer, lost)
+    }
+
+    /// A sync of `member` ended (answered or not): it may be synced again.
+    pub fn synced(&mut self, member: i32) {
+        self.syncing.remove(&member);
+    }
+
+    /// Postgres's word on who is alive (`None`: no answer, so only silence
+    /// counts), at `now`.
+    pub fn liveness(&mut self, alive: Option<HashSet<i32>>, now: Instant) -> Lost<T> {
+        let alive = alive.unwrap_or_else(|| self.alive.clone());
+        let known: Vec<i32> = self
+            .helpers
+            .keys()
+            .copied()
+            .chain(self.waiting.values().map(|w| w.member))
+            .collect();
+        for id in known {
+            if alive.contains(&id) {
+                self.gone.remove(&id);
+            } else {
+                self.gone.entry(id).or_insert(now);
+            }
+        }
+        self.alive = alive;
+        let stopped: HashSet<i32> = self
+            .waiting
+            .values()
+            .map(|w| w.member)
+            .filter(|m| self.stopped(*m, now))
+            .collect();
+        let lost = self.take_where(|_, w| stopped.contains(&w.member));
+        // Forget who is gone for good, once nothing waits on it.
+        let waited: HashSet<i32> = self.waiting.values().map(|w| w.member).collect();
+        let forget: Vec<i32> = self
+            .gone
+            .iter()
+            .filter(|(id, t)| now.saturating_duration_since(**t) >= SILENT && !waited.contains(id))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in forget {
+            self.gone.remove(&id);
+            self.helpers.remove(&id);
+        }
+        lost
+    }
+
+    fn pickable(&self, id: i32, h: &Helper, own: i32, now: Instant) -> bool {
+        id != self.me
+            && id != own
+            && !h.leaving
+            && h.serving == Some(self.me)
+            && self.alive.contains(&id)
+            && now.saturating_duration_since(h.heard) < SILENT
+    }
+
+    /// Jobs the other processes can take at once.
+    pub fn capacity(&self, own: i32, now: Instant) -> usize {
+        self.helpers
+            .iter()
+            .filter(|(id, h)| self.pickable(**id, h, own, now))
+            .map(|(_, h)| h.capacity)
+            .sum()
+    }
+
+    /// Other live processes of the crew.
+    pub fn helper_count(&self, own: i32, now: Instant) -> usize {
+        self.helpers
+            .iter()
+            .filter(|(id, h)| self.pickable(**id, h, own, now))
+            .count()
+    }
+
+    /// The helper with the most room, which keeps a place for the job.
+    pub fn pick(&mut self, own: i32, now: Instant) -> Option<i32> {
+        let best = self
+            .helpers
+            .iter()
+            .filter(|(id, h)| self.pickable(**id, h, own, now))
+            .map(|(id, h)| {
+                (
+                    *id,
+                    h.capacity
+                        .saturating_sub(*self.reserved.get(id).unwrap_or(&0)),
+                )
+            })
+            .filter(|(_, free)| *free > 0)
+            .max_by_key(|(_, free)| *free)
+            .map(|(id, _)| id)?;
+        *self.reserved.entry(best).or_default() += 1;
+        Some(best)
+    }
+
+    /// The job's place at `member` is free again.
+    pub fn unreserve(&mut self, member: i32) {
+        if let Some(n) = self.reserved.get_mut(&member) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    /// Job `id` is about to be asked of `member`: waited for before the
+    /// request goes (its end may come before the answer does). Returns the
+    /// request's expiry: one beat after the last one heard, so a beat past
+    /// it that does not list the job says it never started.
+    pub fn expect(&mut self, id: u64, member: i32, end: T) -> u64 {
+        let until = self.helpers.get(&member).map_or(0, |h| h.beat) + 1;
+        self.waiting.insert(
+            id,
+            Waiter {
+                member,
+                since_beat: u64::MAX,
+                end,
+            },
+        );
+        until
+    }
+
+    /// The helper admitted job `id` at its beat `beat`.
+    pub fn accepted(&mut self, id: u64, beat: u64) {
+        if let Some(w) = self.waiting.get_mut(&id) {
+            w.since_beat = beat;
+        }
+    }
+
+    /// No answer to the request for job `id` (it may have been admitted):
+    /// a beat past its expiry `until` tells.
+    pub fn unanswered(&mut self, id: u64, until: u64) {
+        if let Some(w) = self.waiting.get_mut(&id) {
+            w.since_beat = until;
+        }
+    }
+
+    /// Job `id` ended (its end was heard), or was refused: no longer waited.
+    pub fn ended(&mut self, id: u64) -> Option<Waiter<T>> {
+        self.waiting.remove(&id)
+    }
+
+    /// A job `member` listed as running when this dispatcher synced it at
+    /// its beat `beat`: waited for like one sent.
+    pub fn adopt(&mut self, id: u64, member: i32, beat: u64, end: T) {
+        self.waiting.insert(
+            id,
+            Waiter {
+                member,
+                since_beat: beat,
+                end,
+            },
+        );
+    }
+
+    /// Jobs waited for.
+    #[cfg(test)]
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn is_waited(&self, id: u64) -> bool {
+        self.waiting.contains_key(&id)
+    }
+
+    /// Whether a process outside `live` and not yet answered, heard with
+    /// jobs since `started`, may still be stopping them.
+    pub fn stopping(
+        &self,
+        live: &HashSet<i32>,
+        answered: &HashSet<i32>,
+        started: Instant,
+        now: Instant,
+    ) -> bool {
+        self.helpers.iter().any(|(id, h)| {
+            !live.contains(id)
+                && !answered.contains(id)
+                && h.running > 0
+                && h.heard > started
+                && now.saturating_duration_since(started) < GRACE + LIVENESS
+        })
+    }
+
+    /// The period ended: nobody waits for these any more.
+    pub fn clear(&mut self) {
+        self.waiting.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use std::collections::BTreeMap;
+
+    /// Review of the crew, finding 5: a request that timed out at the
+    /// dispatcher could still start at the helper after the dispatcher had
+    /// taken it for lost. It now names the helper's last beat at which it
+    /// may start; and an old dispatcher's requests are refused once a new
+    /// one has synced the helper.
+    #[test]
+    fn a_job_request_is_refused_once_late_or_from_a_replaced_dispatcher() {
+        let mut r = Roster::<()>::default();
+        let ok = (5, true, true);
+        assert_eq!(
+            r.admit((7, 1, 5), (1, true, true), 1, ()),
+            Err(Refusal::Fenced),
+            "serves no one yet"
+        );
+        r.serve(7, 1);
+        assert_eq!(r.admit((7, 1, 5), ok, 1, ()), Ok(()));
+        assert_eq!(
+            r.admit((7, 1, 5), (6, true, true), 2, ()),
+            Err(Refusal::Late)
+        );
+        assert_eq!(
+            r.admit((7, 1, 5), (5, false, true), 2, ()),
+            Err(Refusal::Unheard)
+        );
+        assert_eq!(
+            r.admit((7, 1, 5), (5, true, false), 2, ()),
+            Err(Refusal::Full)
+        );
+        assert_eq!(
+            r.admit((8, 1, 9), (1, true, true), 2, ()),
+            Err(Refusal::Fenced),
+            "not the dispatcher it serves"
+        );
+        assert!(r.replaced(8, 1));
+        assert!(!r.replaced(7, 1));
+        assert!(r.replaced(7, 2), "a later period of the same process");
+        assert!(
+            !Roster::<()>::default().replaced(7, 1),
+            "nobody synced it yet"
+        );
+        assert_eq!(r.jobs.len(), 1, "only the admitted job is listed");
+    }
+
+    /// The same process dispatches again (it lost its lease and took it
+    /// back). A request its previous period sent, still on its way, came
+    /// with the same member id and was admitted after the new period's
+    /// sync: a job the new period knew nothing of.
+    #[test]
+    fn a_request_from_a_previous_period_of_the_same_dispatcher_is_refused() {
+        let mut r = Roster::<()>::default();
+        r.serve(7, 1);
+        assert_eq!(r.admit((7, 1, 5), (5, true, true), 1, ()), Ok(()));
+        r.serve(7, 2);
+        assert_eq!(
+            r.admit((7, 1, 5), (5, true, true), 2, ()),
+            Err(Refusal::Fenced),
+            "the old period's request"
+        );
+        assert_eq!(r.admit((7, 2, 5), (5, true, true), 3, ()), Ok(()));
+    }
+
+    #[test]
+    fn the_proof_runs_from_the_acknowledged_beats_sending_and_the_lock_check() {
+        let t0 = Instant::now();
+        let mut p = Standing::new(t0);
+        assert_eq!(p.ends(), t0 + MEMBER_PROOF);
+        let b1 = p.beat(t0 + Duration::from_millis(100));
+        p.lock_held(t0 + Duration::from_millis(100));
+        // Acknowledged late (after a freeze): dated by the beat's sending.
+        assert!(p.acknowledged(Some(b1), t0 + Duration::from_secs(60)));
+        assert_eq!(
+            p.ends(),
+            (t0 + Duration::from_millis(100) + MEMBER_PROOF)
+                .min(t0 + Duration::from_millis(100) + FENCE)
+        );
+        assert!(
+            !p.acknowledged(Some(b1), t0 + Duration::from_secs(61)),
+            "not twice"
+        );
+        assert!(
+            !p.acknowledged(Some(99), t0),
+            "a beat never sent proves nothing"
+        );
+        assert!(p.holds(t0 + Duration::from_millis(1500)));
+        assert!(!p.holds(t0 + Duration::from_millis(1600)));
+    }
+
+    // ------------------------------------------------------------------
+    // The crew in a simulated world: one dispatcher (member 0) and three
+    // helpers, a network that delays, reorders (except one subscription's
+    // own order) and drops, Postgres's locks that end after LEASE_TTL of a
+    // session's silence, processes that freeze, are cut off or die.
+
+    const LEASE_TTL: Duration = super::super::super::lease::LEASE_TTL;
+    const D: i32 = 0;
+    const PERIOD: u64 = 1;
+    const HELPERS: i32 = 3;
+    /// How long a helper may still be in a call after its proof lapsed:
+    /// the next beat notices, and cutting waits at most a PING.
+    const CUT: Duration = Duration::from_millis(250 + 500);
+    const SEND_TIMEOUT_MS: u64 = 500;
+
+    #[derive(Debug, Clone)]
+    enum Event {
+        Advance(u64),
+        Send,
+        Finish(usize, usize),
+        Kill(usize),
+        /// A new process joins the crew (a restart comes back as one).
+        Join,
+        Freeze(usize, u64),
+        Partition(usize, u64),
+        CutPostgres(usize, u64),
+        /// Postgres ends the member lock's session at once (a terminated
+        /// backend, a restart): the helper takes the lock back when it can.
+        DropLock(usize),
+        DispatcherCut(u64),
+        DispatcherBlind(u64),
+    }
+
+    fn event() -> impl Strategy<Value = Event> {
+        prop_oneof![
+            8 => (1u64..400).prop_map(Event::Advance),
+            5 => Just(Event::Send),
+            4 => (0usize..8, 0usize..4).prop_map(|(h, k)| Event::Finish(h, k)),
+            1 => (0usize..8).prop_map(Event::Kill),
+            1 => Just(Event::Join),
+            1 => (0usize..8, 100u64..9000).prop_map(|(h, d)| Event::Freeze(h, d)),
+            1 => (0usize..8, 100u64..9000).prop_map(|(h, d)| Event::Partition(h, d)),
+            1 => (0usize..8, 100u64..9000).prop_map(|(h, d)| Event::CutPostgres(h, d)),
+            1 => (0usize..8).prop_map(Event::DropLock),
+            1 => (100u64..9000).prop_map(Event::DispatcherCut),
+            1 => (100u64..9000).prop_map(Event::DispatcherBlind),
+        ]
+    }
+
+    #[derive(Debug, Clone)]
+    enum Msg {
+        /// helper → dispatcher, on the one `.s.*` subscription (ordered).
+        Hello(Heard),
+        Done(u64),
+        /// dispatcher → helper.
+        Ack(u64),
+        Sync,
+        Request {
+            id: u64,
+            until: u64,
+        },
+        /// helper → dispatcher, the request's answer: Some(beat) admitted.
+        Answer {
+            id: u64,
+            admitted: Option<u64>,
+        },
+    }
+
+    struct HelperSim {
+        id: i32,
+        dead: bool,
+        frozen_until: u64,
+        cut_until: u64,
+        pg_cut_until: u64,
+        roster: Roster<()>,
+        standing: Standing,
+        next_beat: u64,
+        /// Postgres: when its session last spoke (the lock ends LEASE_TTL
+        /// later), and whether the lock is held.
+        pg_spoke: u64,
+        locked: bool,
+        /// Requests it has read while frozen, to handle on thawing.
+        inbox: Vec<Msg>,
+    }
+
+    impl HelperSim {
+        fn new(id: i32, t0: Instant, now: u64) -> HelperSim {
+            HelperSim {
+                id,
+                dead: false,
+                frozen_until: 0,
+                cut_until: 0,
+                pg_cut_until: 0,
+                roster: Roster::default(),
+                standing: Standing::new(t0 + Duration::from_millis(now)),
+                next_beat: now,
+                pg_spoke: now,
+                locked: true,
+                inbox: Vec::new(),
+            }
+        }
+    }
+
+    struct World {
+        t0: Instant,
+        now: u64,
+        rng: StdRng,
+        ledger: Ledger<()>,
+        helpers: Vec<HelperSim>,
+        /// (deliver at, to: -1 the dispatcher, else the helper index), msg.
+        net: Vec<(u64, i32, i32, Msg)>,
+        /// The last delivery time on each helper's `.s.*` stream.
+        ordered: BTreeMap<i32, u64>,
+        d_cut_until: u64,
+        d_blind_until: u64,
+        d_next_beat: u64,
+        d_next_liveness: u64,
+        /// Requests awaiting their answer, and when the dispatcher stops
+        /// waiting: (id, member, until, deadline).
+        asked: Vec<(u64, i32, u64, u64)>,
+        next_id: u64,
+        /// Jobs the dispatcher took for lost (it runs them again), and when.
+        lost: HashMap<u64, u64>,
+        /// Jobs it knows ended, or were refused.
+        ended: HashSet<u64>,
+        sent: HashSet<u64>,
+        admitted: usize,
+    }
+
+    impl World {
+        fn new(seed: u64) -> World {
+            let t0 = Instant::now();
+            let helpers = (1..=HELPERS).map(|id| HelperSim::new(id, t0, 0)).collect();
+            World {
+                t0,
+                now: 0,
+                rng: StdRng::seed_from_u64(seed),
+                ledger: Ledger::new(D, PERIOD),
+                helpers,
+                net: Vec::new(),
+                ordered: BTreeMap::new(),
+                d_cut_until: 0,
+                d_blind_until: 0,
+                d_next_beat: 0,
+                d_next_liveness: 0,
+                asked: Vec::new(),
+                next_id: 1,
+                lost: HashMap::new(),
+                ended: HashSet::new(),
+                sent: HashSet::new(),
+                admitted: 0,
+            }
+        }
+
+        fn at(&self, ms: u64) -> Instant {
+            self.t0 + Duration::from_millis(ms)
+        }
+
+        /// Mostly prompt; now and then late (a beat's stream holds up
+        /// every later beat, so its delays are rarer).
+        fn latency(&mut self, ordered: bool) -> u64 {
+            if ordered && self.rng.gen_ratio(1, 200) {
+                self.rng.gen_range(100..1000)
+            } else if !ordered && self.rng.gen_ratio(1, 8) {
+                self.rng.gen_range(200..3000)
+            } else {
+                self.rng.gen_range(0..40)
+            }
+        }
+
+        /// Send from `from` (-1: the dispatcher) to `to`; dropped when
+        /// either end is cut off now.
+        fn send(&mut self, from: i32, to: i32, msg: Msg) {
+            let cut = |w: &World, p: i32| {
+                if p < 0 {
+                    w.now < w.d_cut_until
+                } else {
+                    w.now < w.helpers[p as usize].cut_until
+                }
+            };
+            if cut(self, from) || cut(self, to) {
+                return;
+            }
+            let ordered = to < 0 && matches!(msg, Msg::Hello(_) | Msg::Done(_));
+            let mut at = self.now + self.latency(ordered);
+            if ordered {
+                let last = self.ordered.entry(from).or_insert(0);
+                at = at.max(*last);
+                *last = at;
+            }
+            self.net.push((at, from, to, msg));
+        }
+
+        fn declare_lost(&mut self, lost: Lost<()>) {
+            for (id, w) in lost {
+                self.lost.insert(id, self.now);
+                self.ledger.unreserve(w.member);
+                self.check(w.member - 1);
+            }
+        }
+
+        /// The rule, at helper `h`: a job the dispatcher took for lost (and
+        /// runs again) may be listed there only by a helper whose proof
+        /// lapsed long enough before that for its next beat to have cut
+        /// the call; and its proof may not come back while it lists it.
+        fn check(&self, h: i32) {
+            let hs = &self.helpers[h as usize];
+            if hs.dead {
+                return;
+            }
+            for id in hs.roster.jobs.keys() {
+                if let Some(&at) = self.lost.get(id) {
+                    assert!(
+                        hs.standing.ends() + CUT <= self.at(at),
+                        "job {id} taken for lost at {at}ms while helper {} runs it with its proof until {}ms (now {}ms)",
+                        hs.id,
+                        hs.standing.ends().duration_since(self.t0).as_millis(),
+                        self.now
+                    );
+                }
+            }
+        }
+
+        fn step(&mut self, e: &Event) {
+            let n = self.helpers.len();
+            let pick = move |h: usize| h % n;
+            match *e {
+                Event::Join => {
+                    if self.helpers.len() < 8 {
+                        let id = self.helpers.len() as i32 + 1;
+                        self.helpers.push(HelperSim::new(id, self.t0, self.now));
+                    }
+                }
+                Event::Advance(ms) => {
+                    for _ in 0..ms {
+                        self.now += 1;
+                        self.tick();
+                    }
+                }
+                Event::Send => {
+                    if let Some(h) = self.ledger.pick(D, self.at(self.now)) {
+                        let id = self.next_id;
+                        self.next_id += 1;
+                        let until = self.ledger.expect(id, h, ());
+                        self.sent.insert(id);
+                        self.asked.push((id, h, until, self.now + SEND_TIMEOUT_MS));
+                        self.send(-1, h - 1, Msg::Request { id, until });
+                    }
+                }
+                Event::Finish(h, k) => {
+                    let h = pick(h);
+                    let hs = &mut self.helpers[h];
+                    if hs.dead || self.now < hs.frozen_until {
+                        return;
+                    }
+                    let mut ids: Vec<u64> = hs.roster.jobs.keys().copied().collect();
+                    ids.sort();
+                    if let Some(&id) = ids.get(k) {
+                        hs.roster.jobs.remove(&id);
+                        self.send(h as i32, -1, Msg::Done(id));
+                    }
+                }
+                Event::Kill(h) => {
+                    let hs = &mut self.helpers[pick(h)];
+                    hs.dead = true;
+                    hs.locked = false;
+                    hs.roster.jobs.clear();
+                }
+                Event::Freeze(h, d) => self.helpers[pick(h)].frozen_until = self.now + d,
+                Event::Partition(h, d) => self.helpers[pick(h)].cut_until = self.now + d,
+                Event::CutPostgres(h, d) => self.helpers[pick(h)].pg_cut_until = self.now + d,
+                Event::DropLock(h) => self.helpers[pick(h)].locked = false,
+                Event::DispatcherCut(d) => self.d_cut_until = self.now + d,
+                Event::DispatcherBlind(d) => self.d_blind_until = self.now + d,
+            }
+        }
+
+        /// One millisecond of the world.
+        fn tick(&mut self) {
+            let now = self.now;
+            // Postgres ends a session silent for LEASE_TTL.
+            for h in &mut self.helpers {
+                let silent = now < h.frozen_until || now < h.pg_cut_until;
+                if !silent {
+                    h.pg_spoke = now;
+                }
+                if h.locked && now.saturating_sub(h.pg_spoke) >= LEASE_TTL.as_millis() as u64 {
+                    h.locked = false;
+                }
+            }
+            // Deliveries due.
+            let mut due = Vec::new();
+            self.net.retain(|m| {
+                if m.0 <= now {
+                    due.push(m.clone());
+                    false
+                } else {
+                    true
+                }
+            });
+            due.sort_by_key(|m| m.0);
+            for (_, from, to, msg) in due {
+                if to < 0 {
+                    self.dispatcher_reads(from, msg);
+                } else {
+                    let h = to as usize;
+                    if self.helpers[h].dead {
+                        continue;
+                    }
+                    self.helpers[h].inbox.push(msg);
+                }
+            }
+            // Requests that went unanswered.
+            let timed_out: Vec<(u64, i32, u64, u64)> =
+                self.asked.iter().filter(|a| a.3 <= now).copied().collect();
+            self.asked.retain(|a| a.3 > now);
+            for (id, _, until, _) in timed_out {
+                self.ledger.unanswered(id, until);
+            }
+            for h in 0..self.helpers.len() {
+                self.helper_runs(h);
+            }
+            // The dispatcher's own beat, and its liveness poll.
+            if now >= self.d_next_beat {
+                self.d_next_beat = now + BEAT.as_millis() as u64;
+                if now >= self.d_cut_until {
+                    let heard = Heard {
+                        member: D,
+                        capacity: 0,
+                        leaving: false,
+                        beat: now,
+                        running: HashSet::new(),
+                        serving: Some(D),
+                        period: PERIOD,
+                    };
+                    let (_, lost) = self.ledger.heard(heard, D, self.at(now));
+                    self.declare_lost(lost);
+                }
+            }
+            if now >= self.d_next_liveness {
+                self.d_next_liveness = now + LIVENESS.as_millis() as u64;
+                let alive = (now >= self.d_blind_until).then(|| {
+                    self.helpers
+                        .iter()
+                        .filter(|h| h.locked)
+                        .map(|h| h.id)
+                        .chain([D])
+                        .collect()
+                });
+                let lost = self.ledger.liveness(alive, self.at(now));
+                self.declare_lost(lost);
+            }
+        }
+
+        /// Job `id` ended at helper `from` (or it refused the job).
+        fn end(&mut self, id: u64, from: i32) {
+            if self.ledger.ended(id).is_some() {
+                self.ended.insert(id);
+                self.ledger.unreserve(from + 1);
+            }
+        }
+
+        fn dispatcher_reads(&mut self, from: i32, msg: Msg) {
+            let now = self.at(self.now);
+            match msg {
+                Msg::Hello(h) => {
+                    let member = h.member;
+                    let (answer, lost) = self.ledger.heard(h, D, now);
+                    self.declare_lost(lost);
+                    if let Some((m, beat)) = answer.ack {
+                        self.send(-1, m - 1, Msg::Ack(beat));
+                    }
+                    if answer.sync {
+                        self.send(-1, member - 1, Msg::Sync);
+                        self.ledger.synced(member);
+                    }
+                }
+                Msg::Done(id) => self.end(id, from),
+                Msg::Answer { id, admitted } => {
+                    // Only while the dispatcher still waits for the answer.
+                    let Some(pos) = self.asked.iter().position(|a| a.0 == id) else {
+                        return;
+                    };
+                    self.asked.remove(pos);
+                    match admitted {
+                        Some(beat) => self.ledger.accepted(id, beat),
+                        None => self.end(id, from),
+                    }
+                }
+                _ => {}
+            }
+        }
+
+        fn helper_runs(&mut self, h: usize) {
+            let now_ms = self.now;
+            let now = self.at(now_ms);
+            {
+                let hs = &self.helpers[h];
+                if hs.dead || now_ms < hs.frozen_until {
+                    return;
+                }
+            }
+            let inbox = std::mem::take(&mut self.helpers[h].inbox);
+            for msg in inbox {
+                match msg {
+                    Msg::Ack(beat) => {
+                        self.helpers[h].standing.acknowledged(Some(beat), now);
+                    }
+                    Msg::Sync => {
+                        let hs = &mut self.helpers[h];
+                        hs.roster.serve(D, PERIOD);
+                    }
+                    Msg::Request { id, until } => {
+                        let hs = &mut self.helpers[h];
+                        let beat = hs.standing.last_beat();
+                        let proven = hs.standing.holds(now);
+                        let room = hs.roster.jobs.len() < 4;
+                        let admitted =
+                            hs.roster
+                                .admit((D, PERIOD, until), (beat, proven, room), id, ());
+                        if admitted.is_ok() {
+                            self.admitted += 1;
+                            assert!(
+                                !self.lost.contains_key(&id),
+                                "job {id} started at helper {} at {}ms after the dispatcher took it for lost",
+                                h + 1,
+                                now_ms
+                            );
+                        }
+                        let answer = Msg::Answer {
+                            id,
+                            admitted: admitted.ok().map(|_| beat),
+                        };
+                        self.send(h as i32, -1, answer);
+                    }
+                    _ => {}
+                }
+            }
+            self.check(h as i32);
+            if now_ms < self.helpers[h].next_beat {
+                return;
+            }
+            self.helpers[h].next_beat = now_ms + BEAT.as_millis() as u64;
+            // Its proof lapsed: it cuts its calls and reports them.
+            if !self.helpers[h].standing.holds(now) {
+                let cut: Vec<u64> = self.helpers[h]
+                    .roster
+                    .jobs
+                    .drain()
+                    .map(|(id, _)| id)
+                    .collect();
+                for id in cut {
+                    self.send(h as i32, -1, Msg::Done(id));
+                }
+            }
+            let hs = &mut self.helpers[h];
+            let beat = hs.standing.beat(now);
+            let heard = Heard {
+                member: hs.id,
+                capacity: 4,
+                leaving: false,
+                beat,
+                running: hs.roster.jobs.keys().copied().collect(),
+                serving: hs.roster.serving,
+                period: hs.roster.period,
+            };
+            self.send(h as i32, -1, Msg::Hello(heard));
+            // Its member lock: checked, or taken back under the same id.
+            let hs = &mut self.helpers[h];
+            if now_ms >= hs.pg_cut_until {
+                if !hs.locked {
+                    hs.locked = true;
+                }
+                hs.standing.lock_held(now);
+            }
+        }
+
+        /// Everything heals; time runs until every job is accounted for.
+        fn settle(&mut self) {
+            self.d_cut_until = 0;
+            self.d_blind_until = 0;
+            for h in &mut self.helpers {
+                h.frozen_until = h.frozen_until.min(self.now);
+                h.cut_until = 0;
+                h.pg_cut_until = 0;
+            }
+            for _ in 0..20 {
+                for h in 0..self.helpers.len() {
+                    if !self.helpers[h].dead {
+                        let ids: Vec<u64> = self.helpers[h]
+                            .roster
+                            .jobs
+                            .drain()
+                            .map(|(id, _)| id)
+                            .collect();
+                        for id in ids {
+                            self.send(h as i32, -1, Msg::Done(id));
+                        }
+                    }
+                }
+                self.step(&Event::Advance(1000));
+            }
+        }
+    }
+
+    fn run_world(seed: u64, events: &[Event]) -> World {
+        let mut w = World::new(seed);
+        // Every helper joins and is synced before the story starts.
+        w.step(&Event::Advance(1000));
+        for e in events {
+            w.step(e);
+        }
+        w.settle();
+        w
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        /// Never two runs of one job at once (checked at every step), and
+        /// never a lost one: once the world heals, every job handed to a
+        /// helper has ended or been taken for lost.
+        #[test]
+        fn the_crew_never_runs_a_job_twice_at_once_nor_loses_one(
+            seed in any::<u64>(),
+            events in proptest::collection::vec(event(), 1..160),
+        ) {
+            let w = run_world(seed, &events);
+            prop_assert_eq!(w.ledger.waiting(), 0, "jobs still waited for after the world healed");
+            for id in &w.sent {
+                prop_assert!(w.ended.contains(id) || w.lost.contains_key(id), "job {} neither ended nor lost", id);
+            }
+        }
+    }
+
+    /// The simulation does exercise the paths it guards: jobs are handed
+    /// out, end, and are taken for lost.
+    #[test]
+    fn the_simulated_world_hands_out_ends_and_loses_jobs() {
+        let mut events = vec![Event::Advance(1000)];
+        for _ in 0..10 {
+            events.push(Event::Send);
+            events.push(Event::Advance(50));
+        }
+        events.push(Event::Finish(0, 0));
+        events.push(Event::Freeze(1, 8000));
+        events.push(Event::Advance(300));
+        events.push(Event::Kill(2));
+        events.push(Event::Advance(9000));
+        let w = run_world(7, &events);
+        assert!(w.sent.len() >= 5, "sent {}", w.sent.len());
+        assert!(w.admitted >= 5, "admitted {}", w.admitted);
+        assert!(!w.ended.is_empty());
+        assert!(!w.lost.is_empty());
+    }
+}
