@@ -1,4 +1,4 @@
-//! The whole pipeline (issue 12): producers commit outbox rows, the running
+//! The whole pipeline: producers commit outbox rows, the running
 //! relay (`--context bench`) publishes them, `outbox-relay consume` (started
 //! here) calls an HTTP handler (served here). Reports commit → handler-called
 //! latency (HDR: p50, p99, max) and the sustained rate, checks every event

@@ -1,4 +1,4 @@
-//! Prune under load (issue 13): what `outbox-relay prune` costs a producer.
+//! Prune under load: what `outbox-relay prune` costs a producer.
 //!
 //! Inserts `--rows` outbox rows dated 30 days ago, waits until the running
 //! relay (`--context bench`) has confirmed them, then runs a producer at

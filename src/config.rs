@@ -1011,15 +1011,17 @@ pub fn validate_pg_name(what: &str, name: &str) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn relay(args: &[&str]) -> Result<RelayConfig> {
-        let mut v = vec![
-            "outbox-relay",
-            "relay",
-            "--database-url",
-            "postgres://x@127.0.0.1/db",
-        ];
+    /// The subcommand `base` then `args` parse to (`--database-url` given).
+    fn parse(base: &[&str], args: &[&str]) -> Command {
+        let mut v = vec!["outbox-relay"];
+        v.extend_from_slice(base);
+        v.extend_from_slice(&["--database-url", "postgres://x@127.0.0.1/db"]);
         v.extend_from_slice(args);
-        match Cli::try_parse_from(v).unwrap().command {
+        Cli::try_parse_from(v).unwrap().command
+    }
+
+    fn relay(args: &[&str]) -> Result<RelayConfig> {
+        match parse(&["relay"], args) {
             Command::Relay(a) => a.validate(),
             _ => unreachable!(),
         }
@@ -1072,18 +1074,14 @@ mod tests {
     }
 
     fn consume(args: &[&str]) -> Result<crate::consumer::ConsumeConfig> {
-        let mut v = vec![
-            "outbox-relay",
+        let base = [
             "consume",
-            "--database-url",
-            "postgres://x@127.0.0.1/db",
             "--durable",
             "d",
             "--handler-url",
             "http://127.0.0.1:1/h",
         ];
-        v.extend_from_slice(args);
-        match Cli::try_parse_from(v).unwrap().command {
+        match parse(&base, args) {
             Command::Consume(a) => a.validate(),
             _ => unreachable!(),
         }

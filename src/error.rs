@@ -225,8 +225,55 @@ fn sqlstate_class(code: &str) -> Class {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A URL, or comma-separated URLs, as logs and errors may show them: user
+/// info (a password, a token) becomes `***`, and the query and fragment,
+/// where tokens ride too, go. The one policy for every URL the process
+/// names: NATS servers, the handler, Postgres.
+pub fn redact_url(urls: &str) -> String {
+    urls.split(',')
+        .map(redact_one)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn redact_one(url: &str) -> String {
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => url.split_at(i + 3),
+        None => ("", url),
+    };
+    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+    let path = &tail[..tail.find(['?', '#']).unwrap_or(tail.len())];
+    match authority.rfind('@') {
+        Some(at) => format!("{scheme}***@{}{path}", &authority[at + 1..]),
+        None => format!("{scheme}{authority}{path}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn urls_lose_their_credentials_query_and_fragment() {
+        assert_eq!(
+            redact_url("nats://u:p@a:4222,tls://tok@b:4222,nats://c:4222"),
+            "nats://***@a:4222,tls://***@b:4222,nats://c:4222"
+        );
+        assert_eq!(redact_url("c:4222"), "c:4222");
+        assert_eq!(redact_url("u:p@c:4222"), "***@c:4222", "no scheme");
+        assert_eq!(
+            redact_url("http://u:pw@127.0.0.1:9/hook?token=abc#frag"),
+            "http://***@127.0.0.1:9/hook"
+        );
+        assert_eq!(
+            redact_url("postgres://app:s3cret@db/orders?password=x"),
+            "postgres://***@db/orders"
+        );
+        assert_eq!(
+            redact_url("http://h/p@q?x=a@b"),
+            "http://h/p@q",
+            "an @ past the host is not user info"
+        );
+    }
+
     use super::*;
     use pgwire_replication::PgWireError;
 

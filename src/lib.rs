@@ -12,6 +12,7 @@
 //! A Rust service embeds the consumer with its own [`Handler`]:
 //! [`consumer::run`] with a [`ConsumeConfig`] and an [`ops::endpoint::Readiness`].
 
+pub(crate) mod backoff;
 pub mod cli;
 pub mod config;
 pub mod consumer;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::error::{Error, Result};
+use crate::error::{redact_url, Error, Result};
 
 /// NATS connection: servers, TLS and authentication. Secrets come best from
 /// the environment (`NATS_PASSWORD`, `NATS_TOKEN`): `--help` never shows their
@@ -155,6 +155,18 @@ impl NatsArgs {
     }
 }
 
+/// What a stream holds now (its info, asked once).
+pub async fn stream_state(
+    stream: &mut async_nats::jetstream::stream::Stream,
+) -> Result<async_nats::jetstream::stream::State> {
+    Ok(stream
+        .info()
+        .await
+        .map_err(Error::nats("reading stream info"))?
+        .state
+        .clone())
+}
+
 /// The nats-server lines SPEC §15 supports, each tested.
 pub const SUPPORTED: &str = "2.10, 2.11, 2.12, 2.14, 2.15";
 
@@ -288,19 +300,6 @@ pub async fn flush_on_exit(client: &async_nats::Client) {
     }
 }
 
-/// `nats://user:secret@host:4222,…` without the user info.
-pub fn redact_url(urls: &str) -> String {
-    urls.split(',')
-        .map(|u| match (u.find("://"), u.rfind('@')) {
-            (Some(scheme), Some(at)) if at > scheme => {
-                format!("{}://***@{}", &u[..scheme], &u[at + 1..])
-            }
-            _ => u.to_owned(),
-        })
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 /// An error text with any configured secret blanked out, in case a library
 /// echoes what it was given.
 fn redact_text(text: &str, args: &NatsArgs) -> String {
@@ -316,32 +315,13 @@ fn redact_text(text: &str, args: &NatsArgs) -> String {
     out
 }
 
-/// The header block's size on the wire: "NATS/1.0\r\n", then
-/// "name: value\r\n" each, then "\r\n".
+/// The header block's size on the wire ([`crate::wire::header_block_size`]).
 pub fn header_size(headers: &async_nats::HeaderMap) -> usize {
-    let lines: usize = headers
-        .iter()
-        .map(|(k, vs)| {
-            vs.iter()
-                .map(|v| k.to_string().len() + v.as_str().len() + 4)
-                .sum::<usize>()
-        })
-        .sum();
-    10 + lines + 2
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn urls_lose_their_credentials() {
-        assert_eq!(
-            redact_url("nats://u:p@a:4222,tls://tok@b:4222,nats://c:4222"),
-            "nats://***@a:4222,tls://***@b:4222,nats://c:4222"
-        );
-        assert_eq!(redact_url("c:4222"), "c:4222");
-    }
+    crate::wire::header_block_size(
+        headers
+            .iter()
+            .flat_map(|(k, vs)| vs.iter().map(move |v| (k.as_ref(), v.as_str()))),
+    )
 }
 
 #[cfg(test)]

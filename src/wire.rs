@@ -439,6 +439,22 @@ pub fn column_header(column: &str) -> String {
     out
 }
 
+/// The first line of every NATS header block (`HPUB`, `HMSG`).
+pub const HEADER_VERSION_LINE: &str = "NATS/1.0\r\n";
+
+/// A NATS header block's size on the wire with these (name, value) lines:
+/// the version line, `name: value\r\n` each, and a closing `\r\n`. What
+/// counts against the server's `max_payload` with the body; the one place
+/// the relay, the consumer's crew and the publish link size headers.
+pub fn header_block_size<'a>(lines: impl IntoIterator<Item = (&'a str, &'a str)>) -> usize {
+    HEADER_VERSION_LINE.len()
+        + lines
+            .into_iter()
+            .map(|(k, v)| k.len() + 2 + v.len() + 2)
+            .sum::<usize>()
+        + 2
+}
+
 #[cfg(test)]
 mod tests {
 

@@ -21,6 +21,7 @@ use super::inbox::{self, Claim};
 use super::lease::Proof;
 use super::scheduler::{Finished, Job};
 use super::transaction::{self, Ran, Transactions};
+use crate::backoff::Backoff;
 use crate::ops::metrics as m;
 use crate::schema::{Schemas, Verdict};
 use crate::wire::{self, DlqReason};
@@ -154,23 +155,14 @@ pub(super) async fn run_job<H: Handler>(
                 _ => Some(Finished::Spilled { seq: None }),
             }
         }
-        Job::Deliver(msg) => {
-            let outcome = keep_alive(
-                shared,
-                &msg,
-                std::pin::pin!(deliver_pulled(shared, key, &msg)),
-            )
-            .await;
-            settle_pulled(shared, &msg, outcome).await
-        }
-        Job::Check(msg) => {
-            let outcome = keep_alive(
-                shared,
-                &msg,
-                std::pin::pin!(check_parked(shared, key, &msg)),
-            )
-            .await;
-            settle_pulled(shared, &msg, outcome).await
+        Job::Deliver(ref msg) | Job::Check(ref msg) => {
+            use futures::future::Either;
+            let work = match job {
+                Job::Deliver(_) => Either::Left(deliver_pulled(shared, key, msg)),
+                _ => Either::Right(check_parked(shared, key, msg)),
+            };
+            let outcome = keep_alive(shared, msg, std::pin::pin!(work)).await;
+            settle_pulled(shared, msg, outcome).await
         }
         Job::ParkBehind(msg) => {
             let outcome =
@@ -238,19 +230,18 @@ where
     Fut: std::future::Future<Output = Result<T, E>>,
     E: std::fmt::Display,
 {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::jittered(Duration::from_millis(100), MAX_PERSIST_BACKOFF);
     loop {
         match op().await {
             Ok(v) => return Some(v),
             Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "{what} failed; retrying");
+                tracing::warn!(error = %e, retry_in = ?backoff.peek(), "{what} failed; retrying");
             }
         }
         tokio::select! {
             _ = shared.stop.cancelled() => return None,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(backoff.next_pause()) => {}
         }
-        backoff = (backoff * 2).min(MAX_PERSIST_BACKOFF);
     }
 }
 
@@ -682,7 +673,7 @@ async fn dead_letter<H>(
     reason: &str,
     attempts: i32,
 ) -> Option<()> {
-    let mut backoff = Duration::from_millis(200);
+    let mut backoff = Backoff::jittered(Duration::from_millis(200), MAX_PERSIST_BACKOFF);
     let mut failing = false;
     let stored = loop {
         // Which dead-lettering of the message this is: a retried publish of
@@ -717,14 +708,13 @@ async fn dead_letter<H>(
                     failing = true;
                     shared.dlq_failing.fetch_add(1, Ordering::Relaxed);
                 }
-                tracing::warn!(id = original_id, error = %e, retry_in = ?backoff, "the dead-letter stream did not store the message; retrying");
+                tracing::warn!(id = original_id, error = %e, retry_in = ?backoff.peek(), "the dead-letter stream did not store the message; retrying");
             }
         }
         tokio::select! {
             _ = shared.stop.cancelled() => break false,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(backoff.next_pause()) => {}
         }
-        backoff = (backoff * 2).min(MAX_PERSIST_BACKOFF);
     };
     if failing {
         shared.dlq_failing.fetch_sub(1, Ordering::Relaxed);
@@ -810,7 +800,7 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
             next: next_parked(shared, key).await?,
         });
     };
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::jittered(Duration::from_millis(100), MAX_PERSIST_BACKOFF);
     let raw = loop {
         match shared.stream.get_raw_message(seq).await {
             Ok(m) => break Some(m),
@@ -818,14 +808,13 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
                 break None
             }
             Err(e) => {
-                tracing::warn!(seq, error = %e, retry_in = ?backoff, "cannot read a parked message back; retrying");
+                tracing::warn!(seq, error = %e, retry_in = ?backoff.peek(), "cannot read a parked message back; retrying");
             }
         }
         tokio::select! {
             _ = shared.stop.cancelled() => return None,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(backoff.next_pause()) => {}
         }
-        backoff = (backoff * 2).min(MAX_PERSIST_BACKOFF);
     };
     let parts = raw.as_ref().map(|raw| Parts {
         subject: raw.subject.as_str(),

@@ -27,6 +27,8 @@ use super::delivery::{self, Shared};
 use super::handler::Handler;
 use super::lease::Lease;
 use super::scheduler::{Finished, Job, Scheduler};
+use super::watchdog::{Watchdog, ACK_LANDS, QUIET_PULL};
+use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
@@ -45,11 +47,6 @@ const RECONNECT_CHECK: Duration = Duration::from_millis(100);
 /// How often the dispatcher checks that it still holds the lease.
 pub(super) const LEASE_POLL: Duration = Duration::from_secs(1);
 const MIN_REBUILD_PAUSE: Duration = Duration::from_millis(50);
-/// How long a pull stream may deliver nothing while messages are pending.
-const QUIET_PULL: Duration = Duration::from_secs(5);
-/// An ack sent when a job settles has reached the server by then, so a
-/// count asked later no longer includes it.
-const ACK_LANDS: Duration = Duration::from_secs(1);
 
 type Consumer = jetstream::consumer::Consumer<pull::Config>;
 type Messages = pull::Stream;
@@ -221,14 +218,7 @@ impl<'a, H: Handler> Active<'a, H> {
                 .map_err(Error::nats("starting the pull subscription"))?;
             (Some(messages), None)
         };
-        let durable_now = Arc::new(std::sync::Mutex::new(None));
-        let pending_task = tokio::spawn(watch_pending(
-            consumer.clone(),
-            durable_now.clone(),
-            stop.clone(),
-        ));
-        let stats = self.js.client().statistics();
-        let connects = stats.connects.load(Ordering::Relaxed);
+        let watchdog = Watchdog::start(&consumer, self.js.client().statistics(), &stop);
         let mut dispatch = Dispatch {
             registry: self.worker.registry.clone(),
             fences: self.worker.fences.load(Ordering::Relaxed),
@@ -244,15 +234,8 @@ impl<'a, H: Handler> Active<'a, H> {
             messages,
             rebuild,
             resets,
-            rebuild_pause: MIN_REBUILD_PAUSE,
-            durable_now,
-            pending_task,
-            last_arrival: Instant::now(),
-            last_settled: Instant::now(),
-            rewound_at: Instant::now(),
-            last_delivery: None,
-            stats,
-            connects,
+            rebuild_pause: Backoff::jittered(MIN_REBUILD_PAUSE, MAX_RESUBSCRIBE_BACKOFF),
+            watchdog,
             remote_jobs: metrics::gauge!(m::CONSUMER_REMOTE_JOBS),
             window,
             window_set: Instant::now(),
@@ -315,30 +298,12 @@ struct Dispatch<'a, H> {
     /// JetStream requests wait out their timeout, and running jobs must
     /// still finish meanwhile.
     rebuild: Option<Rebuild>,
-    rebuild_pause: Duration,
+    rebuild_pause: Backoff,
     /// The server resets a consumer to its ack floor (nats-server 2.14+).
     resets: bool,
-    durable_now: Arc<std::sync::Mutex<Option<DurableState>>>,
-    pending_task: tokio::task::JoinHandle<()>,
-    /// A pull request can vanish with a consumer leader without the pull
-    /// stream noticing (no error, no missed heartbeat); a stream that stays
-    /// quiet while messages are pending is rebuilt. A delivery lost on the
-    /// way (a pull stream renewed while it travelled) that was the last in
-    /// the stream shows neither a gap nor pending messages, only the
-    /// server's count of unacked deliveries while this consumer holds none.
-    last_arrival: Instant,
-    last_settled: Instant,
-    rewound_at: Instant,
-    /// Deliveries to the only puller are numbered without gaps; a gap is a
-    /// delivery lost on the way (a consumer leader died with it), which
-    /// would come back only after ack_wait, behind later messages.
-    last_delivery: Option<u64>,
-    /// A pull subscription does not survive its client moving to another
-    /// server (a NATS node died): async-nats resubscribes the inbox but the
-    /// outstanding pull request is gone, and the stream goes quiet without
-    /// an error. Each new connection gets a new pull subscription.
-    stats: Arc<async_nats::Statistics>,
-    connects: u64,
+    /// What tells a pull stream that lost a delivery, or went quiet,
+    /// without an error.
+    watchdog: Watchdog,
     remote_jobs: metrics::Gauge,
     parked: metrics::Gauge,
     /// The durable's max_ack_pending as last set or read, when it was set,
@@ -514,7 +479,7 @@ impl<H: Handler> Dispatch<'_, H> {
     }
 
     fn job_ended(&mut self, done: std::result::Result<JobEnd, JoinError>) {
-        self.last_settled = Instant::now();
+        self.watchdog.settled();
         let Ok(JobEnd {
             id,
             key,
@@ -546,7 +511,7 @@ impl<H: Handler> Dispatch<'_, H> {
         // with its next parked message at once, which would otherwise run
         // before the lost one comes back.
         drop(self.scheduler.rewound(0, Instant::now()));
-        self.rewound_at = Instant::now();
+        self.watchdog.rewound();
         self.messages = None;
         self.rebuild = Some(Rebuild::from_ack_floor());
     }
@@ -664,8 +629,11 @@ impl<H: Handler> Dispatch<'_, H> {
             }
             self.resize = None;
         }
-        let durable = self.durable_now.lock().ok().and_then(|d| *d);
-        if let Some(d) = durable.filter(|d| d.asked > self.window_set + ACK_LANDS) {
+        if let Some(d) = self
+            .watchdog
+            .durable()
+            .filter(|d| d.asked > self.window_set + ACK_LANDS)
+        {
             self.window = d.limit;
         }
         let want = window(cfg.max_ack_pending, self.crew.helpers() + 1);
@@ -721,9 +689,7 @@ impl<H: Handler> Dispatch<'_, H> {
     }
 
     fn check_reconnect(&mut self) {
-        let now = self.stats.connects.load(Ordering::Relaxed);
-        if now != self.connects {
-            self.connects = now;
+        if self.watchdog.reconnected() {
             tracing::info!("NATS reconnected; renewing the pull subscription");
             self.messages = None;
             self.rebuild.get_or_insert(Rebuild::after(Duration::ZERO));
@@ -734,40 +700,21 @@ impl<H: Handler> Dispatch<'_, H> {
     /// quiet while messages are pending, deliveries the server counts that
     /// never arrived.
     fn check_quiet(&mut self) {
-        let durable = self.durable_now.lock().ok().and_then(|d| *d);
-        // A parked head held for the pull to come back to it, while
-        // JetStream has nothing left to deliver: its message left the
-        // stream. It goes on.
-        let since = self.last_arrival.max(self.rewound_at);
         // Not while the reset that will bring held heads' elders back is
         // still to go through: they are unacked, not pending.
         let resetting = self.rebuild.as_ref().is_some_and(|r| r.reset);
-        if self.scheduler.holds_back()
-            && !resetting
-            && durable.is_some_and(|d| d.num_pending == 0 && d.asked > since + ACK_LANDS)
-        {
+        if self.scheduler.holds_back() && !resetting && self.watchdog.held_head_left() {
             let jobs = self.scheduler.release(Instant::now());
             self.start(jobs);
         }
-        let quiet = self.messages.is_some()
-            && self.scheduler.can_pull()
-            && self.last_arrival.elapsed() > QUIET_PULL;
-        let lost = durable.and_then(|d| {
-            if d.num_pending > 0 && !d.ack_pending_full {
-                Some("nothing delivered while messages are pending")
-            } else if d.num_ack_pending > 0
-                && self.scheduler.holds_no_delivery()
-                && d.asked > self.last_settled + ACK_LANDS
-            {
-                Some("JetStream counts deliveries unacked that never arrived")
-            } else {
-                None
-            }
-        });
-        if let (true, Some(why)) = (quiet, lost) {
-            tracing::warn!(quiet = ?self.last_arrival.elapsed(), "{why}; resuming from the ack floor");
+        let pulling = self.messages.is_some() && self.scheduler.can_pull();
+        if let Some(why) = self
+            .watchdog
+            .lost(pulling, self.scheduler.holds_no_delivery())
+        {
+            tracing::warn!(quiet = ?self.watchdog.quiet_for(), "{why}; resuming from the ack floor");
             self.resume_from_ack_floor();
-            self.last_arrival = Instant::now();
+            self.watchdog.heard();
         }
     }
 
@@ -790,8 +737,7 @@ impl<H: Handler> Dispatch<'_, H> {
                 r.tries += 1;
                 let Some(from) = reset_to_ack_floor(&mut self.consumer, "lost delivery").await
                 else {
-                    r.at = Instant::now() + self.rebuild_pause;
-                    self.grow_rebuild_pause();
+                    r.at = Instant::now() + self.rebuild_pause.next_pause();
                     self.rebuild = Some(r);
                     return;
                 };
@@ -799,12 +745,12 @@ impl<H: Handler> Dispatch<'_, H> {
                     tracing::info!(tries = r.tries, "the reset to the ack floor went through");
                 }
                 let jobs = self.scheduler.rewound(from, Instant::now());
-                self.rewound_at = Instant::now();
+                self.watchdog.rewound();
                 self.start(jobs);
             }
             // Numbering starts over either way, or the next delivery would
             // look like another gap.
-            self.last_delivery = None;
+            self.watchdog.renumbered();
         }
         match tokio::time::timeout(JS_REQUEST, pull_stream(&self.consumer, self.active.cfg)).await {
             Ok(Ok(m)) => self.messages = Some(m),
@@ -813,17 +759,12 @@ impl<H: Handler> Dispatch<'_, H> {
                     Ok(Err(e)) => e.to_string(),
                     _ => "timed out".to_owned(),
                 };
-                tracing::warn!(error, retry_in = ?self.rebuild_pause, "cannot restart the pull subscription");
-                r.at = Instant::now() + self.rebuild_pause;
+                tracing::warn!(error, retry_in = ?self.rebuild_pause.peek(), "cannot restart the pull subscription");
+                r.at = Instant::now() + self.rebuild_pause.next_pause();
                 r.reset = false;
-                self.grow_rebuild_pause();
                 self.rebuild = Some(r);
             }
         }
-    }
-
-    fn grow_rebuild_pause(&mut self) {
-        self.rebuild_pause = (self.rebuild_pause * 2).min(MAX_RESUBSCRIBE_BACKOFF);
     }
 
     /// The pull stream gave a message, or failed.
@@ -837,38 +778,33 @@ impl<H: Handler> Dispatch<'_, H> {
                 // keeps failing at once.
                 match failed {
                     Some(Err(e)) => {
-                        tracing::debug!(error = %e, retry_in = ?self.rebuild_pause, "pull stream error; renewing the pull subscription")
+                        tracing::debug!(error = %e, retry_in = ?self.rebuild_pause.peek(), "pull stream error; renewing the pull subscription")
                     }
                     _ => {
-                        tracing::debug!(retry_in = ?self.rebuild_pause, "pull stream ended; renewing the pull subscription")
+                        tracing::debug!(retry_in = ?self.rebuild_pause.peek(), "pull stream ended; renewing the pull subscription")
                     }
                 }
                 self.messages = None;
-                self.rebuild = Some(Rebuild::after(self.rebuild_pause));
-                self.grow_rebuild_pause();
+                self.rebuild = Some(Rebuild::after(self.rebuild_pause.next_pause()));
                 return;
             }
         };
-        self.rebuild_pause = MIN_REBUILD_PAUSE;
+        self.rebuild_pause.reset();
         let (delivery, stream_seq) = msg
             .info()
             .map(|i| (i.consumer_sequence, Some(i.stream_sequence)))
             .unwrap_or((0, None));
-        if let Some(last) = self.last_delivery {
-            if delivery != last + 1 {
-                tracing::warn!(
-                    last,
-                    now = delivery,
-                    "a delivery was lost on the way; resuming from the ack floor"
-                );
-                // What waits is delivered again by the reset.
-                drop(msg);
-                self.resume_from_ack_floor();
-                return;
-            }
+        if let Err(last) = self.watchdog.arrived(delivery) {
+            tracing::warn!(
+                last,
+                now = delivery,
+                "a delivery was lost on the way; resuming from the ack floor"
+            );
+            // What waits is delivered again by the reset.
+            drop(msg);
+            self.resume_from_ack_floor();
+            return;
         }
-        self.last_delivery = Some(delivery);
-        self.last_arrival = Instant::now();
         if let Some(seq) = stream_seq {
             let jobs = self.scheduler.passed(seq, Instant::now());
             self.start(jobs);
@@ -901,7 +837,7 @@ impl<H: Handler> Dispatch<'_, H> {
             }
             self.active.readiness.not_ready("shutting down");
         }
-        self.pending_task.abort();
+        self.watchdog.stop();
         // What this process reports of the period is no longer true: a
         // standby holds no parked aggregate and no dead letter, and the
         // autoscaler takes the largest figure of any process.
@@ -1063,50 +999,6 @@ async fn reset_to_ack_floor(consumer: &mut Consumer, why: &str) -> Option<u64> {
         Err(_) => {
             tracing::warn!(why, "no answer to the consumer reset");
             None
-        }
-    }
-}
-
-/// What the server last said of the durable, and when it was asked.
-#[derive(Debug, Clone, Copy)]
-struct DurableState {
-    asked: Instant,
-    num_pending: u64,
-    num_ack_pending: u64,
-    /// JetStream holds back at max_ack_pending: quiet then is not a lost
-    /// pull request.
-    ack_pending_full: bool,
-    /// The durable's max_ack_pending.
-    limit: i64,
-}
-
-/// [`DurableState`], kept off the dispatcher: during an election the info
-/// request waits out its timeout. (The pending gauge is every process's,
-/// `super::watch_lag`.)
-async fn watch_pending(
-    mut consumer: Consumer,
-    now: Arc<std::sync::Mutex<Option<DurableState>>>,
-    stop: CancellationToken,
-) {
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let asked = Instant::now();
-        if let Ok(Ok(info)) = tokio::time::timeout(JS_REQUEST, consumer.info()).await {
-            let limit = info.config.max_ack_pending;
-            let state = DurableState {
-                asked,
-                num_pending: info.num_pending,
-                num_ack_pending: info.num_ack_pending as u64,
-                ack_pending_full: limit > 0 && info.num_ack_pending as i64 >= limit,
-                limit,
-            };
-            if let Ok(mut d) = now.lock() {
-                *d = Some(state);
-            }
         }
     }
 }

@@ -191,7 +191,7 @@ impl HttpHandler {
             })?;
         Ok(Self {
             client,
-            shown: shown(&parsed),
+            shown: crate::error::redact_url(parsed.as_str()),
             url: parsed,
         })
     }
@@ -255,17 +255,6 @@ impl HttpHandler {
             )),
         }
     }
-}
-
-/// Scheme, host, port and path: what identifies the handler without the
-/// parts that may carry a secret (user info, query, fragment).
-fn shown(url: &reqwest::Url) -> String {
-    let mut shown = url.clone();
-    let _ = shown.set_username("");
-    let _ = shown.set_password(None);
-    shown.set_query(None);
-    shown.set_fragment(None);
-    shown.to_string()
 }
 
 /// An error and its causes, one line (reqwest's own text is terse: "error
@@ -349,7 +338,7 @@ mod tests {
             Duration::from_secs(1),
         )
         .unwrap();
-        assert_eq!(h.shown(), "http://127.0.0.1:9/hook");
+        assert_eq!(h.shown(), "http://***@127.0.0.1:9/hook");
         let Err(e) = HttpHandler::new("ftp://u:pw@x/?token=abc", Duration::from_secs(1)) else {
             panic!("ftp accepted");
         };

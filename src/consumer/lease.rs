@@ -20,6 +20,7 @@
 //! finds its proof stale and starts nothing, before it has even heard that
 //! its connection is gone.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -126,16 +127,28 @@ pub async fn held_by(
     durable: &str,
     member: i32,
 ) -> sqlx::Result<bool> {
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_locks \
-           WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-             AND classid = hashtext($1)::oid AND objid::text::bigint = $2)",
+    Ok(holders(pool, &tag_name(stream, durable))
+        .await?
+        .contains(&member))
+}
+
+/// Who holds a two-key advisory lock named `name` in this database now: the
+/// objid each took it with (a crew member id). The lease's tag and the
+/// crew's member locks are read this one way.
+pub(super) async fn holders(pool: &PgPool, name: &str) -> sqlx::Result<HashSet<i32>> {
+    let ids: Vec<i64> = sqlx::query_scalar(
+        "SELECT objid::text::bigint FROM pg_locks \
+         WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND classid = hashtext($1)::oid",
     )
-    .bind(tag_name(stream, durable))
-    .bind(i64::from(member))
-    .fetch_one(pool)
-    .await
+    .bind(name)
+    .fetch_all(pool)
+    .await?;
+    Ok(ids
+        .into_iter()
+        .filter_map(|i| i32::try_from(i).ok())
+        .collect())
 }
 
 /// A connection whose session Postgres ends after [`LEASE_TTL`] without a

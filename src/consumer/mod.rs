@@ -30,6 +30,7 @@ mod inbox;
 pub(crate) mod lease;
 mod scheduler;
 mod transaction;
+mod watchdog;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

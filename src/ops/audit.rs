@@ -572,9 +572,8 @@ fn copy_text(s: &str) -> String {
         .replace('\r', "\\r")
 }
 
-fn quote(n: &str) -> String {
-    format!("\"{}\"", n.replace('"', "\"\""))
-}
+/// A SQL identifier, quoted.
+use postgres_protocol::escape::escape_identifier as quote;
 
 /// Publish the missing rows again, as the relay would route them now, in
 /// (occurred_at, id) order, each acked before the next; marked

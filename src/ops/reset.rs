@@ -57,12 +57,7 @@ pub async fn run(
         .get_stream(stream_name)
         .await
         .map_err(|e| Error::setup(format!("stream {stream_name}: {e} (is --stream right?)")))?;
-    let state = stream
-        .info()
-        .await
-        .map_err(Error::nats("reading stream info"))?
-        .state
-        .clone();
+    let state = crate::nats::stream_state(&mut stream).await?;
     let mut target: consumer::Consumer<consumer::pull::Config> =
         stream.get_consumer(durable).await.map_err(|e| {
             Error::setup(format!(

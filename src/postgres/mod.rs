@@ -197,23 +197,24 @@ pub(crate) fn db_code(e: &sqlx::Error) -> Option<String> {
     }
 }
 
-/// `SHOW wal_sender_timeout` text (`60s`, `1min`, `500ms`, `0`) as a duration;
-/// `None` when disabled.
-pub fn parse_pg_duration(s: &str) -> Option<Duration> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().ok()?;
-    let d = match unit.trim() {
-        "" | "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "min" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        "d" => Duration::from_secs(n * 86400),
-        "us" => Duration::from_micros(n),
-        _ => return None,
+/// The server's `wal_sender_timeout`; `None` when disabled (0). Read from
+/// `pg_settings`, whose `setting` is in the parameter's base unit
+/// (milliseconds here), not parsed from `SHOW`'s text (`60s`, `1min`).
+pub async fn wal_sender_timeout(pool: &sqlx::PgPool) -> Result<Option<Duration>> {
+    let (setting, unit): (String, Option<String>) =
+        sqlx::query_as("SELECT setting, unit FROM pg_settings WHERE name = 'wal_sender_timeout'")
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("reading wal_sender_timeout"))?;
+    let ms: u64 = match (setting.parse(), unit.as_deref()) {
+        (Ok(ms), Some("ms")) => ms,
+        _ => {
+            return Err(Error::setup(format!(
+                "wal_sender_timeout reads {setting:?} in {unit:?}: expected milliseconds"
+            )))
+        }
     };
-    (!d.is_zero()).then_some(d)
+    Ok((ms > 0).then(|| Duration::from_millis(ms)))
 }
 
 #[cfg(test)]
@@ -232,13 +233,5 @@ mod tests {
         assert!(!format!("{d:?}").contains("p@ss"), "password never printed");
         assert!(matches!(Dsn::parse("mysql://x/y"), Err(Error::Config(_))));
         assert!(matches!(Dsn::parse("not a url"), Err(Error::Config(_))));
-    }
-
-    #[test]
-    fn pg_durations() {
-        assert_eq!(parse_pg_duration("60s"), Some(Duration::from_secs(60)));
-        assert_eq!(parse_pg_duration("1min"), Some(Duration::from_secs(60)));
-        assert_eq!(parse_pg_duration("500ms"), Some(Duration::from_millis(500)));
-        assert_eq!(parse_pg_duration("0"), None);
     }
 }

@@ -713,9 +713,7 @@ fn source_sql(source: &Source) -> String {
 }
 
 /// A SQL identifier, quoted.
-fn quote(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
+use postgres_protocol::escape::escape_identifier as quote;
 
 #[cfg(test)]
 mod tests {

@@ -50,6 +50,7 @@ use super::link::{Heard, Reply};
 use super::publish::{self, Ack, Publisher, Tail};
 use super::route::OutMessage;
 use super::watermark::Ticket;
+use crate::backoff::Backoff;
 use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
 use crate::wire::{self, Lineage, Position};
@@ -152,7 +153,7 @@ pub struct Batcher {
     /// path's does, however many look-ups and resends happened meanwhile.
     unanswered_since: Option<Instant>,
     /// The pause before the next resend while unanswered; grows.
-    pause: Duration,
+    pause: Backoff,
     /// Unique per process and session, so batch ids never meet an old one.
     prefix: String,
     counter: u64,
@@ -189,7 +190,7 @@ impl Batcher {
             max_count: max_count.clamp(1, 2 * MAX_BATCH),
             stall,
             unanswered_since: None,
-            pause: FIRST_PAUSE,
+            pause: Backoff::jittered(FIRST_PAUSE, MAX_PAUSE),
             prefix: uuid::Uuid::new_v4().simple().to_string(),
             counter: 0,
             commits: 0,
@@ -543,7 +544,7 @@ impl Batcher {
         };
         if definite {
             self.unanswered_since = None;
-            self.pause = FIRST_PAUSE;
+            self.pause.reset();
         } else if self
             .unanswered_since
             .get_or_insert_with(Instant::now)
@@ -600,7 +601,7 @@ impl Batcher {
                     Some(10210) => {
                         tracing::debug!(error = %e, "too many batches in flight on the server; waiting");
                         metrics::counter!(m::BATCHES, "result" => "retried").increment(1);
-                        let pause = self.next_pause();
+                        let pause = self.pause.next_pause();
                         self.again();
                         if let Some(cur) = self.current.as_mut() {
                             cur.not_before = Some(Instant::now() + pause);
@@ -703,20 +704,11 @@ impl Batcher {
     fn start_look_up(&mut self, why: &str) {
         metrics::counter!(m::PUBLISH_RESENDS).increment(1);
         tracing::warn!(reason = why, stream = %self.stream, "a batch's commit went unanswered; looking it up in the stream");
-        let pause = self.next_pause();
+        let pause = self.pause.next_pause();
         if let Some(cur) = self.current.as_mut() {
             cur.lookup = true;
             cur.not_before = Some(Instant::now() + pause);
         }
-    }
-
-    /// The pause before the next try while the stream gives no definite
-    /// answer: it grows, so a stream that answers at once with "no
-    /// responders" is not asked in a tight loop.
-    fn next_pause(&mut self) -> Duration {
-        let p = self.pause;
-        self.pause = (self.pause * 2).min(MAX_PAUSE);
-        p
     }
 
     /// Cancel-safe: nothing changes until the tail is read.
@@ -724,10 +716,10 @@ impl Batcher {
         // The outage clock that `settle` keeps: look-ups and resends share
         // one budget.
         let since = *self.unanswered_since.get_or_insert_with(Instant::now);
-        let mut pause = FIRST_PAUSE;
+        let mut pause = Backoff::jittered(FIRST_PAUSE, MAX_PAUSE);
         // One look-up may wait on a stream with no leader: bounded, so a
         // new leader is asked within about a second of answering.
-        let mut wait = LOOKUP_TIMEOUT;
+        let mut wait = Backoff::new(LOOKUP_TIMEOUT, MAX_LOOKUP_TIMEOUT);
         let tail = loop {
             let Some(lineage) = self.lineage.as_ref() else {
                 break Err(Error::Publish {
@@ -737,22 +729,21 @@ impl Batcher {
                 });
             };
             let lookup = publish::stored_tail(&self.js, &self.stream, lineage);
-            let answer = tokio::time::timeout(wait, lookup)
+            let answer = tokio::time::timeout(wait.peek(), lookup)
                 .await
                 .unwrap_or_else(|_| {
                     Err(Error::Publish {
                         id: String::new(),
                         failure: PublishFailure::TimedOut,
-                        source: format!("no answer from the stream in {wait:?}").into(),
+                        source: format!("no answer from the stream in {:?}", wait.peek()).into(),
                     })
                 });
             match answer {
                 Ok(t) => break Ok(t),
                 Err(e) if since.elapsed() < OUTAGE_BUDGET => {
                     tracing::debug!(error = %e, "the stream does not answer yet");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(MAX_PAUSE);
-                    wait = (wait * 2).min(MAX_LOOKUP_TIMEOUT);
+                    tokio::time::sleep(pause.next_pause()).await;
+                    wait.next_pause();
                 }
                 Err(e) => break Err(e),
             }

@@ -43,6 +43,7 @@ use async_nats::jetstream;
 use pgwire_replication::Lsn;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::error::{Class, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
@@ -128,7 +129,7 @@ pub async fn run(
         lag: &lag,
     };
 
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::jittered(Duration::from_millis(100), cfg.max_backoff);
     // Streamed, or found the slot held by another relay: the settings work,
     // so a transient error from here on is ridden out, never an exit (a
     // standby must survive what the active relay survives).
@@ -180,16 +181,16 @@ pub async fn run(
             Err(e) if e.class() == Class::Transient && proven => {
                 metrics::counter!(m::SESSION_RESTARTS).increment(1);
                 if started.elapsed() > HEALTHY_SESSION {
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                 }
-                tracing::warn!(error = %e, retry_in = ?backoff, "relay session ended; reconnecting");
+                let pause = backoff.next_pause();
+                tracing::warn!(error = %e, retry_in = ?pause, "relay session ended; reconnecting");
                 tokio::select! {
                     _ = shutdown.cancelled() => {
                         return Ok(Stopped { confirmed });
                     }
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(pause) => {}
                 }
-                backoff = (backoff * 2).min(cfg.max_backoff);
             }
             Err(e) => return Err(e),
         }

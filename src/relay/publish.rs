@@ -33,6 +33,7 @@ use super::fence::Fence;
 use super::link::{Denied, Dialer, Link, LinkError};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
+use crate::backoff::Backoff;
 use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
 use crate::wire::{self, DlqReason, Position};
@@ -379,12 +380,7 @@ async fn scan_tail<T>(
         Err(e) if stream_not_found(&e) => return Ok(None),
         Err(e) => return Err(Error::nats("reading stream info")(e)),
     };
-    let state = stream
-        .info()
-        .await
-        .map_err(Error::nats("reading stream info"))?
-        .state
-        .clone();
+    let state = crate::nats::stream_state(&mut stream).await?;
     if state.messages == 0 {
         return Ok(None);
     }
@@ -806,8 +802,11 @@ pub struct Refusals {
 #[derive(Debug, Clone, Copy)]
 struct Outage {
     since: Instant,
-    pause: Duration,
-    probe_timeout: Duration,
+    /// The pause before the next probe; grows.
+    pause: Backoff,
+    /// How long a probe waits for its answer; grows each time one does not
+    /// come.
+    probe_timeout: Backoff,
     next_probe: Instant,
 }
 
@@ -1227,7 +1226,10 @@ impl Publisher {
         if !acks.publish(&sent.msg, prev) {
             return broken(sent, "the publish connection broke");
         }
-        let probe_deadline = self.outage.filter(|_| probe).map(|o| now + o.probe_timeout);
+        let probe_deadline = self
+            .outage
+            .filter(|_| probe)
+            .map(|o| now + o.probe_timeout.peek());
         acks.queue.push(probe_deadline);
         if prev.is_none() {
             self.solo_pending = true;
@@ -1447,24 +1449,18 @@ impl Publisher {
                 );
                 Outage {
                     since: now,
-                    pause: FIRST_PAUSE,
-                    probe_timeout: PROBE_TIMEOUT,
+                    pause: Backoff::jittered(FIRST_PAUSE, MAX_PAUSE),
+                    probe_timeout: Backoff::new(PROBE_TIMEOUT, self.max_probe_timeout),
                     next_probe: now,
                 }
             }
-            Some(o) => {
+            Some(mut o) => {
                 tracing::debug!(reason = why, "probe failed");
-                let probe_timeout = if timed_out {
-                    (o.probe_timeout * 2).min(self.max_probe_timeout)
-                } else {
-                    o.probe_timeout
-                };
-                Outage {
-                    pause: (o.pause * 2).min(MAX_PAUSE),
-                    probe_timeout,
-                    next_probe: now + o.pause,
-                    ..o
+                if timed_out {
+                    o.probe_timeout.next_pause();
                 }
+                o.next_probe = now + o.pause.next_pause();
+                o
             }
         };
         self.outage = Some(o);

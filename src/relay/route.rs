@@ -36,14 +36,9 @@ impl OutMessage {
         self.header_size() + self.body.len()
     }
 
-    /// The header block: "NATS/1.0\r\n" + "name: value\r\n"* + "\r\n".
+    /// The header block's size ([`wire::header_block_size`]).
     pub fn header_size(&self) -> usize {
-        let headers: usize = self
-            .headers
-            .iter()
-            .map(|(k, v)| k.len() + 2 + v.len() + 2)
-            .sum();
-        10 + headers + 2
+        wire::header_block_size(self.headers.iter().map(|(k, v)| (k.as_ref(), v.as_str())))
     }
 
     #[cfg(any(test, feature = "testing"))]

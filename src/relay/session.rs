@@ -325,14 +325,10 @@ impl<'a> Session<'a> {
 
         // Feedback well inside the server's timeout (Materialize's rule:
         // min(1 s, timeout / 2); we take a quarter for slack under load).
-        let sender_timeout: String = sqlx::query_scalar("SHOW wal_sender_timeout")
-            .fetch_one(pool)
-            .await
-            .map_err(Error::pg("SHOW wal_sender_timeout"))?;
-        let status_interval = postgres::parse_pg_duration(&sender_timeout)
-            .map_or(Duration::from_secs(1), |t| {
-                (t / 4).min(Duration::from_secs(1))
-            });
+        let sender_timeout = postgres::wal_sender_timeout(pool).await?;
+        let status_interval = sender_timeout.map_or(Duration::from_secs(1), |t| {
+            (t / 4).min(Duration::from_secs(1))
+        });
 
         // A message must fit the server and the stream.
         let max_payload = info
@@ -360,7 +356,7 @@ impl<'a> Session<'a> {
             cfg.stream.clone(),
         );
         publisher.per_event().connect().await?;
-        let fence = Fence::start(fence::limit(postgres::parse_pg_duration(&sender_timeout)));
+        let fence = Fence::start(fence::limit(sender_timeout));
         publisher.per_event().set_fence(fence.clone());
         // The link knows the account's or user's max_payload (the INFO after
         // CONNECT), which may be below the server's.

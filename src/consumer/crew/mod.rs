@@ -163,19 +163,7 @@ pub(super) async fn alive(
     stream: &str,
     durable: &str,
 ) -> sqlx::Result<HashSet<i32>> {
-    let ids: Vec<i64> = sqlx::query_scalar(
-        "SELECT objid::text::bigint FROM pg_locks \
-         WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
-           AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-           AND classid = hashtext($1)::oid",
-    )
-    .bind(lock_name(stream, durable))
-    .fetch_all(pool)
-    .await?;
-    Ok(ids
-        .into_iter()
-        .filter_map(|i| i32::try_from(i).ok())
-        .collect())
+    super::lease::holders(pool, &lock_name(stream, durable)).await
 }
 
 /// A job as a process reports it while it runs.
@@ -912,187 +900,323 @@ impl Subs {
 ///
 /// Nothing in this loop waits longer than [`PING`]: the checks that stop
 /// this process's jobs (its lock, the dispatcher's acknowledgements) must
-/// come every beat, or the dispatcher's [`GRACE`](rule::GRACE) would not cover them.
+/// come every beat, or the dispatcher's [`GRACE`](rule::GRACE) would not
+/// cover them.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn work<H: Handler>(
     shared: Arc<Shared<H>>,
     js: jetstream::Context,
     pool: PgPool,
-    mut member: Member,
+    member: Member,
     worker: Arc<Worker>,
     readiness: Readiness,
     shutdown: CancellationToken,
     timeout: Duration,
 ) {
-    let cfg = shared.cfg.clone();
     let client = js.client();
-    let base = base(&cfg.stream, &cfg.durable);
-    let capacity = cfg.concurrency.max(1);
-    let mut subs = Subs::open(&client, &base, member.id, false).await;
-    let mut tasks: JoinSet<(u64, Finished<Instant>, bool)> = JoinSet::new();
+    let base = base(&shared.cfg.stream, &shared.cfg.durable);
+    let subs = Subs::open(&client, &base, member.id, false).await;
+    let mut w = Work {
+        capacity: shared.cfg.concurrency.max(1),
+        shared,
+        js,
+        client,
+        base,
+        pool,
+        member,
+        worker,
+        readiness,
+        subs,
+        tasks: JoinSet::new(),
+        standing: Standing::new(Instant::now()),
+        unheard: false,
+        leaving: None,
+        running_gauge: metrics::gauge!(m::CONSUMER_RUNNING_JOBS),
+    };
+    w.prove();
     let mut beat = tokio::time::interval(BEAT);
-    // The proof this process's jobs need to start a call: see `Standing`.
-    let mut standing = Standing::new(Instant::now());
-    let prove = |standing: &Standing| shared.proof.set(standing.ends());
-    prove(&standing);
-    let mut unheard = false;
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
-    let mut leaving: Option<Instant> = None;
-    let running_gauge = metrics::gauge!(m::CONSUMER_RUNNING_JOBS);
     loop {
-        if leaving.is_some() && tasks.is_empty() && roster(&worker.registry).jobs.is_empty() {
+        if w.leaving.is_some() && w.tasks.is_empty() && roster(&w.worker.registry).jobs.is_empty() {
             break;
         }
+        let leaving = w.leaving;
         tokio::select! {
             biased;
             _ = shutdown.cancelled(), if leaving.is_none() => {
-                leaving = Some(Instant::now() + timeout);
-                subs.jobs = None;
+                w.leaving = Some(Instant::now() + timeout);
+                w.subs.jobs = None;
                 beat.reset_immediately();
             }
             _ = tokio::time::sleep_until(leaving.unwrap_or_else(Instant::now).into()), if leaving.is_some() => {
-                tracing::warn!(running = tasks.len(), "shutdown timeout: jobs of the crew left unfinished come again");
-                shared.stop.cancel();
-                tasks.abort_all();
+                w.time_out();
                 break;
             }
-            Some(done) = tasks.join_next() => {
-                if let Ok((id, how, panicked)) = done {
-                    report(&client, &cfg.stream, &cfg.durable, id, how, panicked).await;
-                    roster(&worker.registry).jobs.remove(&id);
-                }
+            Some(done) = w.tasks.join_next() => w.job_ended(done).await,
+            req = next(&mut w.subs.sync) => match req {
+                Some(req) => w.synced(req).await,
+                None => w.subs.sync = None,
+            },
+            req = next(&mut w.subs.jobs) => match req {
+                Some(req) => w.asked(req).await,
+                None => w.subs.jobs = None,
+            },
+            ack = next(&mut w.subs.ack) => match ack {
+                Some(msg) => w.acknowledged(&msg),
+                None => w.subs.ack = None,
+            },
+            _ = beat.tick() => w.beat().await,
+            _ = liveness.tick() => w.liveness(),
+        }
+    }
+    w.running_gauge.set(0.0);
+}
+
+/// A helper's loop ([`work`]): its state, and one method per wake-up.
+struct Work<H> {
+    shared: Arc<Shared<H>>,
+    js: jetstream::Context,
+    client: async_nats::Client,
+    base: String,
+    pool: PgPool,
+    member: Member,
+    worker: Arc<Worker>,
+    readiness: Readiness,
+    subs: Subs,
+    tasks: JoinSet<(u64, Finished<Instant>, bool)>,
+    capacity: usize,
+    /// The proof this process's jobs need to start a call.
+    standing: Standing,
+    /// The proof had lapsed at the last beat.
+    unheard: bool,
+    /// Shutting down: by when the jobs left must end.
+    leaving: Option<Instant>,
+    running_gauge: metrics::Gauge,
+}
+
+impl<H: Handler> Work<H> {
+    fn prove(&self) {
+        self.shared.proof.set(self.standing.ends());
+    }
+
+    fn time_out(&mut self) {
+        tracing::warn!(
+            running = self.tasks.len(),
+            "shutdown timeout: jobs of the crew left unfinished come again"
+        );
+        self.shared.stop.cancel();
+        self.tasks.abort_all();
+    }
+
+    async fn job_ended(
+        &mut self,
+        done: std::result::Result<(u64, Finished<Instant>, bool), tokio::task::JoinError>,
+    ) {
+        if let Ok((id, how, panicked)) = done {
+            let cfg = &self.shared.cfg;
+            report(&self.client, &cfg.stream, &cfg.durable, id, how, panicked).await;
+            roster(&self.worker.registry).jobs.remove(&id);
+        }
+    }
+
+    /// A dispatcher's sync: only the process holding the lease now may
+    /// take this one over, so an old dispatcher that has not noticed it
+    /// lost the lease cannot take it back from the new one.
+    async fn synced(&mut self, req: async_nats::Message) {
+        let (Some(reply), Ok(sync)) = (
+            req.reply.clone(),
+            serde_json::from_slice::<Sync>(&req.payload),
+        ) else {
+            return;
+        };
+        let cfg = &self.shared.cfg;
+        let holds = tokio::time::timeout(
+            PING,
+            super::lease::held_by(&self.pool, &cfg.stream, &cfg.durable, sync.from),
+        )
+        .await;
+        if !matches!(holds, Ok(Ok(true))) {
+            bounded(self.client.publish(reply, "not the dispatcher".into())).await;
+            return;
+        }
+        // From now on only `sync.from` is served; the answer lists
+        // everything started before.
+        let hello = {
+            let mut r = roster(&self.worker.registry);
+            r.serve(sync.from, sync.period);
+            self.hello(&r, self.standing.last_beat())
+        };
+        if let Ok(body) = serde_json::to_vec(&hello) {
+            bounded(self.client.publish(reply, body.into())).await;
+        }
+    }
+
+    /// A job request: admitted by the rule ([`rule::Roster::admit`]) or
+    /// refused, the refusal counted.
+    async fn asked(&mut self, req: async_nats::Message) {
+        let Some(reply) = req.reply.clone() else {
+            return;
+        };
+        let Some((head, job)) = decode(&req, &self.js) else {
+            metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => "bad").increment(1);
+            bounded(self.client.publish(reply, "bad".into())).await;
+            return;
+        };
+        let running = Running {
+            id: head.id,
+            key: head.key.clone(),
+            retry: head.retry,
+            mine: false,
+        };
+        let beat_no = self.standing.last_beat();
+        let room = self.tasks.len() < self.capacity && self.leaving.is_none();
+        // Unheard, a job would soon be stopped again.
+        let admitted = roster(&self.worker.registry).admit(
+            (head.from, head.period, head.until),
+            (beat_no, self.standing.holds(Instant::now()), room),
+            head.id,
+            running,
+        );
+        if let Err(why) = admitted {
+            metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => why.as_str()).increment(1);
+            bounded(self.client.publish(reply, why.as_str().into())).await;
+            return;
+        }
+        bounded(self.client.publish(reply, format!("ok {beat_no}").into())).await;
+        let shared = self.shared.clone();
+        self.tasks.spawn(async move {
+            let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
+            (head.id, how, panicked)
+        });
+    }
+
+    /// The dispatcher heard a beat. An empty answer is from a dispatcher
+    /// that does not name the beat (an older version): dated now.
+    fn acknowledged(&mut self, msg: &async_nats::Message) {
+        let named = std::str::from_utf8(&msg.payload)
+            .ok()
+            .and_then(|b| b.parse::<u64>().ok());
+        if self.standing.acknowledged(named, Instant::now()) {
+            self.prove();
+        }
+    }
+
+    async fn beat(&mut self) {
+        // First thing each beat, before anything here may wait: the
+        // dispatcher takes this process's jobs for lost once it has not
+        // heard it for SILENT, or GRACE after its member lock went: their
+        // calls stop first. The proof (the dispatcher's acknowledgement of
+        // a recent beat, and the member lock) says whether that can have
+        // happened.
+        let now_unheard = !self.standing.holds(Instant::now());
+        if now_unheard && !self.unheard {
+            self.worker.fences.fetch_add(1, Ordering::Relaxed);
+            if !self.tasks.is_empty() {
+                tracing::warn!(jobs = self.tasks.len(), "this process cannot prove it is heard by the dispatcher, or holds its member lock (NATS or Postgres unreachable?): cutting the calls it makes for it, which the dispatcher makes again");
+                stop_jobs(
+                    &mut self.tasks,
+                    &self.worker.registry,
+                    &self.client,
+                    &self.base,
+                    &self.shared.calls,
+                )
+                .await;
             }
-            req = next(&mut subs.sync) => {
-                let Some(req) = req else { subs.sync = None; continue };
-                let (Some(reply), Ok(sync)) = (req.reply.clone(), serde_json::from_slice::<Sync>(&req.payload)) else { continue };
-                // Only the process holding the lease now may take this one
-                // over: an old dispatcher that has not noticed it lost the
-                // lease must not take it back from the new one.
-                let holds = tokio::time::timeout(PING, super::lease::held_by(&pool, &cfg.stream, &cfg.durable, sync.from)).await;
-                if !matches!(holds, Ok(Ok(true))) {
-                    bounded(client.publish(reply, "not the dispatcher".into())).await;
-                    continue;
-                }
-                // From now on only `sync.from` is served; the answer lists
-                // everything started before.
-                let hello = {
-                    let mut r = roster(&worker.registry);
-                    r.serve(sync.from, sync.period);
-                    hello(&r, member.id, room(&shared, capacity), leaving.is_some(), standing.last_beat())
-                };
-                if let Ok(body) = serde_json::to_vec(&hello) {
-                    bounded(client.publish(reply, body.into())).await;
-                }
+        }
+        self.unheard = now_unheard;
+        let beat_no = self.standing.beat(Instant::now());
+        let hello = self.hello(&roster(&self.worker.registry), beat_no);
+        self.running_gauge.set(hello.running.len() as f64);
+        if let Ok(body) = serde_json::to_vec(&hello) {
+            bounded(
+                self.client
+                    .publish(format!("{}.s.hello", self.base), body.into()),
+            )
+            .await;
+        }
+        let leaving = self.leaving.is_some();
+        if !self.subs.complete(leaving) {
+            if let Ok(s) = tokio::time::timeout(
+                PING,
+                Subs::open(&self.client, &self.base, self.member.id, leaving),
+            )
+            .await
+            {
+                self.subs = s;
             }
-            req = next(&mut subs.jobs) => {
-                let Some(req) = req else { subs.jobs = None; continue };
-                let Some(reply) = req.reply.clone() else { continue };
-                let Some((head, job)) = decode(&req, &js) else {
-                    metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => "bad").increment(1);
-                    bounded(client.publish(reply, "bad".into())).await;
-                    continue;
-                };
-                let running = Running { id: head.id, key: head.key.clone(), retry: head.retry, mine: false };
-                let beat_no = standing.last_beat();
-                // Unheard, a job would soon be stopped again.
-                let admitted = roster(&worker.registry).admit(
-                    (head.from, head.period, head.until),
-                    (beat_no, standing.holds(Instant::now()), tasks.len() < capacity && leaving.is_none()),
-                    head.id,
-                    running,
+        }
+        self.check_lock().await;
+    }
+
+    /// The member lock, checked; or taken back under the same id: the
+    /// dispatcher waits GRACE before it takes a member whose lock went for
+    /// gone, and a blip (a Postgres restart, a terminated backend) must not
+    /// cost the jobs running here. The old session, if it lives, holds the
+    /// id until Postgres ends it (LEASE_TTL).
+    async fn check_lock(&mut self) {
+        let pinged = Instant::now();
+        if self.member.held().await {
+            self.standing.lock_held(pinged);
+            self.prove();
+            return;
+        }
+        let cfg = &self.shared.cfg;
+        match tokio::time::timeout(
+            PING,
+            Member::join_as(&self.pool, &cfg.stream, &cfg.durable, self.member.id),
+        )
+        .await
+        {
+            Ok(Ok(Some(m))) => {
+                tracing::info!(
+                    member = m.id,
+                    "the crew membership's connection failed; took the membership back"
                 );
-                if let Err(why) = admitted {
-                    metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => why.as_str()).increment(1);
-                    bounded(client.publish(reply, why.as_str().into())).await;
-                    continue;
-                }
-                bounded(client.publish(reply, format!("ok {beat_no}").into())).await;
-                let shared = shared.clone();
-                tasks.spawn(async move {
-                    let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
-                    (head.id, how, panicked)
-                });
+                self.member = m;
+                self.standing.lock_held(Instant::now());
+                self.prove();
             }
-            ack = next(&mut subs.ack) => {
-                match ack {
-                    Some(msg) => {
-                        // An empty answer is from a dispatcher that does not
-                        // name the beat (an older version): dated now.
-                        let named = std::str::from_utf8(&msg.payload).ok().and_then(|b| b.parse::<u64>().ok());
-                        if standing.acknowledged(named, Instant::now()) {
-                            prove(&standing);
-                        }
-                    }
-                    None => subs.ack = None,
-                }
-            }
-            _ = beat.tick() => {
-                // First thing each beat, before anything here may wait:
-                // the dispatcher takes this process's jobs for lost once it
-                // has not heard it for SILENT, or GRACE after its member
-                // lock went: their calls stop first. The proof (the
-                // dispatcher's acknowledgement of a recent beat, and the
-                // member lock) says whether that can have happened.
-                let now_unheard = !standing.holds(Instant::now());
-                if now_unheard && !unheard {
-                    worker.fences.fetch_add(1, Ordering::Relaxed);
-                    if !tasks.is_empty() {
-                        tracing::warn!(jobs = tasks.len(), "this process cannot prove it is heard by the dispatcher, or holds its member lock (NATS or Postgres unreachable?): cutting the calls it makes for it, which the dispatcher makes again");
-                        stop_jobs(&mut tasks, &worker.registry, &client, &base, &shared.calls).await;
-                    }
-                }
-                unheard = now_unheard;
-                let beat_no = standing.beat(Instant::now());
-                let hello = hello(&roster(&worker.registry), member.id, room(&shared, capacity), leaving.is_some(), beat_no);
-                running_gauge.set(hello.running.len() as f64);
-                if let Ok(body) = serde_json::to_vec(&hello) {
-                    bounded(client.publish(format!("{base}.s.hello"), body.into())).await;
-                }
-                if !subs.complete(leaving.is_some()) {
-                    if let Ok(s) = tokio::time::timeout(PING, Subs::open(&client, &base, member.id, leaving.is_some())).await {
-                        subs = s;
-                    }
-                }
-                let pinged = Instant::now();
-                if member.held().await {
-                    standing.lock_held(pinged);
-                    prove(&standing);
-                } else {
-                    // Under the same id: the dispatcher waits GRACE before it
-                    // takes a member whose lock went for gone, and a blip
-                    // (a Postgres restart, a terminated backend) must not
-                    // cost the jobs running here. The old session, if it
-                    // lives, holds the id until Postgres ends it (LEASE_TTL).
-                    match tokio::time::timeout(PING, Member::join_as(&pool, &cfg.stream, &cfg.durable, member.id)).await {
-                        Ok(Ok(Some(m))) => {
-                            tracing::info!(member = m.id, "the crew membership's connection failed; took the membership back");
-                            member = m;
-                            standing.lock_held(Instant::now());
-                            prove(&standing);
-                        }
-                        Ok(Ok(None)) => tracing::warn!("the crew membership's connection failed and its lock is still held; retrying"),
-                        Ok(Err(e)) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
-                        Err(_) => tracing::warn!("cannot join the crew again (Postgres does not answer); retrying"),
-                    }
-                }
-            }
-            _ = liveness.tick() => {
-                // Off the loop: during a Postgres outage it waits its timeout.
-                tokio::spawn(count_processes(pool.clone(), cfg.stream.clone(), cfg.durable.clone(), worker.clone()));
-                if !worker.dispatching.load(Ordering::Relaxed) && leaving.is_none() {
-                    let n = worker.processes.load(Ordering::Relaxed);
-                    readiness.ready();
-                    readiness.note(format!(
-                        "one of {n} process(es) of durable {}: another dispatches; this one (crew member {}, its advisory lock's objid in pg_locks) runs the jobs it is sent ({} running, room for {capacity})",
-                        cfg.durable,
-                        member.id,
-                        tasks.len()
-                    ));
-                }
+            Ok(Ok(None)) => tracing::warn!(
+                "the crew membership's connection failed and its lock is still held; retrying"
+            ),
+            Ok(Err(e)) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
+            Err(_) => {
+                tracing::warn!("cannot join the crew again (Postgres does not answer); retrying")
             }
         }
     }
-    running_gauge.set(0.0);
+
+    fn liveness(&self) {
+        let cfg = &self.shared.cfg;
+        // Off the loop: during a Postgres outage it waits its timeout.
+        tokio::spawn(count_processes(
+            self.pool.clone(),
+            cfg.stream.clone(),
+            cfg.durable.clone(),
+            self.worker.clone(),
+        ));
+        if !self.worker.dispatching.load(Ordering::Relaxed) && self.leaving.is_none() {
+            let n = self.worker.processes.load(Ordering::Relaxed);
+            self.readiness.ready();
+            self.readiness.note(format!(
+                "one of {n} process(es) of durable {}: another dispatches; this one (crew member {}, its advisory lock's objid in pg_locks) runs the jobs it is sent ({} running, room for {})",
+                cfg.durable,
+                self.member.id,
+                self.tasks.len(),
+                self.capacity
+            ));
+        }
+    }
+
+    fn hello(&self, r: &Roster, beat: u64) -> Hello {
+        hello(
+            r,
+            self.member.id,
+            room(&self.shared, self.capacity),
+            self.leaving.is_some(),
+            beat,
+        )
+    }
 }
 
 async fn count_processes(pool: PgPool, stream: String, durable: String, worker: Arc<Worker>) {

@@ -1077,15 +1077,7 @@ mod tests {
             self.helpers[h].next_beat = now_ms + BEAT.as_millis() as u64;
             // Its proof lapsed: it cuts its calls and reports them.
             if !self.helpers[h].standing.holds(now) {
-                let cut: Vec<u64> = self.helpers[h]
-                    .roster
-                    .jobs
-                    .drain()
-                    .map(|(id, _)| id)
-                    .collect();
-                for id in cut {
-                    self.send(h as i32, -1, Msg::Done(id));
-                }
+                self.end_all(h);
             }
             let hs = &mut self.helpers[h];
             let beat = hs.standing.beat(now);
@@ -1109,6 +1101,19 @@ mod tests {
             }
         }
 
+        /// Helper `h` ends (or cuts) every job it runs, and says so.
+        fn end_all(&mut self, h: usize) {
+            let ids: Vec<u64> = self.helpers[h]
+                .roster
+                .jobs
+                .drain()
+                .map(|(id, _)| id)
+                .collect();
+            for id in ids {
+                self.send(h as i32, -1, Msg::Done(id));
+            }
+        }
+
         /// Everything heals; time runs until every job is accounted for.
         fn settle(&mut self) {
             self.d_cut_until = 0;
@@ -1121,15 +1126,7 @@ mod tests {
             for _ in 0..20 {
                 for h in 0..self.helpers.len() {
                     if !self.helpers[h].dead {
-                        let ids: Vec<u64> = self.helpers[h]
-                            .roster
-                            .jobs
-                            .drain()
-                            .map(|(id, _)| id)
-                            .collect();
-                        for id in ids {
-                            self.send(h as i32, -1, Msg::Done(id));
-                        }
+                        self.end_all(h);
                     }
                 }
                 self.step(&Event::Advance(1000));
