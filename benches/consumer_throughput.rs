@@ -18,7 +18,7 @@
 //! Needs DATABASE_URL (migrated), NATS_URL and RELAY_BIN (the binary to run).
 
 mod common;
-use common::{arg, cpu_seconds, env, flag, out_dir, rss_mib};
+use common::{cpu_seconds, env, rss_mib};
 
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,17 +28,46 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, stream};
 use outbox_relay::wire;
 
+/// The bench's flags.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Messages to publish and consume.
+    #[arg(long, default_value_t = 5000)]
+    messages: u64,
+    /// The consumer's --concurrency (the product's default).
+    #[arg(long, default_value_t = 48)]
+    concurrency: u64,
+    /// The consumer's --max-ack-pending (the product's default).
+    #[arg(long, default_value_t = 50)]
+    max_ack_pending: u64,
+    /// Aggregates the messages spread over.
+    #[arg(long, default_value_t = 1000)]
+    aggregates: u64,
+    /// Consumer processes of the durable.
+    #[arg(long, default_value_t = 1)]
+    processes: u64,
+    /// How long the handler takes per call.
+    #[arg(long, default_value_t = 0)]
+    handler_ms: u64,
+    /// Consume in this process with a Rust handler.
+    #[arg(long, default_value_t = false)]
+    rust: bool,
+    #[command(flatten)]
+    common: common::Common,
+}
+
 #[tokio::main]
 async fn main() {
-    let n = arg("--messages", 5000);
+    let args = <Args as clap::Parser>::parse();
+    let n = args.messages;
     // The product's defaults unless told: users run those.
-    let concurrency = arg("--concurrency", 48);
-    let max_ack_pending = arg("--max-ack-pending", 50);
-    let aggregates = arg("--aggregates", 1000);
+    let concurrency = args.concurrency;
+    let max_ack_pending = args.max_ack_pending;
+    let aggregates = args.aggregates;
     // SPEC §11's scale-out target: N processes of one durable, a handler
     // that takes `--handler-ms` per call.
-    let processes = arg("--processes", 1).max(1);
-    let handler_ms = arg("--handler-ms", 0);
+    let processes = args.processes.max(1);
+    let handler_ms = args.handler_ms;
     let (db, nats, bin) = (
         env("DATABASE_URL", "consumer"),
         env("NATS_URL", "consumer"),
@@ -83,7 +112,7 @@ async fn main() {
         fill(&js, n, aggregates).await;
     }
 
-    let rust = flag("--rust");
+    let rust = args.rust;
     assert!(
         !(rust && processes > 1),
         "--rust runs in this process: one process only"
@@ -298,7 +327,7 @@ async fn main() {
         "consumer_peak_rss_mib": peak_rss,
         "per_second": rates.iter().map(|(t, r)| serde_json::json!({"t": t, "calls_per_second": r})).collect::<Vec<_>>(),
     });
-    let out = out_dir();
+    let out = args.common.out_dir();
     let base = format!(
         "{out}/consumer-{}c{concurrency}{}",
         if rust { "rust-" } else { "" },

@@ -12,7 +12,7 @@
 //! `--context bench`.
 
 mod common;
-use common::{arg, env, out_dir};
+use common::env;
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -30,15 +30,41 @@ struct Book {
     called: HashMap<Uuid, Vec<Instant>>,
 }
 
+/// The bench's flags.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Events to commit.
+    #[arg(long, default_value_t = 30_000)]
+    events: u64,
+    /// Events per second.
+    #[arg(long, default_value_t = 2000)]
+    rate: u64,
+    /// Producer connections.
+    #[arg(long, default_value_t = 2)]
+    producers: u64,
+    /// Events per transaction.
+    #[arg(long, default_value_t = 10)]
+    txn_size: u64,
+    /// The consumer's --concurrency (the product's default).
+    #[arg(long, default_value_t = 48)]
+    concurrency: u64,
+    /// The consumer's --max-ack-pending (the product's default).
+    #[arg(long, default_value_t = 50)]
+    max_ack_pending: u64,
+    #[command(flatten)]
+    common: common::Common,
+}
+
 #[tokio::main]
 async fn main() {
-    let events = arg("--events", 30_000);
-    let rate = arg("--rate", 2000);
-    let producers = arg("--producers", 2).max(1);
-    let txn = arg("--txn-size", 10).max(1);
+    let args = <Args as clap::Parser>::parse();
+    let events = args.events;
+    let rate = args.rate;
+    let producers = args.producers.max(1);
+    let txn = args.txn_size.max(1);
     // The product's defaults unless told (48 and 50): users run those.
-    let concurrency = arg("--concurrency", 48);
-    let max_ack_pending = arg("--max-ack-pending", 50);
+    let concurrency = args.concurrency;
+    let max_ack_pending = args.max_ack_pending;
     let (db, nats, bin) = (
         env("DATABASE_URL", "pipeline"),
         env("NATS_URL", "pipeline"),
@@ -195,7 +221,7 @@ async fn main() {
         "events_per_second": reached as f64 / secs,
         "commit_to_handler_ms": {"p50": ms(0.5), "p90": ms(0.9), "p99": ms(0.99), "max": hist.max() as f64 / 1000.0},
     });
-    let out = out_dir();
+    let out = args.common.out_dir();
     let path = format!("{out}/pipeline-rate{rate}.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).unwrap();
     println!("  wrote {path}");

@@ -13,7 +13,7 @@
 //! Needs DATABASE_URL, RELAY_BIN, and the relay running with `--context bench`.
 
 mod common;
-use common::{arg, env};
+use common::env;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -53,11 +53,28 @@ fn summary(h: &Histogram<u64>) -> String {
     )
 }
 
+/// The bench's flags.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Old outbox rows to prune.
+    #[arg(long, default_value_t = 1_000_000)]
+    rows: u64,
+    /// Producer events per second meanwhile.
+    #[arg(long, default_value_t = 2000)]
+    rate: u64,
+    /// How long the producer runs.
+    #[arg(long, default_value_t = 20)]
+    seconds: u64,
+    #[command(flatten)]
+    common: common::Common,
+}
+
 #[tokio::main]
 async fn main() {
-    let rows = arg("--rows", 1_000_000);
-    let rate = arg("--rate", 2000);
-    let seconds = arg("--seconds", 20);
+    let args = <Args as clap::Parser>::parse();
+    let rows = args.rows;
+    let rate = args.rate;
+    let seconds = args.seconds;
     let (db, bin) = (env("DATABASE_URL", "prune"), env("RELAY_BIN", "prune"));
     let pool = PgPoolOptions::new()
         .max_connections(4)

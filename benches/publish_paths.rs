@@ -1,8 +1,8 @@
 //! What publishing with per-message acks costs the client, by path: through
-//! async-nats (`client`: the relay's path, a header map per message and the
-//! acks on one wildcard subscription) and through a hand-written `HPUB`
-//! writer on a connection of its own (`wire`: the header block written
-//! straight into the output buffer, the acks parsed off the socket). Flat
+//! async-nats (`client`: a header map per message and the acks on one
+//! wildcard subscription) and through the relay's own publish link (`wire`:
+//! `relay/link/`, the code that ships: the header block written straight
+//! into the output buffer, the acks parsed off the socket). Flat
 //! out with 512 in flight, and paced: `--txns-per-s` transactions of ten
 //! messages, each sent at once and its acks awaited, as the relay does at
 //! moderate load. No relay and no Postgres: what is left is the floor a
@@ -12,12 +12,12 @@
 
 mod common;
 
-use std::io::Write as _;
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use futures::StreamExt;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use outbox_relay::testing::{Dialer, Heard, NatsArgs, Reply};
 
 /// The relay's nine headers for an event, values fresh per message.
 fn headers(i: u64) -> [(&'static str, String); 9] {
@@ -133,106 +133,62 @@ async fn client_path(client: &async_nats::Client, subject: &str, n: u64, mut pac
     }
 }
 
-async fn wire_path(addr: &str, subject: &str, n: u64, mut pace: Pace) {
-    let sock = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    sock.set_nodelay(true).expect("nodelay");
-    let (rd, mut wr) = sock.into_split();
-    let mut rd = BufReader::with_capacity(64 * 1024, rd);
-    let mut line = String::new();
-    rd.read_line(&mut line).await.expect("INFO");
-    assert!(line.starts_with("INFO"), "{line}");
-    let prefix = format!("_BENCH.{}", uuid::Uuid::new_v4().simple());
-    let hello = format!(
-        "CONNECT {{\"verbose\":false,\"pedantic\":false,\"headers\":true,\"no_responders\":true,\"protocol\":1,\"echo\":false}}\r\nSUB {prefix}.* 1\r\nPING\r\n"
-    );
-    wr.write_all(hello.as_bytes()).await.expect("CONNECT");
-    loop {
-        line.clear();
-        rd.read_line(&mut line).await.expect("PONG");
-        if line.starts_with("PONG") {
-            break;
-        }
-        assert!(!line.starts_with("-ERR"), "{line}");
-    }
-    let body = vec![b'x'; 256];
+/// The relay's own publish link (`relay/link/`): its dialer, its `HPUB`
+/// encoder and writer task, its reader and answer queue.
+async fn wire_path(url: &str, subject: &str, n: u64, mut pace: Pace) {
+    let args = NatsArgs {
+        nats_url: url.to_owned(),
+        nats_user: None,
+        nats_password: None,
+        nats_token: None,
+        nats_creds: None,
+        nats_ca: None,
+        nats_tls_cert: None,
+        nats_tls_key: None,
+        nats_tls: false,
+        nats_tls_first: false,
+    };
+    let mut link = Dialer::new(&args, "bench-publish-paths".into())
+        .expect("a dialer")
+        .dial()
+        .await
+        .expect("a link");
+    let body = bytes::Bytes::from(vec![b'x'; 256]);
     let window = pace.window();
-    let mut out: Vec<u8> = Vec::with_capacity(64 * 1024);
-    let mut block: Vec<u8> = Vec::with_capacity(1024);
-    let mut payload = Vec::with_capacity(512);
     let (mut sent, mut acked) = (0u64, 0u64);
-    // One ack off the socket, answering the server's pings on the way.
+    let headers_of = |i: u64| -> Vec<(Cow<'static, str>, String)> {
+        headers(i)
+            .into_iter()
+            .map(|(k, v)| (Cow::Borrowed(k), v))
+            .collect()
+    };
     macro_rules! read_ack {
         () => {
-            loop {
-                line.clear();
-                rd.read_line(&mut line).await.expect("read");
-                if line.starts_with("MSG ") {
-                    let len: usize = line
-                        .trim_end()
-                        .rsplit(' ')
-                        .next()
-                        .and_then(|l| l.parse().ok())
-                        .expect("MSG size");
-                    payload.resize(len + 2, 0);
-                    rd.read_exact(&mut payload).await.expect("payload");
-                    stored(&payload[..len]);
-                    acked += 1;
-                    break;
-                } else if line.starts_with("PING") {
-                    wr.write_all(b"PONG\r\n").await.expect("PONG");
-                } else {
-                    assert!(
-                        line.starts_with("+OK") || line.starts_with("INFO"),
-                        "{line}"
-                    );
-                }
+            match link.next_answer().await.expect("an answer") {
+                Heard::Answer(_, Ok(_)) => acked += 1,
+                Heard::Answer(_, Err(e)) => panic!("refused: {e}"),
+                Heard::Denied(subject) => panic!("not allowed to publish to {subject}"),
             }
         };
     }
     for i in 0..n {
         if let Some(t) = pace.0.as_mut() {
             if i % 10 == 0 {
-                wr.write_all(&out).await.expect("write");
-                out.clear();
                 while acked < sent {
                     read_ack!();
                 }
                 t.tick().await;
             }
         }
-        if i - acked >= window {
-            wr.write_all(&out).await.expect("write");
-            out.clear();
-            while i - acked >= window {
-                read_ack!();
-            }
+        while i - acked >= window {
+            read_ack!();
         }
-        block.clear();
-        block.extend_from_slice(b"NATS/1.0\r\n");
-        for (k, v) in &headers(i) {
-            block.extend_from_slice(k.as_bytes());
-            block.extend_from_slice(b": ");
-            block.extend_from_slice(v.as_bytes());
-            block.extend_from_slice(b"\r\n");
-        }
-        block.extend_from_slice(b"\r\n");
-        write!(
-            out,
-            "HPUB {subject} {prefix}.{i} {} {}\r\n",
-            block.len(),
-            block.len() + body.len()
-        )
-        .expect("write to a Vec");
-        out.extend_from_slice(&block);
-        out.extend_from_slice(&body);
-        out.extend_from_slice(b"\r\n");
+        assert!(
+            link.publish(subject, Reply::Ack(i), &headers_of(i), &[], &body),
+            "the link broke"
+        );
         sent += 1;
-        if out.len() > 32 * 1024 {
-            wr.write_all(&out).await.expect("write");
-            out.clear();
-        }
     }
-    wr.write_all(&out).await.expect("write");
     while acked < n {
         read_ack!();
     }
@@ -261,14 +217,7 @@ async fn run(path: &'static str, n: u64, txns_per_s: u64) -> Run {
     );
     match path {
         "client" => client_path(&client, &subject, n, Pace::new(txns_per_s)).await,
-        _ => {
-            let addr = url
-                .split(',')
-                .next()
-                .unwrap_or_default()
-                .trim_start_matches("nats://");
-            wire_path(addr, &subject, n, Pace::new(txns_per_s)).await
-        }
+        _ => wire_path(&url, &subject, n, Pace::new(txns_per_s)).await,
     }
     let seconds = t0.elapsed().as_secs_f64();
     let (c1, s1, x1) = (
@@ -298,10 +247,24 @@ async fn run(path: &'static str, n: u64, txns_per_s: u64) -> Run {
     }
 }
 
+/// The bench's flags.
+#[derive(clap::Parser, Debug)]
+struct Args {
+    /// Messages per flat-out run.
+    #[arg(long, default_value_t = 200_000)]
+    messages: u64,
+    /// Transactions of ten per second in the paced runs.
+    #[arg(long, default_value_t = 200)]
+    txns_per_s: u64,
+    #[command(flatten)]
+    common: common::Common,
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let n = common::arg("--messages", 200_000);
-    let rate = common::arg("--txns-per-s", 200);
+    let args = <Args as clap::Parser>::parse();
+    let n = args.messages;
+    let rate = args.txns_per_s;
     let paced = (rate * 15 * 10).min(n);
     let mut runs = Vec::new();
     // Alternating, twice: this box's speed drifts within a session.
@@ -336,7 +299,7 @@ async fn main() {
         .collect();
     let file = format!(
         "{}/publish-paths-{}.json",
-        common::out_dir(),
+        args.common.out_dir(),
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs())

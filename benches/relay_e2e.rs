@@ -61,77 +61,67 @@ struct Args {
     out: String,
 }
 
+/// The bench's flags, as the binary takes its own.
+#[derive(clap::Parser, Debug)]
+struct Flags {
+    /// Events per phase.
+    #[arg(long, default_value_t = 100_000)]
+    events: u64,
+    /// Events per second; 0: flat out.
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// Events per transaction.
+    #[arg(long, default_value_t = 50)]
+    txn_size: u64,
+    /// Payload bytes per event.
+    #[arg(long, default_value_t = 256)]
+    payload: usize,
+    /// Producer connections.
+    #[arg(long, default_value_t = 2)]
+    producers: u64,
+    /// When the paced producers commit.
+    #[arg(long, value_enum, default_value = "poisson")]
+    arrivals: Arrivals,
+    /// Where latency ends: a core subscription (`routed`) or a JetStream
+    /// push consumer (`stored`).
+    #[arg(long, default_value = "routed", value_parser = ["routed", "stored"])]
+    receive: String,
+    /// The phases to run, in order.
+    #[arg(long, value_delimiter = ',', default_value = "raw,cdc,poll", value_parser = ["raw", "cdc", "poll", "raw-emit", "emit"])]
+    phases: Vec<String>,
+    /// One transaction of this many rows before the paced load (0: none).
+    #[arg(long, default_value_t = 0)]
+    big_txn: u64,
+    /// The polling worker's batch.
+    #[arg(long, default_value_t = 500)]
+    poll_batch: i64,
+    /// The polling worker's pause when it finds nothing.
+    #[arg(long, default_value_t = 10)]
+    poll_interval_ms: u64,
+    /// The relay's slot.
+    #[arg(long, default_value = "outbox_relay_bench")]
+    slot: String,
+    #[command(flatten)]
+    common: common::Common,
+}
+
 fn parse_args() -> Args {
-    let mut a = Args {
-        events: 100_000,
-        rate: 0,
-        txn_size: 50,
-        payload: 256,
-        producers: 2,
-        arrivals: Arrivals::Poisson,
-        stored: false,
-        phases: vec!["raw".into(), "cdc".into(), "poll".into()],
-        big_txn: 0,
-        poll_batch: 500,
-        poll_interval: Duration::from_millis(10),
-        slot: "outbox_relay_bench".into(),
-        out: "target/bench".into(),
-    };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    let usage = "flags: --events N --rate EV_PER_S|0 --txn-size N --payload BYTES --producers N \
-                 --arrivals poisson|even|lockstep --receive routed|stored --phases raw,cdc,poll,raw-emit,emit --big-txn ROWS --poll-batch N --poll-interval-ms MS \
-                 --slot NAME --out DIR";
-    while i < argv.len() {
-        let v = argv.get(i + 1).cloned().unwrap_or_default();
-        let num = |what: &str| -> u64 {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{what} needs a number, got {v:?}; {usage}"))
-        };
-        match argv[i].as_str() {
-            "--events" => a.events = num("--events"),
-            "--rate" => a.rate = num("--rate"),
-            "--txn-size" => a.txn_size = num("--txn-size").max(1),
-            "--payload" => a.payload = num("--payload") as usize,
-            "--producers" => a.producers = num("--producers").max(1),
-            "--arrivals" => {
-                a.arrivals = match v.as_str() {
-                    "poisson" => Arrivals::Poisson,
-                    "even" => Arrivals::Even,
-                    "lockstep" => Arrivals::Lockstep,
-                    other => panic!("--arrivals takes poisson, even or lockstep, got {other:?}"),
-                }
-            }
-            "--receive" => {
-                a.stored = match v.as_str() {
-                    "routed" => false,
-                    "stored" => true,
-                    other => panic!("--receive takes routed or stored, got {other:?}"),
-                }
-            }
-            "--phases" => a.phases = v.split(',').map(str::to_owned).collect(),
-            "--big-txn" => a.big_txn = num("--big-txn"),
-            "--poll-batch" => a.poll_batch = num("--poll-batch") as i64,
-            "--poll-interval-ms" => {
-                a.poll_interval = Duration::from_millis(num("--poll-interval-ms"))
-            }
-            "--slot" => a.slot = v,
-            "--out" => a.out = v,
-            "--bench" => {
-                i += 1;
-                continue;
-            }
-            other => panic!("unknown argument {other}; {usage}"),
-        }
-        i += 2;
+    let f = <Flags as clap::Parser>::parse();
+    Args {
+        events: f.events,
+        rate: f.rate,
+        txn_size: f.txn_size.max(1),
+        payload: f.payload,
+        producers: f.producers.max(1),
+        arrivals: f.arrivals,
+        stored: f.receive == "stored",
+        phases: f.phases,
+        big_txn: f.big_txn,
+        poll_batch: f.poll_batch,
+        poll_interval: Duration::from_millis(f.poll_interval_ms),
+        slot: f.slot,
+        out: f.common.out,
     }
-    for p in &a.phases {
-        assert!(
-            ["raw", "cdc", "poll", "raw-emit", "emit"].contains(&p.as_str()),
-            "unknown phase {p}; {usage}"
-        );
-    }
-    a
 }
 
 /// When the paced producers (`--rate`) commit. Each producer commits
@@ -139,7 +129,7 @@ fn parse_args() -> Args {
 /// the producers' commits fall relative to each other, which matters to a
 /// relay that keeps one atomic batch in flight: a transaction that commits
 /// while the one before it awaits its ack waits for that ack.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Arrivals {
     /// Independent producers: exponential gaps, each producer on its own
     /// schedule (the usual model of many clients). Commits sometimes coincide.

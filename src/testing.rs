@@ -1,10 +1,12 @@
 //! Test support: pgoutput encoders and an outbox relation fixture, shared
-//! by the unit tests and the per-event benchmark. Compiled only for tests
+//! by the unit tests and the benchmarks (the publish link, so that a bench
+//! measures the code that ships). Compiled only for tests
 //! and with the `testing` feature (which the crate's own dev-dependency
 //! turns on); never part of the product.
 
+pub use crate::nats::NatsArgs;
 pub use crate::relay::columns::ColumnMap;
-pub use crate::relay::link::encode_message;
+pub use crate::relay::link::{encode_message, Dialer, Heard, Link, Reply};
 pub use crate::relay::outbox_row::OutboxLayout;
 pub use crate::relay::pgoutput::{decode, oid, Column, Message, Relation, Value};
 pub use crate::relay::route::{OutMessage, Router, Template};

@@ -3,34 +3,23 @@
 
 pub mod receiver;
 
-/// `--name N` from the command line, else `default`.
-pub fn arg(name: &str, default: u64) -> u64 {
-    let argv: Vec<String> = std::env::args().collect();
-    argv.iter()
-        .position(|a| a == name)
-        .and_then(|i| argv.get(i + 1))
-        .map(|v| {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{name} takes a number"))
-        })
-        .unwrap_or(default)
+/// Flags every bench takes, flattened into its own: `--out DIR` for its
+/// results, and the `--bench` that `cargo bench` adds.
+#[derive(clap::Args, Debug)]
+pub struct Common {
+    /// Where result files go (created).
+    #[arg(long, default_value = "target/bench")]
+    pub out: String,
+    #[arg(long, hide = true)]
+    pub bench: bool,
 }
 
-/// Whether the bare flag `name` was given.
-pub fn flag(name: &str) -> bool {
-    std::env::args().any(|a| a == name)
-}
-
-/// `--out DIR` (default `target/bench`), created.
-pub fn out_dir() -> String {
-    let out = std::env::args()
-        .collect::<Vec<_>>()
-        .windows(2)
-        .find(|w| w[0] == "--out")
-        .map(|w| w[1].clone())
-        .unwrap_or_else(|| "target/bench".into());
-    std::fs::create_dir_all(&out).expect("create the output dir");
-    out
+impl Common {
+    /// `--out`, created.
+    pub fn out_dir(&self) -> String {
+        std::fs::create_dir_all(&self.out).expect("create the output dir");
+        self.out.clone()
+    }
 }
 
 /// An environment variable `scripts/bench.sh MODE` sets.
@@ -58,7 +47,24 @@ fn cpu_seconds_of(pid: &str) -> f64 {
             .and_then(|u| u.parse::<f64>().ok())
             .unwrap_or(0.0)
     };
-    (field(11) + field(12)) / 100.0
+    (field(11) + field(12)) / clock_ticks()
+}
+
+/// Clock ticks per second, the unit of /proc's CPU times: the kernel's
+/// `AT_CLKTCK` from this process's auxiliary vector (what `sysconf
+/// (_SC_CLK_TCK)` reads), not an assumed 100.
+pub fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        const AT_CLKTCK: u64 = 17;
+        let auxv = std::fs::read("/proc/self/auxv").expect("read /proc/self/auxv");
+        let word = |c: &[u8]| u64::from_ne_bytes(c.try_into().expect("8 bytes"));
+        auxv.chunks_exact(16)
+            .find(|pair| word(&pair[..8]) == AT_CLKTCK)
+            .map(|pair| word(&pair[8..]) as f64)
+            .filter(|t| *t > 0.0)
+            .expect("AT_CLKTCK in /proc/self/auxv")
+    })
 }
 
 /// (current RSS, peak RSS) in MiB.
