@@ -225,28 +225,32 @@ fn sqlstate_class(code: &str) -> Class {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// A URL, or comma-separated URLs, as logs and errors may show them: user
-/// info (a password, a token) becomes `***`, and the query and fragment,
-/// where tokens ride too, go. The one policy for every URL the process
-/// names: NATS servers, the handler, Postgres.
-pub fn redact_url(urls: &str) -> String {
-    urls.split(',')
-        .map(redact_one)
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-fn redact_one(url: &str) -> String {
+/// A URL as logs and errors may show it: user info (a password, a token)
+/// becomes `***`, and the query and fragment, where tokens ride too, go.
+/// The one policy for every URL the process names (the handler, each NATS
+/// server). User info ends at the *last* `@`: a password may hold `/`, `?`,
+/// `#` or `,` unencoded, so nothing before that `@` is trusted to be a host
+/// or a path; an `@` later in a path or query hides more than it must,
+/// never less.
+pub fn redact_url(url: &str) -> String {
     let (scheme, rest) = match url.find("://") {
         Some(i) => url.split_at(i + 3),
         None => ("", url),
     };
-    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
-    let path = &tail[..tail.find(['?', '#']).unwrap_or(tail.len())];
-    match authority.rfind('@') {
-        Some(at) => format!("{scheme}***@{}{path}", &authority[at + 1..]),
-        None => format!("{scheme}{authority}{path}"),
-    }
+    let (user_info, rest) = match rest.rfind('@') {
+        Some(at) => ("***@", &rest[at + 1..]),
+        None => ("", rest),
+    };
+    let kept = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+    format!("{scheme}{user_info}{kept}")
+}
+
+/// Comma-separated URLs (`NATS_URL`), each as [`redact_url`] shows it.
+pub fn redact_urls(urls: &str) -> String {
+    urls.split(',')
+        .map(redact_url)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]
@@ -254,10 +258,10 @@ mod tests {
     #[test]
     fn urls_lose_their_credentials_query_and_fragment() {
         assert_eq!(
-            redact_url("nats://u:p@a:4222,tls://tok@b:4222,nats://c:4222"),
+            redact_urls("nats://u:p@a:4222,tls://tok@b:4222,nats://c:4222"),
             "nats://***@a:4222,tls://***@b:4222,nats://c:4222"
         );
-        assert_eq!(redact_url("c:4222"), "c:4222");
+        assert_eq!(redact_urls("c:4222"), "c:4222");
         assert_eq!(redact_url("u:p@c:4222"), "***@c:4222", "no scheme");
         assert_eq!(
             redact_url("http://u:pw@127.0.0.1:9/hook?token=abc#frag"),
@@ -267,11 +271,18 @@ mod tests {
             redact_url("postgres://app:s3cret@db/orders?password=x"),
             "postgres://***@db/orders"
         );
+        // Unencoded in a password: the user info still ends at the last @.
+        assert_eq!(redact_url("http://u:p,w@h/hook"), "http://***@h/hook");
         assert_eq!(
-            redact_url("http://h/p@q?x=a@b"),
-            "http://h/p@q",
-            "an @ past the host is not user info"
+            redact_urls("nats://user:pa/ss@host:4222"),
+            "nats://***@host:4222"
         );
+        assert_eq!(redact_urls("nats://user:p#ss@host"), "nats://***@host");
+        assert_eq!(redact_urls("nats://user:p?ss@host"), "nats://***@host");
+        // A comma in a single URL's query is not a list separator.
+        assert_eq!(redact_url("http://h/hook?token=a,SECRET"), "http://h/hook");
+        // An @ in a path or query hides more than it must, never less.
+        assert_eq!(redact_url("http://h/p@q?x=a@b"), "http://***@b");
     }
 
     use super::*;

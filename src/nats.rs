@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::error::{redact_url, Error, Result};
+use crate::error::{redact_url, redact_urls, Error, Result};
 
 /// NATS connection: servers, TLS and authentication. Secrets come best from
 /// the environment (`NATS_PASSWORD`, `NATS_TOKEN`): `--help` never shows their
@@ -65,7 +65,7 @@ impl std::fmt::Debug for NatsArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let set = |v: &Option<String>| v.as_ref().map(|_| "<set>");
         f.debug_struct("NatsArgs")
-            .field("nats_url", &redact_url(&self.nats_url))
+            .field("nats_url", &redact_urls(&self.nats_url))
             .field("nats_user", &self.nats_user)
             .field("nats_password", &set(&self.nats_password))
             .field("nats_token", &set(&self.nats_token))
@@ -92,7 +92,7 @@ impl NatsArgs {
                 if entry.is_empty() {
                     return Err(Error::Config(format!(
                         "NATS_URL {:?} has an empty entry (a stray comma?)",
-                        redact_url(&self.nats_url)
+                        redact_urls(&self.nats_url)
                     )));
                 }
                 entry.parse().map_err(|e| {
@@ -244,7 +244,7 @@ pub fn check_version(version: &str) -> Result<Option<String>> {
 /// [`NatsArgs::validate`] (the commands' `validate` runs it). `name` shows in
 /// the server's connection list. Errors name the servers without credentials.
 pub async fn connect(args: &NatsArgs, name: String) -> Result<async_nats::Client> {
-    let servers = redact_url(&args.nats_url);
+    let servers = redact_urls(&args.nats_url);
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .connection_timeout(Duration::from_secs(5))

@@ -54,8 +54,14 @@ fn the_checker_finds_a_circle_it_is_shown() {
     let dir = std::env::temp_dir().join(format!("layout-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("a")).unwrap();
+    std::fs::create_dir_all(dir.join("c")).unwrap();
     let files = [
-        ("lib.rs", "mod a;\nmod b;\n// crate::c is a comment\n"),
+        ("lib.rs", "mod a;\nmod b;\nmod c;\n// crate::c is a comment\n"),
+        (
+            "c.rs",
+            "use crate::a;\npub fn g() -> a::inner::X { todo!() }\n#[cfg(test)]\nmod t;\n",
+        ),
+        ("c/t.rs", "use crate::c;\n"),
         (
             "a/mod.rs",
             "mod inner;\npub use inner::X;\nconst S: &str = \"crate::b\";\n",
@@ -76,6 +82,16 @@ fn the_checker_finds_a_circle_it_is_shown() {
     assert!(graph.has_edge("b", "a"));
     assert!(!graph.has_edge("", "b"), "a comment is not an edge");
     assert!(!graph.has_edge("a", "b"), "a string is not an edge");
+    assert!(
+        graph.has_edge("c", "a::inner"),
+        "a path through an imported module reaches the file it names"
+    );
+    assert!(
+        !graph
+            .files
+            .contains_key(&vec!["c".to_owned(), "t".to_owned()]),
+        "a module only under #[cfg(test)] is test code"
+    );
     let circles = graph.circles();
     assert_eq!(circles.len(), 1, "{circles:?}");
     assert_eq!(circles[0].len(), 3, "{circles:?}");
@@ -91,6 +107,17 @@ impl Graph {
     fn of(src: &Path) -> Graph {
         let mut files = BTreeMap::new();
         walk(src, src, &mut files);
+        // Files that are modules only under `#[cfg(test)]` are test code.
+        let mut test_only = Vec::new();
+        for (module, path) in &files {
+            let text = std::fs::read_to_string(path).expect("read a source file");
+            for name in test_modules(&blank_comments_and_literals(&text)) {
+                let mut child = module.clone();
+                child.push(name);
+                test_only.push(child);
+            }
+        }
+        files.retain(|m, _| !test_only.iter().any(|t| m.starts_with(t)));
         let mut edges: BTreeMap<ModPath, BTreeMap<ModPath, String>> = BTreeMap::new();
         for (module, path) in &files {
             let text = std::fs::read_to_string(path).expect("read a source file");
@@ -100,8 +127,29 @@ impl Graph {
             );
             let code = strip_test_items(&blank_comments_and_literals(&text));
             let children = child_modules(&code);
-            for (line, named) in paths_named(&code) {
-                let Some(absolute) = absolute(module, is_dir_module, &children, &named) else {
+            let named = paths_named(&code);
+            // What `use` brought into scope: a later `name::…` goes on
+            // from where the import points (`use crate::relay;` then
+            // `relay::config::X` is `crate::relay::config::X`).
+            let mut imported: BTreeMap<String, ModPath> = BTreeMap::new();
+            for (_, path, is_use) in &named {
+                if let (true, Some(last)) = (*is_use, path.last()) {
+                    if let Some(abs) = absolute(module, is_dir_module, &children, path) {
+                        imported.insert(last.clone(), abs);
+                    }
+                }
+            }
+            for (line, name, is_use) in named {
+                let name = match name.first().and_then(|f| imported.get(f)) {
+                    Some(abs) if !is_use && !children.contains(&name[0]) => {
+                        let mut p = vec!["crate".to_owned()];
+                        p.extend(abs.iter().cloned());
+                        p.extend(name[1..].iter().cloned());
+                        p
+                    }
+                    _ => name,
+                };
+                let Some(absolute) = absolute(module, is_dir_module, &children, &name) else {
                     continue;
                 };
                 let Some(target) = longest_file_prefix(&files, &absolute) else {
@@ -452,6 +500,17 @@ fn strip_test_items(code: &str) -> String {
     out
 }
 
+/// Modules this file declares only under `#[cfg(test)]`: `mod name;`
+/// right after the attribute.
+fn test_modules(code: &str) -> Vec<String> {
+    let t = tokens(code);
+    let mark = ["#", "[", "cfg", "(", "test", ")", "]", "mod"];
+    t.windows(mark.len() + 2)
+        .filter(|w| w.iter().zip(mark).all(|((_, a), b)| a == b) && w[mark.len() + 1].1 == ";")
+        .map(|w| w[mark.len()].1.clone())
+        .collect()
+}
+
 /// Modules this file declares with `mod name;` (its child files).
 fn child_modules(code: &str) -> BTreeSet<String> {
     let tokens = tokens(code);
@@ -493,9 +552,9 @@ fn tokens(code: &str) -> Vec<(usize, String)> {
     out
 }
 
-/// Every path the code names, with its line: `use` trees expanded, and in
-/// other code each run of `ident::ident…`.
-fn paths_named(code: &str) -> Vec<(usize, Vec<String>)> {
+/// Every path the code names, with its line and whether a `use` names it:
+/// `use` trees expanded, and in other code each run of `ident::ident…`.
+fn paths_named(code: &str) -> Vec<(usize, Vec<String>, bool)> {
     let t = tokens(code);
     let mut out = Vec::new();
     let mut i = 0;
@@ -504,7 +563,7 @@ fn paths_named(code: &str) -> Vec<(usize, Vec<String>)> {
             let line = t[i].0;
             let mut j = i + 1;
             for path in use_tree(&t, &mut j, Vec::new()) {
-                out.push((line, path));
+                out.push((line, path, true));
             }
             i = j;
             continue;
@@ -527,7 +586,7 @@ fn paths_named(code: &str) -> Vec<(usize, Vec<String>)> {
                 path.push(t[j + 1].1.clone());
                 j += 2;
             }
-            out.push((line, path));
+            out.push((line, path, false));
             i = j;
             continue;
         }

@@ -232,15 +232,17 @@ where
 {
     let mut backoff = Backoff::jittered(Duration::from_millis(100), MAX_PERSIST_BACKOFF);
     loop {
+        let pause;
         match op().await {
             Ok(v) => return Some(v),
             Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff.peek(), "{what} failed; retrying");
+                pause = backoff.next_pause();
+                tracing::warn!(error = %e, retry_in = ?pause, "{what} failed; retrying");
             }
         }
         tokio::select! {
             _ = shared.stop.cancelled() => return None,
-            _ = tokio::time::sleep(backoff.next_pause()) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
     }
 }
@@ -701,6 +703,7 @@ async fn dead_letter<H>(
             }
             Err(e) => Err(e),
         };
+        let pause;
         match published {
             Ok(()) => break true,
             Err(e) => {
@@ -708,12 +711,13 @@ async fn dead_letter<H>(
                     failing = true;
                     shared.dlq_failing.fetch_add(1, Ordering::Relaxed);
                 }
-                tracing::warn!(id = original_id, error = %e, retry_in = ?backoff.peek(), "the dead-letter stream did not store the message; retrying");
+                pause = backoff.next_pause();
+                tracing::warn!(id = original_id, error = %e, retry_in = ?pause, "the dead-letter stream did not store the message; retrying");
             }
         }
         tokio::select! {
             _ = shared.stop.cancelled() => break false,
-            _ = tokio::time::sleep(backoff.next_pause()) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
     };
     if failing {
@@ -802,18 +806,20 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
     };
     let mut backoff = Backoff::jittered(Duration::from_millis(100), MAX_PERSIST_BACKOFF);
     let raw = loop {
+        let pause;
         match shared.stream.get_raw_message(seq).await {
             Ok(m) => break Some(m),
             Err(e) if matches!(e.kind(), stream::RawMessageErrorKind::NoMessageFound) => {
                 break None
             }
             Err(e) => {
-                tracing::warn!(seq, error = %e, retry_in = ?backoff.peek(), "cannot read a parked message back; retrying");
+                pause = backoff.next_pause();
+                tracing::warn!(seq, error = %e, retry_in = ?pause, "cannot read a parked message back; retrying");
             }
         }
         tokio::select! {
             _ = shared.stop.cancelled() => return None,
-            _ = tokio::time::sleep(backoff.next_pause()) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
     };
     let parts = raw.as_ref().map(|raw| Parts {

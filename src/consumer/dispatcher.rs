@@ -759,8 +759,9 @@ impl<H: Handler> Dispatch<'_, H> {
                     Ok(Err(e)) => e.to_string(),
                     _ => "timed out".to_owned(),
                 };
-                tracing::warn!(error, retry_in = ?self.rebuild_pause.peek(), "cannot restart the pull subscription");
-                r.at = Instant::now() + self.rebuild_pause.next_pause();
+                let pause = self.rebuild_pause.next_pause();
+                tracing::warn!(error, retry_in = ?pause, "cannot restart the pull subscription");
+                r.at = Instant::now() + pause;
                 r.reset = false;
                 self.rebuild = Some(r);
             }
@@ -776,16 +777,17 @@ impl<H: Handler> Dispatch<'_, H> {
                 // with a consumer leader. A new subscription asks the
                 // current one, after a pause that grows while the stream
                 // keeps failing at once.
+                let pause = self.rebuild_pause.next_pause();
                 match failed {
                     Some(Err(e)) => {
-                        tracing::debug!(error = %e, retry_in = ?self.rebuild_pause.peek(), "pull stream error; renewing the pull subscription")
+                        tracing::debug!(error = %e, retry_in = ?pause, "pull stream error; renewing the pull subscription")
                     }
                     _ => {
-                        tracing::debug!(retry_in = ?self.rebuild_pause.peek(), "pull stream ended; renewing the pull subscription")
+                        tracing::debug!(retry_in = ?pause, "pull stream ended; renewing the pull subscription")
                     }
                 }
                 self.messages = None;
-                self.rebuild = Some(Rebuild::after(self.rebuild_pause.next_pause()));
+                self.rebuild = Some(Rebuild::after(pause));
                 return;
             }
         };

@@ -88,6 +88,14 @@ impl Proof {
         self.until.store(REVOKED, Ordering::Relaxed);
     }
 
+    /// When the proof ends, if it holds anything (revoked: `None`).
+    pub fn ends(&self) -> Option<Instant> {
+        match self.until.load(Ordering::Relaxed) {
+            0 | REVOKED => None,
+            until => Some(origin() + Duration::from_millis(until - 1)),
+        }
+    }
+
     pub fn holds(&self) -> bool {
         let until = self.until.load(Ordering::Relaxed);
         until > 0 && until != REVOKED && (origin().elapsed().as_millis() as u64) < until - 1

@@ -197,7 +197,8 @@ pub(crate) fn db_code(e: &sqlx::Error) -> Option<String> {
     }
 }
 
-/// The server's `wal_sender_timeout`; `None` when disabled (0). Read from
+/// The server's `wal_sender_timeout`; `None` when disabled (0), or when
+/// it reads in an unexpected unit (warned about). Read from
 /// `pg_settings`, whose `setting` is in the parameter's base unit
 /// (milliseconds here), not parsed from `SHOW`'s text (`60s`, `1min`).
 pub async fn wal_sender_timeout(pool: &sqlx::PgPool) -> Result<Option<Duration>> {
@@ -206,15 +207,15 @@ pub async fn wal_sender_timeout(pool: &sqlx::PgPool) -> Result<Option<Duration>>
             .fetch_one(pool)
             .await
             .map_err(Error::pg("reading wal_sender_timeout"))?;
-    let ms: u64 = match (setting.parse(), unit.as_deref()) {
-        (Ok(ms), Some("ms")) => ms,
+    match (setting.parse::<u64>(), unit.as_deref()) {
+        (Ok(ms), Some("ms")) => Ok((ms > 0).then(|| Duration::from_millis(ms))),
+        // As a server that says nothing we read: feedback every second,
+        // and no pause limit of its own.
         _ => {
-            return Err(Error::setup(format!(
-                "wal_sender_timeout reads {setting:?} in {unit:?}: expected milliseconds"
-            )))
+            tracing::warn!(setting, ?unit, "wal_sender_timeout is not in milliseconds as expected; sending feedback every second");
+            Ok(None)
         }
-    };
-    Ok((ms > 0).then(|| Duration::from_millis(ms)))
+    }
 }
 
 #[cfg(test)]

@@ -83,7 +83,7 @@ use crate::ops::metrics as m;
 pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;
-use rule::{Answer, Heard, Ledger, Lost, Standing, FENCE, LIVENESS, PING, SILENT};
+use rule::{Answer, Heard, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, PING, SILENT};
 
 mod rule;
 
@@ -934,6 +934,11 @@ pub(super) async fn work<H: Handler>(
         running_gauge: metrics::gauge!(m::CONSUMER_RUNNING_JOBS),
     };
     w.prove();
+    let _cutter = {
+        let stop = CancellationToken::new();
+        tokio::spawn(cut_at_lapse(w.shared.clone(), stop.clone()));
+        stop.drop_guard()
+    };
     let mut beat = tokio::time::interval(BEAT);
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -970,6 +975,34 @@ pub(super) async fn work<H: Handler>(
         }
     }
     w.running_gauge.set(0.0);
+}
+
+/// Cut this process's calls for the crew the moment its proof lapses. The
+/// beat cuts them too, but a beat may wait behind the loop's other work
+/// (a report, a sync's lease check, a lock check: up to a few [`PING`]s),
+/// and the dispatcher's margins ([`GRACE`](rule::GRACE) after
+/// [`MEMBER_PROOF`](rule::MEMBER_PROOF), [`SILENT`] after [`FENCE`]) are
+/// counted from the lapse itself. A call already past its handler is not
+/// cut (see `stop_jobs`); one cut ends as a panicked job.
+async fn cut_at_lapse<H>(shared: Arc<Shared<H>>, stop: CancellationToken) {
+    let mut held = true;
+    loop {
+        // While it holds: until its end (it may have moved on by then).
+        // Lapsed: look again each fifth of a beat for it to come back.
+        let wake = match shared.proof.ends() {
+            Some(end) if held => end.max(Instant::now()),
+            _ => Instant::now() + BEAT / 5,
+        };
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep_until(wake.into()) => {}
+        }
+        let holds = shared.proof.holds();
+        if held && !holds {
+            shared.calls.cut();
+        }
+        held = holds;
+    }
 }
 
 /// A helper's loop ([`work`]): its state, and one method per wake-up.
@@ -1057,10 +1090,12 @@ impl<H: Handler> Work<H> {
         let Some(reply) = req.reply.clone() else {
             return;
         };
+        let room = self.tasks.len() < self.capacity && self.leaving.is_none();
+        if !room {
+            return self.refuse(reply, Refusal::Full.as_str()).await;
+        }
         let Some((head, job)) = decode(&req, &self.js) else {
-            metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => "bad").increment(1);
-            bounded(self.client.publish(reply, "bad".into())).await;
-            return;
+            return self.refuse(reply, "bad").await;
         };
         let running = Running {
             id: head.id,
@@ -1069,7 +1104,6 @@ impl<H: Handler> Work<H> {
             mine: false,
         };
         let beat_no = self.standing.last_beat();
-        let room = self.tasks.len() < self.capacity && self.leaving.is_none();
         // Unheard, a job would soon be stopped again.
         let admitted = roster(&self.worker.registry).admit(
             (head.from, head.period, head.until),
@@ -1078,9 +1112,7 @@ impl<H: Handler> Work<H> {
             running,
         );
         if let Err(why) = admitted {
-            metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => why.as_str()).increment(1);
-            bounded(self.client.publish(reply, why.as_str().into())).await;
-            return;
+            return self.refuse(reply, why.as_str()).await;
         }
         bounded(self.client.publish(reply, format!("ok {beat_no}").into())).await;
         let shared = self.shared.clone();
@@ -1088,6 +1120,12 @@ impl<H: Handler> Work<H> {
             let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
             (head.id, how, panicked)
         });
+    }
+
+    /// Answer a job request with a refusal, counted by its reason.
+    async fn refuse(&self, reply: async_nats::Subject, why: &'static str) {
+        metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => why).increment(1);
+        bounded(self.client.publish(reply, why.into())).await;
     }
 
     /// The dispatcher heard a beat. An empty answer is from a dispatcher
