@@ -138,15 +138,7 @@ async fn client_path(client: &async_nats::Client, subject: &str, n: u64, mut pac
 async fn wire_path(url: &str, subject: &str, n: u64, mut pace: Pace) {
     let args = NatsArgs {
         nats_url: url.to_owned(),
-        nats_user: None,
-        nats_password: None,
-        nats_token: None,
-        nats_creds: None,
-        nats_ca: None,
-        nats_tls_cert: None,
-        nats_tls_key: None,
-        nats_tls: false,
-        nats_tls_first: false,
+        ..NatsArgs::default()
     };
     let mut link = Dialer::new(&args, "bench-publish-paths".into())
         .expect("a dialer")

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Cli, Command, ConsumerCommand, DlqCommand, SlotCommand};
+use crate::config::{Cli, Command, ConsumerCommand, DlqCommand, DlqReplayArgs, SlotCommand};
 use crate::consumer::HttpHandler;
 use crate::error::Error;
 use crate::ops::endpoint::{Endpoint, Readiness};
@@ -247,10 +247,10 @@ async fn run(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::Dlq {
-            command: DlqCommand::Replay(args),
+            command: DlqCommand::Replay(DlqReplayArgs { db, choice: args }),
         } => {
             let sel = args.select.chosen(args.all)?;
-            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(2).await?;
+            let pool = postgres::Dsn::parse(&db.database_url)?.pool(2).await?;
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-replay".into()).await?;
             let js = async_nats::jetstream::new(nats.clone());
             let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;

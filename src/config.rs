@@ -72,17 +72,19 @@ pub enum DlqCommand {
     /// Remove dead letters that are dealt with (replayed, or not wanted)
     /// from their stream, so its depth (`outbox_dlq_messages`) counts only
     /// what still needs someone.
-    Delete(DlqDeleteArgs),
+    Delete(DlqChoice),
 }
 
+/// Which dead letters a command that acts on them (replay, delete) takes,
+/// and how it reports.
 #[derive(Debug, Args)]
-pub struct DlqDeleteArgs {
+pub struct DlqChoice {
     #[command(flatten)]
     pub nats: NatsArgs,
     #[command(flatten)]
     pub select: DlqSelectArgs,
-    /// Delete every dead letter in the stream (without --id, --filter or
-    /// --since, this must be said).
+    /// Every dead letter in the stream (without --id, --filter or --since,
+    /// this must be said).
     #[arg(long)]
     pub all: bool,
     /// Print JSON instead of lines.
@@ -124,16 +126,7 @@ pub struct DlqReplayArgs {
     #[command(flatten)]
     pub db: DbArgs,
     #[command(flatten)]
-    pub nats: NatsArgs,
-    #[command(flatten)]
-    pub select: DlqSelectArgs,
-    /// Replay every dead letter in the stream (without --id, --filter or
-    /// --since, this must be said).
-    #[arg(long)]
-    pub all: bool,
-    /// Print JSON instead of lines.
-    #[arg(long)]
-    pub json: bool,
+    pub choice: DlqChoice,
 }
 
 impl DlqSelectArgs {

@@ -11,7 +11,7 @@ use crate::error::{redact_url, redact_urls, Error, Result};
 /// NATS connection: servers, TLS and authentication. Secrets come best from
 /// the environment (`NATS_PASSWORD`, `NATS_TOKEN`): `--help` never shows their
 /// values, and neither do logs or errors.
-#[derive(Clone, Args)]
+#[derive(Clone, Default, Args)]
 pub struct NatsArgs {
     /// NATS servers, comma-separated; `tls://` requires TLS.
     #[arg(

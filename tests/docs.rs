@@ -366,6 +366,36 @@ fn harness_flags() -> HashSet<String> {
     for f in files {
         let text = std::fs::read_to_string(&f).unwrap_or_default();
         out.extend(flags(&text));
+        out.extend(clap_fields(&text));
+    }
+    out
+}
+
+/// The long flags a clap derive declares: a field after `#[arg(long…)]`
+/// is `--field-name` (the benches parse their flags as the binary does).
+fn clap_fields(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut pending: Option<Option<String>> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(attr) = line.strip_prefix("#[arg(") {
+            if attr.starts_with("long") || attr.contains(", long") {
+                let named = attr
+                    .split("long = \"")
+                    .nth(1)
+                    .and_then(|r| r.split('"').next())
+                    .map(str::to_owned);
+                pending = Some(named);
+            }
+            continue;
+        }
+        if let Some(named) = pending.take() {
+            let field = line
+                .trim_start_matches("pub ")
+                .split(':')
+                .next()
+                .unwrap_or("");
+            out.push(named.unwrap_or_else(|| field.replace('_', "-")));
+        }
     }
     out
 }

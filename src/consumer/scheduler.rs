@@ -139,6 +139,17 @@ impl<M, T> Default for Lane<M, T> {
 }
 
 impl<M, T: Ord + Copy> Lane<M, T> {
+    /// `job` starts on this lane, which is busy until it ends; whether it
+    /// is a retry.
+    fn begin(&mut self, job: &Job<M>) -> bool {
+        self.running = true;
+        let retry = matches!(job, Job::Retry { .. });
+        if retry {
+            self.running_retry = true;
+        }
+        retry
+    }
+
     /// `retry_upto`: the highest parked sequence that may be retried now
     /// (see [`Rewind`]).
     fn next_job(&mut self, now: T, retry_upto: u64) -> Option<Job<M>> {
@@ -719,6 +730,15 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         taken
     }
 
+    /// A job started on its lane: one slot more is busy (a retry's too).
+    fn count_start(&mut self, retry: bool) {
+        self.running += 1;
+        self.last_was_retry = retry;
+        if retry {
+            self.retries_running += 1;
+        }
+    }
+
     /// Start the key's next job if a slot is free, else queue the key.
     fn offer(&mut self, key: String, now: T, started: &mut Vec<(String, Job<M>)>) {
         let retry_upto = self.retry_upto();
@@ -741,13 +761,8 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
         };
         if now_ok {
             if let Some(job) = lane.next_job(now, retry_upto) {
-                lane.running = true;
-                self.running += 1;
-                self.last_was_retry = matches!(job, Job::Retry { .. });
-                if self.last_was_retry {
-                    lane.running_retry = true;
-                    self.retries_running += 1;
-                }
+                let retry = lane.begin(&job);
+                self.count_start(retry);
                 started.push((key, job));
             }
         } else {
@@ -797,13 +812,8 @@ impl<M, T: Ord + Copy> Scheduler<M, T> {
                 continue;
             }
             if let Some(job) = lane.next_job(now, retry_upto) {
-                lane.running = true;
-                self.running += 1;
-                self.last_was_retry = matches!(job, Job::Retry { .. });
-                if self.last_was_retry {
-                    lane.running_retry = true;
-                    self.retries_running += 1;
-                }
+                let retry = lane.begin(&job);
+                self.count_start(retry);
                 started.push((key, job));
             } else if let (Some(seq), Some(r)) = (lane.held_back(retry_upto), &mut self.rewind) {
                 // Queued before a reset that now holds it back.
@@ -1025,10 +1035,7 @@ mod tests {
     /// Retries take half the slots at most, and the two queues take turns.
     #[test]
     fn due_retries_leave_the_healthy_aggregates_their_share() {
-        let mut s = S::new(4, 1000);
-        for k in 0..10u64 {
-            s.load_parked(format!("f{k}"), 100 + k, 0);
-        }
+        let mut s = failing(4, 10);
         let started = s.wake(0);
         assert_eq!(started.len(), 2, "retries take half the slots: {started:?}");
         assert!(s.can_pull(), "the other half is for pulled messages");
@@ -1050,8 +1057,7 @@ mod tests {
     /// the inbox, and it is read back once room frees.
     #[test]
     fn past_the_parked_bound_a_key_goes_cold_and_is_checked_then_read_back() {
-        let mut s = S::new(4, 1000);
-        s.set_parked_cap(1, usize::MAX);
+        let mut s = capped(1);
         arrive(&mut s, "a", 1);
         arrive(&mut s, "b", 2);
         s.finish("a", Finished::Parked { seq: 1, due: 10 }, 0);
@@ -1091,12 +1097,28 @@ mod tests {
         assert_eq!(s.wake(10), vec![("b".into(), Job::Retry { seq: 2 })]);
     }
 
+    /// A scheduler of `slots` with `n` failing aggregates `f0`…, each
+    /// with a parked message due at once.
+    fn failing(slots: usize, n: u64) -> S {
+        let mut s = S::new(slots, 1000);
+        for k in 0..n {
+            s.load_parked(format!("f{k}"), 100 + k, 0);
+        }
+        s
+    }
+
+    /// A scheduler of 4 with room in memory for `keys` parked keys.
+    fn capped(keys: usize) -> S {
+        let mut s = S::new(4, 1000);
+        s.set_parked_cap(keys, usize::MAX);
+        s
+    }
+
     /// Review: a key that parked while busy (a message waiting behind the
     /// failed one) was let in past the bound and never left memory.
     #[test]
     fn a_key_let_in_past_the_bound_while_busy_leaves_once_idle() {
-        let mut s = S::new(4, 1000);
-        s.set_parked_cap(1, usize::MAX);
+        let mut s = capped(1);
         s.load_parked("a".into(), 1, 100);
         arrive(&mut s, "b", 2);
         arrive(&mut s, "b", 3);
@@ -1115,8 +1137,7 @@ mod tests {
     /// without its backoff).
     #[test]
     fn a_reload_leaves_a_key_memory_holds_as_memory_knows_it() {
-        let mut s = S::new(4, 1000);
-        s.set_parked_cap(1, usize::MAX);
+        let mut s = capped(1);
         s.load_parked("a".into(), 5, 50);
         assert!(s.reload_parked("a".into(), 3, 0), "a stale head of a");
         assert_eq!(s.wake(0), vec![], "a's head is still 5, due at 50");
@@ -1125,8 +1146,7 @@ mod tests {
 
     #[test]
     fn making_room_sends_the_keys_due_last_to_the_inbox() {
-        let mut s = S::new(4, 1000);
-        s.set_parked_cap(2, usize::MAX);
+        let mut s = capped(2);
         s.load_parked("late".into(), 1, 100);
         s.load_parked("soon".into(), 2, 10);
         assert_eq!(s.parked_room(), 0);
@@ -1139,8 +1159,7 @@ mod tests {
 
     #[test]
     fn a_reload_begun_before_a_key_went_cold_leaves_keys_cold() {
-        let mut s = S::new(4, 1000);
-        s.set_parked_cap(1, usize::MAX);
+        let mut s = capped(1);
         s.load_parked("a".into(), 1, 0);
         assert!(!s.load_parked("b".into(), 2, 0), "no room");
         let before = s.cold().expect("cold");
@@ -1152,10 +1171,7 @@ mod tests {
 
     #[test]
     fn with_one_slot_retries_and_deliveries_take_turns() {
-        let mut s = S::new(1, 1000);
-        for k in 0..3u64 {
-            s.load_parked(format!("f{k}"), 100 + k, 0);
-        }
+        let mut s = failing(1, 3);
         let first = s.wake(0);
         assert_eq!(first.len(), 1);
         assert_eq!(arrive(&mut s, "h", 1), vec![], "the one slot is taken");

@@ -83,7 +83,9 @@ use crate::ops::metrics as m;
 pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;
-use rule::{Answer, Heard, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, PING, SILENT};
+use rule::{
+    Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, PING, SILENT,
+};
 
 mod rule;
 
@@ -633,15 +635,17 @@ impl Crew {
         let answer = tokio::time::timeout(SEND_TIMEOUT, request).await;
         let mut s = self.state();
         match answer {
-            Ok(Ok(reply)) => {
-                let text = String::from_utf8_lossy(&reply.payload);
-                if let Some(beat) = text.strip_prefix("ok ").and_then(|b| b.trim().parse().ok()) {
+            Ok(Ok(reply)) => match JobReply::read(&reply.payload) {
+                JobReply::Admitted { beat } => {
                     s.accepted(id, beat);
-                    return Sent::Accepted(rx);
+                    Sent::Accepted(rx)
                 }
-                s.ended(id);
-                Sent::Refused
-            }
+                refused => {
+                    tracing::debug!(member, job = id, reply = ?refused, "a helper refused a job; it runs here");
+                    s.ended(id);
+                    Sent::Refused
+                }
+            },
             Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
                 s.ended(id);
                 Sent::Refused
@@ -1092,10 +1096,10 @@ impl<H: Handler> Work<H> {
         };
         let room = self.tasks.len() < self.capacity && self.leaving.is_none();
         if !room {
-            return self.refuse(reply, Refusal::Full.as_str()).await;
+            return self.refuse(reply, JobReply::Refused(Refusal::Full)).await;
         }
         let Some((head, job)) = decode(&req, &self.js) else {
-            return self.refuse(reply, "bad").await;
+            return self.refuse(reply, JobReply::Other).await;
         };
         let running = Running {
             id: head.id,
@@ -1112,9 +1116,10 @@ impl<H: Handler> Work<H> {
             running,
         );
         if let Err(why) = admitted {
-            return self.refuse(reply, why.as_str()).await;
+            return self.refuse(reply, JobReply::Refused(why)).await;
         }
-        bounded(self.client.publish(reply, format!("ok {beat_no}").into())).await;
+        let admitted = JobReply::Admitted { beat: beat_no }.encode();
+        bounded(self.client.publish(reply, admitted.into())).await;
         let shared = self.shared.clone();
         self.tasks.spawn(async move {
             let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
@@ -1123,9 +1128,10 @@ impl<H: Handler> Work<H> {
     }
 
     /// Answer a job request with a refusal, counted by its reason.
-    async fn refuse(&self, reply: async_nats::Subject, why: &'static str) {
-        metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => why).increment(1);
-        bounded(self.client.publish(reply, why.into())).await;
+    async fn refuse(&self, reply: async_nats::Subject, why: JobReply) {
+        let word = why.encode();
+        metrics::counter!(m::CONSUMER_CREW_REFUSALS, "reason" => word.clone()).increment(1);
+        bounded(self.client.publish(reply, word.into())).await;
     }
 
     /// The dispatcher heard a beat. An empty answer is from a dispatcher

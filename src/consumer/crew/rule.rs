@@ -75,6 +75,45 @@ impl Refusal {
     }
 }
 
+/// A helper's answer to a job request, as it travels: `ok <beat>` (admitted
+/// at that beat), or the refusal's word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum JobReply {
+    Admitted {
+        beat: u64,
+    },
+    Refused(Refusal),
+    /// `bad` (a request the helper could not read), or a word this version
+    /// does not know: refused all the same.
+    Other,
+}
+
+impl JobReply {
+    pub fn encode(self) -> String {
+        match self {
+            JobReply::Admitted { beat } => format!("ok {beat}"),
+            JobReply::Refused(why) => why.as_str().to_owned(),
+            JobReply::Other => "bad".to_owned(),
+        }
+    }
+
+    pub fn read(payload: &[u8]) -> JobReply {
+        let text = std::str::from_utf8(payload).unwrap_or_default().trim();
+        if let Some(beat) = text.strip_prefix("ok ").and_then(|b| b.trim().parse().ok()) {
+            return JobReply::Admitted { beat };
+        }
+        [
+            Refusal::Full,
+            Refusal::Fenced,
+            Refusal::Late,
+            Refusal::Unheard,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == text)
+        .map_or(JobReply::Other, JobReply::Refused)
+    }
+}
+
 /// What a process runs (by job id, with what the shell keeps of each), and
 /// the dispatcher it serves.
 #[derive(Debug)]
@@ -610,6 +649,22 @@ mod tests {
             "the old period's request"
         );
         assert_eq!(r.admit((7, 2, 5), (5, true, true), 3, ()), Ok(()));
+    }
+
+    #[test]
+    fn a_job_reply_reads_back_as_it_was_sent() {
+        for reply in [
+            JobReply::Admitted { beat: 42 },
+            JobReply::Refused(Refusal::Full),
+            JobReply::Refused(Refusal::Fenced),
+            JobReply::Refused(Refusal::Late),
+            JobReply::Refused(Refusal::Unheard),
+            JobReply::Other,
+        ] {
+            assert_eq!(JobReply::read(reply.encode().as_bytes()), reply);
+        }
+        assert_eq!(JobReply::read(b"ok x"), JobReply::Other);
+        assert_eq!(JobReply::read(b"\xff"), JobReply::Other);
     }
 
     #[test]

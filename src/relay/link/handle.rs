@@ -176,41 +176,33 @@ impl Link {
     /// The next answer (a reply token and what it says), or a refusal.
     /// Cancel-safe: answers wait in the shared queue.
     pub async fn next_answer(&mut self) -> Result<Heard<Answer>, LinkError> {
-        self.next_from(
-            |a| match a.denied.pop_front() {
-                Some(subject) => Some(Heard::Denied(subject)),
-                None => a.queue.pop_front().map(|(t, x)| Heard::Answer(t, x)),
-            },
-            &self.shared.answered,
-        )
-        .await
+        self.next_from(|a| a.queue.pop_front(), &self.shared.answered)
+            .await
     }
 
     /// The next answer to a batch's commit ([`Reply::Commit`]), or a
     /// refusal. Cancel-safe, as [`Self::next_answer`].
     pub async fn next_commit(&mut self) -> Result<Heard<CommitAnswer>, LinkError> {
-        self.next_from(
-            |a| match a.denied.pop_front() {
-                Some(subject) => Some(Heard::Denied(subject)),
-                None => a.commits.pop_front().map(|(t, x)| Heard::Answer(t, x)),
-            },
-            &self.shared.committed,
-        )
-        .await
+        self.next_from(|a| a.commits.pop_front(), &self.shared.committed)
+            .await
     }
 
-    /// What `take` finds in the answers, waiting on `wake` until there is
+    /// A refusal first (both readers hear them, in order), else what
+    /// `take` finds in its queue, waiting on `wake` until there is
     /// something, or the link's end once nothing is left.
-    pub(super) async fn next_from<T>(
+    async fn next_from<T>(
         &self,
-        take: impl Fn(&mut Answers) -> Option<T>,
+        take: impl Fn(&mut Answers) -> Option<(u64, T)>,
         wake: &Notify,
-    ) -> Result<T, LinkError> {
+    ) -> Result<Heard<T>, LinkError> {
         loop {
             {
                 let mut a = self.shared.answers.lock().map_err(|_| LinkError::Closed)?;
-                if let Some(answer) = take(&mut a) {
-                    return Ok(answer);
+                if let Some(subject) = a.denied.pop_front() {
+                    return Ok(Heard::Denied(subject));
+                }
+                if let Some((token, answer)) = take(&mut a) {
+                    return Ok(Heard::Answer(token, answer));
                 }
                 if let Some(why) = &a.closed {
                     return Err(LinkError::Ended(why.clone()));

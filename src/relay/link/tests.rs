@@ -28,15 +28,43 @@ fn headers() -> Vec<(Cow<'static, str>, String)> {
     ]
 }
 
-#[test]
-fn an_hpub_carries_its_header_block_and_body_with_their_sizes() {
+/// A link whose writer writes to `ours` (nothing reads for it).
+fn writing_link(shared: &Arc<Shared>, ours: tokio::io::DuplexStream) -> Link {
+    let stop = CancellationToken::new();
+    tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
+    Link {
+        shared: shared.clone(),
+        _tasks: stop.drop_guard(),
+        prefix: "_I.".into(),
+        sent_mark: 0,
+        server: "test".into(),
+    }
+}
+
+/// The `HPUB` line and header block of a message with [`headers`] and
+/// `extra`, to `subject` answered under `prefix` as `reply`.
+fn head(
+    (subject, prefix, reply): (&str, &str, Reply),
+    extra: &[(&str, &str)],
+    body_len: usize,
+) -> Vec<u8> {
     let mut out = Vec::new();
     encode_head(
         &mut out,
-        "ctx.load",
-        "_INBOX.x.",
-        Reply::Ack(42),
+        subject,
+        prefix,
+        reply,
         &headers(),
+        extra,
+        body_len,
+    );
+    out
+}
+
+#[test]
+fn an_hpub_carries_its_header_block_and_body_with_their_sizes() {
+    let mut out = head(
+        ("ctx.load", "_INBOX.x.", Reply::Ack(42)),
         &[("Nats-Expected-Last-Msg-Id", "e0")],
         2,
     );
@@ -60,16 +88,8 @@ fn an_hpub_carries_its_header_block_and_body_with_their_sizes() {
 async fn the_writer_puts_large_bodies_in_their_place() {
     let shared = Arc::new(Shared::new(1 << 20, Arc::default()));
     let (ours, mut theirs) = tokio::io::duplex(1 << 20);
-    let stop = CancellationToken::new();
-    tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
     let big = Bytes::from(vec![b'b'; COPY_MAX + 1]);
-    let mut link = Link {
-        shared: shared.clone(),
-        _tasks: stop.drop_guard(),
-        prefix: "_I.".into(),
-        sent_mark: 0,
-        server: "test".into(),
-    };
+    let mut link = writing_link(&shared, ours);
     let mut want = Vec::new();
     let extra = [("Nats-Batch-Id", "b1")];
     for (reply, body) in [
@@ -176,14 +196,7 @@ async fn the_reader_sorts_answers_and_answers_pings() {
     let mut ping = [0; 6];
     theirs.read_exact(&mut ping).await.unwrap();
     assert_eq!(&ping, b"PING\r\n");
-    theirs
-        .write_all(b"-ERR 'Permissions Violation for Publish to \"a.old\"'\r\nPONG\r\n-ERR 'Permissions Violation for Publish to \"a.new\"'\r\n")
-        .await
-        .unwrap();
-    assert!(
-        matches!(link.next_answer().await.unwrap(), Heard::Denied(s) if s == "a.new"),
-        "the refusal before the barrier's PONG is dropped"
-    );
+    refusals_around_the_barriers_pong(&mut link, &mut theirs).await;
     // A later INFO may lower the connection's max_payload.
     theirs
         .write_all(b"INFO {\"max_payload\":4096}\r\nPING\r\n")
@@ -195,6 +208,19 @@ async fn the_reader_sorts_answers_and_answers_pings() {
     assert!(link.next_answer().await.is_err());
     assert!(link.next_commit().await.is_err());
     assert!(link.broken());
+}
+
+/// The server refuses a publish before the barrier's PONG (a forgotten
+/// copy's) and one after: only the second is heard.
+async fn refusals_around_the_barriers_pong(link: &mut Link, theirs: &mut tokio::io::DuplexStream) {
+    theirs
+        .write_all(b"-ERR 'Permissions Violation for Publish to \"a.old\"'\r\nPONG\r\n-ERR 'Permissions Violation for Publish to \"a.new\"'\r\n")
+        .await
+        .unwrap();
+    assert!(
+        matches!(link.next_answer().await.unwrap(), Heard::Denied(s) if s == "a.new"),
+        "the refusal before the barrier's PONG is dropped"
+    );
 }
 
 /// A link over a duplex pipe; the test plays the server on `theirs`.
@@ -286,14 +312,7 @@ async fn a_silent_idle_link_pings_and_is_given_up_without_a_pong() {
     theirs.read_exact(&mut ping).await.unwrap();
     // The keepalive's PONG: the barrier's is still to come.
     theirs.write_all(b"PONG\r\n").await.unwrap();
-    theirs
-        .write_all(b"-ERR 'Permissions Violation for Publish to \"a.old\"'\r\nPONG\r\n-ERR 'Permissions Violation for Publish to \"a.new\"'\r\n")
-        .await
-        .unwrap();
-    assert!(
-        matches!(link.next_answer().await.unwrap(), Heard::Denied(s) if s == "a.new"),
-        "the refusal before the barrier's PONG is dropped"
-    );
+    refusals_around_the_barriers_pong(&mut link, &mut theirs).await;
     tokio::time::sleep(KEEPALIVE).await;
     assert!(!link.broken(), "it answered");
     // Now silent: a PING, then the end.
@@ -310,15 +329,7 @@ async fn a_silent_idle_link_pings_and_is_given_up_without_a_pong() {
 async fn a_link_still_sending_is_told_from_a_silent_one() {
     let shared = Arc::new(Shared::new(1 << 20, Arc::default()));
     let (ours, mut theirs) = tokio::io::duplex(256);
-    let stop = CancellationToken::new();
-    tokio::spawn(write_out(shared.clone(), Box::new(ours), stop.clone()));
-    let mut link = Link {
-        shared: shared.clone(),
-        _tasks: stop.drop_guard(),
-        prefix: "_I.".into(),
-        sent_mark: 0,
-        server: "test".into(),
-    };
+    let mut link = writing_link(&shared, ours);
     let written = || shared.written.load(Ordering::Relaxed);
     async fn until(what: &str, done: impl Fn() -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -337,17 +348,7 @@ async fn a_link_still_sending_is_told_from_a_silent_one() {
     theirs.read_exact(&mut chunk).await.unwrap();
     until("more written", || written() > 256).await;
     assert!(link.still_sending(), "it wrote since the last look");
-    let mut head = Vec::new();
-    encode_head(
-        &mut head,
-        "a.b",
-        "_I.",
-        Reply::Ack(1),
-        &headers(),
-        &[],
-        body.len(),
-    );
-    let total = head.len() + body.len() + 2;
+    let total = head(("a.b", "_I.", Reply::Ack(1)), &[], body.len()).len() + body.len() + 2;
     let mut rest = vec![0u8; total - chunk.len()];
     theirs.read_exact(&mut rest).await.unwrap();
     until("all written", || written() == total as u64).await;
@@ -528,15 +529,7 @@ async fn a_handshake_refusal_a_silent_server_and_a_broken_one_are_told_apart() {
     let url = format!("nats://{}", silent.local_addr().unwrap());
     let args = crate::nats::NatsArgs {
         nats_url: url,
-        nats_user: None,
-        nats_password: None,
-        nats_token: None,
-        nats_creds: None,
-        nats_ca: None,
-        nats_tls_cert: None,
-        nats_tls_key: None,
-        nats_tls: false,
-        nats_tls_first: false,
+        ..Default::default()
     };
     let mut dialer = Dialer::new(&args, "test".into()).unwrap();
     let timed_out = dialer.dial().await.err();
