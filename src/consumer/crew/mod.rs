@@ -473,12 +473,10 @@ impl Crew {
         let member = h.member;
         let heard = Heard {
             member,
-            capacity: h.capacity,
-            leaving: h.leaving,
             beat: h.beat,
+            offer: (!h.leaving).then_some(h.capacity),
             running: h.running.iter().map(|r| r.id).collect(),
-            serving: h.serving,
-            period: h.period,
+            serving: h.serving.map(|s| (s, h.period)),
         };
         let own = self.inner.worker.member.load(Ordering::Relaxed);
         let (Answer { ack, sync }, lost) = self.state().heard(heard, own, Instant::now());

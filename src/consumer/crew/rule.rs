@@ -254,12 +254,12 @@ impl Standing {
 #[derive(Debug, Clone)]
 pub(super) struct Heard {
     pub member: i32,
-    pub capacity: usize,
-    pub leaving: bool,
     pub beat: u64,
+    /// The jobs it takes at once; `None` while it leaves (shutting down).
+    pub offer: Option<usize>,
     pub running: HashSet<u64>,
-    pub serving: Option<i32>,
-    pub period: u64,
+    /// The dispatcher it serves, and that dispatcher's period.
+    pub serving: Option<(i32, u64)>,
 }
 
 /// What the dispatcher knows of a process from its beats.
@@ -378,20 +378,24 @@ impl<T> Ledger<T> {
         let lost = self.take_where(|id, w| {
             w.member == member && beat > w.since_beat && !h.running.contains(&id)
         });
-        let ours = h.serving == Some(self.me) && h.period == self.period;
+        let ours = h.serving == Some((self.me, self.period));
+        let leaving = h.offer.is_none();
         let answer = Answer {
-            sync: !ours && !h.leaving && self.syncing.insert(member),
+            sync: !ours && !leaving && self.syncing.insert(member),
             ack: ours.then_some((member, beat)),
         };
         self.helpers.insert(
             member,
             Helper {
-                capacity: h.capacity,
-                leaving: h.leaving,
+                capacity: h.offer.unwrap_or(0),
+                leaving,
                 beat,
                 heard: now,
                 running: h.running.len(),
-                serving: h.serving.filter(|_| h.period == self.period),
+                serving: h
+                    .serving
+                    .filter(|(_, period)| *period == self.period)
+                    .map(|(s, _)| s),
             },
         );
         (answer, lost)
@@ -1034,12 +1038,10 @@ mod tests {
                 if now >= self.d_cut_until {
                     let heard = Heard {
                         member: D,
-                        capacity: 0,
-                        leaving: false,
                         beat: now,
+                        offer: Some(0),
                         running: HashSet::new(),
-                        serving: Some(D),
-                        period: PERIOD,
+                        serving: Some((D, PERIOD)),
                     };
                     let (_, lost) = self.ledger.heard(heard, D, self.at(now));
                     self.declare_lost(lost);
@@ -1161,12 +1163,10 @@ mod tests {
             let beat = hs.standing.beat(now);
             let heard = Heard {
                 member: hs.id,
-                capacity: 4,
-                leaving: false,
                 beat,
+                offer: Some(4),
                 running: hs.roster.jobs.keys().copied().collect(),
-                serving: hs.roster.serving,
-                period: hs.roster.period,
+                serving: hs.roster.serving.map(|s| (s, hs.roster.period)),
             };
             self.send(h as i32, -1, Msg::Hello(heard));
             // Its member lock: checked, or taken back under the same id.

@@ -198,11 +198,7 @@ async fn the_reader_sorts_answers_and_answers_pings() {
     assert_eq!(&ping, b"PING\r\n");
     refusals_around_the_barriers_pong(&mut link, &mut theirs).await;
     // A later INFO may lower the connection's max_payload.
-    theirs
-        .write_all(b"INFO {\"max_payload\":4096}\r\nPING\r\n")
-        .await
-        .unwrap();
-    theirs.read_exact(&mut pong).await.unwrap();
+    says(&mut theirs, b"INFO {\"max_payload\":4096}").await;
     assert_eq!(link.max_payload(), 4096);
     drop(theirs);
     assert!(link.next_answer().await.is_err());
@@ -221,6 +217,16 @@ async fn refusals_around_the_barriers_pong(link: &mut Link, theirs: &mut tokio::
         matches!(link.next_answer().await.unwrap(), Heard::Denied(s) if s == "a.new"),
         "the refusal before the barrier's PONG is dropped"
     );
+}
+
+/// The server says `line`, then PINGs, and the link's PONG comes back: by
+/// then the link has read the line.
+async fn says(theirs: &mut tokio::io::DuplexStream, line: &[u8]) {
+    theirs.write_all(line).await.unwrap();
+    theirs.write_all(b"\r\nPING\r\n").await.unwrap();
+    let mut pong = [0; 6];
+    theirs.read_exact(&mut pong).await.unwrap();
+    assert_eq!(&pong, b"PONG\r\n");
 }
 
 /// A link over a duplex pipe; the test plays the server on `theirs`.
@@ -269,12 +275,7 @@ async fn an_error_the_server_closes_after_ends_the_link_with_its_words() {
         assert!(link.broken(), "{err}");
     }
     let (link, mut theirs) = piped(Arc::default());
-    theirs
-        .write_all(b"-ERR 'Something New'\r\nPING\r\n")
-        .await
-        .unwrap();
-    let mut pong = [0; 6];
-    theirs.read_exact(&mut pong).await.unwrap();
+    says(&mut theirs, b"-ERR 'Something New'").await;
     assert!(!link.broken());
 }
 
@@ -285,12 +286,11 @@ async fn a_lame_duck_info_marks_the_link_and_announces_servers() {
     let announced = Arc::default();
     let (link, mut theirs) = piped(Arc::clone(&announced));
     assert!(!link.lame_duck());
-    theirs
-        .write_all(b"INFO {\"ldm\":true,\"connect_urls\":[\"127.0.0.1:4223\"]}\r\nPING\r\n")
-        .await
-        .unwrap();
-    let mut pong = [0; 6];
-    theirs.read_exact(&mut pong).await.unwrap();
+    says(
+        &mut theirs,
+        b"INFO {\"ldm\":true,\"connect_urls\":[\"127.0.0.1:4223\"]}",
+    )
+    .await;
     assert!(link.lame_duck());
     assert!(!link.broken(), "what is in flight is still answered");
     assert_eq!(
