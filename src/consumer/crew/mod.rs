@@ -1092,6 +1092,8 @@ impl<H: Handler> Work<H> {
         let Some(reply) = req.reply.clone() else {
             return;
         };
+        // Room first: a full or leaving helper answers "full" without
+        // decoding the job (the rule checks it again, for its own callers).
         let room = self.tasks.len() < self.capacity && self.leaving.is_none();
         if !room {
             return self.refuse(reply, JobReply::Refused(Refusal::Full)).await;
