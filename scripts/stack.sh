@@ -524,13 +524,14 @@ pg_restart() {
     || { tail -20 "$dir/pg/postgres.log" >&2; die "postgres did not restart"; }
 }
 
-# Stop (fast) or start the stack's Postgres: an outage of the test's length.
+# Stop (fast, or MODE immediate: a crash) or start the stack's Postgres: an
+# outage of the test's length.
 pg_power() {
-  local dir="$1" action="$2"
+  local dir="$1" action="$2" mode="${3:-fast}"
   # shellcheck disable=SC1091
   . "$dir/env"
   case "$action" in
-    stop) as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/pg/data" -m fast -w -t 60 stop >/dev/null \
+    stop) as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/pg/data" -m "$mode" -w -t 60 stop >/dev/null \
             || die "postgres did not stop" ;;
     start) as_pg_user "$PG_BINDIR/pg_ctl" -D "$dir/pg/data" -l "$dir/pg/postgres.log" -w -t 60 start >/dev/null \
              || { tail -20 "$dir/pg/postgres.log" >&2; die "postgres did not start"; } ;;
@@ -605,7 +606,7 @@ case "${1:-}" in
   pg17-pair-up) [ -n "${2:-}" ] || die "usage: stack.sh pg17-pair-up DIR"; STACK_PG_MAJOR=17 pg_pair_up "$2" ;;
   pg-failover|pg17-failover) [ -n "${2:-}" ] || die "usage: stack.sh $1 DIR"; pg_failover "$2" ;;
   pg-pair-down|pg17-pair-down) [ -n "${2:-}" ] || die "usage: stack.sh $1 DIR"; pg_pair_down "$2" ;;
-  pg-stop|pg-start) [ -n "${2:-}" ] || die "usage: stack.sh $1 DIR"; pg_power "$2" "${1#pg-}" ;;
+  pg-stop|pg-start) [ -n "${2:-}" ] || die "usage: stack.sh $1 DIR [MODE]"; pg_power "$2" "${1#pg-}" "${3:-fast}" ;;
   pg-snapshot) [ -n "${3:-}" ] || die "usage: stack.sh pg-snapshot DIR save|restore"; pg_snapshot "$2" "$3" ;;
   pg-restart) [ -n "${2:-}" ] || die "usage: stack.sh pg-restart DIR [fast|immediate]"; pg_restart "$2" "${3:-fast}" ;;
   *) die "usage: stack.sh up DIR | relay DIR BIN [ARGS…] | down DIR | free-port | nats-bin | promtool | pg-restart DIR [MODE]" ;;

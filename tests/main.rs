@@ -13,6 +13,7 @@ mod layout;
 mod lifecycle;
 mod observability;
 mod operations;
+mod pauses;
 mod relay;
 mod schemas;
 mod secure;

@@ -72,11 +72,49 @@ pub(super) struct Shared<H> {
     pub batcher: inbox::Batcher,
     /// Group transactions for a handler that runs inside one.
     pub transactions: Option<Transactions>,
+    /// Jobs run for another process's dispatcher (a helper's): an inbox
+    /// write that cannot be made within [`HANDOFF_AFTER`] is not waited
+    /// for here (see [`Ran::Unrecorded`]).
+    pub helper: bool,
+    /// Successes this helper could not record, by key, for its report.
+    pub unrecorded: std::sync::Mutex<std::collections::HashMap<String, Uuid>>,
 }
 
-/// The handler calls in flight, to be cut at once: each call watches the
-/// token that was current when it began, and a cut replaces it, so the
-/// calls that start later are not cut with them.
+/// How long a helper waits for an inbox write before it hands the job
+/// back: a claim not made yet (no call was made: the dispatcher runs it
+/// again elsewhere), or a success whose completion Postgres does not take
+/// (the dispatcher records it). A helper cut off from Postgres so gives up
+/// its work within seconds, and no call that succeeded is made again.
+pub(super) const HANDOFF_AFTER: Duration = Duration::from_secs(5);
+
+/// Whose jobs a [`Shared`] runs.
+pub(super) enum Role {
+    /// The dispatcher's own, while its lease's proof holds.
+    Dispatcher(Proof),
+    /// Jobs other processes' dispatchers send; the proof is renewed by the
+    /// crew's beats (see `crew::work`).
+    Helper,
+}
+
+impl<H> Shared<H> {
+    /// Wait for `write` here; at a helper for [`HANDOFF_AFTER`] at most
+    /// (`Err`: handed back).
+    async fn bounded<T>(&self, write: impl std::future::Future<Output = T>) -> Result<T, ()> {
+        match self.helper {
+            true => tokio::time::timeout(HANDOFF_AFTER, write)
+                .await
+                .map_err(|_| ()),
+            false => Ok(write.await),
+        }
+    }
+}
+
+/// The handler calls of jobs started so far, to be cut at once: each job
+/// takes the token current when it starts, and a cut replaces it. A cut is
+/// a fence: a job started before it never calls its handler after it, even
+/// once the process may start calls again (a job admitted before a lapse
+/// may have been taken for lost meanwhile), while jobs started later are
+/// not cut with them.
 #[derive(Default)]
 pub(super) struct Calls {
     current: std::sync::Mutex<CancellationToken>,
@@ -124,6 +162,7 @@ pub(super) async fn run_job<H: Handler>(
     shared: &Shared<H>,
     key: &str,
     job: Job<jetstream::Message>,
+    fence: &CancellationToken,
 ) -> Option<Finished<Instant>> {
     if let Job::Deliver(msg) | Job::ParkBehind(msg) | Job::Spill(msg) | Job::Check(msg) = &job {
         if header(msg, wire::REPLAY_FOR).is_some_and(|d| d != shared.cfg.durable) {
@@ -158,8 +197,8 @@ pub(super) async fn run_job<H: Handler>(
         Job::Deliver(ref msg) | Job::Check(ref msg) => {
             use futures::future::Either;
             let work = match job {
-                Job::Deliver(_) => Either::Left(deliver_pulled(shared, key, msg)),
-                _ => Either::Right(check_parked(shared, key, msg)),
+                Job::Deliver(_) => Either::Left(deliver_pulled(shared, key, msg, fence)),
+                _ => Either::Right(check_parked(shared, key, msg, fence)),
             };
             let outcome = keep_alive(shared, msg, std::pin::pin!(work)).await;
             settle_pulled(shared, msg, outcome).await
@@ -172,7 +211,7 @@ pub(super) async fn run_job<H: Handler>(
             // ahead of it: the scheduler keeps the oldest.
             settle_pulled(shared, &msg, outcome).await
         }
-        Job::Retry { seq } => retry(shared, key, seq).await,
+        Job::Retry { seq } => retry(shared, key, seq, fence).await,
     }
 }
 
@@ -441,13 +480,14 @@ async fn run_handler<H: Handler>(
     parts: &Parts<'_>,
     id: Uuid,
     parked: bool,
+    fence: &CancellationToken,
 ) -> Option<Ran> {
     let cfg = &shared.cfg;
     let consumer = cfg.durable.as_str();
     // The Rust handler's paths are boxed: inline, their transactions made
     // every job's future (boxed and copied once per message, the HTTP
     // handler's too) 15 KB larger.
-    if !shared.proof.holds() {
+    if !shared.proof.holds() || fence.is_cancelled() {
         return None;
     }
     if let (Some(group), false) = (&shared.transactions, parked) {
@@ -459,7 +499,7 @@ async fn run_handler<H: Handler>(
     }
     if shared.handler.in_transaction() {
         // Cut, the transaction rolls back: nothing of the call is kept.
-        let cut = shared.calls.token();
+        let cut = fence;
         return Box::pin(async {
             tokio::select! {
                     ran = persist(shared, "the inbox transaction", || async {
@@ -543,11 +583,15 @@ async fn run_handler<H: Handler>(
             None => return Some(Ran::Gone),
         }
     } else {
-        match persist(shared, "the inbox claim", || {
+        let claim = persist(shared, "the inbox claim", || {
             shared.batcher.claim(id, parts.subject, parts.seq)
-        })
-        .await?
-        {
+        });
+        // Nothing called yet: handed back, it runs again elsewhere.
+        let Ok(claim) = shared.bounded(claim).await else {
+            tracing::warn!(%id, "the inbox claim waits on Postgres; handing the job back");
+            return None;
+        };
+        match claim? {
             Claim::Fresh { attempts } => attempts,
             Claim::Processed => return Some(Ran::Processed { duplicate: true }),
             Claim::Parked { seq, wait_ms } => return Some(Ran::Parked { seq, wait_ms }),
@@ -555,14 +599,13 @@ async fn run_handler<H: Handler>(
     };
     // The claim may have waited (a batch, a retried write): the right to
     // call is checked again right before the call.
-    let cut = shared.calls.token();
-    if !shared.proof.holds() {
+    if !shared.proof.holds() || fence.is_cancelled() {
         return None;
     }
     let delivery = parts.delivery(id, attempts);
     let outcome = tokio::select! {
         outcome = handler::call(|| shared.handler.handle_detached(&delivery)) => outcome,
-        _ = cut.cancelled() => return None,
+        _ = fence.cancelled() => return None,
     };
     if outcome != Outcome::Processed {
         return Some(Ran::Failed {
@@ -572,11 +615,22 @@ async fn run_handler<H: Handler>(
         });
     }
     // The handler succeeded: never call it again for a failed commit.
-    persist(shared, "the inbox completion", || {
+    let complete = persist(shared, "the inbox completion", || {
         shared.batcher.complete(id)
-    })
-    .await?;
-    Some(Ran::Processed { duplicate: false })
+    });
+    // A retry's completion is waited for (its key's next parked message is
+    // read from the inbox after it).
+    if parked {
+        complete.await?;
+        return Some(Ran::Processed { duplicate: false });
+    }
+    match shared.bounded(complete).await {
+        Ok(done) => done.map(|()| Ran::Processed { duplicate: false }),
+        Err(()) => {
+            tracing::warn!(%id, "the handler succeeded and Postgres does not take its completion here; the dispatcher records it");
+            Some(Ran::Unrecorded)
+        }
+    }
 }
 
 /// A pulled message: handle it, or park it after a failure.
@@ -584,12 +638,13 @@ async fn deliver_pulled<H: Handler>(
     shared: &Shared<H>,
     key: &str,
     msg: &jetstream::Message,
+    fence: &CancellationToken,
 ) -> Option<Finished<Instant>> {
     let parts = Parts::pulled(msg);
     let Some(id) = usable_id(shared, &parts).await? else {
         return Some(Finished::Done);
     };
-    match run_handler(shared, &parts, id, false).await? {
+    match run_handler(shared, &parts, id, false, fence).await? {
         Ran::Processed { duplicate } => {
             count(if duplicate { "duplicate" } else { "processed" });
             Some(Finished::Done)
@@ -600,6 +655,15 @@ async fn deliver_pulled<H: Handler>(
             due: Instant::now() + Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0)),
         }),
         Ran::Gone => Some(Finished::Done),
+        Ran::Unrecorded => {
+            count("processed");
+            shared
+                .unrecorded
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(key.to_owned(), id);
+            Some(Finished::Done)
+        }
         Ran::Failed {
             outcome,
             attempts,
@@ -738,9 +802,10 @@ async fn check_parked<H: Handler>(
     shared: &Shared<H>,
     key: &str,
     msg: &jetstream::Message,
+    fence: &CancellationToken,
 ) -> Option<Finished<Instant>> {
     let Some((head, wait, _)) = parked_head(shared, key).await? else {
-        return deliver_pulled(shared, key, msg).await;
+        return deliver_pulled(shared, key, msg, fence).await;
     };
     let parked = park_behind(shared, key, msg).await?;
     let seq = Parts::pulled(msg).seq;
@@ -792,12 +857,18 @@ async fn park_behind<H>(
 
 /// The oldest parked message of `key` comes up: read it back from the stream
 /// and run it. `None` once the consumer stops.
-async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Finished<Instant>> {
+async fn retry<H: Handler>(
+    shared: &Shared<H>,
+    key: &str,
+    seq: u64,
+    fence: &CancellationToken,
+) -> Option<Finished<Instant>> {
     let consumer = shared.cfg.durable.as_str();
-    let Some((row_id, row_subject)) = persist(shared, "reading a parked row", || {
-        inbox::parked_id(&shared.pool, consumer, &shared.cfg.stream, key, seq)
-    })
-    .await?
+    let Some((row_id, row_subject, attempts, last_error)) =
+        persist(shared, "reading a parked row", || {
+            inbox::parked_id(&shared.pool, consumer, &shared.cfg.stream, key, seq)
+        })
+        .await?
     else {
         // Done with meanwhile.
         return Some(Finished::Retried {
@@ -838,10 +909,24 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
                 None => "left the stream before its retry (max age or limits)",
                 _ => "the stream holds another message at its sequence now",
             };
-            tracing::error!(id = %row_id, seq, why, "a parked message cannot be read back; it is not delivered");
+            // Never dropped: dead-lettered from what the inbox row keeps
+            // (its body and headers went with the stream).
+            let reason = format!(
+                "expired: {why}; last error: {}",
+                last_error.as_deref().unwrap_or("none")
+            );
+            tracing::error!(id = %row_id, seq, why, "a parked message cannot be read back; dead-lettering it from its inbox row");
             count("expired");
+            let empty = Bytes::new();
+            let letter = Parts {
+                subject: &row_subject,
+                headers: None,
+                payload: &empty,
+                seq,
+            };
+            dead_letter(shared, &letter, &row_id.to_string(), &reason, attempts).await?;
             persist(shared, "recording the expired message", || {
-                inbox::finish_failed(&shared.pool, consumer, row_id, &row_subject, why, false)
+                inbox::finish_failed(&shared.pool, consumer, row_id, &row_subject, &reason, false)
             })
             .await?;
             return Some(Finished::Retried {
@@ -850,11 +935,12 @@ async fn retry<H: Handler>(shared: &Shared<H>, key: &str, seq: u64) -> Option<Fi
         }
     };
     let parts = parts?;
-    match run_handler(shared, &parts, id, true).await? {
+    match run_handler(shared, &parts, id, true, fence).await? {
         Ran::Processed { duplicate } => {
             count(if duplicate { "duplicate" } else { "processed" });
         }
-        Ran::Parked { .. } | Ran::Gone => {}
+        // A retry's completion is waited for: never handed back.
+        Ran::Parked { .. } | Ran::Gone | Ran::Unrecorded => {}
         Ran::Failed {
             outcome,
             attempts,
@@ -894,6 +980,17 @@ pub(super) fn backoff_after(shared_backoff: &[Duration], attempts: i32) -> Durat
         .unwrap_or(Duration::from_secs(1))
 }
 
+/// How long a message may wait parked over all its retries: the backoff
+/// after each attempt but the last (`max_deliver` below 1: unbounded, the
+/// longest step counted once, as the least that must fit).
+pub(super) fn longest_parked(backoff: &[Duration], max_deliver: i64) -> Duration {
+    if max_deliver < 1 {
+        return backoff.iter().max().copied().unwrap_or_default();
+    }
+    let waits = i32::try_from(max_deliver - 1).unwrap_or(i32::MAX);
+    (1..=waits).map(|a| backoff_after(backoff, a)).sum()
+}
+
 /// The key's oldest parked message, if any (`None` once the consumer stops).
 async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
     Some(parked_head(shared, key).await?.map(|(seq, ..)| seq))
@@ -908,8 +1005,12 @@ pub(super) fn new_shared<H: Handler>(
     dlq: &DeadLetters,
     handler: std::sync::Arc<H>,
     stop: CancellationToken,
-    proof: Proof,
+    role: Role,
 ) -> std::sync::Arc<Shared<H>> {
+    let (proof, helper) = match role {
+        Role::Dispatcher(proof) => (proof, false),
+        Role::Helper => (Proof::default(), true),
+    };
     std::sync::Arc::new(Shared {
         pool: pool.clone(),
         handler: handler.clone(),
@@ -920,6 +1021,8 @@ pub(super) fn new_shared<H: Handler>(
         proof,
         calls: Default::default(),
         dlq_failing: AtomicUsize::new(0),
+        helper,
+        unrecorded: Default::default(),
         batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
         transactions: handler.in_transaction().then(|| {
             // A quarter of the pool each for the dispatcher's and the crew's
@@ -956,6 +1059,15 @@ mod tests {
         Duration::from_secs(5),
         Duration::from_secs(30),
     ];
+
+    #[test]
+    fn a_message_may_wait_parked_for_every_backoff_but_the_last_attempts() {
+        let s = Duration::from_secs;
+        assert_eq!(longest_parked(&B, 1), s(0), "one attempt: never parked");
+        assert_eq!(longest_parked(&B, 3), s(6));
+        assert_eq!(longest_parked(&B, 5), s(1 + 5 + 30 + 30));
+        assert_eq!(longest_parked(&B, -1), s(30), "unbounded: the longest step");
+    }
 
     #[test]
     fn spec_table() {

@@ -205,7 +205,7 @@ impl<'a, H: Handler> Active<'a, H> {
             self.dlq,
             self.handler.clone(),
             stop.clone(),
-            lease.proof(),
+            delivery::Role::Dispatcher(lease.proof()),
         );
         // A reset that failed (an election, say) is tried again before
         // anything is pulled: pulling first would run later messages ahead
@@ -865,7 +865,11 @@ impl<H: Handler> Dispatch<'_, H> {
             stream: cfg.stream.clone(),
             durable: cfg.durable.clone(),
             ours,
-            deadline: Instant::now() + cfg.shutdown_timeout,
+            // A lost lease sets no deadline: a job past its call waits for
+            // Postgres to record its outcome, however long that takes
+            // (dropped, the call that succeeded would be made again).
+            deadline: matches!(ended, Ended::Shutdown)
+                .then(|| Instant::now() + cfg.shutdown_timeout),
         };
         match ended {
             Ended::Shutdown => finishing.run().await,
@@ -890,22 +894,33 @@ struct Finishing<H> {
     durable: String,
     /// The period's own jobs in the roster when it ended.
     ours: std::collections::HashSet<u64>,
-    deadline: Instant,
+    /// At shutdown, when what still runs is stopped.
+    deadline: Option<Instant>,
 }
 
 impl<H: Handler> Finishing<H> {
-    /// Report each job's end as it comes. Cut off from the crew, nobody can
-    /// adopt them: calls in flight are cut (a job past its call still
-    /// records its outcome). Past the deadline, what runs is stopped.
+    /// Report each job's end as it comes. Cut off from the crew while
+    /// others could take over, nobody can adopt them: calls in flight are
+    /// cut (a job past its call still records its outcome). Alone, nothing
+    /// is cut: no other process could run them, and this one adopts them
+    /// when it dispatches again. Past the shutdown deadline, what runs is
+    /// stopped.
     async fn run(mut self) {
         let mut cut = false;
         while !self.tasks.is_empty() {
-            if !cut && self.worker.fences.load(Ordering::Relaxed) != self.fences {
+            if !cut
+                && self.worker.fences.load(Ordering::Relaxed) != self.fences
+                && self.worker.processes.load(Ordering::Relaxed) > 1
+            {
                 tracing::warn!("cut off from the crew while finishing: cutting this process's calls in flight, which the next dispatcher makes again");
                 self.shared.calls.cut();
                 cut = true;
             }
-            let step = (Instant::now() + crew::BEAT).min(self.deadline);
+            let mut step = Instant::now() + crew::BEAT;
+            if let Some(deadline) = self.deadline {
+                step = step.min(deadline);
+            }
+            let past_deadline = || self.deadline.is_some_and(|d| Instant::now() >= d);
             match tokio::time::timeout_at(step.into(), self.tasks.join_next()).await {
                 Ok(Some(Ok(end))) => {
                     if end.local {
@@ -923,7 +938,7 @@ impl<H: Handler> Finishing<H> {
                 }
                 Ok(Some(Err(_))) => {}
                 Ok(None) => break,
-                Err(_) if Instant::now() < self.deadline => {}
+                Err(_) if !past_deadline() => {}
                 Err(_) => {
                     tracing::warn!(
                         running = self.tasks.len(),

@@ -429,9 +429,9 @@ pub async fn parked_id(
     stream: &str,
     key: &str,
     seq: u64,
-) -> Result<Option<(Uuid, String)>, sqlx::Error> {
+) -> Result<Option<ParkedRow>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT message_id, subject FROM inbox_messages \
+        "SELECT message_id, subject, attempts, last_error FROM inbox_messages \
          WHERE consumer = $1 AND aggregate_key = $2 AND stream_seq = $3 \
            AND parked_until IS NOT NULL AND processed_at IS NULL \
            AND (stream = $4 OR stream IS NULL)",
@@ -443,6 +443,9 @@ pub async fn parked_id(
     .fetch_optional(pool)
     .await
 }
+
+/// A parked row: its message id, subject, attempts so far and last error.
+pub type ParkedRow = (Uuid, String, i32, Option<String>);
 
 /// Stream sequences fit a bigint (JetStream's are far below 2^63).
 fn seq_param(seq: u64) -> i64 {

@@ -38,6 +38,9 @@ pub(crate) const LEASE_TTL: Duration = Duration::from_secs(3);
 const RENEW: Duration = Duration::from_secs(1);
 /// A proof ends this much before the server could free the lock.
 const MARGIN: Duration = Duration::from_millis(500);
+/// How long a ping may take: until the previous ping's proof ends. One slow
+/// answer is not a lost lease (losing it costs a takeover and a reset).
+const PING_TIMEOUT: Duration = LEASE_TTL.saturating_sub(MARGIN).saturating_sub(RENEW);
 /// Connecting for the lease waits no longer (a silent Postgres path would
 /// otherwise hold a standby's ask for the pool's acquire timeout).
 const CONNECT: Duration = Duration::from_secs(5);
@@ -267,8 +270,9 @@ impl Drop for Lease {
 }
 
 /// Prove the lease every [`RENEW`] until `stop`, or until a ping fails or
-/// does not answer within [`RENEW`]: then the lease is lost (the server
-/// frees the lock within [`LEASE_TTL`] of the last ping at the latest).
+/// does not answer within [`PING_TIMEOUT`]: then the lease is lost (the
+/// server frees the lock within [`LEASE_TTL`] of the last ping at the
+/// latest).
 async fn keep(
     mut conn: PgConnection,
     backend: i32,
@@ -289,7 +293,7 @@ async fn keep(
         let sent = Instant::now();
         let same_backend =
             sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(&mut conn);
-        match tokio::time::timeout(RENEW, same_backend).await {
+        match tokio::time::timeout(PING_TIMEOUT, same_backend).await {
             Ok(Ok(pid)) if pid == backend => proof.renew(proof_end(sent)),
             _ => {
                 proof.revoke();
@@ -321,6 +325,17 @@ mod tests {
         p.renew(Instant::now() + Duration::from_secs(5));
         p.set(Instant::now() + Duration::from_secs(5));
         assert!(!p.holds(), "a revoked proof stays revoked");
+    }
+
+    #[test]
+    fn a_slow_ping_is_waited_for_until_the_last_proof_ends() {
+        let sent = Instant::now();
+        let next = sent + RENEW;
+        assert!(
+            PING_TIMEOUT > RENEW,
+            "one ping slower than its interval is not a loss"
+        );
+        assert!(next + PING_TIMEOUT <= proof_end(sent));
     }
 
     #[test]

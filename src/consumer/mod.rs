@@ -75,6 +75,7 @@ pub async fn run<H: Handler>(
         cfg.durable, cfg.stream
     ));
     crate::postgres::pooler::check_session_pinned(&pool).await?;
+    warn_if_commits_may_be_lost(&pool).await;
     inbox::check_schema(&pool).await.map_err(|e| Error::Setup {
         message: format!(
             "the inbox tables lack what the consumer needs ({e}); run `outbox-relay migrate` against this database"
@@ -93,6 +94,11 @@ pub async fn run<H: Handler>(
             "stream {} has {retention:?} retention, which deletes acked messages; the consumer acks a failed message while it waits for its retry and reads it back later, so it needs limits retention (the relay creates its streams so)",
             cfg.stream
         )));
+    }
+    let max_age = stream.cached_info().config.max_age;
+    let parked = delivery::longest_parked(&cfg.backoff, cfg.max_deliver);
+    if !max_age.is_zero() && max_age < parked {
+        tracing::warn!(stream = %cfg.stream, ?max_age, backoff_total = ?parked, "the stream's max age is shorter than a failing message may wait for its retries (--backoff over --max-deliver): one that ages out while it waits is dead-lettered as expired, from its inbox row, without its body");
     }
     if let Some(schemas) = &cfg.schemas {
         let filter = cfg.filter.as_deref().unwrap_or(">");
@@ -157,8 +163,7 @@ pub async fn run<H: Handler>(
             &dlq,
             handler.clone(),
             CancellationToken::new(),
-            // Renewed by the crew's beats (see `crew::work`).
-            lease::Proof::default(),
+            delivery::Role::Helper,
         ),
         js.clone(),
         pool.clone(),
@@ -280,6 +285,41 @@ async fn dispatch<H: Handler>(
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// The inbox row is what keeps a message from being handled twice, and a
+/// Rust handler's effects commit with it: a commit the database can lose
+/// after acknowledging it (a failover to an asynchronous standby, or
+/// `synchronous_commit = off` and a crash) loses that. Said once at start;
+/// never refused (a single-node database with a good disk is fine).
+async fn warn_if_commits_may_be_lost(pool: &PgPool) {
+    let settings: std::result::Result<(String, String, i64), _> = sqlx::query_as(
+        "SELECT current_setting('synchronous_commit'), current_setting('synchronous_standby_names'), \
+                (SELECT count(*) FROM pg_stat_replication)",
+    )
+    .fetch_one(pool)
+    .await;
+    let Ok((commit, standby_names, standbys)) = settings else {
+        return;
+    };
+    if let Some(why) = commits_may_be_lost(&commit, &standby_names, standbys) {
+        tracing::warn!("{why}: a handler's effects (Rust) or the record that it ran (HTTP) can be lost after the consumer acked the message, and then it is never delivered again or called again; see docs/guide/consumers.md (failover)");
+    }
+}
+
+/// Why commits the consumer's database acknowledged may be lost, if they
+/// may be.
+fn commits_may_be_lost(commit: &str, standby_names: &str, standbys: i64) -> Option<String> {
+    match commit {
+        "off" => Some("synchronous_commit is off for the consumer's database".into()),
+        _ if standbys > 0 && standby_names.trim().is_empty() => Some(format!(
+            "the consumer's database streams to {standbys} standby(s) asynchronously (synchronous_standby_names is empty): a failover may drop commits it acknowledged"
+        )),
+        "local" if standbys > 0 => Some(
+            "synchronous_commit is local for the consumer's database: a failover may drop commits it acknowledged".into(),
+        ),
+        _ => None,
     }
 }
 
@@ -412,3 +452,21 @@ async fn watch_lag(
 }
 
 type Consumer = jetstream::consumer::Consumer<pull::Config>;
+
+#[cfg(test)]
+mod tests {
+    use super::commits_may_be_lost;
+
+    #[test]
+    fn commits_that_may_be_lost_are_named() {
+        assert!(commits_may_be_lost("on", "", 0).is_none(), "a single node");
+        assert!(commits_may_be_lost("on", "ANY 1 (s1)", 2).is_none());
+        assert!(commits_may_be_lost("remote_apply", "s1", 1).is_none());
+        assert!(commits_may_be_lost("off", "", 0).is_some());
+        assert!(
+            commits_may_be_lost("on", "", 1).is_some(),
+            "an async standby"
+        );
+        assert!(commits_may_be_lost("local", "s1", 1).is_some());
+    }
+}

@@ -1027,12 +1027,19 @@ impl OwnStack {
 impl OwnStack {
     /// Stop (`pg-stop`) or start (`pg-start`) its Postgres.
     pub fn pg_power(&self, action: &str) {
+        self.pg_power_mode(action, "fast");
+    }
+
+    /// [`pg_power`](Self::pg_power) with `pg_ctl`'s stop mode (`immediate`:
+    /// a crash, as a failover sees the old primary).
+    pub fn pg_power_mode(&self, action: &str, mode: &str) {
         let st = Command::new(STACK_SH)
             .arg(action)
             .arg(&self.dir)
+            .arg(mode)
             .status()
             .unwrap();
-        assert!(st.success(), "{action} failed");
+        assert!(st.success(), "{action} {mode} failed");
     }
 
     /// A cold copy of its Postgres data directory (`save`), or that copy put
@@ -1350,18 +1357,60 @@ pub fn schema_dir(name: &str, files: &[(&str, &str)]) -> PathBuf {
 /// keeps every connection open and lets nothing through (a network that
 /// drops packets). [`heal`](Proxy::heal) lets new connections through again.
 /// [`delay`](Proxy::delay) holds what the server sends back for a while (a
-/// slow but healthy path).
+/// slow but healthy path). [`pause`](Proxy::pause) holds every byte both
+/// ways until [`resume`](Proxy::resume), connections kept: a path that
+/// stalls for seconds and then carries on, as TCP does after a brief loss.
 pub struct Proxy {
     pub port: u16,
     mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    paused: tokio::sync::watch::Sender<bool>,
     changes: tokio::sync::watch::Sender<u64>,
     /// Milliseconds each chunk from the server waits before it is passed on.
     latency: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// Copy `from` to `to`, each chunk passed on `latency` ms after it came.
-async fn delayed_copy<R, W>(from: &mut R, to: &mut W, latency: &std::sync::atomic::AtomicU64)
-where
+/// Wait while the proxy is paused.
+async fn unpaused(paused: &mut tokio::sync::watch::Receiver<bool>) {
+    while *paused.borrow_and_update() {
+        if paused.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Copy `from` to `to`, nothing passed on while paused.
+async fn pausable_copy<R, W>(
+    from: &mut R,
+    to: &mut W,
+    mut paused: tokio::sync::watch::Receiver<bool>,
+) where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        unpaused(&mut paused).await;
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+    unpaused(&mut paused).await;
+    let _ = to.shutdown().await;
+}
+
+/// Copy `from` to `to`, each chunk passed on `latency` ms after it came
+/// (and not while paused).
+async fn delayed_copy<R, W>(
+    from: &mut R,
+    to: &mut W,
+    latency: &std::sync::atomic::AtomicU64,
+    mut paused: tokio::sync::watch::Receiver<bool>,
+) where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
@@ -1381,6 +1430,7 @@ where
                 }
             },
             _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
+                unpaused(&mut paused).await;
                 if let Some((_, chunk)) = queue.pop_front() {
                     if to.write_all(&chunk).await.is_err() {
                         return;
@@ -1389,6 +1439,7 @@ where
             }
         }
         if !open && queue.is_empty() {
+            unpaused(&mut paused).await;
             let _ = to.shutdown().await;
             return;
         }
@@ -1407,6 +1458,8 @@ impl Proxy {
         let mode = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(OPEN));
         let latency = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (changes, _) = tokio::sync::watch::channel(0u64);
+        let (paused, _) = tokio::sync::watch::channel(false);
+        let pauses = paused.clone();
         let (flag, watch, target) = (mode.clone(), changes.clone(), target.to_owned());
         let lag = latency.clone();
         // Frozen connections are kept here, open, until the test ends.
@@ -1424,6 +1477,7 @@ impl Proxy {
                 let mut changed = watch.subscribe();
                 let (target, flag, held, lag) =
                     (target.clone(), flag.clone(), held.clone(), lag.clone());
+                let (up_paused, down_paused) = (pauses.subscribe(), pauses.subscribe());
                 tokio::spawn(async move {
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
                         return;
@@ -1431,11 +1485,8 @@ impl Proxy {
                     {
                         let (mut in_r, mut in_w) = inbound.split();
                         let (mut out_r, mut out_w) = outbound.split();
-                        let up = async {
-                            let _ = tokio::io::copy(&mut in_r, &mut out_w).await;
-                            let _ = tokio::io::AsyncWriteExt::shutdown(&mut out_w).await;
-                        };
-                        let down = delayed_copy(&mut out_r, &mut in_w, &lag);
+                        let up = pausable_copy(&mut in_r, &mut out_w, up_paused);
+                        let down = delayed_copy(&mut out_r, &mut in_w, &lag, down_paused);
                         tokio::select! {
                             _ = async { tokio::join!(up, down) } => return,
                             _ = changed.changed() => {}
@@ -1452,6 +1503,7 @@ impl Proxy {
         Proxy {
             port,
             mode,
+            paused,
             changes,
             latency,
         }
@@ -1482,6 +1534,16 @@ impl Proxy {
 
     pub fn heal(&self) {
         self.mode.store(OPEN, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Hold every byte, both ways, on every connection, until
+    /// [`resume`](Proxy::resume).
+    pub fn pause(&self) {
+        self.paused.send_replace(true);
+    }
+
+    pub fn resume(&self) {
+        self.paused.send_replace(false);
     }
 
     /// From now on, what the server sends waits `latency` before it is

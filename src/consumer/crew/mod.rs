@@ -36,19 +36,23 @@
 //!   [`LEASE_TTL`](super::lease::LEASE_TTL) of silence, and a kill -9 frees
 //!   it at once. A helper checks its lock every [`BEAT`] (bounded by
 //!   [`PING`]), and the dispatcher acknowledges every beat it hears from a
-//!   process serving it, naming the beat. A helper's *proof* runs [`FENCE`]
-//!   from the sending of the newest acknowledged beat and less than
-//!   `LEASE_TTL` from its last good check of the lock; every call reads it
-//!   first. Once it lapses the helper offers no room, refuses jobs and cuts
-//!   its calls in flight; a job past its call is never cut (it records its
-//!   outcome). A lock whose connection failed is taken back under the same
-//!   id. The dispatcher takes a job for lost only later: [`GRACE`](rule::GRACE) after the
-//!   helper's lock went, [`SILENT`] after it last heard the helper (while it
-//!   hears itself), or when a beat past the job's start no longer lists it.
-//!   A lost job is handled as one that panicked here: what the inbox holds
-//!   decides, and a reset to the ack floor brings back an unacked message,
-//!   in order. A dispatcher's own process cut off the same way ends its
-//!   period (its calls in flight cut) when others could take over.
+//!   process serving it, naming the beat. A helper's *proof* holds while it
+//!   is heard (its newest acknowledged beat sent less than [`FENCE`] ago)
+//!   or holds its lock (its last good check less than `LEASE_TTL` ago), and
+//!   never past `FENCE_LOCKED` unheard; every call reads it first. So a
+//!   Postgres outage, a stalled path or a paused dispatcher costs no call.
+//!   Once it lapses the helper offers no room, refuses jobs and cuts its
+//!   calls in flight, and nothing it held calls again (a lapse is a fence);
+//!   a job past its call is never cut (it records its outcome). A lock
+//!   whose connection failed is taken back under the same id. The
+//!   dispatcher takes a job for lost only later, by the rule in `rule.rs`
+//!   (neither heard nor holding its lock, or not heard for long), or when
+//!   a beat past the job's start no longer lists it. A lost job is handled
+//!   as one that panicked here: what the inbox holds decides, and a reset
+//!   to the ack floor brings back an unacked message, in order. A
+//!   dispatcher's own process cut off the same way ends its period (its
+//!   calls in flight cut) when others could take over; alone, it cuts
+//!   nothing.
 //!
 //! A call already on the wire when its process froze (SIGSTOP, a VM pause)
 //! may be answered by the handler during the freeze; the new dispatcher,
@@ -83,9 +87,7 @@ use crate::ops::metrics as m;
 pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;
-use rule::{
-    Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, PING, SILENT,
-};
+use rule::{Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, PING};
 
 mod rule;
 
@@ -214,6 +216,18 @@ struct Done {
     /// lock): the dispatcher handles it as lost.
     #[serde(default)]
     lost: bool,
+    /// The handler succeeded for this message and the helper could not
+    /// record it (cut off from Postgres): the dispatcher records it.
+    #[serde(default)]
+    unrecorded: Option<uuid::Uuid>,
+}
+
+/// How a job a helper ran ended, for its report.
+struct JobDone {
+    id: u64,
+    how: Finished<Instant>,
+    panicked: bool,
+    unrecorded: Option<uuid::Uuid>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -304,23 +318,24 @@ pub(super) async fn report(
     how: Finished<Instant>,
     panicked: bool,
 ) {
-    publish_done(client, &base(stream, durable), id, how, panicked).await;
+    let done = JobDone {
+        id,
+        how,
+        panicked,
+        unrecorded: None,
+    };
+    publish_done(client, &base(stream, durable), done).await;
 }
 
-async fn publish_done(
-    client: &async_nats::Client,
-    base: &str,
-    id: u64,
-    how: Finished<Instant>,
-    panicked: bool,
-) {
+async fn publish_done(client: &async_nats::Client, base: &str, job: JobDone) {
     let done = Done {
-        id,
-        how: Ended::from(how),
-        panicked,
+        id: job.id,
+        how: Ended::from(job.how),
+        panicked: job.panicked,
         // A job cut short is now reported as panicked (see `stop_jobs`);
         // the field stays for what helpers of earlier versions send.
         lost: false,
+        unrecorded: job.unrecorded,
     };
     if let Ok(body) = serde_json::to_vec(&done) {
         // Bounded: with NATS gone the client's queue may be full, and the
@@ -335,7 +350,10 @@ async fn publish_done(
 
 // ---------------------------------------------------------------- dispatcher
 
-type EndRx = oneshot::Receiver<Option<(Finished<Instant>, bool)>>;
+/// How a job ended as its dispatcher handles it: `None` when lost.
+type JobEnded = Option<(Finished<Instant>, bool)>;
+
+type EndRx = oneshot::Receiver<JobEnded>;
 
 /// How a job handed to a helper came back.
 pub(super) enum Sent {
@@ -345,7 +363,34 @@ pub(super) enum Sent {
     Refused,
 }
 
-type EndTx = oneshot::Sender<Option<(Finished<Instant>, bool)>>;
+type EndTx = oneshot::Sender<JobEnded>;
+
+/// Record a success a helper could not (cut off from Postgres), then end
+/// the wait for its job. Tried until Postgres takes it: dropped, the call
+/// that succeeded would be made again.
+async fn record_success(
+    pool: PgPool,
+    durable: String,
+    id: uuid::Uuid,
+    waiter: Option<(EndTx, JobEnded)>,
+) {
+    let mut backoff =
+        crate::backoff::Backoff::jittered(Duration::from_millis(100), Duration::from_secs(5));
+    loop {
+        match super::inbox::complete_many(&pool, &durable, &[id]).await {
+            Ok(()) => break,
+            Err(e) => {
+                let pause = backoff.next_pause();
+                tracing::warn!(%id, error = %e, retry_in = ?pause, "cannot record a success a helper handed back; retrying");
+                tokio::time::sleep(pause).await;
+            }
+        }
+    }
+    tracing::info!(%id, "recorded a success its helper could not record");
+    if let Some((tx, end)) = waiter {
+        let _ = tx.send(end);
+    }
+}
 
 /// Jobs the ledger took for lost: their waits end with `None`.
 fn end_lost(lost: Lost<EndTx>) {
@@ -448,9 +493,18 @@ impl Crew {
                         }
                     } else if let Ok(d) = serde_json::from_slice::<Done>(&msg.payload) {
                         let waiter = self.state().ended(d.id);
-                        if let Some(w) = waiter {
-                            let end = (!d.lost).then(|| (d.how.into_finished(), d.panicked));
-                            let _ = w.end.send(end);
+                        let end = (!d.lost).then(|| (d.how.into_finished(), d.panicked));
+                        match d.unrecorded {
+                            // Recorded before the key goes on; recorded
+                            // even when no one waits (a success is true).
+                            Some(id) => {
+                                tokio::spawn(record_success(pool.clone(), durable.clone(), id, waiter.map(|w| (w.end, end))));
+                            }
+                            None => {
+                                if let Some(w) = waiter {
+                                    let _ = w.end.send(end);
+                                }
+                            }
                         }
                     }
                 }
@@ -677,7 +731,16 @@ impl Crew {
                 .ok()
                 .and_then(|r| r.ok());
             if let Some(live) = live {
-                let ask: Vec<i32> = live
+                // Every live process, and every one heard running jobs
+                // (its lock may be gone while it still runs them).
+                let targets: HashSet<i32> = {
+                    let s = self.state();
+                    live.iter()
+                        .copied()
+                        .chain(s.heard_running(started))
+                        .collect()
+                };
+                let ask: Vec<i32> = targets
                     .iter()
                     .filter(|m| !answers.contains_key(m))
                     .copied()
@@ -690,25 +753,24 @@ impl Crew {
                         let mut s = self.state();
                         for running in &a.running {
                             let (tx, rx) = oneshot::channel();
-                            s.adopt(running.id, *m, a.beat, tx);
+                            s.adopt(running.id, *m, a.beat, tx, Instant::now());
                             adopted.push((running.clone(), rx));
                         }
                         answers.insert(*m, a);
                     }
                 }
-                let unanswered: Vec<i32> = live
+                let now = Instant::now();
+                let unanswered: Vec<i32> = targets
                     .iter()
                     .filter(|m| !answers.contains_key(m))
                     .copied()
                     .collect();
-                let now = Instant::now();
-                let answered: HashSet<i32> = answers.keys().copied().collect();
-                let s = self.state();
-                // Heard running jobs, its lock gone: it stops them within
-                // GRACE of noticing.
-                let stopping = s.stopping(&live, &answered, started, now);
-                let mute = s.hears_itself(now) && started.elapsed() >= SILENT;
-                drop(s);
+                // One that does not answer is waited for until the rule
+                // says it has stopped its jobs.
+                let waiting = {
+                    let s = self.state();
+                    unanswered.iter().any(|m| !s.accounted(*m, started, now))
+                };
                 let own = self.inner.worker.member.load(Ordering::Relaxed);
                 if !answers.contains_key(&own) && started.elapsed() >= FENCE {
                     return Err(Error::Nats {
@@ -716,7 +778,7 @@ impl Crew {
                         source: "this process cannot reach itself through NATS".into(),
                     });
                 }
-                if !stopping && (unanswered.is_empty() || mute) {
+                if !waiting {
                     if !unanswered.is_empty() {
                         tracing::warn!(processes = ?unanswered, "taking over without an answer from every live process: each has stopped its jobs by now");
                     }
@@ -1018,7 +1080,7 @@ struct Work<H> {
     worker: Arc<Worker>,
     readiness: Readiness,
     subs: Subs,
-    tasks: JoinSet<(u64, Finished<Instant>, bool)>,
+    tasks: JoinSet<JobDone>,
     capacity: usize,
     /// The proof this process's jobs need to start a call.
     standing: Standing,
@@ -1031,7 +1093,14 @@ struct Work<H> {
 
 impl<H: Handler> Work<H> {
     fn prove(&self) {
-        self.shared.proof.set(self.standing.ends());
+        let ends = self.standing.ends();
+        // A lapse is a fence: the dispatcher may have taken what ran here
+        // for lost, so nothing started before it may call once the proof
+        // comes back (`cut_at_lapse` may not have woken yet after a thaw).
+        if !self.shared.proof.holds() && ends > Instant::now() {
+            self.shared.calls.cut();
+        }
+        self.shared.proof.set(ends);
     }
 
     fn time_out(&mut self) {
@@ -1043,13 +1112,10 @@ impl<H: Handler> Work<H> {
         self.tasks.abort_all();
     }
 
-    async fn job_ended(
-        &mut self,
-        done: std::result::Result<(u64, Finished<Instant>, bool), tokio::task::JoinError>,
-    ) {
-        if let Ok((id, how, panicked)) = done {
-            let cfg = &self.shared.cfg;
-            report(&self.client, &cfg.stream, &cfg.durable, id, how, panicked).await;
+    async fn job_ended(&mut self, done: std::result::Result<JobDone, tokio::task::JoinError>) {
+        if let Ok(done) = done {
+            let id = done.id;
+            publish_done(&self.client, &self.base, done).await;
             roster(&self.worker.registry).jobs.remove(&id);
         }
     }
@@ -1123,7 +1189,17 @@ impl<H: Handler> Work<H> {
         let shared = self.shared.clone();
         self.tasks.spawn(async move {
             let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
-            (head.id, how, panicked)
+            let unrecorded = shared
+                .unrecorded
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&head.key);
+            JobDone {
+                id: head.id,
+                how,
+                panicked,
+                unrecorded,
+            }
         });
     }
 
@@ -1307,7 +1383,7 @@ fn hello(r: &Roster, member: i32, capacity: usize, leaving: bool, beat: u64) -> 
 /// when it ends: cutting it would repeat a call that succeeded. Nothing
 /// waits longer than [`PING`] here.
 async fn stop_jobs(
-    tasks: &mut JoinSet<(u64, Finished<Instant>, bool)>,
+    tasks: &mut JoinSet<JobDone>,
     registry: &Registry,
     client: &async_nats::Client,
     base: &str,
@@ -1316,9 +1392,9 @@ async fn stop_jobs(
     calls.cut();
     let deadline = Instant::now() + PING;
     while let Ok(Some(done)) = tokio::time::timeout_at(deadline.into(), tasks.join_next()).await {
-        if let Ok((id, how, panicked)) = done {
-            roster(registry).jobs.remove(&id);
-            publish_done(client, base, id, how, panicked).await;
+        if let Ok(done) = done {
+            roster(registry).jobs.remove(&done.id);
+            publish_done(client, base, done).await;
         }
     }
 }
@@ -1373,7 +1449,9 @@ pub(super) async fn run_caught<H: Handler>(
 ) -> (Finished<Instant>, bool) {
     use futures::FutureExt;
     let spill = matches!(job, Job::Spill(_));
-    match std::panic::AssertUnwindSafe(Box::pin(delivery::run_job(shared, key, job)))
+    // Taken as the job starts: a cut from now on fences it.
+    let fence = shared.calls.token();
+    match std::panic::AssertUnwindSafe(Box::pin(delivery::run_job(shared, key, job, &fence)))
         .catch_unwind()
         .await
     {

@@ -9,16 +9,29 @@
 //! - the helper ([`Roster`], [`Standing`]) starts a job only if the request is
 //!   from the dispatcher it serves, in that dispatcher's period, before the
 //!   request's expiry beat, and while its proof holds; and it makes calls
-//!   only while its proof holds. The proof ends [`FENCE`] after it sent the
-//!   newest beat the dispatcher acknowledged, and [`MEMBER_PROOF`] after its
-//!   newest good check of its member lock;
+//!   only while its proof holds (a lapse fences every job it holds: none of
+//!   them calls again, even once the proof comes back). The proof ends once
+//!   [`FENCE`] has passed since it sent the newest beat the dispatcher
+//!   acknowledged *and* [`MEMBER_PROOF`] since its newest good check of its
+//!   member lock; and at the latest [`FENCE_LOCKED`] after that beat;
 //! - the dispatcher ([`Ledger`]) takes a job for lost only when the helper
-//!   cannot be running it any more: [`GRACE`] after Postgres said the
-//!   helper's lock went (its proof ran out [`MEMBER_PROOF`] after its last
-//!   good check, before that), [`SILENT`] after it last heard the helper
-//!   while it hears itself (the newest beat it acknowledged was sent before
-//!   that, so the proof ran out [`FENCE`] later), or when a beat past the
-//!   job's start does not list it (the job ended, or was never admitted).
+//!   cannot be running it any more: Postgres said the helper's lock went
+//!   [`GRACE`] ago (its member half ran out [`MEMBER_PROOF`] after its last
+//!   good check, before that) *and* it has not heard the helper for
+//!   [`SILENT`] (the newest beat it acknowledged was sent before that, so
+//!   the other half ran out [`FENCE`] later); or it has not heard the helper
+//!   for [`SILENT_LOCKED`], lock or not; both only while it hears itself;
+//!   or when a beat past the job's start does not list it (the job ended,
+//!   or was never admitted).
+//!
+//! A pause is not a crash: a process that can still be heard, or that
+//! still holds its member lock, keeps its jobs. Postgres alone unreachable
+//! (a restart, a failover, a stalled path) costs no call: the helper's
+//! beats go on being acknowledged. NATS alone unreachable, or the
+//! dispatcher stalled, costs none for [`FENCE_LOCKED`]: the member lock is
+//! held. Only a process that can be neither heard nor seen holding its lock
+//! (dead, frozen, cut off from both) loses its jobs, once it has stopped
+//! them.
 //!
 //! `tests` drives both halves through random joins, kills, freezes,
 //! partitions and late or lost messages, and checks the rule on every step.
@@ -28,11 +41,20 @@ use std::time::{Duration, Instant};
 
 /// How often every process says what it runs.
 pub(crate) const BEAT: Duration = Duration::from_millis(250);
-/// A helper that cannot hear its own beats for this long stops its jobs.
-pub(super) const FENCE: Duration = Duration::from_secs(2);
+/// A helper whose beats go unacknowledged this long stops its jobs, once
+/// it cannot prove its member lock either ([`MEMBER_PROOF`]). Longer than
+/// the stalls production has every day (a GC or VM pause, a dispatcher
+/// throttled for 2 s), which must not cost a call.
+pub(super) const FENCE: Duration = Duration::from_secs(3);
+/// A helper whose beats go unacknowledged this long stops its jobs, its
+/// member lock held or not (NATS alone is gone, or the dispatcher).
+pub(super) const FENCE_LOCKED: Duration = Duration::from_secs(5);
+/// A helper whose lock went and that the dispatcher has not heard for this
+/// long has stopped its jobs (it could not hear itself for [`FENCE`]).
+pub(super) const SILENT: Duration = Duration::from_secs(4);
 /// A helper the dispatcher has not heard for this long has stopped its
-/// jobs (it could not hear itself for [`FENCE`]).
-pub(super) const SILENT: Duration = Duration::from_secs(5);
+/// jobs, lock or not (it could not hear itself for [`FENCE_LOCKED`]).
+pub(super) const SILENT_LOCKED: Duration = Duration::from_secs(6);
 /// How long after a helper's member lock went its jobs may still call: its
 /// proof runs [`LEASE_TTL`](super::super::lease::LEASE_TTL) less a margin
 /// from its last successful check of the lock, and the lock was held then.
@@ -202,9 +224,12 @@ impl Standing {
         }
     }
 
-    /// Until when this process may start a call for the dispatcher.
+    /// Until when this process may start a call for the dispatcher: while
+    /// it is heard or holds its lock, and never past [`FENCE_LOCKED`]
+    /// unheard.
     pub fn ends(&self) -> Instant {
-        (self.acked + FENCE).min(self.member_proven + MEMBER_PROOF)
+        let either = (self.acked + FENCE).max(self.member_proven + MEMBER_PROOF);
+        either.min(self.acked + FENCE_LOCKED)
     }
 
     pub fn holds(&self, now: Instant) -> bool {
@@ -347,24 +372,24 @@ impl<T> Ledger<T> {
             .is_some_and(|t| now.saturating_duration_since(t) < FENCE)
     }
 
-    /// The helper has stopped whatever it ran: Postgres found its lock
-    /// gone, and still gone [`GRACE`] later (a poll that did not answer
-    /// proves nothing: the helper may have taken its lock back meanwhile,
-    /// its proof with it), or this process (hearing itself) has not heard
-    /// it for [`SILENT`].
+    /// The helper has stopped whatever it ran: this process hears itself
+    /// (silence means something), has not heard the helper for [`SILENT`],
+    /// and Postgres found its lock gone, and still gone [`GRACE`] later
+    /// (every poll between answered: one that did not proves nothing, the
+    /// helper may have taken its lock back meanwhile); or it has not heard
+    /// the helper for [`SILENT_LOCKED`]. A helper still heard keeps its
+    /// jobs, its lock gone or not: cut off from Postgres alone, it finishes
+    /// them and records their outcome when Postgres answers again.
     pub fn stopped(&self, member: i32, now: Instant) -> bool {
-        if self
+        let Some(h) = self.helpers.get(&member) else {
+            return false;
+        };
+        let silent = now.saturating_duration_since(h.heard);
+        let gone = self
             .gone
             .get(&member)
-            .is_some_and(|(first, last)| last.saturating_duration_since(*first) >= GRACE)
-        {
-            return true;
-        }
-        self.hears_itself(now)
-            && self
-                .helpers
-                .get(&member)
-                .is_some_and(|h| now.saturating_duration_since(h.heard) >= SILENT)
+            .is_some_and(|(first, last)| last.saturating_duration_since(*first) >= GRACE);
+        self.hears_itself(now) && ((gone && silent >= SILENT) || silent >= SILENT_LOCKED)
     }
 
     /// A process's beat, heard at `now`; `own` is this process's member
@@ -407,8 +432,12 @@ impl<T> Ledger<T> {
     }
 
     /// Postgres's word on who is alive at `now` (`None`: no answer, so
-    /// only silence counts, and no lock ages as gone).
+    /// only silence counts, and no lock ages as gone: a lock is gone only
+    /// for as long as every poll said so).
     pub fn liveness(&mut self, alive: Option<HashSet<i32>>, now: Instant) -> Lost<T> {
+        if alive.is_none() {
+            self.gone.clear();
+        }
         if let Some(alive) = alive {
             let known: Vec<i32> = self
                 .helpers
@@ -540,8 +569,17 @@ impl<T> Ledger<T> {
     }
 
     /// A job `member` listed as running when this dispatcher synced it at
-    /// its beat `beat`: waited for like one sent.
-    pub fn adopt(&mut self, id: u64, member: i32, beat: u64, end: T) {
+    /// its beat `beat` (its answer heard at `now`): waited for like one
+    /// sent.
+    pub fn adopt(&mut self, id: u64, member: i32, beat: u64, end: T, now: Instant) {
+        self.helpers.entry(member).or_insert(Helper {
+            capacity: 0,
+            leaving: false,
+            beat,
+            heard: now,
+            running: 0,
+            serving: None,
+        });
         self.waiting.insert(
             id,
             Waiter {
@@ -562,22 +600,27 @@ impl<T> Ledger<T> {
         self.waiting.contains_key(&id)
     }
 
-    /// Whether a process outside `live` and not yet answered, heard with
-    /// jobs since `started`, may still be stopping them.
-    pub fn stopping(
-        &self,
-        live: &HashSet<i32>,
-        answered: &HashSet<i32>,
-        started: Instant,
-        now: Instant,
-    ) -> bool {
-        self.helpers.iter().any(|(id, h)| {
-            !live.contains(id)
-                && !answered.contains(id)
-                && h.running > 0
-                && h.heard > started
-                && now.saturating_duration_since(started) < GRACE + LIVENESS
-        })
+    /// Processes heard running jobs since `started`: a takeover accounts
+    /// for each (its lock may be gone while it runs them, cut off from
+    /// Postgres alone).
+    pub fn heard_running(&self, started: Instant) -> impl Iterator<Item = i32> + '_ {
+        self.helpers
+            .iter()
+            .filter(move |(_, h)| h.running > 0 && h.heard > started)
+            .map(|(id, _)| *id)
+    }
+
+    /// Whether a takeover that began at `started` may go on without an
+    /// answer from `member`: it has stopped its jobs by the rule
+    /// ([`stopped`](Self::stopped)), or, never heard, could not have been
+    /// acknowledged since `started` for [`SILENT_LOCKED`].
+    pub fn accounted(&self, member: i32, started: Instant, now: Instant) -> bool {
+        match self.helpers.contains_key(&member) {
+            true => self.stopped(member, now),
+            false => {
+                self.hears_itself(now) && now.saturating_duration_since(started) >= SILENT_LOCKED
+            }
+        }
     }
 
     /// The period ended: nobody waits for these any more.
@@ -673,18 +716,15 @@ mod tests {
 
     #[test]
     fn the_proof_runs_from_the_acknowledged_beats_sending_and_the_lock_check() {
+        let ms = Duration::from_millis;
         let t0 = Instant::now();
         let mut p = Standing::new(t0);
-        assert_eq!(p.ends(), t0 + MEMBER_PROOF);
-        let b1 = p.beat(t0 + Duration::from_millis(100));
-        p.lock_held(t0 + Duration::from_millis(100));
+        assert_eq!(p.ends(), t0 + FENCE.max(MEMBER_PROOF));
+        let b1 = p.beat(t0 + ms(100));
+        p.lock_held(t0 + ms(100));
         // Acknowledged late (after a freeze): dated by the beat's sending.
         assert!(p.acknowledged(Some(b1), t0 + Duration::from_secs(60)));
-        assert_eq!(
-            p.ends(),
-            (t0 + Duration::from_millis(100) + MEMBER_PROOF)
-                .min(t0 + Duration::from_millis(100) + FENCE)
-        );
+        assert_eq!(p.ends(), t0 + ms(100) + FENCE.max(MEMBER_PROOF));
         assert!(
             !p.acknowledged(Some(b1), t0 + Duration::from_secs(61)),
             "not twice"
@@ -693,8 +733,135 @@ mod tests {
             !p.acknowledged(Some(99), t0),
             "a beat never sent proves nothing"
         );
-        assert!(p.holds(t0 + Duration::from_millis(1500)));
-        assert!(!p.holds(t0 + Duration::from_millis(1600)));
+        assert!(p.holds(t0 + ms(100) + FENCE - ms(1)));
+        assert!(!p.holds(t0 + ms(100) + FENCE));
+    }
+
+    /// Issue 56: a pause is not a crash. The proof held only while the
+    /// helper was both heard and proved its lock, so a Postgres restart
+    /// (1.5 s) or a dispatcher stalled 2 s cut every call in flight.
+    #[test]
+    fn the_proof_survives_postgres_alone_or_the_dispatcher_alone_going_quiet() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        // Postgres gone for a minute: every beat still acknowledged.
+        let mut p = Standing::new(t0);
+        for t in (0..60_000).step_by(250) {
+            let b = p.beat(t0 + ms(t));
+            p.acknowledged(Some(b), t0 + ms(t + 5));
+            assert!(
+                p.holds(t0 + ms(t + 249)),
+                "lapsed at {t} ms, Postgres alone gone"
+            );
+        }
+        // The dispatcher silent 2.2 s (and NATS up to FENCE_LOCKED): the
+        // lock is checked every beat.
+        let mut p = Standing::new(t0);
+        let b = p.beat(t0);
+        p.acknowledged(Some(b), t0 + ms(5));
+        for t in (250..4_750).step_by(250) {
+            p.beat(t0 + ms(t));
+            p.lock_held(t0 + ms(t));
+            assert!(
+                p.holds(t0 + ms(t + 249)),
+                "lapsed at {t} ms, unheard but locked"
+            );
+        }
+        assert!(!p.holds(t0 + FENCE_LOCKED), "unheard for FENCE_LOCKED");
+        // Both gone (a freeze, a host cut off): the later of the two ends.
+        let mut p = Standing::new(t0);
+        let b = p.beat(t0);
+        p.acknowledged(Some(b), t0);
+        p.lock_held(t0);
+        assert!(p.holds(t0 + ms(2_500)), "a 2.5 s freeze costs nothing");
+        assert!(!p.holds(t0 + FENCE.max(MEMBER_PROOF)));
+    }
+
+    /// The dispatcher's half of the same rule: a helper still heard keeps
+    /// its jobs with its lock gone (cut off from Postgres alone); one with
+    /// its lock gone and silent for SILENT, or silent for SILENT_LOCKED
+    /// with its lock held, has stopped them.
+    #[test]
+    fn a_job_is_taken_for_lost_only_from_a_helper_neither_heard_nor_locked() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let heard = |member, beat, running: &[u64]| Heard {
+            member,
+            beat,
+            offer: Some(4),
+            running: running.iter().copied().collect(),
+            serving: Some((D, PERIOD)),
+        };
+        let mut l: Ledger<()> = Ledger::new(D, PERIOD);
+        l.heard(heard(D, 1, &[]), D, t0);
+        l.heard(heard(1, 1, &[]), D, t0);
+        l.liveness(Some([D, 1].into()), t0);
+        let until = l.expect(7, 1, ());
+        l.accepted(7, until);
+        // Its lock gone for a minute, its beats still heard listing job 7.
+        for t in (250..60_000).step_by(250) {
+            let now = t0 + ms(t);
+            l.heard(heard(D, t, &[]), D, now);
+            let (_, lost) = l.heard(heard(1, t, &[7]), D, now);
+            assert!(lost.is_empty());
+            assert!(
+                l.liveness(Some([D].into()), now).is_empty(),
+                "lost at {t} ms while heard"
+            );
+        }
+        // Then silent too: lost SILENT after the last beat, not before.
+        let last = t0 + ms(59_750);
+        let mut at = None;
+        for t in (60_000..70_000).step_by(250) {
+            let now = t0 + ms(t);
+            l.heard(heard(D, t, &[]), D, now);
+            if !l.liveness(Some([D].into()), now).is_empty() {
+                at = Some(now);
+                break;
+            }
+        }
+        let at = at.expect("a helper gone from both is taken for lost");
+        assert!(
+            at >= last + SILENT,
+            "lost {:?} after its last beat",
+            at - last
+        );
+        // Its lock held, silent: lost after SILENT_LOCKED only.
+        let mut l: Ledger<()> = Ledger::new(D, PERIOD);
+        l.heard(heard(D, 1, &[]), D, t0);
+        l.heard(heard(1, 1, &[7]), D, t0);
+        l.adopt(7, 1, 1, (), t0);
+        let mut at = None;
+        for t in (250..10_000).step_by(250) {
+            let now = t0 + ms(t);
+            l.heard(heard(D, t, &[]), D, now);
+            if !l.liveness(Some([D, 1].into()), now).is_empty() {
+                at = Some(now);
+                break;
+            }
+        }
+        assert_eq!(at.map(|a| a - t0), Some(SILENT_LOCKED));
+    }
+
+    /// Review N6, the directed sequence: a lock seen gone, polls that go
+    /// unanswered while the helper takes its lock back unseen, then gone
+    /// again. The first sighting must not age across the gap.
+    #[test]
+    fn a_lock_gone_ages_only_across_answered_polls() {
+        let mut events = vec![Event::Advance(100), Event::Join, Event::Advance(1000)];
+        events.extend(std::iter::repeat_n(Event::Send, 16));
+        events.extend([
+            Event::Advance(300),
+            Event::DropLock(3),
+            Event::Advance(150),
+            Event::DispatcherBlind(4000),
+            Event::Advance(4350),
+            Event::DropLock(3),
+            Event::Advance(300),
+        ]);
+        for seed in 0..64 {
+            run_world(seed, &events);
+        }
     }
 
     // ------------------------------------------------------------------
