@@ -175,8 +175,31 @@ make_certs() {
   chmod 755 "$d"
 }
 
+# Below the kernel's ephemeral range: a port the kernel hands out (port 0)
+# may be taken, before the server binds it, as the source port of any
+# outgoing connection on the machine (seen: a cluster's route port).
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+  python3 - <<'PY'
+import random, socket
+low = 32768
+try:
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+except (OSError, ValueError, IndexError):
+    pass
+for _ in range(1000):
+    port = random.randrange(max(1024, low // 2), low)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    print(port)
+    break
+else:
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()
+PY
 }
 
 # Postgres refuses to run as root; under root we run it as `nobody`.

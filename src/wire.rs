@@ -155,6 +155,9 @@ pub const DLQ_ORIGINAL_SEQ: &str = "Outbox-Dlq-Original-Seq";
 /// refused it for its size): the body's length. `dlq replay` reads the body
 /// from [`DLQ_ORIGINAL_STREAM`] at [`DLQ_ORIGINAL_SEQ`].
 pub const DLQ_PAYLOAD_OMITTED: &str = "Outbox-Dlq-Payload-Omitted";
+/// [`DLQ_PAYLOAD_OMITTED`]'s value on the dead letter of a message that
+/// left its stream while it waited for a retry: no body is kept anywhere.
+pub const EXPIRED: &str = "expired";
 
 // ---- Replayed dead letters (SPEC §9, `outbox-relay dlq replay`). ----
 

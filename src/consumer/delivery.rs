@@ -72,20 +72,50 @@ pub(super) struct Shared<H> {
     pub batcher: inbox::Batcher,
     /// Group transactions for a handler that runs inside one.
     pub transactions: Option<Transactions>,
-    /// Jobs run for another process's dispatcher (a helper's): an inbox
-    /// write that cannot be made within [`HANDOFF_AFTER`] is not waited
-    /// for here (see [`Ran::Unrecorded`]).
-    pub helper: bool,
-    /// Successes this helper could not record, by key, for its report.
-    pub unrecorded: std::sync::Mutex<std::collections::HashMap<String, Uuid>>,
+    /// At a helper: the crew's recorders, and until when its member lock
+    /// is proven (see [`persist_here`] and [`Recorder`]).
+    pub helper: Option<Helper>,
 }
 
-/// How long a helper waits for an inbox write before it hands the job
-/// back: a claim not made yet (no call was made: the dispatcher runs it
-/// again elsewhere), or a success whose completion Postgres does not take
-/// (the dispatcher records it). A helper cut off from Postgres so gives up
-/// its work within seconds, and no call that succeeded is made again.
+/// How long a helper cut off from Postgres (its member lock unproven) waits
+/// for an inbox write before it gives the job up: one that has not called
+/// its handler is handed back (the dispatcher runs it again, in order); a
+/// success whose completion Postgres does not take is recorded by another
+/// process of the crew. So such a helper gives up its work within seconds,
+/// and no call that succeeded is made again.
 pub(super) const HANDOFF_AFTER: Duration = Duration::from_secs(5);
+
+/// What a helper's jobs need beyond the dispatcher's.
+pub(super) struct Helper {
+    pub recorder: Recorder,
+    /// Renewed by the crew's beats at each good check of the member lock:
+    /// while it holds, Postgres answers this process.
+    pub member: Proof,
+}
+
+/// Asks the crew (any process that reaches Postgres) to record a success
+/// this process cannot: a request on `{crew}.record`, answered once the
+/// inbox row says processed.
+pub(super) struct Recorder {
+    pub client: async_nats::Client,
+    pub subject: String,
+}
+
+impl Recorder {
+    /// Whether another process recorded `id` as processed.
+    async fn record(&self, id: Uuid) -> bool {
+        let ask = self
+            .client
+            .request(self.subject.clone(), id.to_string().into());
+        matches!(
+            tokio::time::timeout(HANDOFF_AFTER, ask).await,
+            Ok(Ok(reply)) if reply.payload.as_ref() == RECORDED
+        )
+    }
+}
+
+/// The answer to a request to record a success: it is recorded.
+pub(super) const RECORDED: &[u8] = b"recorded";
 
 /// Whose jobs a [`Shared`] runs.
 pub(super) enum Role {
@@ -93,20 +123,7 @@ pub(super) enum Role {
     Dispatcher(Proof),
     /// Jobs other processes' dispatchers send; the proof is renewed by the
     /// crew's beats (see `crew::work`).
-    Helper,
-}
-
-impl<H> Shared<H> {
-    /// Wait for `write` here; at a helper for [`HANDOFF_AFTER`] at most
-    /// (`Err`: handed back).
-    async fn bounded<T>(&self, write: impl std::future::Future<Output = T>) -> Result<T, ()> {
-        match self.helper {
-            true => tokio::time::timeout(HANDOFF_AFTER, write)
-                .await
-                .map_err(|_| ()),
-            false => Ok(write.await),
-        }
-    }
+    Helper(Recorder),
 }
 
 /// The handler calls of jobs started so far, to be cut at once: each job
@@ -263,7 +280,62 @@ async fn keep_alive<H, T>(
 }
 
 /// Retry `op` until it works; `None` once the consumer stops.
-async fn persist<H, T, E, F, Fut>(shared: &Shared<H>, what: &str, mut op: F) -> Option<T>
+async fn persist<H, T, E, F, Fut>(shared: &Shared<H>, what: &str, op: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
+    persist_for(shared, what, op, false).await
+}
+
+/// [`persist`] for a write that may be given up with its job: at a helper
+/// cut off from Postgres (its member lock unproven), `None` once it has
+/// waited [`HANDOFF_AFTER`]. Never for a write after a successful call.
+async fn persist_here<H, T, E, F, Fut>(shared: &Shared<H>, what: &str, op: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
+    persist_for(shared, what, op, true).await
+}
+
+async fn persist_for<H, T, E, F, Fut>(
+    shared: &Shared<H>,
+    what: &str,
+    mut op: F,
+    may_give_up: bool,
+) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: std::fmt::Display,
+{
+    let give_up = async {
+        let Some(helper) = shared.helper.as_ref().filter(|_| may_give_up) else {
+            return std::future::pending().await;
+        };
+        tokio::time::sleep(HANDOFF_AFTER).await;
+        // Postgres answers this process: a slow write is waited for (a
+        // job handed back costs a reset to the ack floor).
+        while helper.member.holds() {
+            tokio::time::sleep(BEAT_CHECK).await;
+        }
+        tracing::warn!(
+            "{what} waits on Postgres, which this process cannot reach; handing the job back"
+        );
+    };
+    tokio::select! {
+        done = persist_loop(shared, what, &mut op) => done,
+        () = give_up => None,
+    }
+}
+
+/// How often a helper's give-up looks at its member lock's proof again.
+const BEAT_CHECK: Duration = Duration::from_millis(250);
+
+async fn persist_loop<H, T, E, F, Fut>(shared: &Shared<H>, what: &str, op: &mut F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
@@ -457,7 +529,7 @@ async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Opti
             .unwrap_or_else(|| format!("{}:{}", shared.cfg.stream, parts.seq));
     dead_letter(shared, parts, &stand_in, &u.reason, 1).await?;
     if let Some(id) = u.id {
-        persist(shared, "recording the dead letter", || {
+        persist_here(shared, "recording the dead letter", || {
             inbox::finish_failed(
                 &shared.pool,
                 &shared.cfg.durable,
@@ -492,7 +564,7 @@ async fn run_handler<H: Handler>(
     }
     if let (Some(group), false) = (&shared.transactions, parked) {
         let delivery = parts.delivery(id, 0);
-        return Box::pin(persist(shared, "the inbox transaction", || {
+        return Box::pin(persist_here(shared, "the inbox transaction", || {
             group.run(delivery.clone(), parts.seq)
         }))
         .await;
@@ -502,7 +574,7 @@ async fn run_handler<H: Handler>(
         let cut = fence;
         return Box::pin(async {
             tokio::select! {
-                    ran = persist(shared, "the inbox transaction", || async {
+                    ran = persist_here(shared, "the inbox transaction", || async {
                 let mut tx = shared.pool.begin().await?;
                 let attempts = if parked {
                     match inbox::claim_parked(&mut *tx, consumer, id).await? {
@@ -574,7 +646,7 @@ async fn run_handler<H: Handler>(
         .await;
     }
     let attempts = if parked {
-        match persist(shared, "the inbox claim", || {
+        match persist_here(shared, "the inbox claim", || {
             inbox::claim_parked(&shared.pool, consumer, id)
         })
         .await?
@@ -583,15 +655,12 @@ async fn run_handler<H: Handler>(
             None => return Some(Ran::Gone),
         }
     } else {
-        let claim = persist(shared, "the inbox claim", || {
-            shared.batcher.claim(id, parts.subject, parts.seq)
-        });
         // Nothing called yet: handed back, it runs again elsewhere.
-        let Ok(claim) = shared.bounded(claim).await else {
-            tracing::warn!(%id, "the inbox claim waits on Postgres; handing the job back");
-            return None;
-        };
-        match claim? {
+        match persist_here(shared, "the inbox claim", || {
+            shared.batcher.claim(id, parts.subject, parts.seq)
+        })
+        .await?
+        {
             Claim::Fresh { attempts } => attempts,
             Claim::Processed => return Some(Ran::Processed { duplicate: true }),
             Claim::Parked { seq, wait_ms } => return Some(Ran::Parked { seq, wait_ms }),
@@ -618,19 +687,29 @@ async fn run_handler<H: Handler>(
     let complete = persist(shared, "the inbox completion", || {
         shared.batcher.complete(id)
     });
-    // A retry's completion is waited for (its key's next parked message is
-    // read from the inbox after it).
-    if parked {
+    let Some(helper) = shared.helper.as_ref() else {
         complete.await?;
         return Some(Ran::Processed { duplicate: false });
-    }
-    match shared.bounded(complete).await {
-        Ok(done) => done.map(|()| Ran::Processed { duplicate: false }),
-        Err(()) => {
-            tracing::warn!(%id, "the handler succeeded and Postgres does not take its completion here; the dispatcher records it");
-            Some(Ran::Unrecorded)
+    };
+    // At a helper cut off from Postgres, another process of the crew
+    // records it; asked again until one does, or this one can. The job
+    // stays listed meanwhile, its message unacked.
+    let mut complete = std::pin::pin!(complete);
+    loop {
+        tokio::select! {
+            done = &mut complete => {
+                done?;
+                break;
+            }
+            () = tokio::time::sleep(HANDOFF_AFTER) => {
+                if !helper.member.holds() && helper.recorder.record(id).await {
+                    tracing::info!(%id, "the handler succeeded; Postgres does not answer this process, and another process of the crew recorded it");
+                    break;
+                }
+            }
         }
     }
+    Some(Ran::Processed { duplicate: false })
 }
 
 /// A pulled message: handle it, or park it after a failure.
@@ -655,15 +734,6 @@ async fn deliver_pulled<H: Handler>(
             due: Instant::now() + Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0)),
         }),
         Ran::Gone => Some(Finished::Done),
-        Ran::Unrecorded => {
-            count("processed");
-            shared
-                .unrecorded
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(key.to_owned(), id);
-            Some(Finished::Done)
-        }
         Ran::Failed {
             outcome,
             attempts,
@@ -690,7 +760,7 @@ async fn after_failure<H: Handler>(
         Action::DeadLetter(reason) => {
             let original = parts.id_text().unwrap_or_else(|| id.to_string());
             dead_letter(shared, parts, &original, &reason, attempts).await?;
-            persist(shared, "recording the dead letter", || {
+            persist_here(shared, "recording the dead letter", || {
                 inbox::finish_failed(
                     &shared.pool,
                     &cfg.durable,
@@ -716,7 +786,7 @@ async fn after_failure<H: Handler>(
                 key,
                 seq: parts.seq,
             };
-            persist(shared, "parking the message", || {
+            persist_here(shared, "parking the message", || {
                 inbox::park(&shared.pool, &parking, delay, reason, count_attempt)
             })
             .await?;
@@ -741,6 +811,7 @@ async fn dead_letter<H>(
 ) -> Option<()> {
     let mut backoff = Backoff::jittered(Duration::from_millis(200), MAX_PERSIST_BACKOFF);
     let mut failing = false;
+    let began = Instant::now();
     let stored = loop {
         // Which dead-lettering of the message this is: a retried publish of
         // it must dedupe, a later one (after a reset or replay) must not.
@@ -778,6 +849,15 @@ async fn dead_letter<H>(
                 pause = backoff.next_pause();
                 tracing::warn!(id = original_id, error = %e, retry_in = ?pause, "the dead-letter stream did not store the message; retrying");
             }
+        }
+        // A helper cut off from Postgres hands the job back (see
+        // `persist_here`); a dead letter stored meanwhile dedupes.
+        let cut_off = shared
+            .helper
+            .as_ref()
+            .is_some_and(|h| !h.member.holds() && began.elapsed() >= HANDOFF_AFTER);
+        if cut_off {
+            break false;
         }
         tokio::select! {
             _ = shared.stop.cancelled() => break false,
@@ -840,7 +920,7 @@ async fn park_behind<H>(
         key,
         seq: parts.seq,
     };
-    let parked = persist(shared, "parking the message", || {
+    let parked = persist_here(shared, "parking the message", || {
         inbox::park_behind(&shared.pool, &parking)
     })
     .await?;
@@ -865,7 +945,7 @@ async fn retry<H: Handler>(
 ) -> Option<Finished<Instant>> {
     let consumer = shared.cfg.durable.as_str();
     let Some((row_id, row_subject, attempts, last_error)) =
-        persist(shared, "reading a parked row", || {
+        persist_here(shared, "reading a parked row", || {
             inbox::parked_id(&shared.pool, consumer, &shared.cfg.stream, key, seq)
         })
         .await?
@@ -918,14 +998,17 @@ async fn retry<H: Handler>(
             tracing::error!(id = %row_id, seq, why, "a parked message cannot be read back; dead-lettering it from its inbox row");
             count("expired");
             let empty = Bytes::new();
+            // Said so, for `dlq replay`: there is no body to replay.
+            let mut omitted = HeaderMap::new();
+            omitted.insert(wire::DLQ_PAYLOAD_OMITTED, wire::EXPIRED);
             let letter = Parts {
                 subject: &row_subject,
-                headers: None,
+                headers: Some(&omitted),
                 payload: &empty,
                 seq,
             };
             dead_letter(shared, &letter, &row_id.to_string(), &reason, attempts).await?;
-            persist(shared, "recording the expired message", || {
+            persist_here(shared, "recording the expired message", || {
                 inbox::finish_failed(&shared.pool, consumer, row_id, &row_subject, &reason, false)
             })
             .await?;
@@ -939,8 +1022,7 @@ async fn retry<H: Handler>(
         Ran::Processed { duplicate } => {
             count(if duplicate { "duplicate" } else { "processed" });
         }
-        // A retry's completion is waited for: never handed back.
-        Ran::Parked { .. } | Ran::Gone | Ran::Unrecorded => {}
+        Ran::Parked { .. } | Ran::Gone => {}
         Ran::Failed {
             outcome,
             attempts,
@@ -964,7 +1046,7 @@ pub(super) async fn parked_head<H>(
     shared: &Shared<H>,
     key: &str,
 ) -> Option<Option<(u64, Duration, i32)>> {
-    persist(shared, "reading the key's parked messages", || {
+    persist_here(shared, "reading the key's parked messages", || {
         inbox::parked_head(&shared.pool, &shared.cfg.durable, &shared.cfg.stream, key)
     })
     .await
@@ -1008,8 +1090,14 @@ pub(super) fn new_shared<H: Handler>(
     role: Role,
 ) -> std::sync::Arc<Shared<H>> {
     let (proof, helper) = match role {
-        Role::Dispatcher(proof) => (proof, false),
-        Role::Helper => (Proof::default(), true),
+        Role::Dispatcher(proof) => (proof, None),
+        Role::Helper(recorder) => (
+            Proof::default(),
+            Some(Helper {
+                recorder,
+                member: Proof::default(),
+            }),
+        ),
     };
     std::sync::Arc::new(Shared {
         pool: pool.clone(),
@@ -1022,7 +1110,6 @@ pub(super) fn new_shared<H: Handler>(
         calls: Default::default(),
         dlq_failing: AtomicUsize::new(0),
         helper,
-        unrecorded: Default::default(),
         batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
         transactions: handler.in_transaction().then(|| {
             // A quarter of the pool each for the dispatcher's and the crew's

@@ -154,6 +154,7 @@ pub async fn run<H: Handler>(
         processes: AtomicUsize::new(1),
         member: std::sync::atomic::AtomicI32::new(member.id),
         fences: Default::default(),
+        retired: Default::default(),
     });
     let worker_task = tokio::spawn(crew::work(
         new_shared(
@@ -163,7 +164,10 @@ pub async fn run<H: Handler>(
             &dlq,
             handler.clone(),
             CancellationToken::new(),
-            delivery::Role::Helper,
+            delivery::Role::Helper(delivery::Recorder {
+                client: js.client(),
+                subject: crew::record_subject(&cfg.stream, &cfg.durable),
+            }),
         ),
         js.clone(),
         pool.clone(),

@@ -49,9 +49,6 @@ pub(super) enum Ran {
     },
     /// Processed meanwhile, or gone (a retry only).
     Gone,
-    /// The handler succeeded and its completion could not be written here
-    /// in time (a helper cut off from Postgres): the dispatcher records it.
-    Unrecorded,
 }
 
 /// Requests queued at most: one per running job, so `--concurrency` bounds

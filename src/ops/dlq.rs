@@ -213,6 +213,13 @@ pub async fn replay(
             ));
             continue;
         };
+        if d.headers.get(wire::DLQ_PAYLOAD_OMITTED).map(|v| v.as_str()) == Some(wire::EXPIRED) {
+            out.push(entry(
+                "not_replayable",
+                "it left its stream before its retry and no body was kept; publish it again from the outbox table (`audit --repair`)".into(),
+            ));
+            continue;
+        }
         let original_stream = d.headers.get(wire::DLQ_ORIGINAL_STREAM).map(|v| v.as_str());
         match reaches(js, original_stream, &d.subject, &durable).await {
             Ok(Ok(())) => {}

@@ -151,8 +151,27 @@ pub struct Service {
     envs: Vec<(String, String)>,
 }
 
-/// A loopback port that was free a moment ago.
+/// A loopback port that was free a moment ago, below the kernel's
+/// ephemeral range: one the kernel hands out (port 0) may be taken, before
+/// the server binds it, as the source port of any outgoing connection.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(32768);
+    let base = (low / 2).max(1024);
+    let span = low.saturating_sub(base).max(1);
+    // Spread by process and counter: tests and the scripts pick at once.
+    let seed =
+        u64::from(std::process::id()) * 7919 + NEXT.fetch_add(1, Ordering::Relaxed) * 104_729;
+    for i in 0..span {
+        let port = u16::try_from(base + (seed + i * 7) % span).unwrap_or(0);
+        if port != 0 && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -105,6 +105,40 @@ fn base(stream: &str, durable: &str) -> String {
     format!("{}.{stream}.{durable}", crate::wire::CREW_PREFIX)
 }
 
+/// Where a helper cut off from Postgres asks the crew to record a success
+/// (see [`delivery::Recorder`]); every process listens, one answers.
+pub(super) fn record_subject(stream: &str, durable: &str) -> String {
+    format!("{}.record", base(stream, durable))
+}
+
+/// How long a process tries to record another's success before it leaves
+/// the request unanswered (the asker asks again).
+const RECORD_WAIT: Duration = Duration::from_secs(2);
+
+/// Record a success another process of the crew could not, and say so:
+/// only once the inbox row says processed does the asker ack the message.
+async fn record_for(
+    client: async_nats::Client,
+    pool: PgPool,
+    durable: String,
+    req: async_nats::Message,
+) {
+    let (Some(reply), Ok(id)) = (
+        req.reply,
+        std::str::from_utf8(&req.payload)
+            .unwrap_or_default()
+            .parse::<uuid::Uuid>(),
+    ) else {
+        return;
+    };
+    let ids = [id];
+    let write = super::inbox::complete_many(&pool, &durable, &ids);
+    if let Ok(Ok(())) = tokio::time::timeout(RECORD_WAIT, write).await {
+        tracing::info!(%id, "recorded a success for a process of the crew cut off from Postgres");
+        bounded(client.publish(reply, delivery::RECORDED.into())).await;
+    }
+}
+
 /// This process's place in the crew: a session advisory lock that lives as
 /// long as its connection.
 pub(super) struct Member {
@@ -216,10 +250,6 @@ struct Done {
     /// lock): the dispatcher handles it as lost.
     #[serde(default)]
     lost: bool,
-    /// The handler succeeded for this message and the helper could not
-    /// record it (cut off from Postgres): the dispatcher records it.
-    #[serde(default)]
-    unrecorded: Option<uuid::Uuid>,
 }
 
 /// How a job a helper ran ended, for its report.
@@ -227,7 +257,6 @@ struct JobDone {
     id: u64,
     how: Finished<Instant>,
     panicked: bool,
-    unrecorded: Option<uuid::Uuid>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -318,12 +347,7 @@ pub(super) async fn report(
     how: Finished<Instant>,
     panicked: bool,
 ) {
-    let done = JobDone {
-        id,
-        how,
-        panicked,
-        unrecorded: None,
-    };
+    let done = JobDone { id, how, panicked };
     publish_done(client, &base(stream, durable), done).await;
 }
 
@@ -335,7 +359,6 @@ async fn publish_done(client: &async_nats::Client, base: &str, job: JobDone) {
         // A job cut short is now reported as panicked (see `stop_jobs`);
         // the field stays for what helpers of earlier versions send.
         lost: false,
-        unrecorded: job.unrecorded,
     };
     if let Ok(body) = serde_json::to_vec(&done) {
         // Bounded: with NATS gone the client's queue may be full, and the
@@ -364,33 +387,6 @@ pub(super) enum Sent {
 }
 
 type EndTx = oneshot::Sender<JobEnded>;
-
-/// Record a success a helper could not (cut off from Postgres), then end
-/// the wait for its job. Tried until Postgres takes it: dropped, the call
-/// that succeeded would be made again.
-async fn record_success(
-    pool: PgPool,
-    durable: String,
-    id: uuid::Uuid,
-    waiter: Option<(EndTx, JobEnded)>,
-) {
-    let mut backoff =
-        crate::backoff::Backoff::jittered(Duration::from_millis(100), Duration::from_secs(5));
-    loop {
-        match super::inbox::complete_many(&pool, &durable, &[id]).await {
-            Ok(()) => break,
-            Err(e) => {
-                let pause = backoff.next_pause();
-                tracing::warn!(%id, error = %e, retry_in = ?pause, "cannot record a success a helper handed back; retrying");
-                tokio::time::sleep(pause).await;
-            }
-        }
-    }
-    tracing::info!(%id, "recorded a success its helper could not record");
-    if let Some((tx, end)) = waiter {
-        let _ = tx.send(end);
-    }
-}
 
 /// Jobs the ledger took for lost: their waits end with `None`.
 fn end_lost(lost: Lost<EndTx>) {
@@ -493,22 +489,13 @@ impl Crew {
                         }
                     } else if let Ok(d) = serde_json::from_slice::<Done>(&msg.payload) {
                         let waiter = self.state().ended(d.id);
-                        let end = (!d.lost).then(|| (d.how.into_finished(), d.panicked));
-                        match d.unrecorded {
-                            // Recorded before the key goes on; recorded
-                            // even when no one waits (a success is true).
-                            Some(id) => {
-                                tokio::spawn(record_success(pool.clone(), durable.clone(), id, waiter.map(|w| (w.end, end))));
-                            }
-                            None => {
-                                if let Some(w) = waiter {
-                                    let _ = w.end.send(end);
-                                }
-                            }
+                        if let Some(w) = waiter {
+                            let end = (!d.lost).then(|| (d.how.into_finished(), d.panicked));
+                            let _ = w.end.send(end);
                         }
                     }
                 }
-                _ = tick.tick() => {
+                _ = tick.tick(), if !self.inner.handover.is_cancelled() => {
                     // Without an answer from Postgres, silence still counts.
                     let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable)).await;
                     let lost = self.state().liveness(alive.ok().and_then(|a| a.ok()), Instant::now());
@@ -532,6 +519,15 @@ impl Crew {
             running: h.running.iter().map(|r| r.id).collect(),
             serving: h.serving.map(|s| (s, h.period)),
         };
+        // Handed over, this period still acknowledges the processes that
+        // serve it, and takes nothing for lost: while no other dispatcher
+        // can be (Postgres down for all, say), their proofs hold, and none
+        // cuts a call. A dispatcher that takes over syncs them first, and
+        // from then on their beats are not this period's to acknowledge.
+        if self.inner.handover.is_cancelled() {
+            let ours = heard.serving == Some((self.inner.me, self.inner.period));
+            return ours.then_some((member, heard.beat));
+        }
         let own = self.inner.worker.member.load(Ordering::Relaxed);
         let (Answer { ack, sync }, lost) = self.state().heard(heard, own, Instant::now());
         end_lost(lost);
@@ -923,6 +919,10 @@ pub(super) struct Worker {
     /// period that sees it move ends: others may take the lease and run its
     /// jobs.
     pub fences: std::sync::atomic::AtomicU64,
+    /// The crew listener of the last period that lost its lease, still
+    /// acknowledging the processes that serve it (see `Crew::heard`) until
+    /// this process dispatches again.
+    pub retired: Mutex<Option<tokio_util::sync::DropGuard>>,
 }
 
 /// The subscriptions of one membership.
@@ -930,6 +930,7 @@ struct Subs {
     jobs: Option<async_nats::Subscriber>,
     sync: Option<async_nats::Subscriber>,
     ack: Option<async_nats::Subscriber>,
+    record: Option<async_nats::Subscriber>,
 }
 
 impl Subs {
@@ -946,15 +947,30 @@ impl Subs {
                 }
             }
         };
+        // Any one process answers: a queue group.
+        let record = match client
+            .queue_subscribe(format!("{base}.record"), "record".to_owned())
+            .await
+        {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot subscribe for the crew; retrying");
+                None
+            }
+        };
         Subs {
             jobs: if leaving { None } else { sub("job").await },
             sync: sub("sync").await,
             ack: sub("ack").await,
+            record,
         }
     }
 
     fn complete(&self, leaving: bool) -> bool {
-        (leaving || self.jobs.is_some()) && self.sync.is_some() && self.ack.is_some()
+        (leaving || self.jobs.is_some())
+            && self.sync.is_some()
+            && self.ack.is_some()
+            && self.record.is_some()
     }
 }
 
@@ -1034,6 +1050,12 @@ pub(super) async fn work<H: Handler>(
                 Some(msg) => w.acknowledged(&msg),
                 None => w.subs.ack = None,
             },
+            req = next(&mut w.subs.record) => match req {
+                Some(req) => {
+                    tokio::spawn(record_for(w.client.clone(), w.pool.clone(), w.shared.cfg.durable.clone(), req));
+                }
+                None => w.subs.record = None,
+            },
             _ = beat.tick() => w.beat().await,
             _ = liveness.tick() => w.liveness(),
         }
@@ -1092,6 +1114,15 @@ struct Work<H> {
 }
 
 impl<H: Handler> Work<H> {
+    /// The member lock was held when a check was sent at `pinged`.
+    fn lock_proven(&mut self, pinged: Instant) {
+        self.standing.lock_held(pinged);
+        if let Some(h) = &self.shared.helper {
+            h.member.renew(pinged + rule::MEMBER_PROOF);
+        }
+        self.prove();
+    }
+
     fn prove(&self) {
         let ends = self.standing.ends();
         // A lapse is a fence: the dispatcher may have taken what ran here
@@ -1189,16 +1220,10 @@ impl<H: Handler> Work<H> {
         let shared = self.shared.clone();
         self.tasks.spawn(async move {
             let (how, panicked) = run_caught(&shared, &head.key, job, head.retry).await;
-            let unrecorded = shared
-                .unrecorded
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&head.key);
             JobDone {
                 id: head.id,
                 how,
                 panicked,
-                unrecorded,
             }
         });
     }
@@ -1276,8 +1301,7 @@ impl<H: Handler> Work<H> {
     async fn check_lock(&mut self) {
         let pinged = Instant::now();
         if self.member.held().await {
-            self.standing.lock_held(pinged);
-            self.prove();
+            self.lock_proven(pinged);
             return;
         }
         let cfg = &self.shared.cfg;
@@ -1293,8 +1317,7 @@ impl<H: Handler> Work<H> {
                     "the crew membership's connection failed; took the membership back"
                 );
                 self.member = m;
-                self.standing.lock_held(Instant::now());
-                self.prove();
+                self.lock_proven(Instant::now());
             }
             Ok(Ok(None)) => tracing::warn!(
                 "the crew membership's connection failed and its lock is still held; retrying"
