@@ -4271,8 +4271,91 @@ async fn a_helper_cut_off_from_nats_stops_its_job_before_the_dispatcher_runs_it_
     let k1 = crew.k1_running_on_b(&a, &b, 2_000).await;
     proxy.cut();
     crew.called_again(k1).await;
+    // Review N9 (e): the call B cut is in its handler figures (a cut call
+    // never reached the histogram: the slowest calls, during incidents).
+    assert_eq!(
+        b.scrape()
+            .await
+            .value("outbox_consumer_handler_seconds_count"),
+        Some(1.0),
+        "B's one call, cut, is timed"
+    );
     proxy.heal();
     crew.assert_k1_ran_once_at_a_time(k1).await;
+}
+
+/// Review N9 (a) (issue 56): a dead letter the DLQ refused at a helper was
+/// in no figure: `outbox_consumer_dead_letters_failing` and `/readyz` read
+/// the dispatcher's own jobs only, so at N processes about (N-1)/N of DLQ
+/// failures were invisible. The helper says so, and clears it once stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_refused_at_a_helper_is_shown_by_that_helper() {
+    let crew = Crew::new("c_dlqhelper", "cdlqhelper").await;
+    // A full DLQ: one message, new ones refused.
+    let prefix = wire::consumer_dlq_prefix("cdlqhelper");
+    let dlq_name = wire::dlq_stream_name(&prefix);
+    crew.js
+        .create_stream(stream::Config {
+            name: dlq_name.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            max_messages: 1,
+            discard: stream::DiscardPolicy::New,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    crew.js
+        .publish(format!("{prefix}.filler"), "x".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let nats = stack().nats_url;
+    let mut a = crew.process("dlqhelper-a", &nats);
+    a.wait_ready();
+    let b = crew.process("dlqhelper-b", &nats);
+    eventually(T, "two processes of the durable", || async {
+        a.scrape().await.value("outbox_consumer_processes") == Some(2.0)
+    })
+    .await;
+    // X holds A's only slot: K, rejected by the handler, runs at B.
+    let (x, k) = (Uuid::new_v4(), Uuid::new_v4());
+    crew.publish(x, "x", 20_000).await;
+    crew.called(x).await;
+    publish(
+        &crew.js,
+        &format!("{}.e", crew.ctx),
+        Some(k),
+        "k",
+        br#"{"status": 422}"#,
+    )
+    .await;
+    crew.called(k).await;
+    eventually(T, "B counts the dead letter it cannot store", || async {
+        b.scrape()
+            .await
+            .value("outbox_consumer_dead_letters_failing")
+            == Some(1.0)
+    })
+    .await;
+    let (status, body) = b.http_get("/readyz").await;
+    assert_eq!(status, 503, "B's /readyz: {body}");
+    assert!(body.contains("dead letter"), "{body}");
+    crew.js
+        .get_stream(&dlq_name)
+        .await
+        .unwrap()
+        .purge()
+        .await
+        .unwrap();
+    eventually(T, "stored, and B's figure back to 0", || async {
+        b.scrape()
+            .await
+            .value("outbox_consumer_dead_letters_failing")
+            == Some(0.0)
+            && b.http_get("/readyz").await.0 == 200
+    })
+    .await;
 }
 
 /// Review of the crew, finding 4: a new dispatcher took over after hearing

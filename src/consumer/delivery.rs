@@ -67,7 +67,7 @@ pub(super) struct Shared<H> {
     /// Cuts the handler calls in flight (a process cut off from the crew).
     pub calls: Calls,
     /// Dead letters that could not be stored yet, for `/readyz`.
-    pub dlq_failing: AtomicUsize,
+    pub dlq_failing: std::sync::Arc<AtomicUsize>,
     /// Claims and completions of detached (HTTP) calls, batched.
     pub batcher: inbox::Batcher,
     /// Group transactions for a handler that runs inside one.
@@ -1108,7 +1108,7 @@ pub(super) fn new_shared<H: Handler>(
         stop,
         proof,
         calls: Default::default(),
-        dlq_failing: AtomicUsize::new(0),
+        dlq_failing: Default::default(),
         helper,
         batcher: inbox::Batcher::start(pool.clone(), cfg.durable.clone(), cfg.stream.clone()),
         transactions: handler.in_transaction().then(|| {

@@ -345,7 +345,6 @@ impl<H: Handler> Dispatch<'_, H> {
         let lease_lost = lease.lost();
         let mut reconnect_check = tokio::time::interval(RECONNECT_CHECK);
         let mut quiet_check = tokio::time::interval(QUIET_PULL);
-        metrics::gauge!(m::CONSUMER_PENDING).set(self.consumer.cached_info().num_pending as f64);
         loop {
             // Checked at every wake-up: a process that thaws after a freeze
             // runs a branch or two before its keeper hears the lease is gone.
@@ -688,7 +687,10 @@ impl<H: Handler> Dispatch<'_, H> {
             None => held,
         };
         self.parked.set(parked as f64);
-        let failing = self.shared.dlq_failing.load(Ordering::Relaxed);
+        // Its own jobs' and those it runs for the crew (a process is a
+        // helper of its own dispatcher too).
+        let failing = self.shared.dlq_failing.load(Ordering::Relaxed)
+            + self.active.worker.dlq_failing.load(Ordering::Relaxed);
         metrics::gauge!(m::CONSUMER_DLQ_FAILING).set(failing as f64);
         if failing > 0 {
             self.active.readiness.not_ready(format!(

@@ -135,7 +135,9 @@ pub fn call_limits(
 /// handler's `handle` may panic before its future exists.
 pub(super) async fn call<F: Future<Output = Outcome>>(make: impl FnOnce() -> F) -> Outcome {
     use futures::FutureExt;
-    let started = std::time::Instant::now();
+    // Recorded however the call ends: one cut short (its future dropped)
+    // is among the slowest, and the figures must not lose it.
+    let _timed = Timed(std::time::Instant::now());
     let outcome = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(make)) {
         Ok(work) => std::panic::AssertUnwindSafe(work)
             .catch_unwind()
@@ -143,9 +145,18 @@ pub(super) async fn call<F: Future<Output = Outcome>>(make: impl FnOnce() -> F) 
             .unwrap_or_else(|panic| panicked(&*panic)),
         Err(panic) => panicked(&*panic),
     };
-    metrics::histogram!(crate::ops::metrics::CONSUMER_HANDLER_SECONDS)
-        .record(started.elapsed().as_secs_f64());
     outcome
+}
+
+/// A handler call's time, into `outbox_consumer_handler_seconds` when it
+/// is dropped.
+struct Timed(std::time::Instant);
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        metrics::histogram!(crate::ops::metrics::CONSUMER_HANDLER_SECONDS)
+            .record(self.0.elapsed().as_secs_f64());
+    }
 }
 
 fn panicked(panic: &(dyn std::any::Any + Send)) -> Outcome {

@@ -148,6 +148,18 @@ pub async fn run<H: Handler>(
     // Every process of the durable works (SPEC §11, `crew`): whichever
     // holds the lease dispatches, and all run the jobs it hands out.
     let member = Member::join(&pool, &cfg.stream, &cfg.durable).await?;
+    let helping = new_shared(
+        &cfg,
+        &pool,
+        &stream,
+        &dlq,
+        handler.clone(),
+        CancellationToken::new(),
+        delivery::Role::Helper(delivery::Recorder {
+            client: js.client(),
+            subject: crew::record_subject(&cfg.stream, &cfg.durable),
+        }),
+    );
     let worker = Arc::new(Worker {
         registry: Default::default(),
         dispatching: AtomicBool::new(false),
@@ -155,20 +167,10 @@ pub async fn run<H: Handler>(
         member: std::sync::atomic::AtomicI32::new(member.id),
         fences: Default::default(),
         retired: Default::default(),
+        dlq_failing: helping.dlq_failing.clone(),
     });
     let worker_task = tokio::spawn(crew::work(
-        new_shared(
-            &cfg,
-            &pool,
-            &stream,
-            &dlq,
-            handler.clone(),
-            CancellationToken::new(),
-            delivery::Role::Helper(delivery::Recorder {
-                client: js.client(),
-                subject: crew::record_subject(&cfg.stream, &cfg.durable),
-            }),
-        ),
+        helping,
         js.clone(),
         pool.clone(),
         member,

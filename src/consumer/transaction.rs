@@ -285,9 +285,8 @@ async fn run_group<H: Handler>(
         .await
         {
             Ok(outcome) => (outcome, false),
+            // The dropped call was timed as it was dropped.
             Err(_) => {
-                metrics::histogram!(crate::ops::metrics::CONSUMER_HANDLER_SECONDS)
-                    .record(limit.as_secs_f64());
                 let why = format!("the handler did not answer within {limit:?}");
                 (Outcome::Retry(why), true)
             }

@@ -923,6 +923,9 @@ pub(super) struct Worker {
     /// acknowledging the processes that serve it (see `Crew::heard`) until
     /// this process dispatches again.
     pub retired: Mutex<Option<tokio_util::sync::DropGuard>>,
+    /// Dead letters the DLQ has not stored yet, of the jobs this process
+    /// runs for the crew (the dispatcher's own are its period's).
+    pub dlq_failing: Arc<AtomicUsize>,
 }
 
 /// The subscriptions of one membership.
@@ -1340,6 +1343,17 @@ impl<H: Handler> Work<H> {
         ));
         if !self.worker.dispatching.load(Ordering::Relaxed) && self.leaving.is_none() {
             let n = self.worker.processes.load(Ordering::Relaxed);
+            // The dead letters this process's jobs cannot store yet, as the
+            // dispatcher reports its own (the autoscaler and alerts read
+            // every process).
+            let failing = self.worker.dlq_failing.load(Ordering::Relaxed);
+            metrics::gauge!(m::CONSUMER_DLQ_FAILING).set(failing as f64);
+            if failing > 0 {
+                self.readiness.not_ready(format!(
+                    "{failing} dead letter(s) not stored yet: the dead-letter stream refuses them; retrying"
+                ));
+                return;
+            }
             self.readiness.ready();
             self.readiness.note(format!(
                 "one of {n} process(es) of durable {}: another dispatches; this one (crew member {}, its advisory lock's objid in pg_locks) runs the jobs it is sent ({} running, room for {})",
