@@ -249,7 +249,12 @@ pub async fn replay(
             )),
         };
         let duplicate = match publish(js, dlq_stream, &d, &durable, who).await {
-            Ok(duplicate) => duplicate,
+            Ok(Sent::Stored { duplicate }) => duplicate,
+            // No answer: the copy may be stored, and then its record is
+            // what lets it through to the handler (taken back, the copy
+            // would arrive as a duplicate and call nothing, and the next
+            // run would say "replayed" of a replay that never ran).
+            Ok(Sent::Unanswered(e)) => return Err(e),
             Err(e) => {
                 // Only a record this run made is taken back: an earlier
                 // run's copy may be in the stream, and its record is what
@@ -417,7 +422,7 @@ async fn publish(
     d: &DeadLetter,
     durable: &str,
     who: &str,
-) -> Result<bool> {
+) -> Result<Sent> {
     let mut headers = HeaderMap::new();
     for (k, vs) in d.headers.iter() {
         let name = k.to_string();
@@ -475,13 +480,30 @@ async fn publish(
                 d.id, d.subject
             ))
         })?;
-    let ack = ack.await.map_err(|e| {
-        Error::setup(format!(
+    match ack.await {
+        Ok(ack) => Ok(Sent::Stored {
+            duplicate: ack.duplicate,
+        }),
+        Err(e) if e.kind() == jetstream::context::PublishErrorKind::TimedOut => {
+            Ok(Sent::Unanswered(Error::setup(format!(
+                "no answer to the replay of {} to {}: it may be stored; run the same replay again (a copy that arrived is used once, one that did not is sent again)",
+                d.id, d.subject
+            ))))
+        }
+        Err(e) => Err(Error::setup(format!(
             "the replay of {} to {} was not stored: {e} (does a stream capture {}?)",
             d.id, d.subject, d.subject
-        ))
-    })?;
-    Ok(ack.duplicate)
+        ))),
+    }
+}
+
+/// What became of a replay's publish.
+enum Sent {
+    Stored {
+        duplicate: bool,
+    },
+    /// No answer in time: it may be stored.
+    Unanswered(Error),
 }
 
 /// The dead letter's body; for one stored without it (too large for the
