@@ -886,6 +886,10 @@ mod tests {
         Advance(u64),
         Send,
         Finish(usize, usize),
+        /// A helper's call returned 200: the job is past its call, its
+        /// completion to record (a cut no longer stops it; `Finish` ends
+        /// it, here or through another process that records it).
+        Succeed(usize, usize),
         Kill(usize),
         /// A new process joins the crew (a restart comes back as one).
         Join,
@@ -904,6 +908,7 @@ mod tests {
             8 => (1u64..400).prop_map(Event::Advance),
             5 => Just(Event::Send),
             4 => (0usize..8, 0usize..4).prop_map(|(h, k)| Event::Finish(h, k)),
+            2 => (0usize..8, 0usize..4).prop_map(|(h, k)| Event::Succeed(h, k)),
             1 => (0usize..8).prop_map(Event::Kill),
             1 => Just(Event::Join),
             1 => (0usize..8, 100u64..9000).prop_map(|(h, d)| Event::Freeze(h, d)),
@@ -949,6 +954,10 @@ mod tests {
         locked: bool,
         /// Requests it has read while frozen, to handle on thawing.
         inbox: Vec<Msg>,
+        /// Jobs whose call succeeded, their completion still to record.
+        past: HashSet<u64>,
+        /// The last millisecond it was frozen or cut off from NATS.
+        unreachable_at: Option<u64>,
     }
 
     impl HelperSim {
@@ -965,6 +974,8 @@ mod tests {
                 pg_spoke: now,
                 locked: true,
                 inbox: Vec::new(),
+                past: HashSet::new(),
+                unreachable_at: None,
             }
         }
     }
@@ -1073,6 +1084,19 @@ mod tests {
                 self.lost.insert(id, self.now);
                 self.ledger.unreserve(w.member);
                 self.check(w.member - 1);
+                // A job whose call succeeded, at a helper that could be
+                // heard all along, is run again: a successful call made
+                // twice by a pause, not a crash.
+                let hs = &self.helpers[(w.member - 1) as usize];
+                let reachable = hs
+                    .unreachable_at
+                    .is_none_or(|t| self.now.saturating_sub(t) > SILENT_LOCKED.as_millis() as u64);
+                assert!(
+                    hs.dead || !hs.past.contains(&id) || !reachable,
+                    "job {id} succeeded at helper {}, which could be heard, and was taken for lost at {}ms: its call is made again",
+                    hs.id,
+                    self.now
+                );
             }
         }
 
@@ -1085,7 +1109,8 @@ mod tests {
             if hs.dead {
                 return;
             }
-            for id in hs.roster.jobs.keys() {
+            // A job past its call makes no call again: only calls can overlap.
+            for id in hs.roster.jobs.keys().filter(|id| !hs.past.contains(id)) {
                 if let Some(&at) = self.lost.get(id) {
                     assert!(
                         hs.standing.ends() + CUT <= self.at(at),
@@ -1136,7 +1161,27 @@ mod tests {
                     ids.sort();
                     if let Some(&id) = ids.get(k) {
                         hs.roster.jobs.remove(&id);
+                        hs.past.remove(&id);
                         self.send(h as i32, -1, Msg::Done(id));
+                    }
+                }
+                Event::Succeed(h, k) => {
+                    let h = pick(h);
+                    let now = self.at(self.now);
+                    let hs = &mut self.helpers[h];
+                    if hs.dead || self.now < hs.frozen_until || !hs.standing.holds(now) {
+                        return;
+                    }
+                    let mut ids: Vec<u64> = hs
+                        .roster
+                        .jobs
+                        .keys()
+                        .filter(|id| !hs.past.contains(id))
+                        .copied()
+                        .collect();
+                    ids.sort();
+                    if let Some(&id) = ids.get(k) {
+                        hs.past.insert(id);
                     }
                 }
                 Event::Kill(h) => {
@@ -1144,6 +1189,7 @@ mod tests {
                     hs.dead = true;
                     hs.locked = false;
                     hs.roster.jobs.clear();
+                    hs.past.clear();
                 }
                 Event::Freeze(h, d) => self.helpers[pick(h)].frozen_until = self.now + d,
                 Event::Partition(h, d) => self.helpers[pick(h)].cut_until = self.now + d,
@@ -1159,6 +1205,9 @@ mod tests {
             let now = self.now;
             // Postgres ends a session silent for LEASE_TTL.
             for h in &mut self.helpers {
+                if now < h.frozen_until || now < h.cut_until {
+                    h.unreachable_at = Some(now);
+                }
                 let silent = now < h.frozen_until || now < h.pg_cut_until;
                 if !silent {
                     h.pg_spoke = now;
@@ -1279,7 +1328,7 @@ mod tests {
             }
             // The cut at the proof's end: `cut_at_lapse` in the shell.
             if !self.helpers[h].standing.holds(now) {
-                self.end_all(h);
+                self.cut(h);
             }
             let inbox = std::mem::take(&mut self.helpers[h].inbox);
             for msg in inbox {
@@ -1324,7 +1373,7 @@ mod tests {
             self.helpers[h].next_beat = now_ms + BEAT.as_millis() as u64;
             // Its proof lapsed: it cuts its calls and reports them.
             if !self.helpers[h].standing.holds(now) {
-                self.end_all(h);
+                self.cut(h);
             }
             let hs = &mut self.helpers[h];
             let beat = hs.standing.beat(now);
@@ -1346,8 +1395,26 @@ mod tests {
             }
         }
 
-        /// Helper `h` ends (or cuts) every job it runs, and says so.
+        /// Helper `h` cuts the calls it makes, and says so; a job past its
+        /// call stays, to record its outcome (as `stop_jobs` in the shell).
+        fn cut(&mut self, h: usize) {
+            let hs = &mut self.helpers[h];
+            let ids: Vec<u64> = hs
+                .roster
+                .jobs
+                .keys()
+                .filter(|id| !hs.past.contains(id))
+                .copied()
+                .collect();
+            for id in ids {
+                self.helpers[h].roster.jobs.remove(&id);
+                self.send(h as i32, -1, Msg::Done(id));
+            }
+        }
+
+        /// Helper `h` ends every job it runs, and says so.
         fn end_all(&mut self, h: usize) {
+            self.helpers[h].past.clear();
             let ids: Vec<u64> = self.helpers[h]
                 .roster
                 .jobs
@@ -1422,6 +1489,30 @@ mod tests {
             Event::Advance(150),
             Event::DispatcherBlind(5000),
             Event::Advance(4000),
+        ]);
+        for seed in 0..64 {
+            run_world(seed, &events);
+        }
+    }
+
+    /// Issue 56, items 1 and 2: a helper whose call succeeded and whose
+    /// Postgres is then cut off (its lock goes, its completion waits) while
+    /// NATS carries its beats: its job is never taken for lost. The old
+    /// rule took it 3 s after the lock went, and ran the call again.
+    #[test]
+    fn a_success_at_a_helper_cut_off_from_postgres_alone_is_never_run_again() {
+        let mut events = vec![Event::Advance(100), Event::Join, Event::Advance(1000)];
+        events.extend(std::iter::repeat_n(Event::Send, 12));
+        events.push(Event::Advance(200));
+        for h in 0..4 {
+            events.push(Event::Succeed(h, 0));
+        }
+        events.extend([
+            Event::CutPostgres(0, 9000),
+            Event::CutPostgres(1, 9000),
+            Event::CutPostgres(2, 9000),
+            Event::CutPostgres(3, 9000),
+            Event::Advance(9500),
         ]);
         for seed in 0..64 {
             run_world(seed, &events);
