@@ -473,38 +473,3 @@ async fn a_helper_cut_off_from_postgres_mid_call_has_its_successes_recorded_once
     proxy.resume();
     w.settled(load).await;
 }
-
-/// Three processes through a Postgres crash and an 8 s outage. Found by a
-/// review of the first fix: the dispatcher's lease went with Postgres, its
-/// crew listener with it, so nothing acknowledged the helpers' beats and,
-/// their member locks unprovable too, every helper cut its calls 3 s in.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_processes_through_a_postgres_outage_repeat_no_call() {
-    let own = OwnStack::up("p-crewpgdown", false);
-    let (url, nats) = (
-        own.get("DATABASE_URL").to_owned(),
-        own.get("NATS_URL").to_owned(),
-    );
-    migrate(&url);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&url)
-        .await
-        .unwrap();
-    let w = World::on(url.clone(), pool, &nats, "pcrewpgdown").await;
-    let mut a = w.crew_process("pcrewpgdown-a", &url);
-    a.wait_ready();
-    let b = w.crew_process("pcrewpgdown-b", &url);
-    let c = w.crew_process("pcrewpgdown-c", &url);
-    w.processes(&a, 3).await;
-    let load = w.load();
-    eventually(T, "both helpers run calls", || async {
-        b.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-            && c.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-    })
-    .await;
-    own.pg_power_mode("pg-stop", "immediate");
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    own.pg_power("pg-start");
-    w.settled(load).await;
-}

@@ -529,7 +529,7 @@ async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Opti
             .unwrap_or_else(|| format!("{}:{}", shared.cfg.stream, parts.seq));
     dead_letter(shared, parts, &stand_in, &u.reason, 1).await?;
     if let Some(id) = u.id {
-        persist_here(shared, "recording the dead letter", || {
+        persist(shared, "recording the dead letter", || {
             inbox::finish_failed(
                 &shared.pool,
                 &shared.cfg.durable,
@@ -564,7 +564,7 @@ async fn run_handler<H: Handler>(
     }
     if let (Some(group), false) = (&shared.transactions, parked) {
         let delivery = parts.delivery(id, 0);
-        return Box::pin(persist_here(shared, "the inbox transaction", || {
+        return Box::pin(persist(shared, "the inbox transaction", || {
             group.run(delivery.clone(), parts.seq)
         }))
         .await;
@@ -574,7 +574,7 @@ async fn run_handler<H: Handler>(
         let cut = fence;
         return Box::pin(async {
             tokio::select! {
-                    ran = persist_here(shared, "the inbox transaction", || async {
+                    ran = persist(shared, "the inbox transaction", || async {
                 let mut tx = shared.pool.begin().await?;
                 let attempts = if parked {
                     match inbox::claim_parked(&mut *tx, consumer, id).await? {
@@ -760,7 +760,7 @@ async fn after_failure<H: Handler>(
         Action::DeadLetter(reason) => {
             let original = parts.id_text().unwrap_or_else(|| id.to_string());
             dead_letter(shared, parts, &original, &reason, attempts).await?;
-            persist_here(shared, "recording the dead letter", || {
+            persist(shared, "recording the dead letter", || {
                 inbox::finish_failed(
                     &shared.pool,
                     &cfg.durable,

@@ -248,17 +248,6 @@ impl<'a, H: Handler> Active<'a, H> {
         for (running, end) in adopted {
             dispatch.await_adopted(running, end);
         }
-        // Every process this period reaches serves it now: the last lost
-        // period's listener has nothing left to acknowledge.
-        drop(
-            dispatch
-                .active
-                .worker
-                .retired
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take(),
-        );
         Ok(dispatch)
     }
 }
@@ -860,18 +849,6 @@ impl<H: Handler> Dispatch<'_, H> {
         self.parked.set(0.0);
         metrics::gauge!(m::CONSUMER_DLQ_FAILING).set(0.0);
         self.crew.hand_over();
-        if matches!(ended, Ended::LeaseLost) {
-            // Its listener goes on acknowledging the processes it served
-            // (see `Crew::heard`), until this process dispatches again.
-            let listener =
-                std::mem::replace(&mut self._crew_stop, CancellationToken::new().drop_guard());
-            *self
-                .active
-                .worker
-                .retired
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(listener);
-        }
         drop(lease);
         let ours = crew::roster(&self.registry)
             .jobs

@@ -166,7 +166,6 @@ pub async fn run<H: Handler>(
         processes: AtomicUsize::new(1),
         member: std::sync::atomic::AtomicI32::new(member.id),
         fences: Default::default(),
-        retired: Default::default(),
         dlq_failing: helping.dlq_failing.clone(),
     });
     let worker_task = tokio::spawn(crew::work(

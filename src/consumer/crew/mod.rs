@@ -495,7 +495,7 @@ impl Crew {
                         }
                     }
                 }
-                _ = tick.tick(), if !self.inner.handover.is_cancelled() => {
+                _ = tick.tick() => {
                     // Without an answer from Postgres, silence still counts.
                     let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable)).await;
                     let lost = self.state().liveness(alive.ok().and_then(|a| a.ok()), Instant::now());
@@ -519,15 +519,6 @@ impl Crew {
             running: h.running.iter().map(|r| r.id).collect(),
             serving: h.serving.map(|s| (s, h.period)),
         };
-        // Handed over, this period still acknowledges the processes that
-        // serve it, and takes nothing for lost: while no other dispatcher
-        // can be (Postgres down for all, say), their proofs hold, and none
-        // cuts a call. A dispatcher that takes over syncs them first, and
-        // from then on their beats are not this period's to acknowledge.
-        if self.inner.handover.is_cancelled() {
-            let ours = heard.serving == Some((self.inner.me, self.inner.period));
-            return ours.then_some((member, heard.beat));
-        }
         let own = self.inner.worker.member.load(Ordering::Relaxed);
         let (Answer { ack, sync }, lost) = self.state().heard(heard, own, Instant::now());
         end_lost(lost);
@@ -919,10 +910,6 @@ pub(super) struct Worker {
     /// period that sees it move ends: others may take the lease and run its
     /// jobs.
     pub fences: std::sync::atomic::AtomicU64,
-    /// The crew listener of the last period that lost its lease, still
-    /// acknowledging the processes that serve it (see `Crew::heard`) until
-    /// this process dispatches again.
-    pub retired: Mutex<Option<tokio_util::sync::DropGuard>>,
     /// Dead letters the DLQ has not stored yet, of the jobs this process
     /// runs for the crew (the dispatcher's own are its period's).
     pub dlq_failing: Arc<AtomicUsize>,

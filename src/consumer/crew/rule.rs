@@ -25,9 +25,11 @@
 //!   or was never admitted).
 //!
 //! A pause is not a crash: a process that can still be heard, or that
-//! still holds its member lock, keeps its jobs. Postgres alone unreachable
-//! (a restart, a failover, a stalled path) costs no call: the helper's
-//! beats go on being acknowledged. NATS alone unreachable, or the
+//! still holds its member lock, keeps its jobs. A helper cut off from
+//! Postgres alone (a stalled path, a terminated backend) costs no call: its
+//! beats go on being acknowledged; nor does a Postgres restart that the
+//! dispatcher's next period outlasts by less than [`FENCE`] (it syncs the
+//! helper and acknowledges it again). NATS alone unreachable, or the
 //! dispatcher stalled, costs none for [`FENCE_LOCKED`]: the member lock is
 //! held. Only a process that can be neither heard nor seen holding its lock
 //! (dead, frozen, cut off from both) loses its jobs, once it has stopped
