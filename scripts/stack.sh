@@ -358,6 +358,7 @@ nats_cluster_up() {
     sleep 0.1
   done
   cat "$dir"/n*.log >&2
+  nats_cluster_down "$dir"
   die "the NATS cluster elected no metadata leader in 20s"
 }
 
@@ -372,9 +373,11 @@ nats_node_start() {
   port="$(sed -n '5p' "$dir/n$i.cmd")"
   for _ in $(seq 1 100); do
     (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return 0
-    kill -0 "$pid" 2>/dev/null || { tail -20 "$dir/n$i.log" >&2; die "nats node $i exited"; }
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$dir/n$i.log" >&2; nats_cluster_down "$dir"; die "nats node $i exited"; }
     sleep 0.1
   done
+  # The nodes started so far would outlive a caller that never got the env.
+  nats_cluster_down "$dir"
   die "nats node $i not listening after 10s"
 }
 
