@@ -73,6 +73,15 @@ pub async fn run(
             }
             (*n).max(state.first_sequence)
         }
+        // The server's clock says what is "after the newest message": a
+        // start time past it finds nothing (the server may answer a far
+        // one with the first sequence).
+        StartAt::Time(at) if *at > state.last_timestamp => {
+            return Err(Error::Config(format!(
+                "stream {stream_name} holds no message at or after {at} (its newest is from {}): nothing to start over from",
+                state.last_timestamp
+            )))
+        }
         StartAt::Time(at) => first_at_or_after(&stream, *at).await?.ok_or_else(|| {
             Error::Config(format!(
                 "stream {stream_name} holds no message at or after {at} (its newest is from {}): nothing to start over from",
@@ -150,7 +159,12 @@ async fn first_at_or_after(
         .await
         .map_err(Error::nats("finding the first message at that time"))?;
     match batch.next().await {
-        Some(Ok(m)) => Ok(m.info().ok().map(|i| i.stream_sequence)),
+        // Only a message stamped at or after `at` (the server's times).
+        Some(Ok(m)) => Ok(m
+            .info()
+            .ok()
+            .filter(|i| i.published >= at)
+            .map(|i| i.stream_sequence)),
         Some(Err(e)) => Err(Error::setup(format!(
             "finding the first message at that time: {e}"
         ))),
