@@ -41,9 +41,7 @@ impl Handler {
         let app = axum::Router::new()
             .route("/handle", axum::routing::post(answer))
             .with_state(self.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/handle", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let url = serve_handler(app).await;
         url
     }
 
@@ -3271,9 +3269,7 @@ impl SlowHandler {
         let app = axum::Router::new()
             .route("/handle", axum::routing::post(slow_answer))
             .with_state(h.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/handle", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let url = serve_handler(app).await;
         (h, url)
     }
 
@@ -4001,9 +3997,7 @@ impl Spans {
         let app = axum::Router::new()
             .route("/handle", axum::routing::post(span_answer))
             .with_state(self.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/handle", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let url = serve_handler(app).await;
         url
     }
 

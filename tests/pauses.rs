@@ -48,9 +48,7 @@ impl Effects {
         let app = axum::Router::new()
             .route("/handle", axum::routing::post(take_effect))
             .with_state(self.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/handle", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let url = serve_handler(app).await;
         url
     }
 

@@ -151,6 +151,15 @@ pub struct Service {
     envs: Vec<(String, String)>,
 }
 
+/// Serve a test's handler `app` on a free loopback port: the URL of its
+/// `/handle` route.
+pub async fn serve_handler(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/handle", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
 /// A loopback port that was free a moment ago, below the kernel's
 /// ephemeral range: one the kernel hands out (port 0) may be taken, before
 /// the server binds it, as the source port of any outgoing connection.
