@@ -3663,9 +3663,11 @@ async fn crew_rust_child() {
     ) else {
         return;
     };
+    // Named after the process: a test finds its sessions by name.
+    let options: sqlx::postgres::PgConnectOptions = db.parse().unwrap();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(10)
-        .connect(&db)
+        .connect_with(options.application_name(&format!("crew-{process}")))
         .await
         .unwrap();
     let js = js(&nats).await;
@@ -3721,7 +3723,7 @@ async fn three_processes_of_a_rust_handler_durable_keep_exactly_once_effects_acr
     let members = || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM pg_locks l WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             AND mode = 'ExclusiveLock' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
              AND NOT EXISTS (SELECT 1 FROM pg_locks x WHERE x.pid = l.pid AND x.locktype = 'advisory' AND x.objsubid = 1)",
         )
         .fetch_one(&pool)
@@ -5787,6 +5789,155 @@ async fn a_process_frozen_inside_a_rust_call_holds_its_message_no_longer_than_th
     signal(a.0.id(), "CONT");
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(effects(slow).await.len(), 1);
+    drop((a, b));
+}
+
+/// SPEC §11 with the Rust handler: a process frozen inside its calls holds
+/// up its own aggregates only, and only until the crew takes its jobs for
+/// lost. Its handler's calls may take 300 s, so Postgres would keep the
+/// frozen group's transaction (and the row locks of up to 32 messages) for
+/// five minutes: the crew ends it instead, and the other process runs the
+/// frozen one's messages, and every message published meanwhile, while it
+/// is still frozen. Before, the redelivered messages' claims waited on the
+/// frozen transaction's row locks, taking every group writer of the other
+/// process with them: nothing ran until the thaw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_rust_handler_process_holds_up_only_its_own_aggregates() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_rstall").await;
+    crew_effects_table(&pool).await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "crstall", DUP).await;
+    let spawn = |name: &str| {
+        rust_child(
+            &url,
+            &stack.nats_url,
+            &stream,
+            "rstall",
+            name,
+            Some(300_000),
+        )
+    };
+    let a = Reaped(spawn("a"));
+    eventually(T, "a dispatches", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    let b = Reaped(spawn("b"));
+    let pg_now = || async {
+        sqlx::query_scalar::<_, f64>("SELECT extract(epoch FROM clock_timestamp())::float8")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    // Published at a time by Postgres's clock, which dates the effects.
+    let sent: Arc<Mutex<Vec<(Uuid, String, f64)>>> = Default::default();
+    let send = |aggregate: String, sleep_ms: u64| {
+        let (js, sent, pool) = (js.clone(), sent.clone(), pool.clone());
+        async move {
+            let id = Uuid::new_v4();
+            let at: f64 =
+                sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            let body = format!(r#"{{"aggregate": "{aggregate}", "sleep_ms": {sleep_ms}}}"#);
+            publish(
+                &js,
+                "crstall.event.placed.v2",
+                Some(id),
+                &aggregate,
+                body.as_bytes(),
+            )
+            .await;
+            sent.lock().unwrap().push((id, aggregate, at));
+        }
+    };
+    // Calls of 400 ms on 40 aggregates until b is inside one of its own.
+    let in_call = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND application_name = 'crew-b' AND state = 'idle in transaction' \
+             AND query LIKE 'INSERT INTO crew_effects%'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            > 0
+    };
+    let mut k = 0;
+    while !in_call().await {
+        send(format!("g{}", k % 40), 400).await;
+        k += 1;
+        assert!(k < 2_000, "b never ran a call");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    signal(b.0.id(), "STOP");
+    let frozen = pg_now().await;
+    // Meanwhile, aggregates b never saw.
+    for i in 0..40 {
+        send(format!("fresh{i}"), 50).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ids: Vec<Uuid> = sent.lock().unwrap().iter().map(|(id, ..)| *id).collect();
+    eventually(T, "every message run while b is frozen", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(DISTINCT message_id) FROM crew_effects WHERE message_id = ANY($1)",
+        )
+        .bind(&ids)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == ids.len() as i64
+    })
+    .await;
+    let effects: Vec<(Uuid, String, f64)> =
+        sqlx::query_as("SELECT message_id, process, ended FROM crew_effects ORDER BY ended")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let ended: HashMap<Uuid, f64> = effects.iter().map(|(id, _, e)| (*id, *e)).collect();
+    let worst_fresh = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, agg, _)| agg.starts_with("fresh"))
+        .map(|(id, _, at)| ended[id] - at)
+        .fold(0.0, f64::max);
+    let last = effects.iter().map(|(.., e)| *e).fold(0.0, f64::max);
+    println!(
+        "after b froze: the last message ran {:.1} s later; the worst wait of an aggregate b never held was {worst_fresh:.1} s",
+        last - frozen
+    );
+    // Thawed, b finds its transaction ended: one effect each still.
+    signal(b.0.id(), "CONT");
+    eventually(T, "b's old sessions gone", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND application_name = 'crew-b' AND state = 'idle in transaction' \
+             AND backend_start < to_timestamp($1)",
+        )
+        .bind(frozen)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await;
+    let repeated: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT message_id, count(*) FROM crew_effects GROUP BY 1 HAVING count(*) > 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(repeated.is_empty(), "effects committed twice: {repeated:?}");
     drop((a, b));
 }
 

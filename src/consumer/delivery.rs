@@ -1080,6 +1080,7 @@ async fn next_parked<H>(shared: &Shared<H>, key: &str) -> Option<Option<u64>> {
 
 /// The processing state a job needs, one per dispatcher period and one for
 /// the jobs the crew sends this process.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn new_shared<H: Handler>(
     cfg: &ConsumeConfig,
     pool: &PgPool,
@@ -1088,6 +1089,7 @@ pub(super) fn new_shared<H: Handler>(
     handler: std::sync::Arc<H>,
     stop: CancellationToken,
     role: Role,
+    member: i32,
 ) -> std::sync::Arc<Shared<H>> {
     let (proof, helper) = match role {
         Role::Dispatcher(proof) => (proof, None),
@@ -1129,6 +1131,7 @@ pub(super) fn new_shared<H: Handler>(
                 transaction::Settings {
                     consumer: cfg.durable.clone(),
                     stream: cfg.stream.clone(),
+                    member,
                     workers,
                     max_group,
                 },

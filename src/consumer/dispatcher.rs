@@ -206,6 +206,7 @@ impl<'a, H: Handler> Active<'a, H> {
             self.handler.clone(),
             stop.clone(),
             delivery::Role::Dispatcher(lease.proof()),
+            self.worker.member.load(Ordering::Relaxed),
         );
         // A reset that failed (an election, say) is tried again before
         // anything is pulled: pulling first would run later messages ahead

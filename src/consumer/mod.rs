@@ -159,6 +159,7 @@ pub async fn run<H: Handler>(
             client: js.client(),
             subject: crew::record_subject(&cfg.stream, &cfg.durable),
         }),
+        member.id,
     );
     let worker = Arc::new(Worker {
         registry: Default::default(),

@@ -82,7 +82,9 @@ impl Transactions {
             handler,
             consumer: settings.consumer,
             stream: settings.stream,
+            member: settings.member,
             max_group: settings.max_group.clamp(1, MAX_GROUP),
+            mark: tokio::sync::OnceCell::new(),
         });
         let mut writers = tokio::task::JoinSet::new();
         for _ in 0..workers {
@@ -115,6 +117,9 @@ impl Transactions {
 pub struct Settings {
     pub consumer: String,
     pub stream: String,
+    /// This process's crew member id: its transactions carry it as a mark
+    /// (see [`crew::end_transactions`](super::crew::end_transactions)).
+    pub member: i32,
     pub workers: usize,
     /// Messages per transaction at most ([`Handler::max_group`]).
     pub max_group: usize,
@@ -125,7 +130,11 @@ struct Context<H> {
     handler: Arc<H>,
     consumer: String,
     stream: String,
+    member: i32,
     max_group: usize,
+    /// `hashtext` of the mark's name, asked of Postgres once: the BEGIN
+    /// carries it as a number (no round trip, nothing to quote).
+    mark: tokio::sync::OnceCell<i32>,
 }
 
 /// One writer: take what is queued (a group forms while the others run),
@@ -218,16 +227,28 @@ async fn run_group<H: Handler>(
     // long as it stays frozen: Postgres ends the transaction instead, once
     // it has been idle longer than any live call may take. A statement
     // stuck past a call's time (a lock wait) is cancelled, so a call the
-    // timeout below dropped does not hold the group. Sent with the BEGIN,
-    // which goes with the claim: no round trip of its own.
+    // timeout below dropped does not hold the group. The mark lets the
+    // crew end the transaction sooner, once it takes this process's jobs
+    // for lost. Sent with the BEGIN, which goes with the claim: no round
+    // trip of its own.
     let (limit, idle) = handler::call_limits(ctx.handler.call_timeout());
+    let mark = ctx
+        .mark
+        .get_or_try_init(|| {
+            sqlx::query_scalar::<_, i32>("SELECT hashtext($1)")
+                .bind(super::crew::mark_name(&ctx.stream, &ctx.consumer))
+                .fetch_one(&ctx.pool)
+        })
+        .await?;
     let mut tx = ctx
         .pool
         .begin_with(sqlx::AssertSqlSafe(format!(
             "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
-             SET LOCAL statement_timeout = {}",
+             SET LOCAL statement_timeout = {}; \
+             SELECT pg_advisory_xact_lock_shared({mark}, {})",
             idle.as_millis(),
-            limit.as_millis()
+            limit.as_millis(),
+            ctx.member,
         )))
         .await?;
     let ids: Vec<Uuid> = group.iter().map(|r| r.delivery.message_id).collect();

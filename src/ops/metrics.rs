@@ -93,6 +93,9 @@ pub const CONSUMER_RUNNING_JOBS: &str = "outbox_consumer_running_jobs";
 /// Job requests this process refused as a member of the crew, by `reason`
 /// ([`CREW_REFUSAL_REASONS`]).
 pub const CONSUMER_CREW_REFUSALS: &str = "outbox_consumer_crew_refusals_total";
+/// Inbox transactions of processes taken for lost that the crew ended
+/// (a frozen Rust-handler process's row locks, freed for the others).
+pub const CONSUMER_CREW_TRANSACTIONS_ENDED: &str = "outbox_consumer_crew_transactions_ended_total";
 /// Jobs the dispatcher has handed to other processes and not heard back of.
 pub const CONSUMER_REMOTE_JOBS: &str = "outbox_consumer_remote_jobs";
 pub const CONSUMER_DLQ_FAILING: &str = "outbox_consumer_dead_letters_failing";
@@ -158,6 +161,7 @@ pub const ALL: &[&str] = &[
     CONSUMER_PROCESSES,
     CONSUMER_RUNNING_JOBS,
     CONSUMER_CREW_REFUSALS,
+    CONSUMER_CREW_TRANSACTIONS_ENDED,
     CONSUMER_REMOTE_JOBS,
     CONSUMER_DLQ_FAILING,
     CONSUMER_ACK_PENDING,
@@ -349,6 +353,10 @@ pub fn register_consumer() {
         CONSUMER_CREW_REFUSALS,
         "Job requests this process refused as a member of the crew, by reason: full, fenced (not the dispatcher it serves), late, unheard (it cannot prove it is heard), bad"
     );
+    describe_counter!(
+        CONSUMER_CREW_TRANSACTIONS_ENDED,
+        "Inbox transactions of processes taken for lost (frozen, cut off) that this dispatcher ended, so their messages run elsewhere at once"
+    );
     describe_gauge!(
         CONSUMER_REMOTE_JOBS,
         "Jobs this dispatcher has handed to other processes of the durable and not heard back of"
@@ -382,6 +390,7 @@ pub fn register_consumer() {
     for reason in CREW_REFUSAL_REASONS {
         metrics::counter!(CONSUMER_CREW_REFUSALS, "reason" => reason).increment(0);
     }
+    metrics::counter!(CONSUMER_CREW_TRANSACTIONS_ENDED).increment(0);
 }
 
 #[cfg(test)]

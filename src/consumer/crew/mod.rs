@@ -101,6 +101,80 @@ fn lock_name(stream: &str, durable: &str) -> String {
     format!("outbox-relay crew {stream}/{durable}")
 }
 
+/// The name of the mark every inbox transaction of a Rust handler carries:
+/// a shared advisory lock keyed by its process's member id, held until it
+/// commits (see [`end_transactions`]).
+pub(super) fn mark_name(stream: &str, durable: &str) -> String {
+    format!("outbox-relay crew transactions {stream}/{durable}")
+}
+
+/// Which processes' transactions [`end_transactions`] ends.
+pub(super) enum Fenced<'a> {
+    /// These, taken for lost.
+    Members(&'a HashSet<i32>),
+    /// All but these (the processes that answered a takeover, this one
+    /// included).
+    AllBut(&'a HashSet<i32>),
+}
+
+/// End the inbox transactions of processes whose jobs the crew takes for
+/// lost, before their messages run again elsewhere. A frozen process (a VM
+/// pause, SIGSTOP) keeps its group transaction open, and with it the row
+/// locks of up to [`MAX_GROUP`](super::transaction::MAX_GROUP) messages,
+/// until Postgres ends it as idle past the handler's call timeout (30 s
+/// and more): each claim elsewhere that names one of them waits as long,
+/// with the unrelated messages of its own group. Nothing of an ended
+/// transaction commits, so the handler's effects stay exactly-once; the
+/// thawed process finds its connection gone. Needs the right to signal
+/// the processes' backends (the same role, or `pg_signal_backend`); without
+/// it, the wait is Postgres's.
+pub(super) async fn end_transactions(pool: &PgPool, stream: &str, durable: &str, who: Fenced<'_>) {
+    let (ids, all_but): (Vec<i32>, bool) = match who {
+        Fenced::Members(m) => (m.iter().copied().collect(), false),
+        Fenced::AllBut(m) => (m.iter().copied().collect(), true),
+    };
+    // Waits (up to 1 s) for each backend to exit, so its locks are gone
+    // when the messages are delivered again.
+    let ended = sqlx::query_as::<_, (i32, i64, bool)>(
+        "SELECT pid, member, pg_terminate_backend(pid, 1000) FROM ( \
+           SELECT DISTINCT pid, objid::text::bigint AS member FROM pg_locks \
+           WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             AND classid = hashtext($1)::oid AND pid <> pg_backend_pid() \
+             AND (objid::text::bigint = ANY($2)) <> $3) marked",
+    )
+    .bind(mark_name(stream, durable))
+    .bind(&ids)
+    .bind(all_but)
+    .fetch_all(pool);
+    match tokio::time::timeout(END_WAIT, ended).await {
+        Ok(Ok(rows)) => {
+            for (pid, member, done) in rows {
+                match done {
+                    true => {
+                        metrics::counter!(m::CONSUMER_CREW_TRANSACTIONS_ENDED).increment(1);
+                        tracing::warn!(pid, member, "ended an inbox transaction of a process taken for lost: its messages run again elsewhere");
+                    }
+                    false => tracing::warn!(
+                        pid,
+                        member,
+                        "an inbox transaction of a process taken for lost did not end within 1 s"
+                    ),
+                }
+            }
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not end the inbox transactions of a process taken for lost: their messages wait until Postgres ends them (idle past the handler's call timeout)")
+        }
+        Err(_) => tracing::warn!(
+            "ending the inbox transactions of a process taken for lost took over {END_WAIT:?}"
+        ),
+    }
+}
+
+/// Bounds [`end_transactions`]: each backend is given a second to exit.
+const END_WAIT: Duration = Duration::from_secs(3);
+
 fn base(stream: &str, durable: &str) -> String {
     format!("{}.{stream}.{durable}", crate::wire::CREW_PREFIX)
 }
@@ -499,6 +573,11 @@ impl Crew {
                     // Without an answer from Postgres, silence still counts.
                     let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable)).await;
                     let lost = self.state().liveness(alive.ok().and_then(|a| a.ok()), Instant::now());
+                    let own = self.inner.worker.member.load(Ordering::Relaxed);
+                    let fenced: HashSet<i32> = lost.iter().map(|(_, w)| w.member).filter(|m| *m != own).collect();
+                    if !fenced.is_empty() {
+                        end_transactions(&pool, &stream, &durable, Fenced::Members(&fenced)).await;
+                    }
                     end_lost(lost);
                 }
             }
@@ -769,6 +848,12 @@ impl Crew {
                     if !unanswered.is_empty() {
                         tracing::warn!(processes = ?unanswered, "taking over without an answer from every live process: each has stopped its jobs by now");
                     }
+                    // Whoever did not answer (the old dispatcher frozen,
+                    // say) runs nothing this dispatcher knows of: its
+                    // transactions end before its messages come again.
+                    let mut answered: HashSet<i32> = answers.keys().copied().collect();
+                    answered.insert(own);
+                    end_transactions(pool, stream, durable, Fenced::AllBut(&answered)).await;
                     break;
                 }
             }
