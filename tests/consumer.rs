@@ -5941,6 +5941,71 @@ async fn a_frozen_rust_handler_process_holds_up_only_its_own_aggregates() {
     drop((a, b));
 }
 
+/// `outbox_consumer_remote_jobs` counts the jobs other processes run for
+/// the dispatcher, and nothing else. One process alone parks messages
+/// behind a slow call (`--max-ack-pending 4`: the waiting ones spill to the
+/// inbox) while its path to Postgres is paused, so those writes wait.
+/// Before, every task of the dispatcher that was not a local call counted
+/// as a job "in the other processes": bookkeeping tasks included, with no
+/// other process in sight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_jobs_counts_only_jobs_other_processes_run() {
+    let stack = stack();
+    let (url, _pool) = fresh_db(&stack, "c_remote").await;
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "cremote", DUP).await;
+    let handler = Handler::default();
+    let handler_url = handler.serve().await;
+    let proxy = Proxy::start(&pg_target(&url)).await;
+    let mut c = Service::consumer(
+        &proxy.pg_url(&url),
+        &stack.nats_url,
+        &stream,
+        "cremote",
+        &handler_url,
+        &["--context", "cremote", "--max-ack-pending", "4"],
+    );
+    c.wait_ready();
+    let first = Uuid::new_v4();
+    publish(
+        &js,
+        "cremote.event.placed.v1",
+        Some(first),
+        "k",
+        br#"{"sleep_ms": 3000}"#,
+    )
+    .await;
+    eventually(T, "k/1 called", || async {
+        !handler.calls_for(first).is_empty()
+    })
+    .await;
+    proxy.pause();
+    let mut ids = vec![first];
+    for _ in 0..6 {
+        let id = Uuid::new_v4();
+        publish(&js, "cremote.event.placed.v1", Some(id), "k", b"{}").await;
+        ids.push(id);
+    }
+    let mut most: f64 = 0.0;
+    for _ in 0..15 {
+        let m = c.scrape().await;
+        most = most.max(m.value("outbox_consumer_remote_jobs").unwrap_or(0.0));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    proxy.resume();
+    eventually(T, "every message called", || async {
+        ids.iter().all(|id| !handler.calls_for(*id).is_empty())
+    })
+    .await;
+    assert_eq!(
+        most, 0.0,
+        "jobs counted as run by other processes, with none"
+    );
+    for id in &ids {
+        assert_eq!(handler.calls_for(*id).len(), 1, "{id} called again");
+    }
+}
+
 /// A child process killed (even a stopped one) when the test ends, passed
 /// or not.
 struct Reaped(std::process::Child);

@@ -160,7 +160,7 @@ impl<'a, H: Handler> Active<'a, H> {
         let mut scheduler = Scheduler::new(cfg.concurrency, high_water(window));
         scheduler.set_parked_cap(cfg.max_parked_keys, PARKED_BYTES);
         let adopted = crew.adopt(self.pool, &cfg.stream, &cfg.durable).await?;
-        for (running, _) in &adopted {
+        for (_, running, _) in &adopted {
             scheduler.adopt(running.key.clone());
         }
         // Soonest due first, as many as memory holds; the rest wait in the
@@ -232,6 +232,7 @@ impl<'a, H: Handler> Active<'a, H> {
             stop,
             tasks: JoinSet::new(),
             local_running: Arc::new(AtomicUsize::new(0)),
+            remote_running: Arc::new(AtomicUsize::new(0)),
             messages,
             rebuild,
             resets,
@@ -246,8 +247,9 @@ impl<'a, H: Handler> Active<'a, H> {
             reload: None,
             reloaded: Instant::now(),
         };
-        for (running, end) in adopted {
-            dispatch.await_adopted(running, end);
+        let own = dispatch.active.worker.member.load(Ordering::Relaxed);
+        for (member, running, end) in adopted {
+            dispatch.await_adopted(running, end, member != own);
         }
         Ok(dispatch)
     }
@@ -292,6 +294,10 @@ struct Dispatch<'a, H> {
     /// Deliveries and retries this process runs; past `--concurrency`,
     /// they go to the crew.
     local_running: Arc<AtomicUsize>,
+    /// Jobs other processes run for this dispatcher (sent and accepted,
+    /// or adopted from them), for `outbox_consumer_remote_jobs`. Spills
+    /// and parks behind are tasks too, and run nowhere.
+    remote_running: Arc<AtomicUsize>,
     messages: Option<Messages>,
     /// When the pull stream is down: when to rebuild it, the pause after
     /// that, and whether to reset to the ack floor first. Rebuilding is a
@@ -410,13 +416,16 @@ impl<H: Handler> Dispatch<'_, H> {
             let shared = self.shared.clone();
             let crew = self.crew.clone();
             let local_running = self.local_running.clone();
+            let remote_running = self.remote_running.clone();
             let registry = self.registry.clone();
             self.tasks.spawn(async move {
                 if let Some(member) = remote {
                     match crew.send(member, id, &key, &job).await {
                         Sent::Accepted(end) => {
-                            let (how, panicked) =
-                                crew::await_end(&crew, &shared, &key, retry, end).await;
+                            let (how, panicked) = {
+                                let _elsewhere = Counted::on(&remote_running);
+                                crew::await_end(&crew, &shared, &key, retry, end).await
+                            };
                             crew.unreserve(member);
                             return JobEnd {
                                 id,
@@ -462,10 +471,13 @@ impl<H: Handler> Dispatch<'_, H> {
         &mut self,
         running: crew::Running,
         end: tokio::sync::oneshot::Receiver<Option<(Finished<Instant>, bool)>>,
+        elsewhere: bool,
     ) {
         let shared = self.shared.clone();
         let crew = self.crew.clone();
+        let remote_running = self.remote_running.clone();
         self.tasks.spawn(async move {
+            let _elsewhere = elsewhere.then(|| Counted::on(&remote_running));
             let (how, panicked) =
                 crew::await_end(&crew, &shared, &running.key, running.retry, end).await;
             JobEnd {
@@ -536,7 +548,7 @@ impl<H: Handler> Dispatch<'_, H> {
         self.start(jobs);
         self.resize_window();
         let local = self.local_running.load(Ordering::Relaxed);
-        let remote = self.tasks.len().saturating_sub(local);
+        let remote = self.remote_running.load(Ordering::Relaxed);
         self.remote_jobs.set(remote as f64);
         self.active.readiness.note(format!(
             "dispatching durable {} for {} process(es): {local} job(s) running here, {remote} in the other processes",
@@ -1063,6 +1075,23 @@ fn order_key(aggregate: Option<&str>, subject: &str) -> String {
     match aggregate {
         Some(a) => format!("a:{a}"),
         None => format!("s:{subject}"),
+    }
+}
+
+/// One in `count` while it lives (a task aborted with its period counts
+/// down too).
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    fn on(count: &Arc<AtomicUsize>) -> Counted {
+        count.fetch_add(1, Ordering::Relaxed);
+        Counted(count.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

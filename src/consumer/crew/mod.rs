@@ -787,7 +787,7 @@ impl Crew {
         pool: &PgPool,
         stream: &str,
         durable: &str,
-    ) -> Result<Vec<(Running, EndRx)>> {
+    ) -> Result<Vec<(i32, Running, EndRx)>> {
         let started = Instant::now();
         let mut answers: HashMap<i32, Hello> = HashMap::new();
         let mut adopted = Vec::new();
@@ -820,7 +820,7 @@ impl Crew {
                         for running in &a.running {
                             let (tx, rx) = oneshot::channel();
                             s.adopt(running.id, *m, a.beat, tx, Instant::now());
-                            adopted.push((running.clone(), rx));
+                            adopted.push((*m, running.clone(), rx));
                         }
                         answers.insert(*m, a);
                     }
