@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull};
+use async_nats::jetstream::{self, consumer::pull, response::Response};
 use futures::StreamExt;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -139,7 +139,8 @@ pub async fn run<H: Handler>(
         watchers.clone(),
     ));
     tokio::spawn(watch_lag(
-        consumer.clone(),
+        js.clone(),
+        consumer.cached_info().clone(),
         stream.clone(),
         cfg.filter.clone().unwrap_or_else(|| ">".to_owned()),
         watchers,
@@ -405,9 +406,12 @@ const LAG_TICK: Duration = Duration::from_secs(5);
 /// (standby or not: a figure only the dispatcher set froze on a process
 /// that stopped dispatching, and the autoscaler takes the largest):
 /// the age of the oldest message the durable has not acked is the stream
-/// time of the first message on its filter past its ack floor.
+/// time of the first message on its filter past its ack floor, measured
+/// against the server's clock (the info's `ts`), never this host's: a
+/// consumer host whose clock is off would shift the lag one for one.
 async fn watch_lag(
-    mut consumer: Consumer,
+    js: jetstream::Context,
+    durable: jetstream::consumer::Info,
     stream: jetstream::stream::Stream,
     filter: String,
     stop: CancellationToken,
@@ -416,26 +420,33 @@ async fn watch_lag(
     let pending = metrics::gauge!(m::CONSUMER_PENDING);
     let lag = metrics::gauge!(m::CONSUMER_LAG_SECONDS);
     let mut tick = tokio::time::interval(LAG_TICK);
-    // The oldest unacked message last seen. While NATS cannot answer,
-    // nothing can be acked either, so that message only ages: the lag goes
-    // on growing from it instead of freezing, and the lag alerts escalate.
+    let info_subject = format!("CONSUMER.INFO.{}.{}", durable.stream_name, durable.name);
+    // The oldest unacked message last seen, and how far the server's clock
+    // was ahead of this host's then. While NATS cannot answer, nothing can
+    // be acked either, so that message only ages: the lag goes on growing
+    // from it instead of freezing, and the lag alerts escalate.
     let mut oldest: Option<time::OffsetDateTime> = None;
+    let mut skew = time::Duration::ZERO;
+    let empty = serde_json::json!({});
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let now = time::OffsetDateTime::now_utc();
-        let age = |t: time::OffsetDateTime| (now - t).as_seconds_f64().max(0.0);
-        let info = match tokio::time::timeout(JS_REQUEST, consumer.info()).await {
-            Ok(Ok(info)) => info,
+        let asked = js.request::<_, _, Response<Progress>>(info_subject.clone(), &empty);
+        let info = match tokio::time::timeout(JS_REQUEST, asked).await {
+            Ok(Ok(Response::Ok(info))) => info,
             _ => {
                 if let Some(t) = oldest {
-                    lag.set(age(t));
+                    lag.set(age(t, time::OffsetDateTime::now_utc() + skew));
                 }
                 continue;
             }
         };
+        let local = time::OffsetDateTime::now_utc();
+        skew = info
+            .server_now()
+            .map_or(time::Duration::ZERO, |ts| ts - local);
         ack_pending.set(info.num_ack_pending as f64);
         pending.set(info.num_pending as f64);
         if info.num_pending == 0 && info.num_ack_pending == 0 {
@@ -445,15 +456,44 @@ async fn watch_lag(
         }
         let first = stream
             .raw_message_builder()
-            .sequence(info.ack_floor.stream_sequence + 1)
+            .sequence(info.ack_floor.stream_seq + 1)
             .next_by_subject(filter.clone())
             .send();
         if let Ok(Ok(msg)) = tokio::time::timeout(JS_REQUEST, first).await {
             oldest = Some(msg.time);
         }
         if let Some(t) = oldest {
-            lag.set(age(t));
+            lag.set(age(t, local + skew));
         }
+    }
+}
+
+/// Seconds from `stored` (a message's stream time) to `server_now`; never
+/// negative.
+fn age(stored: time::OffsetDateTime, server_now: time::OffsetDateTime) -> f64 {
+    (server_now - stored).as_seconds_f64().max(0.0)
+}
+
+/// What `watch_lag` reads of the durable's info: async-nats leaves out
+/// the server's time of the answer (`ts`, nats-server 2.10+).
+#[derive(serde::Deserialize)]
+struct Progress {
+    #[serde(default)]
+    ts: Option<String>,
+    num_pending: u64,
+    num_ack_pending: u64,
+    ack_floor: Floor,
+}
+
+#[derive(serde::Deserialize)]
+struct Floor {
+    stream_seq: u64,
+}
+
+impl Progress {
+    fn server_now(&self) -> Option<time::OffsetDateTime> {
+        let ts = self.ts.as_deref()?;
+        time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339).ok()
     }
 }
 
@@ -461,7 +501,38 @@ type Consumer = jetstream::consumer::Consumer<pull::Config>;
 
 #[cfg(test)]
 mod tests {
-    use super::commits_may_be_lost;
+    use super::{age, commits_may_be_lost, Progress};
+
+    /// The lag is the server's: a consumer host whose clock is a minute
+    /// ahead, or behind, reads what a host in step reads. Before, it read
+    /// its own clock against the stream's times (60 s more, or 0).
+    #[test]
+    fn the_lag_is_measured_on_the_servers_clock() {
+        let info: Progress = serde_json::from_str(
+            r#"{"type":"io.nats.jetstream.api.v1.consumer_info_response","stream_name":"S","name":"d",
+                "created":"2026-11-29T00:00:00Z","ts":"2026-11-29T00:10:00.5Z",
+                "num_pending":3,"num_ack_pending":1,"num_waiting":0,"num_redelivered":0,
+                "delivered":{"consumer_seq":9,"stream_seq":9},"ack_floor":{"consumer_seq":7,"stream_seq":7}}"#,
+        )
+        .unwrap();
+        let server = info.server_now().unwrap();
+        let stored = server - time::Duration::seconds(12);
+        for off in [-60, 0, 60] {
+            let local = server + time::Duration::seconds(off);
+            let skew = server - local;
+            assert_eq!(age(stored, local + skew), 12.0, "host clock off by {off} s");
+        }
+        assert_eq!(info.ack_floor.stream_seq, 7);
+        let old: Progress = serde_json::from_str(
+            r#"{"num_pending":0,"num_ack_pending":0,"ack_floor":{"stream_seq":0}}"#,
+        )
+        .unwrap();
+        assert!(
+            old.server_now().is_none(),
+            "no ts: this host's clock, as before"
+        );
+        assert_eq!(age(server, stored), 0.0, "never negative");
+    }
 
     #[test]
     fn commits_that_may_be_lost_are_named() {
