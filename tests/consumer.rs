@@ -5916,19 +5916,38 @@ async fn a_frozen_rust_handler_process_holds_up_only_its_own_aggregates() {
         "after b froze: the last message ran {:.1} s later; the worst wait of an aggregate b never held was {worst_fresh:.1} s",
         last - frozen
     );
-    // Thawed, b finds its transaction ended: one effect each still.
+    // Thawed, b finds its transaction ended and runs none of it again: it
+    // takes its member lock again (Postgres ended the session that held it
+    // while it was frozen), and the next message is run once.
     signal(b.0.id(), "CONT");
-    eventually(T, "b's old sessions gone", || async {
+    eventually(T, "b back in the crew", || async {
         sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND application_name = 'crew-b' AND state = 'idle in transaction' \
-             AND backend_start < to_timestamp($1)",
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE a.application_name = 'crew-b' AND l.locktype = 'advisory' \
+             AND l.objsubid = 2 AND l.mode = 'ExclusiveLock'",
         )
-        .bind(frozen)
         .fetch_one(&pool)
         .await
         .unwrap()
-            == 0
+            > 0
+    })
+    .await;
+    let after = Uuid::new_v4();
+    publish(
+        &js,
+        "crstall.event.placed.v2",
+        Some(after),
+        "g0",
+        br#"{"aggregate": "g0"}"#,
+    )
+    .await;
+    eventually(T, "the next message run", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM crew_effects WHERE message_id = $1")
+            .bind(after)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == 1
     })
     .await;
     let repeated: Vec<(Uuid, i64)> = sqlx::query_as(
@@ -5938,7 +5957,103 @@ async fn a_frozen_rust_handler_process_holds_up_only_its_own_aggregates() {
     .await
     .unwrap();
     assert!(repeated.is_empty(), "effects committed twice: {repeated:?}");
+    // The ended transaction was no failed attempt of its messages.
+    let counted: Vec<(Uuid, i32, Option<String>)> = sqlx::query_as(
+        "SELECT message_id, attempts, last_error FROM inbox_messages \
+         WHERE consumer = 'rcrew' AND (attempts <> 1 OR processed_at IS NULL)",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(
+        counted.is_empty(),
+        "attempts counted, or left unprocessed: {counted:?}"
+    );
     drop((a, b));
+}
+
+/// A Rust handler's transaction that Postgres ends under it (a failover, an
+/// administrator, the crew fencing a process) committed nothing and failed
+/// no call: its message runs again at once, its attempt not counted.
+/// Before, a lone message's transaction ended while it recorded the
+/// handler's success read as a failed commit: parked for its backoff with
+/// an attempt counted, and dead-lettered once those ran out, although its
+/// handler had succeeded. (A deferred trigger holds the COMMIT here, so
+/// the session is ended in it; ended elsewhere, it was retried already.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_transaction_ended_by_the_server_is_no_failed_attempt() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_rended").await;
+    crew_effects_table(&pool).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_completion() RETURNS trigger LANGUAGE plpgsql AS \
+           $$BEGIN PERFORM pg_sleep(2); RETURN NULL; END$$; \
+         CREATE CONSTRAINT TRIGGER slow_completion AFTER UPDATE ON inbox_messages \
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW \
+           WHEN (NEW.processed_at IS NOT NULL) EXECUTE FUNCTION slow_completion();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let js = js(&stack.nats_url).await;
+    let stream = fresh_stream(&js, "crended", DUP).await;
+    let a = Reaped(rust_child(
+        &url,
+        &stack.nats_url,
+        &stream,
+        "rended",
+        "a",
+        None,
+    ));
+    let id = Uuid::new_v4();
+    publish(
+        &js,
+        "crended.event.placed.v1",
+        Some(id),
+        "k",
+        br#"{"aggregate": "k"}"#,
+    )
+    .await;
+    let completing = || async {
+        sqlx::query_scalar::<_, Option<i32>>(
+            "SELECT max(pid) FROM pg_stat_activity WHERE datname = current_database() \
+             AND application_name = 'crew-a' AND state = 'active' AND query = 'COMMIT'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    eventually(T, "a recording the success", || async {
+        completing().await.is_some()
+    })
+    .await;
+    let pid = completing().await.unwrap();
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ended);
+    wait_processed(&pool, "rcrew", 1).await;
+    let (attempts, error): (i32, Option<String>) = sqlx::query_as(
+        "SELECT attempts, last_error FROM inbox_messages WHERE consumer = 'rcrew' AND message_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        attempts, 1,
+        "the ended transaction counted as an attempt: {error:?}"
+    );
+    let effects: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM crew_effects WHERE message_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(effects, 1);
+    drop(a);
 }
 
 /// `outbox_consumer_remote_jobs` counts the jobs other processes run for

@@ -564,18 +564,29 @@ async fn run_handler<H: Handler>(
     }
     if let (Some(group), false) = (&shared.transactions, parked) {
         let delivery = parts.delivery(id, 0);
+        // Each try asks for the right to call again: a group that failed
+        // (its transaction ended by the crew, which took the job for lost)
+        // committed nothing, and its messages run elsewhere.
         return Box::pin(persist(shared, "the inbox transaction", || {
-            group.run(delivery.clone(), parts.seq)
+            let run = (shared.proof.holds() && !fence.is_cancelled())
+                .then(|| group.run(delivery.clone(), parts.seq, fence.clone()));
+            async move {
+                match run {
+                    Some(run) => run.await.map(Some),
+                    None => Ok(None),
+                }
+            }
         }))
-        .await;
+        .await
+        .flatten();
     }
-    if shared.handler.in_transaction() {
+    if let Some(group) = shared.transactions.as_ref().filter(|_| parked) {
         // Cut, the transaction rolls back: nothing of the call is kept.
         let cut = fence;
         return Box::pin(async {
             tokio::select! {
                     ran = persist(shared, "the inbox transaction", || async {
-                let mut tx = shared.pool.begin().await?;
+                let mut tx = group.begin.begin().await?;
                 let attempts = if parked {
                     match inbox::claim_parked(&mut *tx, consumer, id).await? {
                         Some(a) => a,
@@ -613,13 +624,17 @@ async fn run_handler<H: Handler>(
                                 // Refused at the end (a deferred constraint the
                                 // handler broke): a failed attempt, or the
                                 // message would come back uncounted forever.
-                                Err(e @ sqlx::Error::Database(_)) => Ok(Ran::Failed {
+                                Err(e @ sqlx::Error::Database(_))
+                                    if !transaction::connection_lost(&e) =>
+                                {
+                                    Ok(Ran::Failed {
                                     outcome: Outcome::Retry(format!(
                                         "its transaction failed to commit: {e}"
                                     )),
                                     attempts,
                                     counted: false,
-                                }),
+                                })
+                                }
                                 Err(e) => Err(e),
                             };
                         }

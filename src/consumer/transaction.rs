@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::handler::{self, Delivery, Handler, Outcome};
@@ -58,6 +59,10 @@ const QUEUE: usize = 256;
 struct Request {
     delivery: Delivery,
     seq: u64,
+    /// The job's right to call, as it stood when queued: a request whose
+    /// job was cut meanwhile (its process fenced) is answered without a
+    /// call.
+    fence: CancellationToken,
     reply: oneshot::Sender<Result<Ran, BatchError>>,
 }
 
@@ -67,6 +72,8 @@ struct Request {
 /// handler, queued requests too, after `consumer::run` had returned.
 pub struct Transactions {
     requests: mpsc::Sender<Request>,
+    /// For a parked message's transaction, which runs alone.
+    pub(super) begin: Arc<Begin>,
     /// Dropped with the handle, a `JoinSet` aborts its tasks.
     _writers: tokio::task::JoinSet<()>,
 }
@@ -77,14 +84,19 @@ impl Transactions {
         let (requests, rx) = mpsc::channel(QUEUE);
         let rx = Arc::new(Mutex::new(rx));
         let workers = settings.workers.max(1);
+        let begin = Arc::new(Begin {
+            pool: pool.clone(),
+            name: super::crew::mark_name(&settings.stream, &settings.consumer),
+            mark: tokio::sync::OnceCell::new(),
+            member: settings.member,
+            call_timeout: handler.call_timeout(),
+        });
         let ctx = Arc::new(Context {
-            pool,
             handler,
             consumer: settings.consumer,
             stream: settings.stream,
-            member: settings.member,
             max_group: settings.max_group.clamp(1, MAX_GROUP),
-            mark: tokio::sync::OnceCell::new(),
+            begin: begin.clone(),
         });
         let mut writers = tokio::task::JoinSet::new();
         for _ in 0..workers {
@@ -92,19 +104,26 @@ impl Transactions {
         }
         Self {
             requests,
+            begin,
             _writers: writers,
         }
     }
 
     /// Claim, handle and complete `delivery` (its `delivered` is set from
     /// the claim) in the next group transaction.
-    pub async fn run(&self, delivery: Delivery, seq: u64) -> Result<Ran, BatchError> {
+    pub async fn run(
+        &self,
+        delivery: Delivery,
+        seq: u64,
+        fence: CancellationToken,
+    ) -> Result<Ran, BatchError> {
         let (reply, answer) = oneshot::channel();
         let stopped = || BatchError("the inbox transaction writer stopped".into());
         self.requests
             .send(Request {
                 delivery,
                 seq,
+                fence,
                 reply,
             })
             .await
@@ -126,15 +145,60 @@ pub struct Settings {
 }
 
 struct Context<H> {
-    pool: PgPool,
     handler: Arc<H>,
     consumer: String,
     stream: String,
-    member: i32,
     max_group: usize,
-    /// `hashtext` of the mark's name, asked of Postgres once: the BEGIN
-    /// carries it as a number (no round trip, nothing to quote).
+    begin: Arc<Begin>,
+}
+
+/// How an inbox transaction of a Rust handler begins, a parked message's
+/// included.
+///
+/// A process frozen inside a call (SIGSTOP, a VM pause) would hold its
+/// inbox rows, and with them the message's next run elsewhere, for as long
+/// as it stays frozen: Postgres ends the transaction instead, once it has
+/// been idle longer than any live call may take. A statement stuck past a
+/// call's time (a lock wait) is cancelled, so a call the timeout dropped
+/// does not hold the group. The mark lets the crew end the transaction
+/// sooner, once it takes this process's jobs for lost
+/// ([`end_transactions`](super::crew::end_transactions)). All of it is sent
+/// with the BEGIN, which goes with the claim: no round trip of its own.
+pub(super) struct Begin {
+    pool: PgPool,
+    /// The mark's name, and `hashtext` of it, asked of Postgres once: the
+    /// BEGIN carries it as a number (no round trip, nothing to quote).
+    name: String,
     mark: tokio::sync::OnceCell<i32>,
+    member: i32,
+    call_timeout: std::time::Duration,
+}
+
+impl Begin {
+    pub(super) async fn begin(
+        &self,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        let (limit, idle) = handler::call_limits(self.call_timeout);
+        let mark = self
+            .mark
+            .get_or_try_init(|| {
+                sqlx::query_scalar::<_, i32>("SELECT hashtext($1)")
+                    .bind(&self.name)
+                    .fetch_one(&self.pool)
+            })
+            .await?;
+        // Parenthesised: -2147483648 alone reads as a bigint.
+        self.pool
+            .begin_with(sqlx::AssertSqlSafe(format!(
+                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
+                 SET LOCAL statement_timeout = {}; \
+                 SELECT pg_advisory_xact_lock_shared(({mark})::int4, {})",
+                idle.as_millis(),
+                limit.as_millis(),
+                self.member,
+            )))
+            .await
+    }
 }
 
 /// One writer: take what is queued (a group forms while the others run),
@@ -166,6 +230,14 @@ async fn work<H: Handler>(ctx: Arc<Context<H>>, rx: Arc<Mutex<mpsc::Receiver<Req
                 }
             }
         }
+        let (cut, group): (Vec<_>, Vec<_>) =
+            group.into_iter().partition(|r| r.fence.is_cancelled());
+        for r in cut {
+            let _ = r.reply.send(Err(BatchError(CUT.into())));
+        }
+        if group.is_empty() {
+            continue;
+        }
         let mut seen = HashSet::with_capacity(group.len());
         let (now, next): (Vec<_>, Vec<_>) = group
             .into_iter()
@@ -177,9 +249,13 @@ async fn work<H: Handler>(ctx: Arc<Context<H>>, rx: Arc<Mutex<mpsc::Receiver<Req
             // one it refuses fails its own attempt, counted, and the others
             // go through (their calls are repeated; their writes were rolled
             // back with the group).
-            Err(sqlx::Error::Database(_)) if now.len() > 1 => {
+            Err(e @ sqlx::Error::Database(_)) if now.len() > 1 && !connection_lost(&e) => {
                 let mut answers = Vec::with_capacity(now.len());
                 for request in &now {
+                    if request.fence.is_cancelled() {
+                        answers.push(Err(BatchError(CUT.into())));
+                        continue;
+                    }
                     answers.push(
                         guarded(&ctx, std::slice::from_ref(request))
                             .await
@@ -222,35 +298,8 @@ async fn run_group<H: Handler>(
     ctx: &Context<H>,
     group: &[Request],
 ) -> Result<Vec<Ran>, sqlx::Error> {
-    // A process frozen inside a call (SIGSTOP, a VM pause) would hold its
-    // inbox rows, and with them the message's next run elsewhere, for as
-    // long as it stays frozen: Postgres ends the transaction instead, once
-    // it has been idle longer than any live call may take. A statement
-    // stuck past a call's time (a lock wait) is cancelled, so a call the
-    // timeout below dropped does not hold the group. The mark lets the
-    // crew end the transaction sooner, once it takes this process's jobs
-    // for lost. Sent with the BEGIN, which goes with the claim: no round
-    // trip of its own.
-    let (limit, idle) = handler::call_limits(ctx.handler.call_timeout());
-    let mark = ctx
-        .mark
-        .get_or_try_init(|| {
-            sqlx::query_scalar::<_, i32>("SELECT hashtext($1)")
-                .bind(super::crew::mark_name(&ctx.stream, &ctx.consumer))
-                .fetch_one(&ctx.pool)
-        })
-        .await?;
-    let mut tx = ctx
-        .pool
-        .begin_with(sqlx::AssertSqlSafe(format!(
-            "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}; \
-             SET LOCAL statement_timeout = {}; \
-             SELECT pg_advisory_xact_lock_shared({mark}, {})",
-            idle.as_millis(),
-            limit.as_millis(),
-            ctx.member,
-        )))
-        .await?;
+    let (limit, _) = handler::call_limits(ctx.handler.call_timeout());
+    let mut tx = ctx.begin.begin().await?;
     let ids: Vec<Uuid> = group.iter().map(|r| r.delivery.message_id).collect();
     let subjects: Vec<&str> = group.iter().map(|r| r.delivery.subject.as_str()).collect();
     let seqs: Vec<i64> = group
@@ -350,16 +399,44 @@ async fn run_group<H: Handler>(
         // deferred constraint its handler broke, a setting it changed): its
         // attempt failed, counted when it is parked, or it would come back
         // uncounted forever.
-        Err(e @ sqlx::Error::Database(_)) if group.len() == 1 => match books.last_call {
-            Some((_, attempts)) => Ok(vec![Ran::Failed {
-                outcome: Outcome::Retry(format!("its transaction failed to commit: {e}")),
-                attempts,
-                counted: false,
-            }]),
-            None => Err(e),
-        },
+        Err(e @ sqlx::Error::Database(_)) if group.len() == 1 && !connection_lost(&e) => {
+            match books.last_call {
+                Some((_, attempts)) => Ok(vec![Ran::Failed {
+                    outcome: Outcome::Retry(format!("its transaction failed to commit: {e}")),
+                    attempts,
+                    counted: false,
+                }]),
+                None => Err(e),
+            }
+        }
         Err(e) => Err(e),
     }
+}
+
+/// What a request whose job was cut before its group ran is answered.
+const CUT: &str = "the job was cut before its transaction began";
+
+/// Postgres ended the session, not the statement: the server shut down or
+/// the session was terminated (SQLSTATE class 08, 57P01-57P03: the crew
+/// ends a fenced process's transactions), it sat idle in its transaction
+/// too long (25P03), or the error is FATAL. Nothing of the transaction
+/// committed, and no call of it failed: the messages are run again (if
+/// their job may still run), never counted as a failed attempt.
+pub fn connection_lost(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(d) = e else {
+        return false;
+    };
+    let fatal = d
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .is_some_and(|p| {
+            matches!(
+                p.severity(),
+                sqlx::postgres::PgSeverity::Fatal | sqlx::postgres::PgSeverity::Panic
+            )
+        });
+    fatal
+        || d.code()
+            .is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c == "25P03")
 }
 
 /// The transaction is failed (SQLSTATE 25P02): an earlier statement in it

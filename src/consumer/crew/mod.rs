@@ -133,41 +133,45 @@ pub(super) async fn end_transactions(pool: &PgPool, stream: &str, durable: &str,
         Fenced::Members(m) => (m.iter().copied().collect(), false),
         Fenced::AllBut(m) => (m.iter().copied().collect(), true),
     };
-    // Waits (up to 1 s) for each backend to exit, so its locks are gone
-    // when the messages are delivered again.
-    let ended = sqlx::query_as::<_, (i32, i64, bool)>(
-        "SELECT pid, member, pg_terminate_backend(pid, 1000) FROM ( \
-           SELECT DISTINCT pid, objid::text::bigint AS member FROM pg_locks \
-           WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-             AND classid = hashtext($1)::oid AND pid <> pg_backend_pid() \
-             AND (objid::text::bigint = ANY($2)) <> $3) marked",
-    )
-    .bind(mark_name(stream, durable))
-    .bind(&ids)
-    .bind(all_but)
-    .fetch_all(pool);
-    match tokio::time::timeout(END_WAIT, ended).await {
-        Ok(Ok(rows)) => {
-            for (pid, member, done) in rows {
-                match done {
-                    true => {
-                        metrics::counter!(m::CONSUMER_CREW_TRANSACTIONS_ENDED).increment(1);
-                        tracing::warn!(pid, member, "ended an inbox transaction of a process taken for lost: its messages run again elsewhere");
-                    }
-                    false => tracing::warn!(
-                        pid,
-                        member,
-                        "an inbox transaction of a process taken for lost did not end within 1 s"
-                    ),
+    let ending = async {
+        let marked: Vec<(i32, i64)> = sqlx::query_as(
+            "SELECT DISTINCT pid, objid::text::bigint FROM pg_locks \
+             WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+               AND classid = hashtext($1)::oid AND pid <> pg_backend_pid() \
+               AND (objid::text::bigint = ANY($2)) <> $3",
+        )
+        .bind(mark_name(stream, durable))
+        .bind(&ids)
+        .bind(all_but)
+        .fetch_all(pool)
+        .await?;
+        // One by one, so a session this role may not signal (another
+        // role's, a superuser's) does not keep the others; each waited for
+        // (up to 1 s) to exit, so its locks are gone when the messages are
+        // delivered again.
+        let ends = marked.into_iter().map(|(pid, member)| async move {
+            let ended = sqlx::query_scalar::<_, bool>("SELECT pg_terminate_backend($1, 1000)")
+                .bind(pid)
+                .fetch_one(pool)
+                .await;
+            match ended {
+                Ok(true) => {
+                    metrics::counter!(m::CONSUMER_CREW_TRANSACTIONS_ENDED).increment(1);
+                    tracing::warn!(pid, member, "ended an inbox transaction of a process whose jobs run elsewhere now (taken for lost, or silent at a takeover)");
                 }
+                Ok(false) => tracing::warn!(pid, member, "an inbox transaction of a process whose jobs run elsewhere now did not end within 1 s"),
+                Err(e) => tracing::warn!(pid, member, error = %e, "cannot end an inbox transaction of a process whose jobs run elsewhere now: its messages wait until Postgres ends it (idle past the handler's call timeout); grant the consumer's role pg_signal_backend"),
             }
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "could not end the inbox transactions of a process taken for lost: their messages wait until Postgres ends them (idle past the handler's call timeout)")
-        }
+        });
+        futures::future::join_all(ends).await;
+        Ok::<_, sqlx::Error>(())
+    };
+    match tokio::time::timeout(END_WAIT, ending).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot look for the inbox transactions of a process whose jobs run elsewhere now: its messages wait until Postgres ends them (idle past the handler's call timeout)"),
         Err(_) => tracing::warn!(
-            "ending the inbox transactions of a process taken for lost took over {END_WAIT:?}"
+            "ending the inbox transactions of a process whose jobs run elsewhere now took over {END_WAIT:?}"
         ),
     }
 }
@@ -575,10 +579,17 @@ impl Crew {
                     let lost = self.state().liveness(alive.ok().and_then(|a| a.ok()), Instant::now());
                     let own = self.inner.worker.member.load(Ordering::Relaxed);
                     let fenced: HashSet<i32> = lost.iter().map(|(_, w)| w.member).filter(|m| *m != own).collect();
-                    if !fenced.is_empty() {
-                        end_transactions(&pool, &stream, &durable, Fenced::Members(&fenced)).await;
+                    if fenced.is_empty() {
+                        end_lost(lost);
+                    } else {
+                        // Off the loop, which acknowledges the helpers'
+                        // beats; the jobs' waits end once it is done.
+                        let (pool, stream, durable) = (pool.clone(), stream.clone(), durable.clone());
+                        tokio::spawn(async move {
+                            end_transactions(&pool, &stream, &durable, Fenced::Members(&fenced)).await;
+                            end_lost(lost);
+                        });
                     }
-                    end_lost(lost);
                 }
             }
         }
