@@ -73,7 +73,7 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -255,13 +255,18 @@ impl Member {
 
     /// The lock is still ours: its connection answers within [`PING`]. A
     /// connection cut off without a reset would otherwise hang the check.
-    pub async fn held(&mut self) -> bool {
-        matches!(
-            tokio::time::timeout(PING, self.conn.ping()).await,
-            Ok(Ok(()))
-        )
+    /// Postgres's clock as it answered (see [`rule::clock_stood_still`]).
+    pub async fn held(&mut self) -> Option<f64> {
+        let now = sqlx::query_scalar::<_, f64>(SERVER_CLOCK).fetch_one(&mut self.conn);
+        match tokio::time::timeout(PING, now).await {
+            Ok(Ok(t)) => Some(t),
+            _ => None,
+        }
     }
 }
+
+/// Postgres's clock, in seconds since the epoch.
+const SERVER_CLOCK: &str = "SELECT extract(epoch FROM clock_timestamp())::float8";
 
 /// Take the member lock `id` on `conn`, if no other session holds it.
 async fn lock_as(conn: &mut PgConnection, stream: &str, durable: &str, id: i32) -> Result<bool> {
@@ -1095,6 +1100,7 @@ pub(super) async fn work<H: Handler>(
         subs,
         tasks: JoinSet::new(),
         standing: Standing::new(Instant::now()),
+        server_clock: None,
         unheard: false,
         leaving: None,
         running_gauge: metrics::gauge!(m::CONSUMER_RUNNING_JOBS),
@@ -1192,6 +1198,9 @@ struct Work<H> {
     capacity: usize,
     /// The proof this process's jobs need to start a call.
     standing: Standing,
+    /// When the last good member-lock check was sent, and Postgres's clock
+    /// as it ran ([`Work::clock_read`]).
+    server_clock: Option<(Instant, f64)>,
     /// The proof had lapsed at the last beat.
     unheard: bool,
     /// Shutting down: by when the jobs left must end.
@@ -1386,24 +1395,30 @@ impl<H: Handler> Work<H> {
     /// id until Postgres ends it (LEASE_TTL).
     async fn check_lock(&mut self) {
         let pinged = Instant::now();
-        if self.member.held().await {
+        if let Some(clock) = self.member.held().await {
+            self.clock_read(pinged, clock).await;
             self.lock_proven(pinged);
             return;
         }
         let cfg = &self.shared.cfg;
+        let asked = Instant::now();
         match tokio::time::timeout(
             PING,
             Member::join_as(&self.pool, &cfg.stream, &cfg.durable, self.member.id),
         )
         .await
         {
-            Ok(Ok(Some(m))) => {
+            Ok(Ok(Some(mut m))) => {
                 tracing::info!(
                     member = m.id,
                     "the crew membership's connection failed; took the membership back"
                 );
+                let checked = Instant::now();
+                if let Some(clock) = m.held().await {
+                    self.clock_read(checked, clock).await;
+                }
                 self.member = m;
-                self.lock_proven(Instant::now());
+                self.lock_proven(asked);
             }
             Ok(Ok(None)) => tracing::warn!(
                 "the crew membership's connection failed and its lock is still held; retrying"
@@ -1412,6 +1427,30 @@ impl<H: Handler> Work<H> {
             Err(_) => {
                 tracing::warn!("cannot join the crew again (Postgres does not answer); retrying")
             }
+        }
+    }
+
+    /// Postgres's clock, read by a member-lock check sent at `sent`. Had
+    /// this process's own clock stood still since the last (a VM paused
+    /// with its clock), its proof proves nothing: the dispatcher may have
+    /// taken its jobs for lost, and a lapse is what it acts as.
+    async fn clock_read(&mut self, sent: Instant, clock: f64) {
+        let before = self.server_clock.replace((sent, clock));
+        if !before.is_some_and(|b| rule::clock_stood_still(b, (sent, clock))) {
+            return;
+        }
+        self.worker.fences.fetch_add(1, Ordering::Relaxed);
+        self.shared.calls.cut();
+        tracing::warn!(jobs = self.tasks.len(), "Postgres's clock ran on while this process's stood still (a VM paused with its clock?): its jobs may run elsewhere now, so it cuts the calls it makes for them");
+        if !self.tasks.is_empty() {
+            stop_jobs(
+                &mut self.tasks,
+                &self.worker.registry,
+                &self.client,
+                &self.base,
+                &self.shared.calls,
+            )
+            .await;
         }
     }
 

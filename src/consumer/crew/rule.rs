@@ -73,6 +73,23 @@ pub(super) const PING: Duration = Duration::from_millis(500);
 /// the proof comes each beat, after at most 2 [`PING`]s of the last one.
 pub(super) const MEMBER_PROOF: Duration = Duration::from_millis(1500);
 
+/// How much further Postgres's clock may run than this process's own
+/// between two checks of the member lock before this process takes it
+/// that its own clock stood still meanwhile (a VM paused with its clock, as
+/// QEMU/KVM does on `virsh suspend`): its proof then proves nothing, since
+/// the dispatcher, whose clock ran, may have taken its jobs for lost. A
+/// slow check accounts for at most a [`PING`] of the difference.
+pub(super) const CLOCK_JUMP: Duration = Duration::from_millis(1500);
+
+/// Whether this process's clock stood still between two member-lock checks:
+/// each is when it was sent, by this process's clock, and Postgres's clock
+/// (seconds since the epoch) as it ran.
+pub(super) fn clock_stood_still(before: (Instant, f64), now: (Instant, f64)) -> bool {
+    let ours = now.0.saturating_duration_since(before.0).as_secs_f64();
+    let theirs = now.1 - before.1;
+    theirs - ours > CLOCK_JUMP.as_secs_f64()
+}
+
 /// Why a helper refuses a job request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refusal {
@@ -634,6 +651,23 @@ impl<T> Ledger<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review N7: a VM paused with its clock leaves a helper's proof
+    /// looking fresh; Postgres's clock, which ran, tells.
+    #[test]
+    fn a_clock_that_stood_still_is_told_by_postgres() {
+        let t0 = Instant::now();
+        let srv = 1_800_000_000.0;
+        let checks = |ours: u64, theirs: f64| {
+            clock_stood_still((t0, srv), (t0 + Duration::from_millis(ours), srv + theirs))
+        };
+        assert!(!checks(250, 0.25), "a beat apart");
+        assert!(!checks(250, 0.75), "a slow check");
+        assert!(!checks(10_000, 10.2), "a long gap both clocks saw");
+        assert!(!checks(250, -3.0), "Postgres's clock stepped back");
+        assert!(checks(250, 10.0), "10 s that this process did not see");
+        assert!(checks(0, 2.0), "a check sent at once after the last");
+    }
     use proptest::prelude::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
