@@ -353,6 +353,36 @@ async fn one_process_whose_postgres_path_stalls_for_4_s_repeats_no_call() {
     w.settled(load).await;
 }
 
+/// One process whose path to Postgres turns slow for 2 s: every answer
+/// 1.2 s late (a congested link, a database busy with a checkpoint). Its
+/// lease's pings are slow, not lost: the lease holds, and nothing is
+/// delivered again. Before, a ping slower than 1 s ended the period: a
+/// reset to the ack floor, and every message above it delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_whose_postgres_answers_1_2_s_late_keeps_its_lease() {
+    let w = World::shared("p_sololate", "psololate").await;
+    let proxy = Proxy::start(&pg_target(&w.url)).await;
+    let mut c = w.process("psololate-a", &proxy.pg_url(&w.url), &w.nats_url);
+    c.wait_ready();
+    let load = w.load();
+    w.in_flight(20).await;
+    let duplicates = |m: &Scrape| {
+        m.value("outbox_consumer_messages_total{result=\"duplicate\"}")
+            .unwrap_or(0.0)
+    };
+    let before = duplicates(&c.scrape().await);
+    proxy.delay(Duration::from_millis(1_200));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.delay(Duration::ZERO);
+    w.settled(load).await;
+    let after = duplicates(&c.scrape().await);
+    assert_eq!(after, before, "messages delivered again after a slow ping");
+    assert!(
+        !c.log_text().contains("lost the consumer lease"),
+        "the lease was lost to a slow ping"
+    );
+}
+
 /// One process through a Postgres crash and a 35 s outage (a failover's
 /// length). Before: calls in flight were cut when the lease went, and the
 /// successes whose completion waited for Postgres were dropped after

@@ -544,6 +544,23 @@ async fn unusable<H>(shared: &Shared<H>, parts: &Parts<'_>, u: Unusable) -> Opti
     Some(())
 }
 
+/// Whether this job may call its handler now: its process proves its
+/// right, and the job was not cut. A lapsed proof is waited for while it
+/// may come back (the lease's slow ping answered); a helper's lapse cuts
+/// its jobs, which ends the wait.
+async fn may_call<H>(shared: &Shared<H>, fence: &CancellationToken) -> bool {
+    if fence.is_cancelled() {
+        return false;
+    }
+    if shared.proof.holds() {
+        return true;
+    }
+    tokio::select! {
+        regained = shared.proof.regained() => regained && !fence.is_cancelled(),
+        _ = fence.cancelled() => false,
+    }
+}
+
 /// Claim, call the handler, complete: in one transaction for a handler
 /// that needs it, else around a detached call. `parked`: the message is a
 /// parked one coming up again (its row exists and is counted differently).
@@ -559,7 +576,7 @@ async fn run_handler<H: Handler>(
     // The Rust handler's paths are boxed: inline, their transactions made
     // every job's future (boxed and copied once per message, the HTTP
     // handler's too) 15 KB larger.
-    if !shared.proof.holds() || fence.is_cancelled() {
+    if !may_call(shared, fence).await {
         return None;
     }
     if let (Some(group), false) = (&shared.transactions, parked) {
@@ -683,7 +700,7 @@ async fn run_handler<H: Handler>(
     };
     // The claim may have waited (a batch, a retried write): the right to
     // call is checked again right before the call.
-    if !shared.proof.holds() || fence.is_cancelled() {
+    if !may_call(shared, fence).await {
         return None;
     }
     let delivery = parts.delivery(id, attempts);

@@ -233,6 +233,7 @@ impl<'a, H: Handler> Active<'a, H> {
             tasks: JoinSet::new(),
             local_running: Arc::new(AtomicUsize::new(0)),
             remote_running: Arc::new(AtomicUsize::new(0)),
+            deferred: Vec::new(),
             messages,
             rebuild,
             resets,
@@ -298,6 +299,8 @@ struct Dispatch<'a, H> {
     /// or adopted from them), for `outbox_consumer_remote_jobs`. Spills
     /// and parks behind are tasks too, and run nowhere.
     remote_running: Arc<AtomicUsize>,
+    /// What the scheduler let go while the proof had lapsed ([`Dispatch::start`]).
+    deferred: Vec<(String, Job<Message>)>,
     messages: Option<Messages>,
     /// When the pull stream is down: when to rebuild it, the pause after
     /// that, and whether to reset to the ack floor first. Rebuilding is a
@@ -343,9 +346,22 @@ impl<H: Handler> Dispatch<'_, H> {
         let mut quiet_check = tokio::time::interval(QUIET_PULL);
         loop {
             // Checked at every wake-up: a process that thaws after a freeze
-            // runs a branch or two before its keeper hears the lease is gone.
+            // runs a branch or two before its keeper hears the lease is gone,
+            // and starts nothing meanwhile. A lapse may also be a slow ping
+            // still on its way: waited for, it costs no takeover and reset.
             if !self.shared.proof.holds() {
-                return Ended::LeaseLost;
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => return Ended::Shutdown,
+                    _ = lease_lost.cancelled() => return Ended::LeaseLost,
+                    regained = self.shared.proof.regained() => {
+                        if !regained {
+                            return Ended::LeaseLost;
+                        }
+                    }
+                }
+                let deferred = std::mem::take(&mut self.deferred);
+                self.start(deferred);
             }
             let wake = self.scheduler.next_wake();
             let rebuild_at = self.rebuild.as_ref().map(|r| r.at);
@@ -384,10 +400,12 @@ impl<H: Handler> Dispatch<'_, H> {
     /// for it, else in another process of the crew (a refusal runs it here).
     fn start(&mut self, jobs: Vec<(String, Job<Message>)>) {
         let cfg = self.active.cfg;
-        // No right to hand anything out or run it (a thawed process, say):
-        // the period ends at the pump's next turn, and what was let go
-        // comes again through the next dispatcher's reset.
+        // No right to hand anything out or run it (a thawed process, a slow
+        // lease ping): held until the pump's next turn, which starts them
+        // once the proof is back, or ends the period (what was let go then
+        // comes again through the next dispatcher's reset).
         if !self.shared.proof.holds() {
+            self.deferred.extend(jobs);
             return;
         }
         for (key, job) in jobs {
