@@ -397,6 +397,42 @@ const DAARION_FLAGS: &[&str] = &[
     "NOT processed",
 ];
 
+/// The most common outbox a team already has: uuid ids, and a uuid
+/// `aggregate_id`, under the default column map. Each row is an event whose
+/// `Nats-Aggregate-Id` is the uuid's text, backfilled and streamed alike.
+/// Before, every row was an empty `bad_row` dead letter ("unsupported
+/// column type oid 2950"), and the audit called the stream whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_with_a_uuid_aggregate_id() {
+    let got = relay_on(&Recipe {
+        ctx: "uuidagg",
+        ddl: "CREATE TABLE team_outbox (id uuid primary key, aggregate_type text not null, \
+              aggregate_id uuid not null, event_type text not null, payload jsonb not null, \
+              occurred_at timestamptz not null default now(), published_at timestamptz)",
+        flags: &[
+            "--table",
+            "public.team_outbox",
+            "--unpublished",
+            "published_at IS NULL",
+            "--subject-template",
+            "uuidagg.{aggregate_type}.{event_type}",
+        ],
+        insert: "INSERT INTO team_outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1::uuid, 'order', ('00000000-0000-0000-0000-' || lpad(abs($2)::text, 12, '0'))::uuid, \
+                 'placed', jsonb_build_object('n', $2)) \
+                 RETURNING id::text",
+        publish_all: "UPDATE team_outbox SET published_at = now()",
+    })
+    .await;
+    for g in &got {
+        let n = g.json()["n"]
+            .as_i64()
+            .expect("the row's payload is the body");
+        let want = format!("00000000-0000-0000-0000-{:012}", n.abs());
+        assert_eq!(g.h(wire::AGGREGATE_ID), Some(want.as_str()), "row {n}");
+    }
+}
+
 /// A ledger keyed by a bigint identity whose payload is bytea: the id's
 /// decimal is `Nats-Msg-Id`, the bytes are the body as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

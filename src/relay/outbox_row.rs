@@ -185,7 +185,14 @@ impl OutboxLayout {
             None => Ok(None),
         };
         let aggregate_type = text(&mut r, &self.aggregate_type, "aggregate_type")?;
-        let aggregate_id = text(&mut r, &self.aggregate_id, "aggregate_id")?;
+        // A uuid (the common shape) as its text, as the start check allows.
+        let aggregate_id = match &self.aggregate_id {
+            Some(f) => r
+                .uuid_or_text(f, "aggregate_id")
+                .and_then(|v| required(v, "aggregate_id"))
+                .map(Some)?,
+            None => None,
+        };
         let event_type = text(&mut r, &self.event_type, "event_type")?;
         let id = r.id(&self.id)?.ok_or(RowError::BadValue {
             column: "id".into(),
