@@ -433,6 +433,54 @@ async fn a_table_with_a_uuid_aggregate_id() {
     }
 }
 
+/// A team's table whose subject names an enum column and whose headers
+/// carry numeric and date columns: each is the type's own text (its output
+/// function's), streamed as backfilled. Before, binary tuples carried those
+/// columns in a form the relay does not read: every streamed row was a
+/// dead letter, while the backfill published the same rows fine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_with_enum_numeric_and_date_columns_in_subject_and_headers() {
+    let got = relay_on(&Recipe {
+        ctx: "typedcols",
+        ddl: "CREATE TYPE order_kind AS ENUM ('retail', 'wholesale'); \
+              CREATE TABLE typed_outbox (id uuid primary key, aggregate_type text not null, \
+              aggregate_id text not null, event_type text not null, kind order_kind not null, \
+              amount numeric(12,2) not null, due date not null, payload jsonb not null, \
+              occurred_at timestamptz not null default now(), published_at timestamptz)",
+        flags: &[
+            "--table",
+            "public.typed_outbox",
+            "--unpublished",
+            "published_at IS NULL",
+            "--subject-template",
+            "typedcols.{kind}.{event_type}",
+            "--header-columns",
+            "amount,due",
+        ],
+        insert: "INSERT INTO typed_outbox (id, aggregate_type, aggregate_id, event_type, kind, amount, due, payload) \
+                 VALUES ($1::uuid, 'order', 'o' || $2, 'placed', \
+                 (CASE WHEN $2 % 2 = 0 THEN 'retail' ELSE 'wholesale' END)::order_kind, \
+                 $2 * 1.25, date '2026-01-01' + abs($2), jsonb_build_object('n', $2)) \
+                 RETURNING id::text",
+        publish_all: "UPDATE typed_outbox SET published_at = now()",
+    })
+    .await;
+    let (amount, due) = (wire::column_header("amount"), wire::column_header("due"));
+    for g in &got {
+        let n = g.json()["n"]
+            .as_i64()
+            .expect("the row's payload is the body");
+        let kind = if n % 2 == 0 { "retail" } else { "wholesale" };
+        assert_eq!(g.subject, format!("typedcols.{kind}.placed"), "row {n}");
+        let want_amount = format!("{:.2}", n as f64 * 1.25);
+        assert_eq!(g.h(&amount), Some(want_amount.as_str()), "row {n}");
+        let want_due = (time::Date::from_calendar_date(2026, time::Month::January, 1).unwrap()
+            + time::Duration::days(n.abs()))
+        .to_string();
+        assert_eq!(g.h(&due), Some(want_due.as_str()), "row {n}");
+    }
+}
+
 /// A ledger keyed by a bigint identity whose payload is bytea: the id's
 /// decimal is `Nats-Msg-Id`, the bytes are the body as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

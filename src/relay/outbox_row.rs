@@ -448,7 +448,8 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// Any column's text form, for a subject template or a header.
+    /// Any column's text form, for a subject template or a header (in
+    /// binary tuples, only of the types [`binary_text`] names).
     fn any_text(&mut self, i: usize, name: &str) -> Result<Option<String>, RowError> {
         let named = |e: RowError| match e {
             RowError::BadValue { detail, .. } => RowError::BadValue {
@@ -495,6 +496,27 @@ impl<'a> Reader<'a> {
         };
         v.map_err(named)
     }
+}
+
+/// Whether a subject-template or header column of this type is read from
+/// binary tuples; any other type's text is its output function's, which
+/// only text tuples carry.
+pub fn binary_text(ty: u32) -> bool {
+    [
+        oid::UUID,
+        oid::INT2,
+        oid::INT4,
+        oid::INT8,
+        oid::TIMESTAMPTZ,
+        oid::TIMESTAMP,
+        oid::JSON,
+        oid::JSONB,
+        oid::BOOL,
+        oid::TEXT,
+        oid::VARCHAR,
+        oid::BPCHAR,
+    ]
+    .contains(&ty)
 }
 
 fn text_at(

@@ -233,6 +233,26 @@ impl<'a> Session<'a> {
             .columns
             .resolve(&table, &columns)
             .map_err(Error::setup)?;
+        // A template or header column of a type binary tuples carry in a
+        // form of its own (an enum, numeric, date, a domain...) is read as
+        // Postgres's text for it, the backfill's: the session asks for text
+        // tuples then.
+        let textual: Vec<&str> = extra
+            .iter()
+            .filter(|name| {
+                columns
+                    .iter()
+                    .any(|(n, ty)| n == *name && !crate::relay::outbox_row::binary_text(*ty))
+            })
+            .map(String::as_str)
+            .collect();
+        let binary = cfg.binary && textual.is_empty();
+        if cfg.binary && !binary {
+            tracing::info!(
+                columns = ?textual,
+                "streaming text tuples: these subject or header columns are read as Postgres's text for their types"
+            );
+        }
         if cfg.envelope {
             // The envelope embeds the payload as JSON, byte for byte.
             let payload = resolved.source(crate::relay::columns::Role::Payload);
@@ -394,7 +414,7 @@ impl<'a> Session<'a> {
             .replication_config(&cfg.slot, &cfg.publication)
             .with_start_lsn(confirmed)
             .with_ack_lsn(confirmed)
-            .with_binary(cfg.binary)
+            .with_binary(binary)
             .with_buffer_size(replication_buffer(cfg.max_inflight_bytes, max_payload))
             .with_status_interval(status_interval)
             .with_wakeup_interval(status_interval);
