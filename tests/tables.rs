@@ -481,6 +481,57 @@ async fn a_table_with_enum_numeric_and_date_columns_in_subject_and_headers() {
     }
 }
 
+/// A mapped generated column: logical replication leaves it out of the
+/// rows it sends (before PostgreSQL 18, and from 18 unless the publication
+/// publishes generated columns), so the relay refuses it at start in one
+/// line naming the column and what to run. Before, it started, and every
+/// streamed row lacked the column: a dead letter each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapped_generated_column_is_refused_at_start() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_generated").await;
+    sqlx::raw_sql(
+        "CREATE TABLE gen_outbox (id uuid primary key, aggregate_type text not null, \
+         event_type text not null, payload jsonb not null, \
+         aggregate_id text GENERATED ALWAYS AS (payload->>'order') STORED, \
+         region text GENERATED ALWAYS AS (payload->>'region') STORED, \
+         occurred_at timestamptz not null default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for (flags, column) in [
+        (
+            vec![
+                "--subject-template",
+                "generated.{aggregate_type}.{event_type}",
+            ],
+            "aggregate_id",
+        ),
+        (
+            vec![
+                "--columns",
+                "aggregate_id=id",
+                "--subject-template",
+                "generated.{region}.{event_type}",
+            ],
+            "region",
+        ),
+    ] {
+        let mut args = vec!["--table", "public.gen_outbox"];
+        args.extend(flags);
+        let (code, err) = run_relay_bounded(&url, &stack.nats_url, "generated", &args);
+        assert_eq!(code, Some(1), "{column}: {err}");
+        let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert!(
+            errors.len() == 1
+                && errors[0].contains(&format!("column {column} "))
+                && errors[0].contains("generated"),
+            "one line naming {column}: {err}"
+        );
+    }
+}
+
 /// A ledger keyed by a bigint identity whose payload is bytea: the id's
 /// decimal is `Nats-Msg-Id`, the bytes are the body as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -233,6 +233,36 @@ impl<'a> Session<'a> {
             .columns
             .resolve(&table, &columns)
             .map_err(Error::setup)?;
+        // A generated column is not in the rows logical replication sends
+        // (before PostgreSQL 18, or unless the publication publishes them):
+        // mapped, every streamed row would lack it.
+        let unreplicated = postgres::provision::unreplicated_columns(
+            pool,
+            &cfg.schema,
+            &cfg.table,
+            &cfg.publication,
+        )
+        .await?;
+        let mapped = crate::relay::columns::Role::ALL
+            .iter()
+            .filter_map(|r| {
+                resolved
+                    .source(*r)
+                    .map(|s| (s.column().to_owned(), format!("role {}", r.name())))
+            })
+            .chain(
+                extra
+                    .iter()
+                    .map(|c| (c.clone(), "a subject or header column".to_owned())),
+            );
+        for (column, plays) in mapped {
+            if unreplicated.contains(&column) {
+                return Err(Error::setup(format!(
+                    "column {column} of table {table} ({plays}) is generated, and logical replication leaves it out of the rows it sends (before PostgreSQL 18, or unless the publication publishes generated columns: ALTER PUBLICATION {} SET (publish_generated_columns = stored) on 18): map a column that is written, or compute it in the subject template",
+                    cfg.publication
+                )));
+            }
+        }
         // A template or header column of a type binary tuples carry in a
         // form of its own (an enum, numeric, date, a domain...) is read as
         // Postgres's text for it, the backfill's: the session asks for text
