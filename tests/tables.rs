@@ -532,6 +532,109 @@ async fn a_mapped_generated_column_is_refused_at_start() {
     }
 }
 
+/// Migrations while the relay streams (SPEC §13): a column added that
+/// plays no role changes nothing, even one named like a role (`stream`); a
+/// mapped column renamed stops the relay before it confirms the first row
+/// that lacks it, in one line naming the column, and a restart with the
+/// map fixed publishes that row. No row is dead-lettered. Before, the new
+/// `stream` column took the role and its row was a `stream_missing` dead
+/// letter, and the renamed header column dead-lettered every later row
+/// while the relay ran on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_while_streaming_loses_no_row() {
+    let stack = stack();
+    let (url, pool) = empty_db(&stack, "t_migrate").await;
+    sqlx::raw_sql(
+        "CREATE TABLE mig_outbox (id uuid primary key, aggregate_type text not null, \
+         aggregate_id text not null, event_type text not null, payload jsonb not null, \
+         tenant text, occurred_at timestamptz not null default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let flags = |tenant: &'static str| {
+        vec![
+            "--table",
+            "public.mig_outbox",
+            "--subject-template",
+            "migrate.{aggregate_type}.{event_type}",
+            "--header-columns",
+            tenant,
+        ]
+    };
+    let insert = |n: i32, tenant: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO mig_outbox (id, aggregate_type, aggregate_id, event_type, payload, {tenant}) \
+                 VALUES (gen_random_uuid(), 'order', 'o1', 'placed', jsonb_build_object('n', $1), 't1') \
+                 RETURNING id::text"
+            )))
+            .bind(n)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let mut relay = Service::relay(&url, &stack.nats_url, "migrate", &flags("tenant"));
+    let mut expected = vec![insert(0, "tenant").await];
+    sqlx::raw_sql("ALTER TABLE mig_outbox ADD COLUMN stream text DEFAULT 'NOWHERE'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    expected.push(insert(1, "tenant").await);
+    let got = read_stream(&stack.nats_url, &wire::stream_name("migrate"), 2, T).await;
+    assert_eq!(ids(&got), expected, "{}", relay.log_text());
+    sqlx::raw_sql("ALTER TABLE mig_outbox RENAME COLUMN tenant TO tenant_id")
+        .execute(&pool)
+        .await
+        .unwrap();
+    expected.push(insert(2, "tenant_id").await);
+    let exit = {
+        let deadline = std::time::Instant::now() + T;
+        loop {
+            if let Some(st) = relay.exited() {
+                break st;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the relay ran on past a renamed mapped column: {}",
+                relay.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    assert!(!exit.success());
+    let log = relay.log_text();
+    let errors: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("ERROR") || l.starts_with("error"))
+        .collect();
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.contains("tenant") && l.contains("--header-columns")),
+        "one line naming the column and the flag: {log}"
+    );
+    // The `stream` column added while it ran would take its role by name
+    // at a start: the fixed map says it plays none.
+    let mut fixed = flags("tenant_id");
+    fixed.extend(["--columns", "stream=-"]);
+    let mut relay = Service::relay(&url, &stack.nats_url, "migrate", &fixed);
+    relay.wait_ready();
+    let got = read_stream(&stack.nats_url, &wire::stream_name("migrate"), 3, T).await;
+    assert_eq!(ids(&got), expected, "{}", relay.log_text());
+    for g in &got {
+        assert!(
+            g.subject.starts_with("migrate.order."),
+            "an event, not a dead letter: {}",
+            g.subject
+        );
+        assert!(!g.payload.is_empty());
+    }
+    assert_eq!(got[2].h(&wire::column_header("tenant_id")), Some("t1"));
+}
+
 /// A ledger keyed by a bigint identity whose payload is bytea: the id's
 /// decimal is `Nats-Msg-Id`, the bytes are the body as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

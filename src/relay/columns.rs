@@ -138,12 +138,17 @@ impl fmt::Display for Source {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ColumnMap {
     given: BTreeMap<Role, Source>,
+    /// Roles given as `-`: no column plays them, whatever the table has.
+    off: std::collections::BTreeSet<Role>,
+    /// Only the roles given: none by its own name (see [`ColumnMap::pinned`]).
+    pinned: bool,
 }
 
 impl ColumnMap {
     /// `role=source,…`; empty: every role by its own name.
     pub fn parse(spec: &str) -> Result<Self, String> {
         let mut given = BTreeMap::new();
+        let mut off = std::collections::BTreeSet::new();
         for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             let (role, source) = item
                 .split_once('=')
@@ -155,8 +160,21 @@ impl ColumnMap {
                     Role::ALL.map(Role::name).join(", ")
                 )
             })?;
+            if source == "-" {
+                if matches!(r, Role::Id | Role::Payload) {
+                    return Err(format!("role {role} is needed: it cannot be `-`"));
+                }
+                if !off.insert(r) || given.contains_key(&r) {
+                    return Err(format!("role {role} is given twice"));
+                }
+                continue;
+            }
             let source = match source.split_once('.') {
-                _ if source.is_empty() => return Err(format!("role {role} has no source")),
+                _ if source.is_empty() => {
+                    return Err(format!(
+                        "role {role} has no source (`{role}=-`: no column plays it)"
+                    ))
+                }
                 Some((column, key)) if !column.is_empty() && !key.is_empty() => Source::Key {
                     column: column.to_owned(),
                     key: key.to_owned(),
@@ -168,16 +186,32 @@ impl ColumnMap {
                 }
                 None => Source::Column(source.to_owned()),
             };
-            if given.insert(r, source).is_some() {
+            if off.contains(&r) || given.insert(r, source).is_some() {
                 return Err(format!("role {role} is given twice"));
             }
         }
-        Ok(Self { given })
+        Ok(Self {
+            given,
+            off,
+            pinned: false,
+        })
+    }
+
+    /// The map as it resolved at start, every role it found named: while
+    /// the relay runs, a column that appears (a `stream`, a `headers`) takes
+    /// no role, and one that goes (dropped, renamed) is missing, not
+    /// replaced.
+    pub fn pinned(resolved: &Resolved) -> ColumnMap {
+        ColumnMap {
+            given: resolved.roles.clone(),
+            off: Default::default(),
+            pinned: true,
+        }
     }
 
     /// Whether every role is by its own name (no `--columns`).
     pub fn is_default(&self) -> bool {
-        self.given.is_empty()
+        self.given.is_empty() && self.off.is_empty()
     }
 
     /// Each role's source on a table with these `(name, type oid)` columns:
@@ -197,7 +231,10 @@ impl ColumnMap {
         for role in Role::ALL {
             let source = match self.given.get(&role) {
                 Some(s) => s.clone(),
-                None if type_of(role.name()).is_some() => Source::Column(role.name().to_owned()),
+                None if self.off.contains(&role) => continue,
+                None if !self.pinned && type_of(role.name()).is_some() => {
+                    Source::Column(role.name().to_owned())
+                }
                 None if matches!(role, Role::Id | Role::Payload) => {
                     return Err(format!(
                         "table {table} has no column {role} and --columns maps none to role {role} (its columns: {})",
@@ -267,7 +304,7 @@ impl ColumnMap {
             // The relay must know where to look for what it stored.
             (Some(source), true) => {
                 return Err(format!(
-                    "role stream (column {source} of table {table}) routes each row to the stream it names: list the streams rows may name with --streams S1,S2 (a restart reads what each one holds)"
+                    "role stream (column {source} of table {table}) routes each row to the stream it names: list the streams rows may name with --streams S1,S2 (a restart reads what each one holds), or give --columns stream=- if the column is not one"
                 ))
             }
             (None, false) => {
@@ -403,6 +440,39 @@ mod tests {
         ]
         .map(|(n, t)| (n.to_owned(), t))
         .to_vec()
+    }
+
+    /// `ROLE=-`: no column plays the role, though one has its name (a
+    /// `stream` column that is not a stream's name); never id or payload.
+    #[test]
+    fn a_role_given_as_dash_is_played_by_no_column() {
+        let mut cols = today();
+        cols.push(("stream".into(), oid::TEXT));
+        let by_name = ColumnMap::parse("").unwrap().resolve("t", &cols).unwrap();
+        assert!(by_name.source(Role::Stream).is_some());
+        let off = ColumnMap::parse("stream=-").unwrap();
+        assert!(!off.is_default());
+        assert!(off
+            .resolve("t", &cols)
+            .unwrap()
+            .source(Role::Stream)
+            .is_none());
+        assert!(ColumnMap::parse("payload=-").is_err());
+        assert!(ColumnMap::parse("stream=-,stream=x").is_err());
+        let pinned = ColumnMap::pinned(
+            &ColumnMap::parse("")
+                .unwrap()
+                .resolve("t", &today())
+                .unwrap(),
+        );
+        assert!(
+            pinned
+                .resolve("t", &cols)
+                .unwrap()
+                .source(Role::Stream)
+                .is_none(),
+            "a column that appeared after start takes no role"
+        );
     }
 
     #[test]

@@ -266,10 +266,29 @@ impl Stage {
             return Ok(Step::Nothing);
         };
         let row = match layout {
-            Ok(l) => l
+            Ok(l) => Ok(l
                 .row(&ins.values)
-                .map_err(|e| (l.id(&ins.values), e.to_string())),
-            Err(e) => Err((None, e.to_string())),
+                .map_err(|e| (l.id(&ins.values), e.to_string()))),
+            Err(e) => Err(e.to_string()),
+        };
+        // The table changed under the relay (a mapped column dropped,
+        // renamed or retyped) since the checks at start: stop before this
+        // row is confirmed; a restart with the map fixed publishes it.
+        let row = match row {
+            Ok(row) => row,
+            Err(e) => {
+                // A replay from before the change (a restart with the map
+                // fixed for the table as it is now): rows the stream holds
+                // already are read with the old columns, and skipped as they
+                // would be.
+                if let Some(step) = self.skip_stored(wm) {
+                    return step;
+                }
+                return Err(Error::setup(format!(
+                "the outbox table {}.{} changed while the relay ran, and its rows no longer fit the flags: {e}; fix --columns, --subject-template or --header-columns (or the table), then restart the relay: nothing past the last published row was confirmed",
+                self.schema, self.table
+            )));
+            }
         };
         self.next_event(row, wm, "Insert")
     }
@@ -333,13 +352,31 @@ impl Stage {
         })
     }
 
+    /// Skip the transaction's next event if the stream holds one at its
+    /// WAL position (known by position alone: its row cannot be read).
+    fn skip_stored(&mut self, wm: &mut Watermark) -> Option<Result<Step>> {
+        let txn = self.txn.as_mut()?;
+        let pos = Position {
+            commit_lsn: txn.commit_lsn,
+            index: txn.next_index,
+        };
+        let r = self.resume.as_ref()?;
+        if pos > r.tail || !r.stored.contains_key(&pos) {
+            return None;
+        }
+        txn.next_index += 1;
+        let ticket = wm.register();
+        metrics::counter!(m::EVENTS_SKIPPED).increment(1);
+        Some(Ok(wm.ack(ticket).map_or(Step::Nothing, Step::Confirm)))
+    }
+
     fn layout_for(&self, rel: &Relation) -> Option<std::result::Result<OutboxLayout, RowError>> {
         if rel.namespace != self.schema || rel.name != self.table {
             return None;
         }
         let layout = OutboxLayout::new(rel, &self.map, &self.extra);
         if let Err(e) = &layout {
-            tracing::error!(error = %e, "outbox table cannot be read; its rows will be dead-lettered");
+            tracing::error!(error = %e, "the outbox table changed while the relay ran: the relay stops at its next row, before confirming it");
         }
         Some(layout)
     }

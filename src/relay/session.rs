@@ -525,7 +525,7 @@ impl<'a> Session<'a> {
             resume,
         )
         .with_emitted(cfg.emitted_events)
-        .with_columns(cfg.columns.clone());
+        .with_columns(crate::relay::columns::ColumnMap::pinned(&resolved));
         // What was written while no relay read is published before the
         // first sample: it carries the slot's own horizon.
         if let Some(xid) = provision::slot_horizon(pool, &cfg.slot).await? {

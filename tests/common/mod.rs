@@ -383,6 +383,11 @@ impl Service {
         self.child.id()
     }
 
+    /// Its exit status, once it has exited by itself.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
