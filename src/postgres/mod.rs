@@ -169,7 +169,12 @@ impl Dsn {
         )
         .with_port(self.port)
         .with_tls(self.tls.clone())
-        .with_options("-c DateStyle=ISO -c TimeZone=UTC")
+        // bytea as hex and intervals in Postgres's own style, as the
+        // backfill reads them: a role or database setting must not change
+        // what text tuples carry.
+        .with_options(
+            "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex -c IntervalStyle=postgres -c extra_float_digits=1",
+        )
         .with_application_name(format!("outbox-relay:{slot}"))
     }
 }

@@ -63,7 +63,7 @@ impl Role {
         }
     }
 
-    fn parse(name: &str) -> Option<Role> {
+    pub fn parse(name: &str) -> Option<Role> {
         Role::ALL.into_iter().find(|r| r.name() == name)
     }
 
@@ -140,8 +140,13 @@ pub struct ColumnMap {
     given: BTreeMap<Role, Source>,
     /// Roles given as `-`: no column plays them, whatever the table has.
     off: std::collections::BTreeSet<Role>,
-    /// Only the roles given: none by its own name (see [`ColumnMap::pinned`]).
+    /// Only the roles given (and `optional`): none by its own name (see
+    /// [`ColumnMap::pinned`]).
     pinned: bool,
+    /// Roles found by their name at start that nothing needs: read where
+    /// a row's table has the column, absent where it does not (a row
+    /// written before the column was added).
+    optional: BTreeMap<Role, Source>,
 }
 
 impl ColumnMap {
@@ -194,19 +199,43 @@ impl ColumnMap {
             given,
             off,
             pinned: false,
+            optional: BTreeMap::new(),
         })
     }
 
-    /// The map as it resolved at start, every role it found named: while
-    /// the relay runs, a column that appears (a `stream`, a `headers`) takes
-    /// no role, and one that goes (dropped, renamed) is missing, not
-    /// replaced.
-    pub fn pinned(resolved: &Resolved) -> ColumnMap {
+    /// The map as it resolved at start: while the relay runs, a column
+    /// that appears (a `stream`, a `headers`) takes no role. A role given
+    /// with `--columns`, `id`, `payload`, and those in `needed` (the
+    /// subject template's, routing) must keep their column: one that goes
+    /// (dropped, renamed) makes the row's table not fit. The other roles
+    /// found by name are read where the column is, and absent where it is
+    /// not (rows written before it was added, read on a replay).
+    pub fn pinned(&self, resolved: &Resolved, needed: &[Role]) -> ColumnMap {
+        let mut given = BTreeMap::new();
+        let mut optional = BTreeMap::new();
+        for (role, source) in &resolved.roles {
+            let required = self.given.contains_key(role)
+                || matches!(
+                    role,
+                    Role::Id | Role::Payload | Role::Subject | Role::Stream
+                )
+                || needed.contains(role);
+            match required {
+                true => given.insert(*role, source.clone()),
+                false => optional.insert(*role, source.clone()),
+            };
+        }
         ColumnMap {
-            given: resolved.roles.clone(),
+            given,
             off: Default::default(),
             pinned: true,
+            optional,
         }
+    }
+
+    /// The source of `role` the map names (pinned: every role it keeps).
+    pub fn given(&self, role: Role) -> Option<&Source> {
+        self.given.get(&role)
     }
 
     /// Whether every role is by its own name (no `--columns`).
@@ -232,16 +261,19 @@ impl ColumnMap {
             let source = match self.given.get(&role) {
                 Some(s) => s.clone(),
                 None if self.off.contains(&role) => continue,
-                None if !self.pinned && type_of(role.name()).is_some() => {
-                    Source::Column(role.name().to_owned())
-                }
-                None if matches!(role, Role::Id | Role::Payload) => {
-                    return Err(format!(
-                        "table {table} has no column {role} and --columns maps none to role {role} (its columns: {})",
-                        listing()
-                    ))
-                }
-                None => continue,
+                None => match self.optional.get(&role) {
+                    Some(s) if type_of(s.column()).is_some() => s.clone(),
+                    Some(_) => continue,
+                    None if self.pinned => continue,
+                    None if type_of(role.name()).is_some() => Source::Column(role.name().to_owned()),
+                    None if matches!(role, Role::Id | Role::Payload) => {
+                        return Err(format!(
+                            "table {table} has no column {role} and --columns maps none to role {role} (its columns: {})",
+                            listing()
+                        ))
+                    }
+                    None => continue,
+                },
             };
             let Some(ty) = type_of(source.column()) else {
                 return Err(format!(
@@ -459,12 +491,8 @@ mod tests {
             .is_none());
         assert!(ColumnMap::parse("payload=-").is_err());
         assert!(ColumnMap::parse("stream=-,stream=x").is_err());
-        let pinned = ColumnMap::pinned(
-            &ColumnMap::parse("")
-                .unwrap()
-                .resolve("t", &today())
-                .unwrap(),
-        );
+        let default = ColumnMap::parse("").unwrap();
+        let pinned = default.pinned(&default.resolve("t", &today()).unwrap(), &[Role::EventType]);
         assert!(
             pinned
                 .resolve("t", &cols)
@@ -472,6 +500,24 @@ mod tests {
                 .source(Role::Stream)
                 .is_none(),
             "a column that appeared after start takes no role"
+        );
+        // A row written before correlation_id was added (a replay): the
+        // role is absent from it. event_type, which the template needs,
+        // must be there.
+        let older: Vec<(String, u32)> = today()
+            .into_iter()
+            .filter(|(n, _)| n != "correlation_id")
+            .collect();
+        let r = pinned.resolve("t", &older).unwrap();
+        assert!(r.source(Role::CorrelationId).is_none());
+        assert!(r.source(Role::AggregateId).is_some());
+        let no_type: Vec<(String, u32)> = today()
+            .into_iter()
+            .filter(|(n, _)| n != "event_type")
+            .collect();
+        assert!(
+            pinned.resolve("t", &no_type).is_err(),
+            "a needed role's column gone"
         );
     }
 

@@ -67,6 +67,11 @@ pub struct Stage {
     emitted: bool,
     /// `--columns`: which column plays which role (SPEC §13).
     map: ColumnMap,
+    /// See [`Stage::with_binary`].
+    binary: bool,
+    /// For each relation whose layout does not fit the map, one that reads
+    /// the id alone ([`Stage::skip_stored`]).
+    id_layouts: HashMap<u32, OutboxLayout>,
     /// The columns each row carries for the router ([`Router::columns`]).
     extra: Vec<String>,
 }
@@ -149,12 +154,22 @@ impl Stage {
             emitted: true,
             map: ColumnMap::default(),
             extra,
+            binary: false,
+            id_layouts: HashMap::new(),
         }
     }
 
     /// `--columns`: which column plays which role.
     pub fn with_columns(mut self, map: ColumnMap) -> Self {
         self.map = map;
+        self
+    }
+
+    /// Whether the session streams binary tuples: a template or header
+    /// column retyped while it runs to a type they carry in a form of its
+    /// own no longer fits.
+    pub fn with_binary(mut self, binary: bool) -> Self {
+        self.binary = binary;
         self
     }
 
@@ -208,6 +223,14 @@ impl Stage {
                         return Ok(Step::Nothing);
                     }
                     let layout = self.layout_for(&rel);
+                    if let Some(Err(_)) = &layout {
+                        let id = self.map.given(super::columns::Role::Id);
+                        if let Some(l) = id.and_then(|id| OutboxLayout::id_only(&rel, id)) {
+                            self.id_layouts.insert(rel.id, l);
+                        }
+                    } else {
+                        self.id_layouts.remove(&rel.id);
+                    }
                     self.layouts.insert(rel.id, layout);
                     Ok(Step::Nothing)
                 }
@@ -281,7 +304,11 @@ impl Stage {
                 // fixed for the table as it is now): rows the stream holds
                 // already are read with the old columns, and skipped as they
                 // would be.
-                if let Some(step) = self.skip_stored(wm) {
+                let id = self
+                    .id_layouts
+                    .get(&ins.relation_id)
+                    .and_then(|l| l.id(&ins.values));
+                if let Some(step) = self.skip_stored(id, wm) {
                     return step;
                 }
                 return Err(Error::setup(format!(
@@ -352,16 +379,17 @@ impl Stage {
         })
     }
 
-    /// Skip the transaction's next event if the stream holds one at its
-    /// WAL position (known by position alone: its row cannot be read).
-    fn skip_stored(&mut self, wm: &mut Watermark) -> Option<Result<Step>> {
+    /// Skip the transaction's next event if the stream holds it already:
+    /// the event at its WAL position has its id (read alone: the rest of
+    /// its row does not fit the map).
+    fn skip_stored(&mut self, id: Option<String>, wm: &mut Watermark) -> Option<Result<Step>> {
+        let id = id?;
         let txn = self.txn.as_mut()?;
         let pos = Position {
             commit_lsn: txn.commit_lsn,
             index: txn.next_index,
         };
-        let r = self.resume.as_ref()?;
-        if pos > r.tail || !r.stored.contains_key(&pos) {
+        if !already_stored(&mut self.resume, pos, &id) {
             return None;
         }
         txn.next_index += 1;
@@ -374,7 +402,24 @@ impl Stage {
         if rel.namespace != self.schema || rel.name != self.table {
             return None;
         }
-        let layout = OutboxLayout::new(rel, &self.map, &self.extra);
+        let layout = OutboxLayout::new(rel, &self.map, &self.extra).and_then(|l| {
+            // Read from binary tuples only as the types it was checked
+            // for at start (a column retyped to an enum, say, is not).
+            let retyped = self.extra.iter().find_map(|name| {
+                let c = rel.columns.iter().find(|c| &c.name == name)?;
+                (self.binary && !super::outbox_row::binary_text(c.type_oid))
+                    .then(|| (name.clone(), c.type_oid))
+            });
+            match retyped {
+                Some((name, ty)) => Err(RowError::Map {
+                    table: format!("{}.{}", rel.namespace, rel.name),
+                    detail: format!(
+                        "column {name} is now of type oid {ty}, which binary tuples carry in a form of its own (a restart streams text tuples for it)"
+                    ),
+                }),
+                None => Ok(l),
+            }
+        });
         if let Err(e) = &layout {
             tracing::error!(error = %e, "the outbox table changed while the relay ran: the relay stops at its next row, before confirming it");
         }

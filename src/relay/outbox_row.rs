@@ -158,6 +158,35 @@ impl OutboxLayout {
         })
     }
 
+    /// A layout that reads the id alone, from column `source` of `rel`:
+    /// a row of a table that no longer fits the map is still known by it.
+    pub fn id_only(rel: &Relation, source: &crate::relay::columns::Source) -> Option<Self> {
+        let index = rel.columns.iter().position(|c| c.name == source.column())?;
+        let f = Field {
+            index,
+            key: match source {
+                crate::relay::columns::Source::Key { key, .. } => Some(key.clone()),
+                crate::relay::columns::Source::Column(_) => None,
+            },
+        };
+        Some(Self {
+            id: f.clone(),
+            payload: f,
+            aggregate_type: None,
+            aggregate_id: None,
+            event_type: None,
+            event_version: None,
+            occurred_at: None,
+            correlation_id: None,
+            causation_id: None,
+            subject: None,
+            headers: None,
+            stream: None,
+            extra: Vec::new(),
+            types: rel.columns.iter().map(|c| c.type_oid).collect(),
+        })
+    }
+
     /// The row id alone, so a row that fails to decode can still be
     /// dead-lettered under its own message id.
     pub fn id(&self, values: &[Value]) -> Option<String> {

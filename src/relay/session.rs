@@ -277,6 +277,14 @@ impl<'a> Session<'a> {
             .map(String::as_str)
             .collect();
         let binary = cfg.binary && textual.is_empty();
+        // Roles the subject template needs keep their columns while the
+        // relay runs (see `ColumnMap::pinned`).
+        let needed: Vec<crate::relay::columns::Role> = cfg
+            .template
+            .roles()
+            .iter()
+            .filter_map(|r| crate::relay::columns::Role::parse(r))
+            .collect();
         if cfg.binary && !binary {
             tracing::info!(
                 columns = ?textual,
@@ -525,7 +533,8 @@ impl<'a> Session<'a> {
             resume,
         )
         .with_emitted(cfg.emitted_events)
-        .with_columns(crate::relay::columns::ColumnMap::pinned(&resolved));
+        .with_columns(cfg.columns.pinned(&resolved, &needed))
+        .with_binary(binary);
         // What was written while no relay read is published before the
         // first sample: it carries the slot's own horizon.
         if let Some(xid) = provision::slot_horizon(pool, &cfg.slot).await? {
