@@ -86,7 +86,7 @@ impl Transactions {
         let workers = settings.workers.max(1);
         let begin = Arc::new(Begin {
             pool: pool.clone(),
-            name: super::crew::mark_name(&settings.stream, &settings.consumer),
+            name: mark_name(&settings.stream, &settings.consumer),
             mark: tokio::sync::OnceCell::new(),
             member: settings.member,
             call_timeout: handler.call_timeout(),
@@ -137,7 +137,7 @@ pub struct Settings {
     pub consumer: String,
     pub stream: String,
     /// This process's crew member id: its transactions carry it as a mark
-    /// (see [`crew::end_transactions`](super::crew::end_transactions)).
+    /// (see [`mark_name`]).
     pub member: i32,
     pub workers: usize,
     /// Messages per transaction at most ([`Handler::max_group`]).
@@ -152,6 +152,14 @@ struct Context<H> {
     begin: Arc<Begin>,
 }
 
+/// The name of the mark every inbox transaction of a Rust handler carries:
+/// a shared advisory lock keyed by its process's member id, held until it
+/// commits. The crew ends the transactions that carry the mark of a
+/// process whose jobs it takes for lost.
+pub(super) fn mark_name(stream: &str, durable: &str) -> String {
+    format!("outbox-relay crew transactions {stream}/{durable}")
+}
+
 /// How an inbox transaction of a Rust handler begins, a parked message's
 /// included.
 ///
@@ -162,7 +170,7 @@ struct Context<H> {
 /// call's time (a lock wait) is cancelled, so a call the timeout dropped
 /// does not hold the group. The mark lets the crew end the transaction
 /// sooner, once it takes this process's jobs for lost
-/// ([`end_transactions`](super::crew::end_transactions)). All of it is sent
+/// (the crew's `end_transactions`). All of it is sent
 /// with the BEGIN, which goes with the claim: no round trip of its own.
 pub(super) struct Begin {
     pool: PgPool,

@@ -101,13 +101,6 @@ fn lock_name(stream: &str, durable: &str) -> String {
     format!("outbox-relay crew {stream}/{durable}")
 }
 
-/// The name of the mark every inbox transaction of a Rust handler carries:
-/// a shared advisory lock keyed by its process's member id, held until it
-/// commits (see [`end_transactions`]).
-pub(super) fn mark_name(stream: &str, durable: &str) -> String {
-    format!("outbox-relay crew transactions {stream}/{durable}")
-}
-
 /// Which processes' transactions [`end_transactions`] ends.
 pub(super) enum Fenced<'a> {
     /// These, taken for lost.
@@ -141,7 +134,7 @@ pub(super) async fn end_transactions(pool: &PgPool, stream: &str, durable: &str,
                AND classid = hashtext($1)::oid AND pid <> pg_backend_pid() \
                AND (objid::text::bigint = ANY($2)) <> $3",
         )
-        .bind(mark_name(stream, durable))
+        .bind(super::transaction::mark_name(stream, durable))
         .bind(&ids)
         .bind(all_but)
         .fetch_all(pool)
@@ -1350,18 +1343,7 @@ impl<H: Handler> Work<H> {
         // happened.
         let now_unheard = !self.standing.holds(Instant::now());
         if now_unheard && !self.unheard {
-            self.worker.fences.fetch_add(1, Ordering::Relaxed);
-            if !self.tasks.is_empty() {
-                tracing::warn!(jobs = self.tasks.len(), "this process cannot prove it is heard by the dispatcher, or holds its member lock (NATS or Postgres unreachable?): cutting the calls it makes for it, which the dispatcher makes again");
-                stop_jobs(
-                    &mut self.tasks,
-                    &self.worker.registry,
-                    &self.client,
-                    &self.base,
-                    &self.shared.calls,
-                )
-                .await;
-            }
+            self.fence("this process cannot prove it is heard by the dispatcher, or holds its member lock (NATS or Postgres unreachable?): cutting the calls it makes for it, which the dispatcher makes again").await;
         }
         self.unheard = now_unheard;
         let beat_no = self.standing.beat(Instant::now());
@@ -1439,19 +1421,26 @@ impl<H: Handler> Work<H> {
         if !before.is_some_and(|b| rule::clock_stood_still(b, (sent, clock))) {
             return;
         }
-        self.worker.fences.fetch_add(1, Ordering::Relaxed);
         self.shared.calls.cut();
-        tracing::warn!(jobs = self.tasks.len(), "Postgres's clock ran on while this process's stood still (a VM paused with its clock?): its jobs may run elsewhere now, so it cuts the calls it makes for them");
-        if !self.tasks.is_empty() {
-            stop_jobs(
-                &mut self.tasks,
-                &self.worker.registry,
-                &self.client,
-                &self.base,
-                &self.shared.calls,
-            )
-            .await;
+        self.fence("Postgres's clock ran on while this process's stood still (a VM paused with its clock?): its jobs may run elsewhere now, so it cuts the calls it makes for them").await;
+    }
+
+    /// The dispatcher may have taken this process's jobs for lost: a period
+    /// of it as dispatcher ends (`fences`), and its jobs for the crew stop.
+    async fn fence(&mut self, why: &str) {
+        self.worker.fences.fetch_add(1, Ordering::Relaxed);
+        if self.tasks.is_empty() {
+            return;
         }
+        tracing::warn!(jobs = self.tasks.len(), "{why}");
+        stop_jobs(
+            &mut self.tasks,
+            &self.worker.registry,
+            &self.client,
+            &self.base,
+            &self.shared.calls,
+        )
+        .await;
     }
 
     fn liveness(&self) {
