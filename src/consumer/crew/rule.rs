@@ -1014,6 +1014,19 @@ mod tests {
                 unreachable_at: None,
             }
         }
+
+        /// The jobs still in their call (not past it), in id order.
+        fn in_call(&self) -> Vec<u64> {
+            let mut ids: Vec<u64> = self
+                .roster
+                .jobs
+                .keys()
+                .filter(|id| !self.past.contains(id))
+                .copied()
+                .collect();
+            ids.sort();
+            ids
+        }
     }
 
     struct World {
@@ -1208,15 +1221,7 @@ mod tests {
                     if hs.dead || self.now < hs.frozen_until || !hs.standing.holds(now) {
                         return;
                     }
-                    let mut ids: Vec<u64> = hs
-                        .roster
-                        .jobs
-                        .keys()
-                        .filter(|id| !hs.past.contains(id))
-                        .copied()
-                        .collect();
-                    ids.sort();
-                    if let Some(&id) = ids.get(k) {
+                    if let Some(&id) = hs.in_call().get(k) {
                         hs.past.insert(id);
                     }
                 }
@@ -1434,15 +1439,7 @@ mod tests {
         /// Helper `h` cuts the calls it makes, and says so; a job past its
         /// call stays, to record its outcome (as `stop_jobs` in the shell).
         fn cut(&mut self, h: usize) {
-            let hs = &mut self.helpers[h];
-            let ids: Vec<u64> = hs
-                .roster
-                .jobs
-                .keys()
-                .filter(|id| !hs.past.contains(id))
-                .copied()
-                .collect();
-            for id in ids {
+            for id in self.helpers[h].in_call() {
                 self.helpers[h].roster.jobs.remove(&id);
                 self.send(h as i32, -1, Msg::Done(id));
             }
