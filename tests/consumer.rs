@@ -5537,6 +5537,94 @@ async fn dlq_replay_sends_a_replay_left_unsent_and_refuses_one_nothing_would_del
     assert_eq!(f.handler.calls_for(second).len(), 1);
 }
 
+/// Issue 56, item 5: a replay whose publish is stored but gets no answer
+/// (the ack lost: a stream that does not answer, a cut path, a leader
+/// change) while the consumer is busy with the aggregate. Before: the record was taken back, so the stored copy reached
+/// the consumer as a duplicate and called nothing, and the next run said
+/// "replayed (the stream had this replay already…)" of a replay that never
+/// ran. Now the run fails saying to run it again, the copy calls the
+/// handler once, and the next run says it was used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dlq_replay_whose_publish_goes_unanswered_still_calls_the_handler_once() {
+    let stack = stack();
+    let f = fixture("c_dlq_unanswered", "cdlqu", "cdlqu", DUP, &[]).await;
+    let url = db_url(&stack.admin_url, "c_dlq_unanswered");
+    let dlq = wire::dlq_stream_name(&wire::consumer_dlq_prefix("cdlqu"));
+    let bad = Uuid::new_v4();
+    publish(
+        &f.js,
+        "cdlqu.e",
+        Some(bad),
+        "a",
+        br#"{"answers": [422, 200]}"#,
+    )
+    .await;
+    wait_processed(&f.pool, "cdlqu", 1).await;
+    // A long call of the same aggregate holds the copy back past the
+    // replay's wait for its answer (a consumer behind, or down).
+    let blocker = Uuid::new_v4();
+    publish(
+        &f.js,
+        "cdlqu.e",
+        Some(blocker),
+        "a",
+        br#"{"sleep_ms": 10000}"#,
+    )
+    .await;
+    eventually(T, "the long call begun", || async {
+        f.handler.calls_for(blocker).len() == 1
+    })
+    .await;
+    // The stream stores what is published to it and answers nothing.
+    let answers = |no_ack: bool| {
+        let (js, stream) = (f.js.clone(), f.stream.clone());
+        async move {
+            let mut config = js
+                .get_stream(&stream)
+                .await
+                .unwrap()
+                .cached_info()
+                .config
+                .clone();
+            config.no_ack = no_ack;
+            js.update_stream(config).await.unwrap();
+        }
+    };
+    answers(true).await;
+    let nats = stack.nats_url.as_str();
+    let id = bad.to_string();
+    let replay = [
+        "dlq",
+        "replay",
+        "--database-url",
+        &url,
+        "--nats-url",
+        nats,
+        "--stream",
+        &dlq,
+        "--id",
+        &id,
+    ];
+    let (ok, out) = run_cli(&replay);
+    assert!(
+        !ok && out.contains("run the same replay again"),
+        "an unanswered replay must fail and say what to do: {out}"
+    );
+    eventually(T, "the stored copy calls the handler", || async {
+        f.handler.calls_for(bad).len() == 2
+    })
+    .await;
+    answers(false).await;
+    let (ok, out) = run_cli(&replay);
+    assert!(ok && out.contains("already_replayed"), "{out}");
+    assert_all_acked(&f.js, &f.stream, "cdlqu").await;
+    assert_eq!(
+        f.handler.calls_for(bad).len(),
+        2,
+        "called once more, not twice"
+    );
+}
+
 /// Issue 43, item 7: a retry lost with its helper came back after 1 s
 /// whatever its backoff, so a message that takes its helpers down was tried
 /// again every second. K/1 fails once on helper B, and its retry (the

@@ -501,3 +501,63 @@ async fn a_helper_cut_off_from_postgres_mid_call_has_its_successes_recorded_once
     proxy.resume();
     w.settled(load).await;
 }
+
+/// Three processes whose paths to Postgres all stall 4 s at once (the
+/// database's host congested, a virtual IP moving). No process can have
+/// taken another's work while none of them reaches Postgres. Before: the
+/// helpers' proofs lapsed and they cut their calls, which were made again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_whose_postgres_stalls_4_s_repeat_no_call() {
+    let w = World::shared("p_crewstall", "pcrewstall").await;
+    let proxy = Proxy::start(&pg_target(&w.url)).await;
+    let via = proxy.pg_url(&w.url);
+    let mut a = w.crew_process("pcrewstall-a", &via);
+    a.wait_ready();
+    let b = w.crew_process("pcrewstall-b", &via);
+    let c = w.crew_process("pcrewstall-c", &via);
+    w.processes(&a, 3).await;
+    let load = w.load();
+    eventually(T, "both helpers run calls", || async {
+        b.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
+            && c.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
+    })
+    .await;
+    proxy.pause();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    proxy.resume();
+    w.settled(load).await;
+}
+
+/// Three processes through a Postgres crash and a 35 s outage (a
+/// failover's length): every session ends, the lease and the member locks
+/// with them. Before: the helpers cut their calls in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_through_a_35_s_postgres_outage_repeat_no_call() {
+    let own = OwnStack::up("p-crewpgdown", false);
+    let (url, nats) = (
+        own.get("DATABASE_URL").to_owned(),
+        own.get("NATS_URL").to_owned(),
+    );
+    migrate(&url);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap();
+    let w = World::on(url.clone(), pool, &nats, "pcrewpgdown").await;
+    let mut a = w.crew_process("pcrewpgdown-a", &url);
+    a.wait_ready();
+    let b = w.crew_process("pcrewpgdown-b", &url);
+    let c = w.crew_process("pcrewpgdown-c", &url);
+    w.processes(&a, 3).await;
+    let load = w.load();
+    eventually(T, "both helpers run calls", || async {
+        b.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
+            && c.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
+    })
+    .await;
+    own.pg_power_mode("pg-stop", "immediate");
+    tokio::time::sleep(Duration::from_secs(35)).await;
+    own.pg_power("pg-start");
+    w.settled(load).await;
+}
