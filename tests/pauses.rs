@@ -561,3 +561,34 @@ async fn three_processes_through_a_35_s_postgres_outage_repeat_no_call() {
     own.pg_power("pg-start");
     w.settled(load).await;
 }
+
+/// Review N10: a dispatcher whose Postgres answers every round trip 400 ms
+/// late (a loaded database, a far one) must still hear its helpers' beats
+/// as they come. Before, it waited for each poll of who is alive (up to
+/// 500 ms, every 500 ms) inside the loop that reads the beats: the beats
+/// queued, their acknowledgements fell further behind, and 5 s in every
+/// process's proof lapsed; the dispatcher gave its lease up, cut its calls
+/// in flight, and 6 successful calls were made again (and requests named
+/// an expiry beat already past, refused as `late`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_whose_postgres_answers_400_ms_late_repeats_no_call() {
+    let w = World::shared("p_slowdisp", "pslowdisp").await;
+    let proxy = Proxy::start(&pg_target(&w.url)).await;
+    let mut a = w.crew_process("pslowdisp-a", &proxy.pg_url(&w.url));
+    a.wait_ready();
+    let b = w.crew_process("pslowdisp-b", &w.url);
+    w.processes(&a, 2).await;
+    proxy.delay(Duration::from_millis(400));
+    let load = w.load();
+    w.settled(load).await;
+    let m = b.scrape().await;
+    let helped = m
+        .value("outbox_consumer_messages_total{result=\"processed\"}")
+        .unwrap_or(0.0);
+    let late = m
+        .value("outbox_consumer_crew_refusals_total{reason=\"late\"}")
+        .unwrap_or(0.0);
+    println!("pslowdisp: the helper processed {helped}, refused {late} as late");
+    assert!(helped > 0.0, "the helper was handed no job");
+    assert_eq!(late, 0.0, "jobs refused as late");
+}

@@ -280,6 +280,36 @@ pub(super) async fn alive(
     super::lease::holders(pool, &lock_name(stream, durable)).await
 }
 
+/// Ask Postgres who is alive each [`LIVENESS`], off the loop that reads the
+/// crew's beats: an answer may take its whole timeout (a slow or far
+/// database), and beats queued behind it would be acknowledged late, their
+/// senders' proofs lapsing while they were heard all along. Each answer is
+/// dated when it came (a lock seen gone ages from later than Postgres saw
+/// it: the safe side); none in time is `None` (silence still counts).
+async fn poll_liveness(
+    pool: PgPool,
+    stream: String,
+    durable: String,
+    answers: tokio::sync::mpsc::Sender<(Option<HashSet<i32>>, Instant)>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(LIVENESS);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable))
+            .await
+            .ok()
+            .and_then(Result::ok);
+        if answers.send((alive, Instant::now())).await.is_err() {
+            return;
+        }
+    }
+}
+
 /// A job as a process reports it while it runs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct Running {
@@ -547,7 +577,14 @@ impl Crew {
         durable: String,
         stop: CancellationToken,
     ) {
-        let mut tick = tokio::time::interval(LIVENESS);
+        let (polled, mut polls) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(poll_liveness(
+            pool.clone(),
+            stream.clone(),
+            durable.clone(),
+            polled,
+            stop.clone(),
+        ));
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
@@ -571,10 +608,8 @@ impl Crew {
                         }
                     }
                 }
-                _ = tick.tick() => {
-                    // Without an answer from Postgres, silence still counts.
-                    let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable)).await;
-                    let lost = self.state().liveness(alive.ok().and_then(|a| a.ok()), Instant::now());
+                Some((alive, at)) = polls.recv() => {
+                    let lost = self.state().liveness(alive, at);
                     let own = self.inner.worker.member.load(Ordering::Relaxed);
                     let fenced: HashSet<i32> = lost.iter().map(|(_, w)| w.member).filter(|m| *m != own).collect();
                     if fenced.is_empty() {
