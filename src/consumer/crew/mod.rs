@@ -1364,7 +1364,7 @@ impl<H: Handler> Work<H> {
         let named = std::str::from_utf8(&msg.payload)
             .ok()
             .and_then(|b| b.parse::<u64>().ok());
-        if self.standing.acknowledged(named, Instant::now()) {
+        if self.standing.acknowledged(named) {
             self.prove();
         }
     }

@@ -272,13 +272,13 @@ impl Standing {
 
     /// The dispatcher heard beat `named`: the proof runs from when that
     /// beat was sent, not from when the answer came (after a freeze, say).
-    /// `None`: an answer that names no beat (an older dispatcher), dated
-    /// `now`. True when the proof moved.
-    pub fn acknowledged(&mut self, named: Option<u64>, now: Instant) -> bool {
-        let at = match named {
-            Some(b) => self.sent.iter().find(|(n, _)| *n == b).map(|(_, t)| *t),
-            None => Some(now),
-        };
+    /// `None`: an answer that names no beat (an older dispatcher) proves
+    /// nothing: it may have queued through a freeze, and which beat it
+    /// answers, so since when the dispatcher has not heard this process,
+    /// it cannot say (a helper of such a dispatcher holds on its member
+    /// lock alone). True when the proof moved.
+    pub fn acknowledged(&mut self, named: Option<u64>) -> bool {
+        let at = named.and_then(|b| self.sent.iter().find(|(n, _)| *n == b).map(|(_, t)| *t));
         match at {
             Some(at) if at > self.acked => {
                 self.acked = at;
@@ -759,18 +759,29 @@ mod tests {
         let b1 = p.beat(t0 + ms(100));
         p.lock_held(t0 + ms(100));
         // Acknowledged late (after a freeze): dated by the beat's sending.
-        assert!(p.acknowledged(Some(b1), t0 + Duration::from_secs(60)));
+        assert!(p.acknowledged(Some(b1)));
         assert_eq!(p.ends(), t0 + ms(100) + FENCE.max(MEMBER_PROOF));
+        assert!(!p.acknowledged(Some(b1)), "not twice");
         assert!(
-            !p.acknowledged(Some(b1), t0 + Duration::from_secs(61)),
-            "not twice"
-        );
-        assert!(
-            !p.acknowledged(Some(99), t0),
+            !p.acknowledged(Some(99)),
             "a beat never sent proves nothing"
         );
         assert!(p.holds(t0 + ms(100) + FENCE - ms(1)));
         assert!(!p.holds(t0 + ms(100) + FENCE));
+    }
+
+    /// Review N10: an acknowledgement that names no beat (a dispatcher of
+    /// an older version) was dated when it arrived, so one queued through
+    /// a freeze renewed a helper the dispatcher had meanwhile taken for
+    /// lost. It cannot say which beat was heard: it proves nothing.
+    #[test]
+    fn an_acknowledgement_naming_no_beat_proves_nothing() {
+        let t0 = Instant::now();
+        let mut p = Standing::new(t0);
+        p.beat(t0);
+        let thawed = t0 + Duration::from_secs(20);
+        assert!(!p.acknowledged(None), "the proof moved");
+        assert!(!p.holds(thawed));
     }
 
     /// Issue 56: a pause is not a crash. The proof held only while the
@@ -784,7 +795,7 @@ mod tests {
         let mut p = Standing::new(t0);
         for t in (0..60_000).step_by(250) {
             let b = p.beat(t0 + ms(t));
-            p.acknowledged(Some(b), t0 + ms(t + 5));
+            p.acknowledged(Some(b));
             assert!(
                 p.holds(t0 + ms(t + 249)),
                 "lapsed at {t} ms, Postgres alone gone"
@@ -794,7 +805,7 @@ mod tests {
         // lock is checked every beat.
         let mut p = Standing::new(t0);
         let b = p.beat(t0);
-        p.acknowledged(Some(b), t0 + ms(5));
+        p.acknowledged(Some(b));
         for t in (250..4_750).step_by(250) {
             p.beat(t0 + ms(t));
             p.lock_held(t0 + ms(t));
@@ -807,7 +818,7 @@ mod tests {
         // Both gone (a freeze, a host cut off): the later of the two ends.
         let mut p = Standing::new(t0);
         let b = p.beat(t0);
-        p.acknowledged(Some(b), t0);
+        p.acknowledged(Some(b));
         p.lock_held(t0);
         assert!(p.holds(t0 + ms(2_500)), "a 2.5 s freeze costs nothing");
         assert!(!p.holds(t0 + FENCE.max(MEMBER_PROOF)));
@@ -1375,7 +1386,7 @@ mod tests {
             for msg in inbox {
                 match msg {
                     Msg::Ack(beat) => {
-                        self.helpers[h].standing.acknowledged(Some(beat), now);
+                        self.helpers[h].standing.acknowledged(Some(beat));
                     }
                     Msg::Sync => {
                         let hs = &mut self.helpers[h];
