@@ -635,6 +635,128 @@ async fn a_migration_while_streaming_loses_no_row() {
     assert_eq!(got[2].h(&wire::column_header("tenant_id")), Some("t1"));
 }
 
+/// Issue 57, item 6: the outbox dropped from the publication while the
+/// relay streams (`ALTER PUBLICATION … DROP TABLE`; a table swap or a
+/// rename does the same: the publication no longer names the table the
+/// services write). Its inserts never reach the slot. Before: the relay
+/// ran on, its keepalives confirmed the slot past them, and they were gone
+/// without a word. Now it stops before confirming past the change, in one
+/// line that says what to run; with the table published again, `audit
+/// --repair` publishes the rows written meanwhile and the relay goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_dropped_from_the_publication_while_streaming_loses_no_row() {
+    let stack = stack();
+    let (url, pool) = empty_db(&stack, "t_pubedit").await;
+    sqlx::raw_sql(
+        "CREATE TABLE pubedit_outbox (id uuid primary key, aggregate_type text not null, \
+         aggregate_id text not null, event_type text not null, event_version int not null default 1, \
+         payload jsonb not null, occurred_at timestamptz not null default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let flags = ["--table", "public.pubedit_outbox"];
+    let insert = |n: i32| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "INSERT INTO pubedit_outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES (gen_random_uuid(), 'order', 'o1', 'placed', jsonb_build_object('n', $1)) \
+                 RETURNING id::text",
+            )
+            .bind(n)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let stream = wire::stream_name("pubedit");
+    let mut relay = Service::relay(&url, &stack.nats_url, "pubedit", &flags);
+    relay.wait_ready();
+    let mut expected = vec![insert(0).await];
+    let got = read_stream(&stack.nats_url, &stream, 1, T).await;
+    assert_eq!(ids(&got), expected, "{}", relay.log_text());
+    sqlx::raw_sql("ALTER PUBLICATION outbox_relay_pubedit DROP TABLE public.pubedit_outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let dropped: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    for n in 1..=3 {
+        expected.push(insert(n).await);
+    }
+    let exit = {
+        let deadline = std::time::Instant::now() + T;
+        loop {
+            if let Some(st) = relay.exited() {
+                break st;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the relay ran on with its table out of the publication: {}",
+                relay.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    assert!(!exit.success());
+    let log = relay.log_text();
+    assert!(
+        log.lines()
+            .any(|l| (l.contains("ERROR") || l.starts_with("error"))
+                && l.contains("ADD TABLE")
+                && l.contains("audit")),
+        "one line saying what to run: {log}"
+    );
+    let beyond: bool = sqlx::query_scalar(
+        "SELECT confirmed_flush_lsn > $1::pg_lsn FROM pg_replication_slots WHERE slot_name = 'outbox_relay_pubedit'",
+    )
+    .bind(&dropped)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(!beyond, "the slot was confirmed past the change");
+    sqlx::raw_sql("ALTER PUBLICATION outbox_relay_pubedit ADD TABLE public.pubedit_outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut relay = Service::relay(&url, &stack.nats_url, "pubedit", &flags);
+    relay.wait_ready();
+    let later = insert(4).await;
+    let got = read_stream(&stack.nats_url, &stream, 2, T).await;
+    assert_eq!(ids(&got), [expected[0].clone(), later.clone()]);
+    let (code, out) = run_output_bounded(
+        &[
+            "audit",
+            "--database-url",
+            &url,
+            "--context",
+            "pubedit",
+            "--table",
+            "public.pubedit_outbox",
+            "--nats-url",
+            &stack.nats_url,
+            "--wait",
+            "60s",
+            "--last",
+            "1h",
+            "--repair",
+        ],
+        Duration::from_secs(90),
+    );
+    assert!(out.contains("3 missing"), "{code:?} {out}");
+    // The rows of the gap come after the one written since: commit order
+    // across the change is what a repair cannot give back.
+    expected.push(later);
+    let got = read_stream(&stack.nats_url, &stream, 5, T).await;
+    let (mut got, mut want) = (ids(&got), expected);
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "{}\n{out}", relay.log_text());
+}
+
 /// A column added while the relay was down, that the next start maps by
 /// its name (`correlation_id`): the rows written before it, read on the
 /// replay, have no such column and are published without it; the rows

@@ -517,6 +517,63 @@ async fn publication_facts(
     })
 }
 
+/// A check, while the relay streams, that the slot still carries the
+/// outbox's inserts: where the WAL stood before the check, and the table's
+/// oid under its name. Every insert into the outbox written before `upto`
+/// is in the slot's stream, unless the check found otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StillPublished {
+    pub upto: Lsn,
+    pub oid: i64,
+}
+
+/// Whether the publication still publishes the inserts of `schema.table`:
+/// `Ok(Err(why))`, in a line saying what to run, when it does not (the
+/// table dropped from it, renamed, or swapped for another under its name).
+/// The WAL position is read first, in a statement of its own: a change the
+/// check does not see committed after it, so the inserts it hides come
+/// after that position too (an insert into a swapped-in table needs the
+/// swap committed before it). On a standby, the replayed position.
+pub async fn still_published(
+    pool: &PgPool,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) -> Result<std::result::Result<StillPublished, String>> {
+    let upto: String = sqlx::query_scalar(
+        "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
+                 ELSE pg_current_wal_insert_lsn() END)::text",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("reading the WAL position"))?;
+    let upto = parse_lsn(&upto)?;
+    let oid: Option<i64> =
+        sqlx::query_scalar("SELECT to_regclass(format('%I.%I', $1::text, $2::text))::oid::int8")
+            .bind(schema)
+            .bind(table)
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("reading the outbox table"))?;
+    let Some(oid) = oid else {
+        return Ok(Err(format!(
+            "table {schema}.{table} is gone (renamed, or dropped?)"
+        )));
+    };
+    let facts = match publication_facts(pool, publication, schema, table).await {
+        Ok(f) => f,
+        Err(Error::Postgres {
+            source: sqlx::Error::RowNotFound,
+            ..
+        }) => return Ok(Err(format!("publication {publication} is gone"))),
+        Err(e) => return Err(e),
+    };
+    Ok(match publication_fix(publication, schema, table, &facts) {
+        Some(fix) => Err(fix),
+        None => Ok(StillPublished { upto, oid }),
+    })
+}
+
 /// The statement that makes the publication publish the outbox's inserts
 /// under the outbox's own name, or `None` when it already does.
 fn publication_fix(

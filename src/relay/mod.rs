@@ -28,6 +28,7 @@ pub(crate) mod decode;
 pub(crate) mod emitted;
 mod env;
 pub(crate) mod fence;
+pub(crate) mod guard;
 pub(crate) mod link;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;

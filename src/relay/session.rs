@@ -19,6 +19,7 @@ use super::batch::Batcher;
 use super::decode::{Resume, Stage, Step};
 use super::env::{Env, Stopped};
 use super::fence::{self, Fence};
+use super::guard;
 use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
@@ -43,6 +44,12 @@ fn replication_buffer(max_inflight_bytes: usize, max_message: usize) -> usize {
 pub(super) struct Session<'a> {
     env: &'a Env<'a>,
     watermark: Watermark,
+    /// What the watermark allows confirming, and how far the outbox was
+    /// last found published ([`guard`]): the slot is confirmed to the lower.
+    ready: Lsn,
+    published: Lsn,
+    /// The last LSN confirmed to the slot.
+    sent: Lsn,
     streamed: bool,
     metrics: Handles,
 }
@@ -58,6 +65,9 @@ struct Open {
     _sampler: tokio_util::sync::DropGuard,
     /// Breaks when the process was paused long enough to lose the slot.
     fence: Fence,
+    /// Checks that the outbox is still published; stops with the session.
+    published: tokio::sync::mpsc::Receiver<guard::Found>,
+    _guard: tokio_util::sync::DropGuard,
 }
 
 /// How often the transaction horizon is sampled: what a resync after a lost
@@ -139,6 +149,9 @@ impl<'a> Session<'a> {
         Self {
             env,
             watermark: Watermark::new(Lsn::ZERO),
+            ready: Lsn::ZERO,
+            published: Lsn::ZERO,
+            sent: Lsn::ZERO,
             streamed: false,
             metrics: Handles {
                 published: metrics::counter!(m::EVENTS_PUBLISHED),
@@ -158,7 +171,7 @@ impl<'a> Session<'a> {
 
     /// The last LSN this session confirmed to the slot.
     pub fn confirmed(&self) -> Lsn {
-        self.watermark.confirmed()
+        self.sent
     }
 
     pub async fn run(&mut self, shutdown: &CancellationToken) -> Result<Stopped> {
@@ -170,7 +183,7 @@ impl<'a> Session<'a> {
         let mut open = tokio::select! {
             biased;
             _ = shutdown.cancelled() => {
-                return Ok(Stopped { confirmed: self.watermark.confirmed() });
+                return Ok(Stopped { confirmed: self.sent });
             }
             open = self.open() => open?,
         };
@@ -443,6 +456,7 @@ impl<'a> Session<'a> {
             }
         };
         self.watermark = Watermark::new(confirmed);
+        (self.ready, self.published, self.sent) = (confirmed, confirmed, confirmed);
 
         ready.not_ready(format!(
             "not streaming yet: starting replication from slot {}",
@@ -541,9 +555,17 @@ impl<'a> Session<'a> {
             stage.add_horizon(Lsn(0), xid);
         }
         let (horizons, sampler) = sample_horizons(pool.clone());
+        let (published, guarding) = guard::watch(
+            pool.clone(),
+            cfg.publication.clone(),
+            cfg.schema.clone(),
+            cfg.table.clone(),
+        );
         Ok(Open {
             horizons,
             _sampler: sampler.drop_guard(),
+            published,
+            _guard: guarding.drop_guard(),
             client,
             stage,
             publisher,
@@ -590,6 +612,7 @@ impl<'a> Session<'a> {
             publisher,
             horizons,
             fence,
+            published,
             ..
         } = open;
         loop {
@@ -598,6 +621,13 @@ impl<'a> Session<'a> {
                 _ = shutdown.cancelled() => return Ok(()),
                 paused = fence.broken() => return Err(Error::Paused { paused }),
                 Some((at, xid)) = horizons.recv() => stage.add_horizon(at, xid),
+                Some(found) = published.recv() => match found {
+                    Ok(upto) => {
+                        self.published = self.published.max(upto);
+                        self.send_confirmed(client);
+                    }
+                    Err(why) => return Err(Error::setup(guard::stop_line(&why))),
+                },
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
                     self.on_ack(client, publisher, ack)?;
                 }
@@ -659,11 +689,24 @@ impl<'a> Session<'a> {
         {
             tracing::warn!("shutdown timeout: unacked events will be replayed on the next start");
         }
+        // What the acks allow is confirmed once a last check finds the
+        // outbox published past it (else the next start reads it again).
+        let env = self.env;
+        let check = provision::still_published(
+            env.pool,
+            &cfg.publication,
+            &cfg.schema,
+            &cfg.table,
+        );
+        if let Ok(Ok(Ok(p))) = tokio::time::timeout(guard::EVERY, check).await {
+            self.published = self.published.max(p.upto);
+            self.send_confirmed(&open.client);
+        }
         // The worker sends a raised position within one status interval.
         tokio::time::sleep(open.status_interval + Duration::from_millis(200)).await;
         let _ = open.client.shutdown().await;
         Stopped {
-            confirmed: self.watermark.confirmed(),
+            confirmed: self.sent,
         }
     }
 
@@ -682,9 +725,20 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
-        client.update_applied_lsn(lsn);
-        self.metrics.confirmed.set(lsn.as_u64() as f64);
+    fn confirm(&mut self, client: &ReplicationClient, lsn: Lsn) {
+        self.ready = self.ready.max(lsn);
+        self.send_confirmed(client);
+    }
+
+    /// Confirm what the acks allow, as far as the outbox was found
+    /// published ([`guard`]).
+    fn send_confirmed(&mut self, client: &ReplicationClient) {
+        let lsn = self.ready.min(self.published);
+        if lsn > self.sent {
+            self.sent = lsn;
+            client.update_applied_lsn(lsn);
+            self.metrics.confirmed.set(lsn.as_u64() as f64);
+        }
     }
 }
 

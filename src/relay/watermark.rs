@@ -117,6 +117,7 @@ impl Watermark {
         self.registered - self.acked_prefix - self.acked_ahead.len() as u64
     }
 
+    #[cfg(test)]
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
     }
