@@ -108,6 +108,13 @@ pub enum Error {
     #[error("slot {slot} is held by another process{}", .pid.map(|p| format!(" (PID {p})")).unwrap_or_default())]
     SlotBusy { slot: String, pid: Option<i32> },
 
+    /// A stream `--streams` names, missing when the session began, exists
+    /// now: the session starts over to route rows to it.
+    #[error(
+        "stream {stream} exists now: starting the session over to route the rows naming it there"
+    )]
+    StreamFound { stream: String },
+
     /// The server closed the replication stream without an error.
     #[error("replication stream ended by the server")]
     StreamEnded,
@@ -129,6 +136,7 @@ impl Error {
             | Error::Nats { .. }
             | Error::Publish { .. }
             | Error::StreamEnded
+            | Error::StreamFound { .. }
             | Error::Paused { .. } => Class::Transient,
         }
     }

@@ -518,59 +518,78 @@ async fn publication_facts(
 }
 
 /// A check, while the relay streams, that the slot still carries the
-/// outbox's inserts: where the WAL stood before the check, and the table's
-/// oid under its name. Every insert into the outbox written before `upto`
-/// is in the slot's stream, unless the check found otherwise.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// outbox's inserts: the table under its name (its oid), and what makes it
+/// a member of the publication.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StillPublished {
-    pub upto: Lsn,
     pub oid: i64,
+    /// The publication's oid and its membership rows for the table and its
+    /// partitions (`pg_publication_rel`): the table dropped from it and
+    /// added again, or the publication made again, changes it.
+    pub membership: String,
+    /// Postgres's clock a minute before the check, UTC (RFC 3339): an
+    /// audit window from a good check's covers any change after it.
+    pub since: String,
 }
 
 /// Whether the publication still publishes the inserts of `schema.table`:
 /// `Ok(Err(why))`, in a line saying what to run, when it does not (the
-/// table dropped from it, renamed, or swapped for another under its name).
-/// The WAL position is read first, in a statement of its own: a change the
-/// check does not see committed after it, so the inserts it hides come
-/// after that position too (an insert into a swapped-in table needs the
-/// swap committed before it). On a standby, the replayed position.
+/// table dropped from it, renamed, or gone).
 pub async fn still_published(
     pool: &PgPool,
     publication: &str,
     schema: &str,
     table: &str,
 ) -> Result<std::result::Result<StillPublished, String>> {
-    let upto: String = sqlx::query_scalar(
-        "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
-                 ELSE pg_current_wal_insert_lsn() END)::text",
+    let since: String = sqlx::query_scalar(
+        "SELECT to_char((now() - interval '1 minute') AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
     )
     .fetch_one(pool)
     .await
-    .map_err(Error::pg("reading the WAL position"))?;
-    let upto = parse_lsn(&upto)?;
-    let oid: Option<i64> =
-        sqlx::query_scalar("SELECT to_regclass(format('%I.%I', $1::text, $2::text))::oid::int8")
-            .bind(schema)
-            .bind(table)
-            .fetch_one(pool)
-            .await
-            .map_err(Error::pg("reading the outbox table"))?;
-    let Some(oid) = oid else {
-        return Ok(Err(format!(
-            "table {schema}.{table} is gone (renamed, or dropped?)"
-        )));
+    .map_err(Error::pg("reading Postgres's clock"))?;
+    let found: Option<(Option<i64>, Option<i64>, String)> = sqlx::query_as(
+        "WITH t AS (SELECT to_regclass(format('%I.%I', $2::text, $3::text)) AS rel) \
+         SELECT t.rel::oid::int8, p.oid::int8, \
+                coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr \
+                          WHERE pr.prpubid = p.oid AND pr.prrelid IN \
+                            (SELECT relid FROM pg_partition_tree(t.rel) UNION SELECT t.rel::oid)), '') \
+         FROM t LEFT JOIN pg_publication p ON p.pubname = $1",
+    )
+    .bind(publication)
+    .bind(schema)
+    .bind(table)
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("reading the outbox's publication"))?;
+    let (oid, publication_oid, rels) = match found {
+        Some((Some(oid), Some(p), rels)) => (oid, p, rels),
+        Some((None, ..)) | None => {
+            return Ok(Err(format!(
+                "table {schema}.{table} is gone (renamed, or dropped?)"
+            )))
+        }
+        Some((Some(_), None, _)) => return Ok(Err(format!("publication {publication} is gone"))),
     };
     let facts = match publication_facts(pool, publication, schema, table).await {
         Ok(f) => f,
+        // Gone between the two statements.
         Err(Error::Postgres {
             source: sqlx::Error::RowNotFound,
             ..
-        }) => return Ok(Err(format!("publication {publication} is gone"))),
+        }) => {
+            return Ok(Err(format!(
+                "table {schema}.{table} or publication {publication} is gone"
+            )))
+        }
         Err(e) => return Err(e),
     };
     Ok(match publication_fix(publication, schema, table, &facts) {
         Some(fix) => Err(fix),
-        None => Ok(StillPublished { upto, oid }),
+        None => Ok(StillPublished {
+            oid,
+            membership: format!("{publication_oid}:{rels}"),
+            since,
+        }),
     })
 }
 

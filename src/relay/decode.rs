@@ -57,6 +57,8 @@ pub struct Stage {
     partitions: Vec<(String, String)>,
     /// Relation ids pgoutput gave those partitions, with their names.
     partition_ids: HashMap<u32, String>,
+    /// The outbox's oid, as the session found it (pgoutput's relation id).
+    outbox_oid: Option<u32>,
     router: Router,
     max_payload: usize,
     layouts: Layouts,
@@ -145,6 +147,7 @@ impl Stage {
             table: table.to_owned(),
             partitions,
             partition_ids: HashMap::new(),
+            outbox_oid: None,
             router,
             max_payload,
             layouts: HashMap::new(),
@@ -168,6 +171,15 @@ impl Stage {
     /// Whether the session streams binary tuples: a template or header
     /// column retyped while it runs to a type they carry in a form of its
     /// own no longer fits.
+    /// The outbox's oid: its rows are read under another name too (renamed
+    /// or moved while the relay streamed, they were skipped as another
+    /// table's, and the slot confirmed past them; `guard` stops the relay
+    /// on a rename, and a start once the name is fixed reads them).
+    pub fn with_outbox_oid(mut self, oid: u32) -> Self {
+        self.outbox_oid = Some(oid);
+        self
+    }
+
     pub fn with_binary(mut self, binary: bool) -> Self {
         self.binary = binary;
         self
@@ -399,7 +411,8 @@ impl Stage {
     }
 
     fn layout_for(&self, rel: &Relation) -> Option<std::result::Result<OutboxLayout, RowError>> {
-        if rel.namespace != self.schema || rel.name != self.table {
+        let named = rel.namespace == self.schema && rel.name == self.table;
+        if !named && self.outbox_oid != Some(rel.id) {
             return None;
         }
         let layout = OutboxLayout::new(rel, &self.map, &self.extra).and_then(|l| {
@@ -740,6 +753,22 @@ mod tests {
             s.on_event(insert(9, ID2), &mut wm),
             Err(Error::Setup { .. })
         ));
+    }
+
+    /// Issue 57, item 6: the outbox renamed (or moved to another schema)
+    /// while streaming: pgoutput names its rows under the new name, and
+    /// they were skipped as another table's while the slot moved past them.
+    #[test]
+    fn the_outbox_renamed_while_streaming_keeps_its_rows() {
+        let mut s = stage(None).with_outbox_oid(7);
+        let mut wm = Watermark::new(Lsn(0));
+        s.on_event(relation(7, "outbox_events"), &mut wm).unwrap();
+        s.on_event(relation(8, "another_table"), &mut wm).unwrap();
+        s.on_event(relation(7, "outbox_events_old"), &mut wm)
+            .unwrap();
+        s.on_event(begin(100), &mut wm).unwrap();
+        assert!(published(s.on_event(insert(7, ID1), &mut wm).unwrap()).is_some());
+        assert!(published(s.on_event(insert(8, ID2), &mut wm).unwrap()).is_none());
     }
 
     #[test]

@@ -26,6 +26,7 @@ use async_nats::HeaderMap;
 use futures::stream::StreamExt;
 use std::sync::Arc;
 use std::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::acks::{Inbox, Next};
 use super::config::PublishMode;
@@ -234,7 +235,7 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
 /// The streams `--streams` names, as they are now (SPEC §13 multi-stream
 /// routing): each found one's subjects, and the smallest `max_msg_size`
 /// among them. One that does not exist is not an error: its rows are
-/// dead-lettered (`stream_missing`) until it does and the relay restarts.
+/// dead-lettered (`stream_missing`) until it does ([`watch_missing`]).
 pub async fn routed_streams(
     js: &Context,
     names: &[String],
@@ -264,7 +265,7 @@ pub async fn routed_streams(
             Err(e) if stream_not_found(&e) => {
                 tracing::warn!(
                     stream = %name,
-                    "--streams names a stream that does not exist: rows naming it are dead-lettered (stream_missing) until it is created and the relay restarts"
+                    "--streams names a stream that does not exist: rows naming it are dead-lettered (stream_missing) until it is created"
                 );
                 streams.missing.push(name.clone());
             }
@@ -272,6 +273,45 @@ pub async fn routed_streams(
         }
     }
     Ok((streams, max_msg_size))
+}
+
+/// How often streams `--streams` names that were missing are looked up
+/// again: rows naming one are dead-lettered until then, after it exists.
+pub const MISSING_RECHECK: Duration = Duration::from_secs(2);
+
+/// Look up the `missing` streams every [`MISSING_RECHECK`] until `stop`, and
+/// send the first that exists again: the session then starts over, and
+/// reads every routed stream's subjects and limits afresh (a stream made
+/// again may take other subjects, or smaller messages). Nothing is sent,
+/// and nothing looked up, when none is missing.
+pub fn watch_missing(
+    js: Context,
+    missing: Vec<String>,
+) -> (tokio::sync::mpsc::Receiver<String>, CancellationToken) {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let stop = CancellationToken::new();
+    if missing.is_empty() {
+        return (rx, stop);
+    }
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(MISSING_RECHECK);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stopped.cancelled() => return,
+                _ = every.tick() => {}
+            }
+            for name in &missing {
+                // An error other than "not found" (NATS away) says nothing.
+                if js.get_stream(name).await.is_ok() {
+                    let _ = tx.send(name.clone()).await;
+                    return;
+                }
+            }
+        }
+    });
+    (rx, stop)
 }
 
 /// The last message this source stored in the stream.

@@ -44,12 +44,9 @@ fn replication_buffer(max_inflight_bytes: usize, max_message: usize) -> usize {
 pub(super) struct Session<'a> {
     env: &'a Env<'a>,
     watermark: Watermark,
-    /// What the watermark allows confirming, and how far the outbox was
-    /// last found published ([`guard`]): the slot is confirmed to the lower.
-    ready: Lsn,
-    published: Lsn,
-    /// The last LSN confirmed to the slot.
-    sent: Lsn,
+    /// The table and its membership of the publication the session began
+    /// with ([`guard`]).
+    pin: Option<provision::StillPublished>,
     streamed: bool,
     metrics: Handles,
 }
@@ -65,9 +62,13 @@ struct Open {
     _sampler: tokio_util::sync::DropGuard,
     /// Breaks when the process was paused long enough to lose the slot.
     fence: Fence,
-    /// Checks that the outbox is still published; stops with the session.
-    published: tokio::sync::mpsc::Receiver<guard::Found>,
+    /// The line to stop with, once a check finds the outbox out of the
+    /// slot ([`guard`]); the checks stop with the session.
+    published: tokio::sync::mpsc::Receiver<String>,
     _guard: tokio_util::sync::DropGuard,
+    /// A stream `--streams` names that was missing and exists now.
+    found: tokio::sync::mpsc::Receiver<String>,
+    _finder: tokio_util::sync::DropGuard,
 }
 
 /// How often the transaction horizon is sampled: what a resync after a lost
@@ -149,9 +150,7 @@ impl<'a> Session<'a> {
         Self {
             env,
             watermark: Watermark::new(Lsn::ZERO),
-            ready: Lsn::ZERO,
-            published: Lsn::ZERO,
-            sent: Lsn::ZERO,
+            pin: None,
             streamed: false,
             metrics: Handles {
                 published: metrics::counter!(m::EVENTS_PUBLISHED),
@@ -171,7 +170,7 @@ impl<'a> Session<'a> {
 
     /// The last LSN this session confirmed to the slot.
     pub fn confirmed(&self) -> Lsn {
-        self.sent
+        self.watermark.confirmed()
     }
 
     pub async fn run(&mut self, shutdown: &CancellationToken) -> Result<Stopped> {
@@ -183,7 +182,7 @@ impl<'a> Session<'a> {
         let mut open = tokio::select! {
             biased;
             _ = shutdown.cancelled() => {
-                return Ok(Stopped { confirmed: self.sent });
+                return Ok(Stopped { confirmed: self.watermark.confirmed() });
             }
             open = self.open() => open?,
         };
@@ -227,6 +226,14 @@ impl<'a> Session<'a> {
                 pid: Some(pid),
             });
         }
+        // What the table and its membership of the publication are now: a
+        // change while streaming stops the relay (`guard`).
+        let pin = match provision::still_published(pool, &cfg.publication, &cfg.schema, &cfg.table)
+            .await?
+        {
+            Ok(pin) => pin,
+            Err(why) => return Err(Error::setup(guard::stop_line(&why, None))),
+        };
         // What the flags ask of the table (SPEC §13), before anything is
         // published: one line naming what does not fit.
         let table = format!("{}.{}", cfg.schema, cfg.table);
@@ -456,7 +463,6 @@ impl<'a> Session<'a> {
             }
         };
         self.watermark = Watermark::new(confirmed);
-        (self.ready, self.published, self.sent) = (confirmed, confirmed, confirmed);
 
         ready.not_ready(format!(
             "not streaming yet: starting replication from slot {}",
@@ -549,23 +555,32 @@ impl<'a> Session<'a> {
         .with_emitted(cfg.emitted_events)
         .with_columns(cfg.columns.pinned(&resolved, &needed))
         .with_binary(binary);
+        if let Ok(oid) = u32::try_from(pin.oid) {
+            stage = stage.with_outbox_oid(oid);
+        }
         // What was written while no relay read is published before the
         // first sample: it carries the slot's own horizon.
         if let Some(xid) = provision::slot_horizon(pool, &cfg.slot).await? {
             stage.add_horizon(Lsn(0), xid);
         }
         let (horizons, sampler) = sample_horizons(pool.clone());
+        let missing = routed.map(|(s, _)| s.missing).unwrap_or_default();
+        let (found, finder) = publish::watch_missing(js.clone(), missing);
         let (published, guarding) = guard::watch(
             pool.clone(),
             cfg.publication.clone(),
             cfg.schema.clone(),
             cfg.table.clone(),
+            pin.clone(),
         );
+        self.pin = Some(pin);
         Ok(Open {
             horizons,
             _sampler: sampler.drop_guard(),
             published,
             _guard: guarding.drop_guard(),
+            found,
+            _finder: finder.drop_guard(),
             client,
             stage,
             publisher,
@@ -613,6 +628,7 @@ impl<'a> Session<'a> {
             horizons,
             fence,
             published,
+            found,
             ..
         } = open;
         loop {
@@ -621,13 +637,8 @@ impl<'a> Session<'a> {
                 _ = shutdown.cancelled() => return Ok(()),
                 paused = fence.broken() => return Err(Error::Paused { paused }),
                 Some((at, xid)) = horizons.recv() => stage.add_horizon(at, xid),
-                Some(found) = published.recv() => match found {
-                    Ok(upto) => {
-                        self.published = self.published.max(upto);
-                        self.send_confirmed(client);
-                    }
-                    Err(why) => return Err(Error::setup(guard::stop_line(&why))),
-                },
+                Some(line) = published.recv() => return Err(Error::setup(line)),
+                Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
                     self.on_ack(client, publisher, ack)?;
                 }
@@ -689,24 +700,22 @@ impl<'a> Session<'a> {
         {
             tracing::warn!("shutdown timeout: unacked events will be replayed on the next start");
         }
-        // What the acks allow is confirmed once a last check finds the
-        // outbox published past it (else the next start reads it again).
+        // A change a last check finds is said now: the next start may
+        // not see it (a table added back), and its rows need the audit.
         let env = self.env;
-        let check = provision::still_published(
-            env.pool,
-            &cfg.publication,
-            &cfg.schema,
-            &cfg.table,
-        );
-        if let Ok(Ok(Ok(p))) = tokio::time::timeout(guard::EVERY, check).await {
-            self.published = self.published.max(p.upto);
-            self.send_confirmed(&open.client);
+        let check = provision::still_published(env.pool, &cfg.publication, &cfg.schema, &cfg.table);
+        if let (Ok(Ok(found)), Some(pin)) =
+            (tokio::time::timeout(guard::EVERY, check).await, &self.pin)
+        {
+            if let Err(line) = guard::judge(pin, found, None) {
+                tracing::error!("{line}");
+            }
         }
         // The worker sends a raised position within one status interval.
         tokio::time::sleep(open.status_interval + Duration::from_millis(200)).await;
         let _ = open.client.shutdown().await;
         Stopped {
-            confirmed: self.sent,
+            confirmed: self.watermark.confirmed(),
         }
     }
 
@@ -725,20 +734,9 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    fn confirm(&mut self, client: &ReplicationClient, lsn: Lsn) {
-        self.ready = self.ready.max(lsn);
-        self.send_confirmed(client);
-    }
-
-    /// Confirm what the acks allow, as far as the outbox was found
-    /// published ([`guard`]).
-    fn send_confirmed(&mut self, client: &ReplicationClient) {
-        let lsn = self.ready.min(self.published);
-        if lsn > self.sent {
-            self.sent = lsn;
-            client.update_applied_lsn(lsn);
-            self.metrics.confirmed.set(lsn.as_u64() as f64);
-        }
+    fn confirm(&self, client: &ReplicationClient, lsn: Lsn) {
+        client.update_applied_lsn(lsn);
+        self.metrics.confirmed.set(lsn.as_u64() as f64);
     }
 }
 

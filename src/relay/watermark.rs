@@ -117,7 +117,6 @@ impl Watermark {
         self.registered - self.acked_prefix - self.acked_ahead.len() as u64
     }
 
-    #[cfg(test)]
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
     }
