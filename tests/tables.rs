@@ -1213,3 +1213,150 @@ async fn audit_and_prune_read_id_and_time_from_a_json_body() {
     );
     drop(relay);
 }
+
+/// Issue 57, item 3: every type the start check accepts, as a role, a
+/// subject-template placeholder or a header column, carries the same text
+/// streamed as backfilled, byte for byte: Postgres's own output for it,
+/// whatever the database's settings say (its time zone, date, interval,
+/// float and bytea styles are set against us here). Once with types binary
+/// tuples carry (read by the relay's own code), once with those only text
+/// tuples carry (an enum, a domain, citext, numeric, date, bytea, float8,
+/// interval).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_column_type_reads_the_same_streamed_as_backfilled() {
+    let stack = stack();
+    let (url, pool) = empty_db(&stack, "t_types").await;
+    sqlx::raw_sql(
+        "CREATE EXTENSION IF NOT EXISTS citext; \
+         CREATE TYPE mood AS ENUM ('happy', 'sad'); \
+         CREATE DOMAIN label AS text CHECK (VALUE <> ''); \
+         CREATE TABLE types_outbox (id uuid primary key, aggregate_type varchar(20) not null, \
+           aggregate_id uuid not null, event_type char(6) not null, event_version int2 not null, \
+           payload jsonb not null, occurred_at timestamp not null, correlation_id text, \
+           h_int2 int2, h_int4 int4, h_int8 int8, h_numeric numeric, h_text text, \
+           h_varchar varchar(12), h_char char(5), h_citext citext, h_enum mood, h_domain label, \
+           h_date date, h_ts timestamp, h_tstz timestamptz, h_bool bool, h_json json, \
+           h_jsonb jsonb, h_bytea bytea, h_uuid uuid, h_float8 float8, h_interval interval); \
+         ALTER DATABASE t_types SET timezone = 'America/New_York'; \
+         ALTER DATABASE t_types SET DateStyle = 'SQL, DMY'; \
+         ALTER DATABASE t_types SET IntervalStyle = 'iso_8601'; \
+         ALTER DATABASE t_types SET extra_float_digits = 0; \
+         ALTER DATABASE t_types SET bytea_output = 'escape'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The same values, once before the relays start (backfilled), once
+    // after (streamed); `twin` tells them apart.
+    let insert = |twin: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO types_outbox VALUES (gen_random_uuid(), 'order', \
+                 '6f1c1c3e-0b0e-4b53-9d7e-1f2a3b4c5d6e', 'placed', 3, jsonb_build_object('twin', $1::text), \
+                 '2026-01-02 03:04:05.123456', 'corr-1', -7, 42, 9007199254740993, 12345.678900, \
+                 'zürich ✓', 'vc', 'ab', 'MiXeD', 'happy', 'dom-val', '2026-01-02', \
+                 '2026-01-02 03:04:05.5', '2026-01-02 03:04:05.5+05:30', true, '{\"b\": 1,  \"a\": [1,2]}', \
+                 '{\"b\": 1,  \"a\": [1,2]}', '\\xdeadbeef', '6f1c1c3e-0b0e-4b53-9d7e-1f2a3b4c5d6f', \
+                 0.1, '1 day 02:03:04')",
+            )
+            .bind(twin)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    insert("backfilled").await;
+    let binary =
+        "h_int2,h_int4,h_int8,h_text,h_varchar,h_char,h_ts,h_tstz,h_bool,h_json,h_jsonb,h_uuid";
+    let text =
+        "h_numeric,h_citext,h_enum,h_domain,h_date,h_bytea,h_float8,h_interval,h_tstz,h_char";
+    let configs = [
+        (
+            "typesbin",
+            "typesbin.{aggregate_type}.{h_int4}.{h_uuid}.{h_bool}.{h_varchar}",
+            binary,
+        ),
+        (
+            "typestext",
+            "typestext.{aggregate_type}.{h_enum}.{h_date}.{h_citext}.{h_domain}.{h_int8}",
+            text,
+        ),
+    ];
+    let mut relays = Vec::new();
+    for (ctx, template, headers) in configs {
+        let relay = Service::relay(
+            &url,
+            &stack.nats_url,
+            ctx,
+            &[
+                "--table",
+                "public.types_outbox",
+                "--subject-template",
+                template,
+                "--header-columns",
+                headers,
+            ],
+        );
+        relays.push(relay);
+    }
+    for r in &mut relays {
+        r.wait_ready();
+    }
+    insert("streamed").await;
+    let expected: &[(&str, &str)] = &[
+        ("h_int2", "-7"),
+        ("h_int4", "42"),
+        ("h_int8", "9007199254740993"),
+        ("h_text", "zürich ✓"),
+        ("h_varchar", "vc"),
+        // Its padding is in the header; a NATS client reads header values
+        // trimmed.
+        ("h_char", "ab"),
+        // Timestamps as RFC 3339 in UTC, as `Outbox-Occurred-At`.
+        ("h_ts", "2026-01-02T03:04:05.5Z"),
+        ("h_tstz", "2026-01-01T21:34:05.5Z"),
+        ("h_bool", "true"),
+        ("h_json", "{\"b\": 1,  \"a\": [1,2]}"),
+        ("h_jsonb", "{\"a\": [1, 2], \"b\": 1}"),
+        ("h_uuid", "6f1c1c3e-0b0e-4b53-9d7e-1f2a3b4c5d6f"),
+        ("h_numeric", "12345.678900"),
+        ("h_citext", "MiXeD"),
+        ("h_enum", "happy"),
+        ("h_domain", "dom-val"),
+        ("h_date", "2026-01-02"),
+        ("h_bytea", "\\xdeadbeef"),
+        ("h_float8", "0.1"),
+        ("h_interval", "1 day 02:03:04"),
+    ];
+    for ((ctx, _, headers), relay) in configs.iter().zip(&relays) {
+        let got = read_stream(&stack.nats_url, &wire::stream_name(ctx), 2, T).await;
+        assert_eq!(got.len(), 2, "{ctx}: {}", relay.log_text());
+        let (a, b) = (&got[0], &got[1]);
+        assert_eq!(a.json()["twin"], "backfilled", "{ctx}");
+        assert_eq!(b.json()["twin"], "streamed", "{ctx}");
+        assert!(!a.subject.contains(".dlq."), "{ctx}: {}", a.subject);
+        assert_eq!(a.subject, b.subject, "{ctx}: the subject");
+        for name in [
+            wire::AGGREGATE_ID,
+            wire::EVENT_TYPE,
+            wire::EVENT_VERSION,
+            wire::OCCURRED_AT,
+            wire::CORRELATION_ID,
+        ] {
+            assert_eq!(a.h(name), b.h(name), "{ctx}: {name}");
+            assert!(a.h(name).is_some(), "{ctx}: {name} missing");
+        }
+        let mut wrong = Vec::new();
+        for column in headers.split(',') {
+            let h = wire::column_header(column);
+            let want = expected.iter().find(|(c, _)| *c == column).unwrap().1;
+            for (how, g) in [("backfilled", a), ("streamed", b)] {
+                if g.h(&h) != Some(want) {
+                    wrong.push(format!("{h} {how}: {:?}, not {want:?}", g.h(&h)));
+                }
+            }
+        }
+        assert!(wrong.is_empty(), "{ctx}: {wrong:#?}");
+    }
+}

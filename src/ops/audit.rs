@@ -176,11 +176,11 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .begin()
         .await
         .map_err(Error::pg("starting the audit"))?;
-    sqlx::raw_sql(
-        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; \
-         SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'; \
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; {} \
          SET LOCAL idle_in_transaction_session_timeout = 0",
-    )
+        crate::postgres::set_local_tuple_text()
+    )))
     .execute(&mut *tx)
     .await
     .map_err(Error::pg("starting the audit"))?;
@@ -632,7 +632,7 @@ async fn repair(
         .map_err(|e| Error::setup(e.to_string()))?;
     let select = columns
         .iter()
-        .map(|(name, _)| format!("{}::text", quote(name)))
+        .map(|(name, _)| crate::relay::backfill::tuple_text(name))
         .collect::<Vec<_>>()
         .join(", ");
     let ids: Vec<String> = missing.iter().map(|(id, _)| id.clone()).collect();

@@ -173,10 +173,34 @@ impl Dsn {
         // backfill reads them: a role or database setting must not change
         // what text tuples carry.
         .with_options(
-            "-c DateStyle=ISO -c TimeZone=UTC -c bytea_output=hex -c IntervalStyle=postgres -c extra_float_digits=1",
+            TUPLE_TEXT
+                .iter()
+                .map(|(k, v)| format!("-c {k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" "),
         )
         .with_application_name(format!("outbox-relay:{slot}"))
     }
+}
+
+/// The settings every session that reads rows as text tuples carry runs
+/// with (replication, backfill, audit): a role's or database's own (a time
+/// zone, `IntervalStyle = iso_8601`, `bytea_output = escape`) must not change
+/// what a row reads as, streamed or backfilled.
+const TUPLE_TEXT: [(&str, &str); 5] = [
+    ("DateStyle", "ISO"),
+    ("TimeZone", "UTC"),
+    ("bytea_output", "hex"),
+    ("IntervalStyle", "postgres"),
+    ("extra_float_digits", "1"),
+];
+
+/// [`TUPLE_TEXT`] for a transaction: `SET LOCAL …;` each.
+pub fn set_local_tuple_text() -> String {
+    TUPLE_TEXT
+        .iter()
+        .map(|(k, v)| format!("SET LOCAL {k} = '{v}'; "))
+        .collect()
 }
 
 fn ssl_mode_name(mode: sqlx::postgres::PgSslMode) -> &'static str {

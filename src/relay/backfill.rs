@@ -410,9 +410,8 @@ async fn publish_snapshot(
         .map_err(Error::pg("starting the backfill transaction"))?;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY; \
-         SET TRANSACTION SNAPSHOT '{snapshot}'; \
-         SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO'; \
-         SET LOCAL bytea_output = 'hex'"
+         SET TRANSACTION SNAPSHOT '{snapshot}'; {}",
+        crate::postgres::set_local_tuple_text()
     )))
     .execute(&mut *tx)
     .await
@@ -526,7 +525,7 @@ async fn publish_snapshot(
     }
     let select = columns
         .iter()
-        .map(|(name, _)| format!("{}::text", quote(name)))
+        .map(|(name, _)| tuple_text(name))
         .collect::<Vec<_>>()
         .join(", ");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -658,7 +657,16 @@ pub(crate) fn text_relation(schema: &str, table: &str, columns: &[(String, u32)]
     }
 }
 
-/// A row selected as `column::text, …`, as the decoder takes a tuple in
+/// A column selected as a text tuple carries it: its type's output
+/// function's text (`format('%s', …)` calls it), which a cast to text is
+/// not for every type (`true::text` is `true` where the output is `t`;
+/// `char(n)` loses its padding), and null as null.
+pub(crate) fn tuple_text(column: &str) -> String {
+    let c = quote(column);
+    format!("CASE WHEN {c} IS NULL THEN NULL ELSE format('%s', {c}) END")
+}
+
+/// A row selected with [`tuple_text`], as the decoder takes a tuple in
 /// text format.
 pub(crate) fn text_values(row: &sqlx::postgres::PgRow, n: usize) -> Vec<Value> {
     (0..n)
