@@ -665,7 +665,7 @@ async fn a_migration_while_streaming_loses_no_row() {
             .unwrap()
         }
     };
-    let mut relay = Service::relay(&url, &stack.nats_url, "migrate", &flags("tenant"));
+    let relay = Service::relay(&url, &stack.nats_url, "migrate", &flags("tenant"));
     let mut expected = vec![insert(0, "tenant").await];
     sqlx::raw_sql("ALTER TABLE mig_outbox ADD COLUMN stream text DEFAULT 'NOWHERE'")
         .execute(&pool)
@@ -679,22 +679,7 @@ async fn a_migration_while_streaming_loses_no_row() {
         .await
         .unwrap();
     expected.push(insert(2, "tenant_id").await);
-    let exit = {
-        let deadline = std::time::Instant::now() + T;
-        loop {
-            if let Some(st) = relay.exited() {
-                break st;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the relay ran on past a renamed mapped column: {}",
-                relay.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    assert!(!exit.success());
-    let log = relay.log_text();
+    let log = halted(&relay, "the relay halts at a renamed mapped column").await;
     let errors: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("ERROR") || l.starts_with("error"))
@@ -709,6 +694,7 @@ async fn a_migration_while_streaming_loses_no_row() {
     // at a start: the fixed map says it plays none.
     let mut fixed = flags("tenant_id");
     fixed.extend(["--columns", "stream=-"]);
+    drop(relay);
     let mut relay = Service::relay(&url, &stack.nats_url, "migrate", &fixed);
     relay.wait_ready();
     let got = read_stream(&stack.nats_url, &wire::stream_name("migrate"), 3, T).await;
@@ -771,22 +757,11 @@ async fn a_table_dropped_from_the_publication_while_streaming_loses_no_row() {
     for n in 1..=3 {
         expected.push(insert(n).await);
     }
-    let exit = {
-        let deadline = std::time::Instant::now() + T;
-        loop {
-            if let Some(st) = relay.exited() {
-                break st;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the relay ran on with its table out of the publication: {}",
-                relay.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    assert!(!exit.success());
-    let log = relay.log_text();
+    let log = halted(
+        &relay,
+        "the relay halts with its table out of the publication",
+    )
+    .await;
     assert!(
         log.lines()
             .any(|l| (l.contains("ERROR") || l.starts_with("error"))
@@ -798,6 +773,7 @@ async fn a_table_dropped_from_the_publication_while_streaming_loses_no_row() {
         .execute(&pool)
         .await
         .unwrap();
+    drop(relay);
     let mut relay = Service::relay(&url, &stack.nats_url, "pubedit", &flags);
     relay.wait_ready();
     let later = insert(4).await;
@@ -907,20 +883,7 @@ async fn stops_on(ctx: &str, change: &[&str], table: &str, says: &[&str], heal: 
             .unwrap();
     }
     insert(table.to_owned()).await;
-    let deadline = std::time::Instant::now() + T;
-    let exit = loop {
-        if let Some(st) = relay.exited() {
-            break st;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{ctx}: the relay ran on: {}",
-            relay.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(!exit.success());
-    let log = relay.log_text();
+    let log = halted(&relay, &format!("{ctx}: the relay halts")).await;
     assert!(
         log.lines()
             .any(|l| (l.contains("ERROR") || l.starts_with("error"))
@@ -937,6 +900,7 @@ async fn stops_on(ctx: &str, change: &[&str], table: &str, says: &[&str], heal: 
             .await
             .unwrap();
     }
+    drop(relay);
     let relay = Service::relay(&url, &stack.nats_url, ctx, &["--table", &own]);
     let got = read_stream(&stack.nats_url, &wire::stream_name(ctx), 2, T).await;
     assert_eq!(got.len(), 2, "{ctx}: {}", relay.log_text());
@@ -945,6 +909,18 @@ async fn stops_on(ctx: &str, change: &[&str], table: &str, says: &[&str], heal: 
         "{}",
         got[1].subject
     );
+}
+
+/// Wait until `relay` halts (it streamed, then met a change it cannot go
+/// past): `outbox_relay_halted` 1 and `/readyz` saying why; its log.
+async fn halted(relay: &Service, what: &str) -> String {
+    eventually(T, what, || async {
+        relay.scrape().await.value("outbox_relay_halted") == Some(1.0)
+    })
+    .await;
+    let (code, body) = relay.http_get("/readyz").await;
+    assert!(code == 503 && body.contains("halted"), "{code} {body}");
+    relay.log_text()
 }
 
 /// A column added while the relay was down, that the next start maps by

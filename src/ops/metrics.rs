@@ -47,6 +47,9 @@ pub const SESSION_RESTARTS: &str = "outbox_relay_session_restarts_total";
 pub const STREAMING: &str = "outbox_relay_streaming";
 /// 1 while the relay waits as a standby: another process holds the slot.
 pub const STANDBY: &str = "outbox_relay_standby";
+/// 1 while the relay, having streamed, is stopped by what it cannot go past
+/// by itself (its log and `/readyz` say what to run).
+pub const HALTED: &str = "outbox_relay_halted";
 /// Rows published from a new slot's snapshot (first start, resync).
 pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
 /// 1 while the relay publishes a new slot's snapshot.
@@ -144,6 +147,7 @@ pub const ALL: &[&str] = &[
     SESSION_RESTARTS,
     STREAMING,
     STANDBY,
+    HALTED,
     BACKFILL_ROWS,
     BACKFILLING,
     STREAM_DURABLE,
@@ -267,6 +271,10 @@ pub fn register_relay() {
     );
     describe_gauge!(STREAMING, "1 while the relay streams from its slot");
     describe_gauge!(
+        HALTED,
+        "1 while the relay is stopped by a change it cannot go past by itself (a migration, the outbox out of its publication, a lost slot); its log and /readyz say what to run"
+    );
+    describe_gauge!(
         STREAM_DURABLE,
         "1 when an event the stream acked survives one server's OS crash (replicas, or sync_interval: always)"
     );
@@ -300,6 +308,7 @@ pub fn register_relay() {
     metrics::gauge!(INFLIGHT_EVENTS).set(0.0);
     metrics::gauge!(STREAMING).set(0.0);
     metrics::gauge!(STANDBY).set(0.0);
+    metrics::gauge!(HALTED).set(0.0);
     metrics::counter!(BACKFILL_ROWS).increment(0);
     metrics::gauge!(BACKFILLING).set(0.0);
     metrics::gauge!(RELAY_LAG_SECONDS).set(0.0);

@@ -54,6 +54,9 @@ pub use env::Stopped;
 use env::{Env, LagClock};
 use session::Session;
 
+/// How often a halted relay tries a session again.
+const HALTED_RETRY: Duration = Duration::from_secs(30);
+
 /// A session that streamed this long resets the reconnect backoff.
 const HEALTHY_SESSION: Duration = Duration::from_secs(30);
 
@@ -136,6 +139,8 @@ pub async fn run(
     // standby must survive what the active relay survives).
     let mut proven = false;
     let mut standby_logged = false;
+    // The line the relay halted on, said once while it stays the same.
+    let mut halted: Option<String> = None;
     // What this process confirmed, over all its sessions: one stopped
     // while opening has confirmed nothing itself. LSNs only grow.
     let mut confirmed = Lsn::ZERO;
@@ -177,6 +182,27 @@ pub async fn run(
                         return Ok(Stopped { confirmed });
                     }
                     _ = tokio::time::sleep(STANDBY_POLL) => {}
+                }
+            }
+            // The relay streamed, then met what it cannot go past by
+            // itself (a migration that broke the column map, the outbox
+            // out of the publication, a lost slot): it stays up, not
+            // ready, saying what to run where operators look (`/readyz`,
+            // `outbox_relay_halted`, its log), and tries again now and then
+            // in case the fix needs no restart (the table published again).
+            Err(e) if e.class() == Class::Permanent && proven => {
+                metrics::gauge!(m::HALTED).set(1.0);
+                let line = e.to_string();
+                if halted.as_deref() != Some(line.as_str()) {
+                    tracing::error!("halted: {line}");
+                    halted = Some(line.clone());
+                }
+                ready.not_ready(format!("halted: {line}"));
+                tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        return Ok(Stopped { confirmed });
+                    }
+                    _ = tokio::time::sleep(HALTED_RETRY) => {}
                 }
             }
             Err(e) if e.class() == Class::Transient && proven => {

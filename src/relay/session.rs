@@ -534,6 +534,7 @@ impl<'a> Session<'a> {
         self.streamed = true;
         ready.ready();
         metrics::gauge!(m::STANDBY).set(0.0);
+        metrics::gauge!(m::HALTED).set(0.0);
         metrics::gauge!(m::STREAMING).set(1.0);
         tracing::info!(
             slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
