@@ -1336,3 +1336,170 @@ async fn every_column_type_reads_the_same_streamed_as_backfilled() {
         assert!(wrong.is_empty(), "{ctx}: {wrong:#?}");
     }
 }
+
+/// Issue 57's acceptance: migrations while the relay streams under load
+/// (a row every few milliseconds, each its own transaction): `ADD COLUMN`
+/// of a role's name, `RENAME COLUMN` of a header column, then of the
+/// payload column, then `ALTER PUBLICATION … DROP TABLE` and back. The
+/// relay halts at each breaking change; the restart it asks for (with the
+/// fixed flags), and for the publication the audit it names, bring every
+/// row into the stream once, as an event (no dead letter), and in commit
+/// order (but for the rows the publication left out, which the repair
+/// publishes after).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_under_load_lose_no_row() {
+    use std::sync::{Arc, Mutex};
+    let stack = stack();
+    let (url, pool) = empty_db(&stack, "t_migload").await;
+    sqlx::raw_sql(
+        "CREATE TABLE migload_outbox (id uuid primary key, aggregate_type text not null, \
+         aggregate_id text not null, event_type text not null, event_version int not null default 1, \
+         payload jsonb not null, tenant text, occurred_at timestamptz not null default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The columns the producer writes: (header column, payload column).
+    let names = Arc::new(Mutex::new(("tenant".to_owned(), "payload".to_owned())));
+    let sent: Arc<Mutex<Vec<String>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let producer = {
+        let (pool, names, sent, stop) = (pool.clone(), names.clone(), sent.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let (tenant, payload) = names.lock().unwrap().clone();
+                let id = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO migload_outbox (id, aggregate_type, aggregate_id, event_type, {payload}, {tenant}) \
+                     VALUES (gen_random_uuid(), 'order', 'o1', 'placed', jsonb_build_object('n', $1::int), 't1') \
+                     RETURNING id::text"
+                )))
+                .bind(n)
+                .fetch_one(&pool)
+                .await;
+                match id {
+                    Ok(id) => {
+                        sent.lock().unwrap().push(id);
+                        n += 1;
+                    }
+                    // A column renamed under it: the next try names it.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        })
+    };
+    let rows = |more: usize| {
+        let sent = sent.clone();
+        async move {
+            let at = sent.lock().unwrap().len();
+            eventually(T, &format!("{more} more rows written"), || async {
+                sent.lock().unwrap().len() >= at + more
+            })
+            .await;
+        }
+    };
+    let stream = wire::stream_name("migload");
+    let in_stream = |n: usize| {
+        let url = stack.nats_url.clone();
+        let stream = stream.clone();
+        async move {
+            eventually(T, &format!("{n} events in the stream"), || async {
+                stream_messages(&url, &stream).await >= n as u64
+            })
+            .await;
+        }
+    };
+    let ddl = |sql: &'static str| {
+        let pool = pool.clone();
+        async move { sqlx::raw_sql(sql).execute(&pool).await.unwrap() }
+    };
+    let relay = |flags: &[&str]| {
+        let mut args = vec!["--table", "public.migload_outbox"];
+        args.extend_from_slice(flags);
+        Service::relay(&url, &stack.nats_url, "migload", &args)
+    };
+
+    let mut r = relay(&["--header-columns", "tenant"]);
+    r.wait_ready();
+    rows(100).await;
+    ddl("ALTER TABLE migload_outbox ADD COLUMN stream text DEFAULT 'NOWHERE'").await;
+    rows(100).await;
+    ddl("ALTER TABLE migload_outbox RENAME COLUMN tenant TO tenant_id").await;
+    names.lock().unwrap().0 = "tenant_id".into();
+    rows(100).await;
+    halted(&r, "halted at the renamed header column").await;
+    drop(r);
+    let r = relay(&["--header-columns", "tenant_id", "--columns", "stream=-"]);
+    rows(100).await;
+    let written = sent.lock().unwrap().len();
+    in_stream(written).await;
+    ddl("ALTER TABLE migload_outbox RENAME COLUMN payload TO body").await;
+    names.lock().unwrap().1 = "body".into();
+    rows(100).await;
+    halted(&r, "halted at the renamed payload column").await;
+    drop(r);
+    let fixed = [
+        "--header-columns",
+        "tenant_id",
+        "--columns",
+        "stream=-,payload=body",
+    ];
+    let r = relay(&fixed);
+    rows(100).await;
+    let written = sent.lock().unwrap().len();
+    in_stream(written).await;
+    ddl("ALTER PUBLICATION outbox_relay_migload DROP TABLE migload_outbox").await;
+    rows(50).await;
+    halted(&r, "halted with the table out of the publication").await;
+    ddl("ALTER PUBLICATION outbox_relay_migload ADD TABLE migload_outbox").await;
+    drop(r);
+    let r = relay(&fixed);
+    rows(50).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    producer.await.unwrap();
+    let sent = sent.lock().unwrap().clone();
+    // What the relay published by itself, before the repair: in commit
+    // order, each once.
+    let before = read_stream(&stack.nats_url, &stream, 0, Duration::ZERO).await;
+    let published = ids(&before);
+    let in_order: Vec<&String> = sent.iter().filter(|id| published.contains(id)).collect();
+    assert_eq!(
+        published.iter().collect::<Vec<_>>(),
+        in_order,
+        "in commit order, once each\n{}",
+        r.log_text()
+    );
+    let (code, out) = run_output_bounded(
+        &[
+            "audit",
+            "--database-url",
+            &url,
+            "--context",
+            "migload",
+            "--table",
+            "public.migload_outbox",
+            "--header-columns",
+            "tenant_id",
+            "--columns",
+            "stream=-,payload=body",
+            "--nats-url",
+            &stack.nats_url,
+            "--wait",
+            "60s",
+            "--last",
+            "1h",
+            "--repair",
+        ],
+        Duration::from_secs(90),
+    );
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    let mut all = ids(&got);
+    all.sort();
+    let mut want = sent.clone();
+    want.sort();
+    assert_eq!(all, want, "every row once: {code:?} {out}");
+    for g in &got {
+        assert!(!g.subject.contains(".dlq."), "a dead letter: {}", g.subject);
+    }
+}
