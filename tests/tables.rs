@@ -843,6 +843,51 @@ async fn a_rename_or_a_quick_drop_and_add_of_the_outbox_stops_the_relay() {
     .await;
 }
 
+/// Found in review: a relay halted on a renamed outbox tries a session
+/// again every 30 s, and an empty table made under the old name meanwhile
+/// (a `migrate`, as `/readyz` had suggested) was streamed from instead: the
+/// renamed table's rows were never read. A later session of the process
+/// refuses another table under the outbox's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_halted_relay_does_not_resume_on_another_table_under_the_outbox_name() {
+    let stack = stack();
+    let (url, pool) = empty_db(&stack, "t_remade").await;
+    let create = "CREATE TABLE remade_outbox (id uuid primary key, aggregate_type text not null, \
+         aggregate_id text not null, event_type text not null, event_version int not null default 1, \
+         payload jsonb not null, occurred_at timestamptz not null default now())";
+    sqlx::raw_sql(create).execute(&pool).await.unwrap();
+    let mut relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "remade",
+        &["--table", "public.remade_outbox"],
+    );
+    relay.wait_ready();
+    sqlx::raw_sql("ALTER TABLE remade_outbox RENAME TO remade_outbox_old")
+        .execute(&pool)
+        .await
+        .unwrap();
+    halted(&relay, "halted on the rename").await;
+    sqlx::raw_sql(create).execute(&pool).await.unwrap();
+    sqlx::raw_sql("ALTER PUBLICATION outbox_relay_remade ADD TABLE remade_outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The next try (30 s on) meets the new table.
+    eventually(
+        Duration::from_secs(90),
+        "the retry refuses the new table",
+        || async { relay.log_text().contains("another table now") },
+    )
+    .await;
+    assert_eq!(
+        relay.scrape().await.value("outbox_relay_halted"),
+        Some(1.0),
+        "{}",
+        relay.log_text()
+    );
+}
+
 /// A relay on `{ctx}_outbox`; one row streamed; then `change`, one
 /// statement at a time, and a row into `table`: the relay must stop, its
 /// line containing one of `says`.

@@ -50,6 +50,8 @@ pub const STANDBY: &str = "outbox_relay_standby";
 /// 1 while the relay, having streamed, is stopped by what it cannot go past
 /// by itself (its log and `/readyz` say what to run).
 pub const HALTED: &str = "outbox_relay_halted";
+/// Times the relay halted: a halt a retry got past still shows.
+pub const HALTS: &str = "outbox_relay_halts_total";
 /// Rows published from a new slot's snapshot (first start, resync).
 pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
 /// 1 while the relay publishes a new slot's snapshot.
@@ -148,6 +150,7 @@ pub const ALL: &[&str] = &[
     STREAMING,
     STANDBY,
     HALTED,
+    HALTS,
     BACKFILL_ROWS,
     BACKFILLING,
     STREAM_DURABLE,
@@ -270,6 +273,10 @@ pub fn register_relay() {
         "Replication sessions restarted after an error"
     );
     describe_gauge!(STREAMING, "1 while the relay streams from its slot");
+    describe_counter!(
+        HALTS,
+        "times the relay halted on a change it could not go past by itself (its log says what to run)"
+    );
     describe_gauge!(
         HALTED,
         "1 while the relay is stopped by a change it cannot go past by itself (a migration, the outbox out of its publication, a lost slot); its log and /readyz say what to run"
@@ -309,6 +316,7 @@ pub fn register_relay() {
     metrics::gauge!(STREAMING).set(0.0);
     metrics::gauge!(STANDBY).set(0.0);
     metrics::gauge!(HALTED).set(0.0);
+    metrics::counter!(HALTS).increment(0);
     metrics::counter!(BACKFILL_ROWS).increment(0);
     metrics::gauge!(BACKFILLING).set(0.0);
     metrics::gauge!(RELAY_LAG_SECONDS).set(0.0);

@@ -523,11 +523,13 @@ async fn publication_facts(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StillPublished {
     pub oid: i64,
-    /// The publication's oid and its membership rows for the table and its
-    /// partitions (`pg_publication_rel`): the table dropped from it and
-    /// added again, or the publication made again, changes it.
+    /// The publication's oid and its membership row for the table
+    /// (`pg_publication_rel`; none for `FOR ALL TABLES`): the table dropped
+    /// from it and added again, or the publication made again, changes it.
+    /// Partitions' rows are left out: retention detaches and drops them.
     pub membership: String,
-    /// Postgres's clock a minute before the check, UTC (RFC 3339): an
+    /// A minute before the check, or before the oldest transaction then
+    /// open (its rows' `occurred_at` may be its start), UTC (RFC 3339): an
     /// audit window from a good check's covers any change after it.
     pub since: String,
 }
@@ -542,7 +544,9 @@ pub async fn still_published(
     table: &str,
 ) -> Result<std::result::Result<StillPublished, String>> {
     let since: String = sqlx::query_scalar(
-        "SELECT to_char((now() - interval '1 minute') AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
+        "SELECT to_char((LEAST(now(), (SELECT min(xact_start) FROM pg_stat_activity \
+                 WHERE datname = current_database())) - interval '1 minute') AT TIME ZONE 'UTC', \
+                 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
     )
     .fetch_one(pool)
     .await
@@ -551,8 +555,7 @@ pub async fn still_published(
         "WITH t AS (SELECT to_regclass(format('%I.%I', $2::text, $3::text)) AS rel) \
          SELECT t.rel::oid::int8, p.oid::int8, \
                 coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr \
-                          WHERE pr.prpubid = p.oid AND pr.prrelid IN \
-                            (SELECT relid FROM pg_partition_tree(t.rel) UNION SELECT t.rel::oid)), '') \
+                          WHERE pr.prpubid = p.oid AND pr.prrelid = t.rel::oid), '') \
          FROM t LEFT JOIN pg_publication p ON p.pubname = $1",
     )
     .bind(publication)

@@ -139,26 +139,40 @@ pub async fn run(
     // standby must survive what the active relay survives).
     let mut proven = false;
     let mut standby_logged = false;
-    // The line the relay halted on, said once while it stays the same.
+    // The line the relay halted on (said in `/readyz` until it streams
+    // again: a later retry's error may only be a consequence), and the
+    // latest, each logged once.
     let mut halted: Option<String> = None;
+    let mut latest = String::new();
+    // The outbox's oid as the first session that streamed found it: a
+    // later session of this process refuses another table under the name
+    // (one made while it was halted, by a `migrate` say), whose rows would
+    // be read instead of the real outbox's.
+    let mut outbox_oid: Option<i64> = None;
     // What this process confirmed, over all its sessions: one stopped
     // while opening has confirmed nothing itself. LSNs only grow.
     let mut confirmed = Lsn::ZERO;
     loop {
         let started = Instant::now();
-        let mut session = Session::new(&env);
+        let mut session = Session::new(&env).expecting(outbox_oid);
         let result = session.run(&shutdown).await;
         confirmed = confirmed.max(session.confirmed());
         proven |= session.streamed();
         standby_logged &= !session.streamed();
+        if session.streamed() {
+            outbox_oid = outbox_oid.or(session.outbox_oid());
+            halted = None;
+        }
         metrics::gauge!(m::STREAMING).set(0.0);
         // What the session had in flight is no one's now: the next session
         // publishes it again.
         metrics::gauge!(m::INFLIGHT_EVENTS).set(0.0);
         metrics::gauge!(m::INFLIGHT_BYTES).set(0.0);
-        match &result {
-            Ok(_) => ready.not_ready("shutting down"),
-            Err(e) => ready.not_ready(format!("not streaming: {e}")),
+        match (&result, &halted) {
+            (Ok(_), _) => ready.not_ready("shutting down"),
+            // What it halted on stays said until it streams again.
+            (Err(e), Some(first)) => ready.not_ready(format!("halted: {first} (now: {e})")),
+            (Err(e), None) => ready.not_ready(format!("not streaming: {e}")),
         }
         match result {
             Ok(stopped) => {
@@ -169,6 +183,10 @@ pub async fn run(
             }
             Err(e) if e.is_slot_busy() => {
                 proven = true;
+                // Another relay streams: what this one halted on is not
+                // this one's to report.
+                metrics::gauge!(m::HALTED).set(0.0);
+                halted = None;
                 metrics::gauge!(m::STANDBY).set(1.0);
                 // The relay holding the slot publishes (and reports) them.
                 lag.set(None);
@@ -193,11 +211,20 @@ pub async fn run(
             Err(e) if e.class() == Class::Permanent && proven => {
                 metrics::gauge!(m::HALTED).set(1.0);
                 let line = e.to_string();
-                if halted.as_deref() != Some(line.as_str()) {
-                    tracing::error!("halted: {line}");
-                    halted = Some(line.clone());
+                match &halted {
+                    None => {
+                        metrics::counter!(m::HALTS).increment(1);
+                        tracing::error!("halted: {line}");
+                        ready.not_ready(format!("halted: {line}"));
+                        halted = Some(line.clone());
+                        latest = line;
+                    }
+                    Some(_) if latest != line => {
+                        tracing::error!("still halted: {line}");
+                        latest = line;
+                    }
+                    Some(_) => {}
                 }
-                ready.not_ready(format!("halted: {line}"));
                 tokio::select! {
                     _ = shutdown.cancelled() => {
                         return Ok(Stopped { confirmed });

@@ -47,6 +47,8 @@ pub(super) struct Session<'a> {
     /// The table and its membership of the publication the session began
     /// with ([`guard`]).
     pin: Option<provision::StillPublished>,
+    /// The outbox's oid an earlier session of this process streamed from.
+    expected_oid: Option<i64>,
     streamed: bool,
     metrics: Handles,
 }
@@ -151,6 +153,7 @@ impl<'a> Session<'a> {
             env,
             watermark: Watermark::new(Lsn::ZERO),
             pin: None,
+            expected_oid: None,
             streamed: false,
             metrics: Handles {
                 published: metrics::counter!(m::EVENTS_PUBLISHED),
@@ -161,6 +164,18 @@ impl<'a> Session<'a> {
                 unreported: 0,
             },
         }
+    }
+
+    /// Refuse to stream from a table other than `oid` under the outbox's
+    /// name (see `relay/mod.rs`).
+    pub fn expecting(mut self, oid: Option<i64>) -> Self {
+        self.expected_oid = oid;
+        self
+    }
+
+    /// The outbox's oid, as this session found it.
+    pub fn outbox_oid(&self) -> Option<i64> {
+        self.pin.as_ref().map(|p| p.oid)
     }
 
     /// Whether this session reached the streaming state.
@@ -234,6 +249,12 @@ impl<'a> Session<'a> {
             Ok(pin) => pin,
             Err(why) => return Err(Error::setup(guard::stop_line(&why, None))),
         };
+        if let Some(oid) = self.expected_oid.filter(|oid| *oid != pin.oid) {
+            return Err(Error::setup(format!(
+                "table {}.{} is another table now (oid {oid} when this relay streamed, {} now): a table made under its name while the relay was stopped, or a swap. Rows written to the old one since are not read from here: restart the relay once the outbox is the right table, then run `outbox-relay audit --repair` with its flags over the window of the change",
+                cfg.schema, cfg.table, pin.oid
+            )));
+        }
         // What the flags ask of the table (SPEC §13), before anything is
         // published: one line naming what does not fit.
         let table = format!("{}.{}", cfg.schema, cfg.table);
