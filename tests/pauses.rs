@@ -446,6 +446,27 @@ impl World {
         )
     }
 
+    /// Three processes of the durable under the load, each helper running
+    /// calls; the dispatcher (`a`) first.
+    async fn crew_of_three(
+        &self,
+        name: &str,
+        db_url: &str,
+    ) -> (Service, Service, Service, tokio::task::JoinHandle<()>) {
+        let mut a = self.crew_process(&format!("{name}-a"), db_url);
+        a.wait_ready();
+        let b = self.crew_process(&format!("{name}-b"), db_url);
+        let c = self.crew_process(&format!("{name}-c"), db_url);
+        self.processes(&a, 3).await;
+        let load = self.load();
+        eventually(T, "both helpers run calls", || async {
+            b.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
+                && c.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
+        })
+        .await;
+        (a, b, c, load)
+    }
+
     async fn processes(&self, s: &Service, n: usize) {
         eventually(T, &format!("{n} processes of the durable"), || async {
             s.scrape().await.value("outbox_consumer_processes") == Some(n as f64)
@@ -460,17 +481,7 @@ impl World {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_processes_with_the_dispatcher_frozen_for_2_2_s_repeat_no_call() {
     let w = World::shared("p_crewfreeze", "pcrewfreeze").await;
-    let mut a = w.crew_process("pcrewfreeze-a", &w.url);
-    a.wait_ready();
-    let b = w.crew_process("pcrewfreeze-b", &w.url);
-    let c = w.crew_process("pcrewfreeze-c", &w.url);
-    w.processes(&a, 3).await;
-    let load = w.load();
-    eventually(T, "both helpers run calls", || async {
-        b.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-            && c.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-    })
-    .await;
+    let (a, _b, _c, load) = w.crew_of_three("pcrewfreeze", &w.url).await;
     signal(a.pid(), "STOP");
     tokio::time::sleep(Duration::from_millis(2_200)).await;
     signal(a.pid(), "CONT");
@@ -513,17 +524,7 @@ async fn three_processes_whose_postgres_stalls_4_s_repeat_no_call() {
     let w = World::shared("p_crewstall", "pcrewstall").await;
     let proxy = Proxy::start(&pg_target(&w.url)).await;
     let via = proxy.pg_url(&w.url);
-    let mut a = w.crew_process("pcrewstall-a", &via);
-    a.wait_ready();
-    let b = w.crew_process("pcrewstall-b", &via);
-    let c = w.crew_process("pcrewstall-c", &via);
-    w.processes(&a, 3).await;
-    let load = w.load();
-    eventually(T, "both helpers run calls", || async {
-        b.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-            && c.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-    })
-    .await;
+    let (_a, _b, _c, load) = w.crew_of_three("pcrewstall", &via).await;
     proxy.pause();
     tokio::time::sleep(Duration::from_secs(4)).await;
     proxy.resume();
@@ -547,17 +548,7 @@ async fn three_processes_through_a_35_s_postgres_outage_repeat_no_call() {
         .await
         .unwrap();
     let w = World::on(url.clone(), pool, &nats, "pcrewpgdown").await;
-    let mut a = w.crew_process("pcrewpgdown-a", &url);
-    a.wait_ready();
-    let b = w.crew_process("pcrewpgdown-b", &url);
-    let c = w.crew_process("pcrewpgdown-c", &url);
-    w.processes(&a, 3).await;
-    let load = w.load();
-    eventually(T, "both helpers run calls", || async {
-        b.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-            && c.scrape().await.value("outbox_consumer_running_jobs") >= Some(1.0)
-    })
-    .await;
+    let (_a, _b, _c, load) = w.crew_of_three("pcrewpgdown", &url).await;
     own.pg_power_mode("pg-stop", "immediate");
     tokio::time::sleep(Duration::from_secs(35)).await;
     own.pg_power("pg-start");

@@ -779,24 +779,15 @@ async fn a_table_dropped_from_the_publication_while_streaming_loses_no_row() {
     let later = insert(4).await;
     let got = read_stream(&stack.nats_url, &stream, 2, T).await;
     assert_eq!(ids(&got), [expected[0].clone(), later.clone()]);
-    let (code, out) = run_output_bounded(
+    let (code, out) = audit(
+        "pubedit",
         &[
-            "audit",
-            "--database-url",
-            &url,
-            "--context",
-            "pubedit",
             "--table",
             "public.pubedit_outbox",
-            "--nats-url",
-            &stack.nats_url,
-            "--wait",
-            "60s",
             "--last",
             "1h",
             "--repair",
         ],
-        Duration::from_secs(90),
     );
     assert!(out.contains("3 missing"), "{code:?} {out}");
     // The rows of the gap come after the one written since: commit order
@@ -1515,29 +1506,10 @@ async fn migrations_under_load_lose_no_row() {
         "in commit order, once each\n{}",
         r.log_text()
     );
-    let (code, out) = run_output_bounded(
-        &[
-            "audit",
-            "--database-url",
-            &url,
-            "--context",
-            "migload",
-            "--table",
-            "public.migload_outbox",
-            "--header-columns",
-            "tenant_id",
-            "--columns",
-            "stream=-,payload=body",
-            "--nats-url",
-            &stack.nats_url,
-            "--wait",
-            "60s",
-            "--last",
-            "1h",
-            "--repair",
-        ],
-        Duration::from_secs(90),
-    );
+    let mut flags = vec!["--table", "public.migload_outbox"];
+    flags.extend(fixed);
+    flags.extend(["--last", "1h", "--repair"]);
+    let (code, out) = audit("migload", &flags);
     let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
     let mut all = ids(&got);
     all.sort();

@@ -543,19 +543,15 @@ pub async fn still_published(
     schema: &str,
     table: &str,
 ) -> Result<std::result::Result<StillPublished, String>> {
-    let since: String = sqlx::query_scalar(
-        "SELECT to_char((LEAST(now(), (SELECT min(xact_start) FROM pg_stat_activity \
-                 WHERE datname = current_database())) - interval '1 minute') AT TIME ZONE 'UTC', \
-                 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
-    )
-    .fetch_one(pool)
-    .await
-    .map_err(Error::pg("reading Postgres's clock"))?;
-    let found: Option<(Option<i64>, Option<i64>, String)> = sqlx::query_as(
+    // One statement a check, with the window's start.
+    let found: Option<(Option<i64>, Option<i64>, String, String)> = sqlx::query_as(
         "WITH t AS (SELECT to_regclass(format('%I.%I', $2::text, $3::text)) AS rel) \
          SELECT t.rel::oid::int8, p.oid::int8, \
                 coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr \
-                          WHERE pr.prpubid = p.oid AND pr.prrelid = t.rel::oid), '') \
+                          WHERE pr.prpubid = p.oid AND pr.prrelid = t.rel::oid), ''), \
+                to_char((LEAST(now(), (SELECT min(xact_start) FROM pg_stat_activity \
+                         WHERE datname = current_database())) - interval '1 minute') AT TIME ZONE 'UTC', \
+                        'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
          FROM t LEFT JOIN pg_publication p ON p.pubname = $1",
     )
     .bind(publication)
@@ -564,14 +560,14 @@ pub async fn still_published(
     .fetch_optional(pool)
     .await
     .map_err(Error::pg("reading the outbox's publication"))?;
-    let (oid, publication_oid, rels) = match found {
-        Some((Some(oid), Some(p), rels)) => (oid, p, rels),
+    let (oid, publication_oid, rels, since) = match found {
+        Some((Some(oid), Some(p), rels, since)) => (oid, p, rels, since),
         Some((None, ..)) | None => {
             return Ok(Err(format!(
                 "table {schema}.{table} is gone (renamed, or dropped?)"
             )))
         }
-        Some((Some(_), None, _)) => return Ok(Err(format!("publication {publication} is gone"))),
+        Some((Some(_), None, ..)) => return Ok(Err(format!("publication {publication} is gone"))),
     };
     let facts = match publication_facts(pool, publication, schema, table).await {
         Ok(f) => f,

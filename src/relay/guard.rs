@@ -42,7 +42,9 @@ pub(super) fn watch(
     let stop = CancellationToken::new();
     let stopped = stop.clone();
     tokio::spawn(async move {
-        let mut every = tokio::time::interval(EVERY);
+        // The session checked once as it began (`pin`): the first check
+        // here is one period on.
+        let mut every = tokio::time::interval_at(tokio::time::Instant::now() + EVERY, EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let (mut since, mut good, mut warned) = (pin.since.clone(), Instant::now(), Instant::now());
         loop {
