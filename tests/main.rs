@@ -19,3 +19,4 @@ mod schemas;
 mod secure;
 mod tables;
 mod versions;
+mod world;

@@ -30,11 +30,13 @@ pub struct Prepared {
     pub partitions: Vec<(String, String)>,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct SlotState {
     pub confirmed: Lsn,
     /// The backend streaming from the slot now, if any (another relay).
     pub active_pid: Option<i32>,
+    /// Why Postgres invalidated it, if it did.
+    pub invalidated: Option<String>,
 }
 
 /// Make sure the server, table, publication and slot are ready to stream.
@@ -130,7 +132,27 @@ pub async fn prepare(
     }
     let partitions = partitions(pool, schema, table).await?;
 
-    let slot = existing_slot(pool, slot).await?;
+    let slot = match existing_slot(pool, slot).await? {
+        Some(SlotState {
+            invalidated: Some(reason),
+            active_pid,
+            ..
+        }) => {
+            // It can never stream again (START_REPLICATION fails on 55000 at
+            // every start): the rows it had yet to decode are lost to it,
+            // as to a dropped slot, so the lost-slot path decides.
+            if let Some(pid) = active_pid {
+                return Err(Error::SlotBusy {
+                    slot: slot.to_owned(),
+                    pid: Some(pid),
+                });
+            }
+            tracing::warn!(slot, reason, "{}", invalidated_line(slot, &reason));
+            drop_slot(pool, slot).await?;
+            None
+        }
+        found => found,
+    };
     Ok(Prepared { slot, partitions })
 }
 
@@ -299,10 +321,13 @@ pub async fn check_keys(
 
 /// The slot's state, after checking it is this database's pgoutput slot.
 pub async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState>> {
+    // `to_jsonb`: the columns that say a slot was invalidated differ by
+    // version (`wal_status` 13+, `conflicting` 16+, `invalidation_reason`
+    // 17+), and one statement reads whichever the server has.
     let row = sqlx::query(
         "SELECT plugin, database, confirmed_flush_lsn::text AS confirmed, active_pid, \
-                current_database()::text AS this_db \
-         FROM pg_replication_slots WHERE slot_name = $1",
+                current_database()::text AS this_db, to_jsonb(s) AS facts \
+         FROM pg_replication_slots s WHERE slot_name = $1",
     )
     .bind(slot)
     .fetch_optional(pool)
@@ -320,10 +345,41 @@ pub async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState
         )));
     }
     let confirmed: Option<String> = row.get("confirmed");
+    let facts: serde_json::Value = row.get("facts");
     Ok(Some(SlotState {
         confirmed: parse_lsn(confirmed.as_deref().unwrap_or("0/0"))?,
         active_pid: row.get("active_pid"),
+        invalidated: invalidation(&facts),
     }))
+}
+
+/// Why Postgres invalidated a slot (it can never stream again), from its
+/// `pg_replication_slots` row as JSON; `None` while it is usable.
+pub fn invalidation(facts: &serde_json::Value) -> Option<String> {
+    let text = |k: &str| facts.get(k).and_then(serde_json::Value::as_str);
+    if let Some(reason) = text("invalidation_reason") {
+        return Some(reason.to_owned());
+    }
+    // Before 17 only these say it: a standby's slot whose rows the primary
+    // removed (16), and WAL removed past `max_slot_wal_keep_size`.
+    if facts.get("conflicting") == Some(&serde_json::Value::Bool(true)) {
+        return Some("rows_removed".to_owned());
+    }
+    (text("wal_status") == Some("lost")).then(|| "wal_removed".to_owned())
+}
+
+/// What an invalidated slot means, said once as the relay drops it.
+pub fn invalidated_line(slot: &str, reason: &str) -> String {
+    let why = match reason {
+        "wal_removed" => "the WAL it still needed was removed (max_slot_wal_keep_size)",
+        "rows_removed" => "the primary removed rows it still needed to decode (hot_standby_feedback off, or no physical slot for this standby)",
+        "idle_timeout" => "it was idle longer than idle_replication_slot_timeout",
+        "wal_level_insufficient" => "the primary's wal_level is no longer logical",
+        _ => "Postgres gave it up",
+    };
+    format!(
+        "slot {slot} was invalidated by Postgres ({reason}: {why}) and can never stream again: dropping it; the rows it had yet to decode are lost to it, as to a dropped slot"
+    )
 }
 
 /// Make the relay's slot a persistent copy of the temporary `init` slot a
@@ -688,6 +744,32 @@ mod version_tests {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_slot_is_invalidated_by_whichever_column_the_version_has() {
+        let of = |v: serde_json::Value| invalidation(&v);
+        assert_eq!(of(serde_json::json!({"wal_status": "reserved"})), None);
+        assert_eq!(
+            of(serde_json::json!({"wal_status": "lost"})).as_deref(),
+            Some("wal_removed")
+        );
+        assert_eq!(
+            of(serde_json::json!({"wal_status": "reserved", "conflicting": true})).as_deref(),
+            Some("rows_removed")
+        );
+        assert_eq!(
+            of(
+                serde_json::json!({"wal_status": "reserved", "conflicting": false, "invalidation_reason": null})
+            ),
+            None
+        );
+        assert_eq!(
+            of(serde_json::json!({"wal_status": "lost", "invalidation_reason": "idle_timeout"}))
+                .as_deref(),
+            Some("idle_timeout")
+        );
+        assert!(invalidated_line("s", "idle_timeout").contains("idle_replication_slot_timeout"));
+    }
+
     #[test]
     fn a_short_xid_takes_the_epoch_of_the_next_id_or_the_one_before() {
         assert_eq!(full_xid(700, 900), Some(700));
