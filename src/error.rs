@@ -115,6 +115,10 @@ pub enum Error {
     )]
     StreamFound { stream: String },
 
+    /// Postgres stopped hearing the replication connection (`relay::heard`).
+    #[error("{0}")]
+    ReplicationSilent(String),
+
     /// The server closed the replication stream without an error.
     #[error("replication stream ended by the server")]
     StreamEnded,
@@ -136,6 +140,7 @@ impl Error {
             | Error::Nats { .. }
             | Error::Publish { .. }
             | Error::StreamEnded
+            | Error::ReplicationSilent(_)
             | Error::StreamFound { .. }
             | Error::Paused { .. } => Class::Transient,
         }

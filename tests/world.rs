@@ -118,3 +118,103 @@ async fn an_invalidated_slot_is_a_lost_slot_and_resync_since_republishes_the_gap
     assert_eq!(unique, sent, "the stream holds every row once");
     drop(relay);
 }
+
+/// Item 1: the relay's path to Postgres goes silent without a reset (a
+/// vanished host, a dropped route): the connections open at that moment
+/// hear nothing more, new ones pass, and events go on committing. Before,
+/// the replication stream waited on its socket for ever (TCP would have
+/// given up after ~15 min) while the relay stayed "ready": no event
+/// committed after that moment reached the stream. Now Postgres's own
+/// view of the connection (`pg_stat_replication.reply_time`, which moves
+/// with every status update the relay sends) stops moving, the relay says
+/// so, ends the silent walsender and streams again on a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_path_gone_silent_is_left_for_a_new_connection() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_wsilent").await;
+    let proxy = Proxy::start(&pg_target(&url)).await;
+    let stream = wire::stream_name("wsilent");
+    let relay = Service::relay(&proxy.pg_url(&url), &stack.nats_url, "wsilent", &[]);
+    let mut sent = insert_txn(&pool, 0, 0, 5, 8).await;
+    read_stream(&stack.nats_url, &stream, 5, T).await;
+    // Silent for ever for the connections open now; new ones pass.
+    proxy.black_hole();
+    let silenced = Instant::now();
+    for i in 1..=20 {
+        sent.extend(insert_txn(&pool, 0, i * 5, 5, 8).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    eprintln!(
+        "every event stored {:.1} s after the path went silent",
+        silenced.elapsed().as_secs_f64()
+    );
+    let ids: Vec<uuid::Uuid> = got
+        .iter()
+        .map(|g| uuid::Uuid::parse_str(g.h(wire::MSG_ID).unwrap()).unwrap())
+        .collect();
+    assert_eq!(ids, sent, "every event once, in commit order");
+    for l in relay.log_text().lines() {
+        if l.contains("silent") || l.contains("streaming") || l.contains("session ended") {
+            eprintln!("{l}");
+        }
+    }
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_replication_silences_total"),
+        Some(1.0),
+        "{}",
+        relay.log_text()
+    );
+    assert!(
+        relay.log_text().contains("went silent"),
+        "{}",
+        relay.log_text()
+    );
+}
+
+/// Item 1, the NATS side: the relay's paths to nats-server go silent
+/// without a reset (the connections open then; new ones pass) while
+/// events commit. Every event is stored once, in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_path_gone_silent_is_left_for_a_new_connection() {
+    nats_path_gone_silent("wnsilent", &[]).await;
+}
+
+/// The same with atomic batches, whose commits are JetStream requests on
+/// the relay's client connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_path_gone_silent_under_batches_is_left_for_a_new_connection() {
+    nats_path_gone_silent("wnsilentb", &["--publish-mode", "batch"]).await;
+}
+
+async fn nats_path_gone_silent(ctx: &str, flags: &[&str]) {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, &format!("t_{ctx}")).await;
+    let proxy = Proxy::start(stack.nats_url.trim_start_matches("nats://")).await;
+    let stream = wire::stream_name(ctx);
+    let relay = Service::relay(&url, &proxy.nats_url(), ctx, flags);
+    let mut sent = insert_txn(&pool, 0, 0, 5, 8).await;
+    read_stream(&stack.nats_url, &stream, 5, T).await;
+    proxy.black_hole();
+    let silenced = Instant::now();
+    for i in 1..=20 {
+        sent.extend(insert_txn(&pool, 0, i * 5, 5, 8).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    eprintln!(
+        "every event stored {:.1} s after the path went silent",
+        silenced.elapsed().as_secs_f64()
+    );
+    let ids: Vec<uuid::Uuid> = got
+        .iter()
+        .map(|g| uuid::Uuid::parse_str(g.h(wire::MSG_ID).unwrap()).unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        sent,
+        "every event once, in commit order: {}",
+        relay.log_text()
+    );
+}

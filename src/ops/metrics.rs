@@ -52,6 +52,9 @@ pub const STANDBY: &str = "outbox_relay_standby";
 pub const HALTED: &str = "outbox_relay_halted";
 /// Times the relay halted: a halt a retry got past still shows.
 pub const HALTS: &str = "outbox_relay_halts_total";
+/// Sessions ended because Postgres stopped hearing the replication
+/// connection (a silent path: a vanished host, a dropped route).
+pub const REPLICATION_SILENCES: &str = "outbox_relay_replication_silences_total";
 /// Rows published from a new slot's snapshot (first start, resync).
 pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
 /// 1 while the relay publishes a new slot's snapshot.
@@ -151,6 +154,7 @@ pub const ALL: &[&str] = &[
     STANDBY,
     HALTED,
     HALTS,
+    REPLICATION_SILENCES,
     BACKFILL_ROWS,
     BACKFILLING,
     STREAM_DURABLE,
@@ -277,6 +281,10 @@ pub fn register_relay() {
         HALTS,
         "times the relay halted on a change it could not go past by itself (its log says what to run)"
     );
+    describe_counter!(
+        REPLICATION_SILENCES,
+        "sessions ended because Postgres heard nothing from the replication connection for 15 s (a silent path: a vanished host, a dropped route)"
+    );
     describe_gauge!(
         HALTED,
         "1 while the relay is stopped by a change it cannot go past by itself (a migration, the outbox out of its publication, a lost slot); its log and /readyz say what to run"
@@ -317,6 +325,7 @@ pub fn register_relay() {
     metrics::gauge!(STANDBY).set(0.0);
     metrics::gauge!(HALTED).set(0.0);
     metrics::counter!(HALTS).increment(0);
+    metrics::counter!(REPLICATION_SILENCES).increment(0);
     metrics::counter!(BACKFILL_ROWS).increment(0);
     metrics::gauge!(BACKFILLING).set(0.0);
     metrics::gauge!(RELAY_LAG_SECONDS).set(0.0);

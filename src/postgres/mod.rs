@@ -136,6 +136,12 @@ impl Dsn {
         })
     }
 
+    /// One connection's options (not a pool's), for a check that must not
+    /// wait behind the pool.
+    pub fn connect_options(&self) -> PgConnectOptions {
+        self.options.clone().application_name("outbox-relay")
+    }
+
     pub async fn pool(&self, max_connections: u32) -> Result<PgPool> {
         let opts = self.options.clone().application_name("outbox-relay");
         PgPoolOptions::new()

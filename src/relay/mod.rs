@@ -29,6 +29,7 @@ pub(crate) mod emitted;
 mod env;
 pub(crate) mod fence;
 pub(crate) mod guard;
+pub(crate) mod heard;
 pub(crate) mod link;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;

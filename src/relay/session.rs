@@ -20,6 +20,7 @@ use super::decode::{Resume, Stage, Step};
 use super::env::{Env, Stopped};
 use super::fence::{self, Fence};
 use super::guard;
+use super::heard;
 use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
@@ -71,6 +72,10 @@ struct Open {
     /// A stream `--streams` names that was missing and exists now.
     found: tokio::sync::mpsc::Receiver<String>,
     _finder: tokio_util::sync::DropGuard,
+    /// The line to end with, once Postgres no longer hears the
+    /// replication connection ([`heard`]).
+    silent: tokio::sync::mpsc::Receiver<String>,
+    _heard: tokio_util::sync::DropGuard,
 }
 
 /// How often the transaction horizon is sampled: what a resync after a lost
@@ -550,6 +555,9 @@ impl<'a> Session<'a> {
             .map(|r| format!("{}#{}", r.tail.commit_lsn, r.tail.index));
         publisher.streaming(lineage, tail);
         self.set_failover(&mut client).await?;
+        // The walsender this connection becomes: what `heard` asks
+        // Postgres about.
+        let walsender = backend_pid(&mut client).await?;
         client.start().await?;
         client.wait_started().await?;
         self.streamed = true;
@@ -595,6 +603,12 @@ impl<'a> Session<'a> {
             cfg.table.clone(),
             pin.clone(),
         );
+        let (silent, hearing) = heard::watch(
+            dsn.connect_options(),
+            walsender,
+            cfg.slot.clone(),
+            ready.clone(),
+        );
         self.pin = Some(pin);
         Ok(Open {
             horizons,
@@ -603,6 +617,8 @@ impl<'a> Session<'a> {
             _guard: guarding.drop_guard(),
             found,
             _finder: finder.drop_guard(),
+            silent,
+            _heard: hearing.drop_guard(),
             client,
             stage,
             publisher,
@@ -651,6 +667,7 @@ impl<'a> Session<'a> {
             fence,
             published,
             found,
+            silent,
             ..
         } = open;
         loop {
@@ -661,6 +678,7 @@ impl<'a> Session<'a> {
                 Some((at, xid)) = horizons.recv() => stage.add_horizon(at, xid),
                 Some(line) = published.recv() => return Err(Error::setup(line)),
                 Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
+                Some(line) = silent.recv() => return Err(Error::ReplicationSilent(line)),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
                     self.on_ack(client, publisher, ack)?;
                 }
@@ -770,6 +788,19 @@ pub(super) fn unix_micros_now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// The backend pid of a replication connection not yet streaming.
+async fn backend_pid(client: &mut ReplicationClient) -> Result<i32> {
+    let rows = client.simple_query("SELECT pg_backend_pid()").await?;
+    rows.first()
+        .and_then(|r| r.first())
+        .and_then(|v| v.as_ref())
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .and_then(|t| t.parse().ok())
+        .ok_or_else(|| {
+            Error::setup("SELECT pg_backend_pid() on the replication connection answered no number")
+        })
 }
 
 #[cfg(test)]

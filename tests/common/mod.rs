@@ -1400,6 +1400,9 @@ pub struct Proxy {
     changes: tokio::sync::watch::Sender<u64>,
     /// Milliseconds each chunk from the server waits before it is passed on.
     latency: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Black holes made so far: a connection accepted before the latest
+    /// is held silent.
+    holes: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Wait while the proxy is paused.
@@ -1495,6 +1498,8 @@ impl Proxy {
         let pauses = paused.clone();
         let (flag, watch, target) = (mode.clone(), changes.clone(), target.to_owned());
         let lag = latency.clone();
+        let holes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let holed = holes.clone();
         // Frozen connections are kept here, open, until the test ends.
         let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         tokio::spawn(async move {
@@ -1508,8 +1513,14 @@ impl Proxy {
                     _ => {}
                 }
                 let mut changed = watch.subscribe();
-                let (target, flag, held, lag) =
-                    (target.clone(), flag.clone(), held.clone(), lag.clone());
+                let (target, flag, held, lag, holes) = (
+                    target.clone(),
+                    flag.clone(),
+                    held.clone(),
+                    lag.clone(),
+                    holed.clone(),
+                );
+                let born = holes.load(Ordering::SeqCst);
                 let (up_paused, down_paused) = (pauses.subscribe(), pauses.subscribe());
                 tokio::spawn(async move {
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
@@ -1525,7 +1536,8 @@ impl Proxy {
                             _ = changed.changed() => {}
                         }
                     }
-                    if flag.load(Ordering::SeqCst) == FROZEN {
+                    if flag.load(Ordering::SeqCst) == FROZEN || holes.load(Ordering::SeqCst) > born
+                    {
                         let mut held = held.lock().unwrap();
                         held.push(inbound);
                         held.push(outbound);
@@ -1539,7 +1551,15 @@ impl Proxy {
             paused,
             changes,
             latency,
+            holes,
         }
+    }
+
+    /// The connections open now go silent for ever (held open, no byte
+    /// passed either way, no reset: a vanished host); new ones pass.
+    pub fn black_hole(&self) {
+        self.holes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.changes.send_modify(|n| *n += 1);
     }
 
     /// `nats://` URL through the proxy.
