@@ -34,6 +34,8 @@ pub enum PublishFailure {
     /// No stream captures the subject (or the stream has no leader now).
     NoStream,
     TimedOut,
+    /// The stream is at its limits (discard new) and takes nothing more.
+    StreamFull,
     Other,
 }
 
@@ -44,6 +46,7 @@ impl PublishFailure {
             Self::OutOfOrder => "refused out of order (an earlier message did not reach the stream, or another writer appended to it)",
             Self::NoStream => "found no stream capturing its subject",
             Self::TimedOut => "ack timed out",
+            Self::StreamFull => "was refused: the relay's stream is at its limits (max_msgs, max_bytes or max_msgs_per_subject with discard new) and takes nothing more until it has room (raise the limit, or set discard old); nothing is lost meanwhile, the slot keeps every event",
             Self::Other => "failed",
         }
     }
@@ -169,6 +172,17 @@ impl Error {
             context,
             source: Box::new(e),
         }
+    }
+
+    /// Whether the relay's own stream refused an event for its limits.
+    pub fn is_stream_full(&self) -> bool {
+        matches!(
+            self,
+            Error::Publish {
+                failure: PublishFailure::StreamFull,
+                ..
+            }
+        )
     }
 
     /// Whether the slot is in use by another process: found so before

@@ -200,10 +200,13 @@ pub enum DlqReason {
     /// The row's `stream` names a stream that does not exist, or one the
     /// relay is not given (`--streams`).
     StreamMissing,
+    /// The row's routed stream is at its limits (`max_msgs`, `max_bytes`
+    /// or `max_msgs_per_subject` with discard new) and refused it.
+    StreamFull,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 11] = [
+    pub const ALL: [DlqReason; 12] = [
         Self::InvalidSubject,
         Self::SubjectOutsideStream,
         Self::SubjectTooLong,
@@ -215,6 +218,7 @@ impl DlqReason {
         Self::SchemaInvalid,
         Self::SchemaMissing,
         Self::StreamMissing,
+        Self::StreamFull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -230,6 +234,7 @@ impl DlqReason {
             Self::SchemaMissing => "schema_missing",
             Self::Refused => "refused",
             Self::StreamMissing => "stream_missing",
+            Self::StreamFull => "stream_full",
         }
     }
 }

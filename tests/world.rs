@@ -218,3 +218,143 @@ async fn nats_path_gone_silent(ctx: &str, flags: &[&str]) {
         relay.log_text()
     );
 }
+
+/// Item 3: a routed stream at its limits (`max_msgs` with discard new)
+/// refuses the next row for it (10077, "maximum messages exceeded").
+/// Before, that ended the session, the replay met the same refusal, and
+/// every other stream's events waited behind it for ever. Now such a row
+/// is a `stream_full` dead letter in the relay's own stream, and the rows
+/// after it, for any stream, flow on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_routed_stream_stops_no_other_stream() {
+    let stack = stack();
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream("WFULL_B").await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "WFULL_B".into(),
+        subjects: vec!["wfullb.>".into()],
+        max_messages: 3,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (url, pool) = empty_db(&stack, "t_wfull").await;
+    sqlx::raw_sql(
+        "CREATE TABLE outbox_events (id text primary key, stream text, \
+         topic text not null, payload jsonb not null, created_at timestamptz default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let flags = [
+        "--table",
+        "public.outbox_events",
+        "--columns",
+        "subject=topic,occurred_at=created_at",
+        "--streams",
+        "WFULL_B,WFULL_EVENTS",
+    ];
+    let mut relay = Service::relay(&url, &stack.nats_url, "wfull", &flags);
+    let insert = |id: String, stream: Option<&'static str>, topic: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO outbox_events (id, stream, topic, payload) VALUES ($1, $2, $3, '{}')",
+            )
+            .bind(id)
+            .bind(stream)
+            .bind(topic)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    for i in 1..=5 {
+        insert(format!("b{i}"), Some("WFULL_B"), "wfullb.paid").await;
+    }
+    for i in 1..=5 {
+        insert(format!("o{i}"), Some("WFULL_EVENTS"), "wfull.placed").await;
+    }
+    let own = read_stream(&stack.nats_url, &wire::stream_name("wfull"), 7, T).await;
+    let (dead, events): (Vec<_>, Vec<_>) =
+        own.iter().partition(|g| g.h(wire::DLQ_REASON).is_some());
+    let ids = |v: &[&Got]| -> Vec<String> {
+        v.iter()
+            .filter_map(|g| g.h(wire::MSG_ID).map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(
+        ids(&events),
+        ["o1", "o2", "o3", "o4", "o5"],
+        "the other stream's rows flow, in order: {}",
+        relay.log_text()
+    );
+    let mut dead_ids = ids(&dead);
+    dead_ids.sort();
+    assert_eq!(dead_ids, ["b4", "b5"], "{}", relay.log_text());
+    for dead in &dead {
+        assert_eq!(dead.h(wire::DLQ_REASON), Some("stream_full"));
+        assert!(
+            dead.h(wire::DLQ_DETAIL)
+                .is_some_and(|d| d.contains("maximum messages")),
+            "{:?}",
+            dead.h(wire::DLQ_DETAIL)
+        );
+    }
+    let b = read_stream(&stack.nats_url, "WFULL_B", 3, T).await;
+    let b: Vec<&str> = b.iter().filter_map(|g| g.h(wire::MSG_ID)).collect();
+    assert_eq!(b, ["b1", "b2", "b3"]);
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_events_dead_lettered_total{reason=\"stream_full\"}"),
+        Some(2.0)
+    );
+    assert!(relay.exited().is_none(), "{}", relay.log_text());
+}
+
+/// Item 3, the relay's own stream at its limits: nothing can go past it
+/// (its events are in order), so the relay says so in one line, counts
+/// it (`outbox_relay_stream_full_total`, alert `OutboxRelayStreamFull`),
+/// and once the stream has room stores every event once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_own_stream_is_said_and_loses_nothing() {
+    let stack = stack();
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let name = wire::stream_name("wfullo");
+    let _ = js.delete_stream(&name).await;
+    let mut config = async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec!["wfullo.>".into()],
+        max_messages: 3,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        duplicate_window: Duration::from_secs(600),
+        ..Default::default()
+    };
+    js.create_stream(config.clone()).await.unwrap();
+    let (url, pool) = fresh_db(&stack, "t_wfullo").await;
+    let relay = Service::relay(&url, &stack.nats_url, "wfullo", &[]);
+    let sent = insert_txn(&pool, 0, 0, 5, 8).await;
+    eventually(T, "the full stream counted", || async {
+        relay
+            .scrape()
+            .await
+            .value("outbox_relay_stream_full_total")
+            .is_some_and(|n| n >= 1.0)
+    })
+    .await;
+    let log = relay.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("at its limits") && l.contains("nothing is lost")),
+        "{log}"
+    );
+    config.max_messages = -1;
+    js.update_stream(&config).await.unwrap();
+    let got = read_stream(&stack.nats_url, &name, 5, T).await;
+    let ids: Vec<uuid::Uuid> = got
+        .iter()
+        .map(|g| uuid::Uuid::parse_str(g.h(wire::MSG_ID).unwrap()).unwrap())
+        .collect();
+    assert_eq!(ids, sent, "every event once, in commit order");
+}

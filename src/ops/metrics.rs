@@ -55,6 +55,9 @@ pub const HALTS: &str = "outbox_relay_halts_total";
 /// Sessions ended because Postgres stopped hearing the replication
 /// connection (a silent path: a vanished host, a dropped route).
 pub const REPLICATION_SILENCES: &str = "outbox_relay_replication_silences_total";
+/// Sessions ended because the relay's own stream, at its limits with
+/// discard new, took nothing more.
+pub const STREAM_FULL: &str = "outbox_relay_stream_full_total";
 /// Rows published from a new slot's snapshot (first start, resync).
 pub const BACKFILL_ROWS: &str = "outbox_relay_backfill_rows_total";
 /// 1 while the relay publishes a new slot's snapshot.
@@ -155,6 +158,7 @@ pub const ALL: &[&str] = &[
     HALTED,
     HALTS,
     REPLICATION_SILENCES,
+    STREAM_FULL,
     BACKFILL_ROWS,
     BACKFILLING,
     STREAM_DURABLE,
@@ -285,6 +289,10 @@ pub fn register_relay() {
         REPLICATION_SILENCES,
         "sessions ended because Postgres heard nothing from the replication connection for 15 s (a silent path: a vanished host, a dropped route)"
     );
+    describe_counter!(
+        STREAM_FULL,
+        "sessions ended because the relay's own stream is at its limits (max_msgs, max_bytes or max_msgs_per_subject with discard new) and took nothing more; nothing is lost, the slot keeps the events"
+    );
     describe_gauge!(
         HALTED,
         "1 while the relay is stopped by a change it cannot go past by itself (a migration, the outbox out of its publication, a lost slot); its log and /readyz say what to run"
@@ -326,6 +334,7 @@ pub fn register_relay() {
     metrics::gauge!(HALTED).set(0.0);
     metrics::counter!(HALTS).increment(0);
     metrics::counter!(REPLICATION_SILENCES).increment(0);
+    metrics::counter!(STREAM_FULL).increment(0);
     metrics::counter!(BACKFILL_ROWS).increment(0);
     metrics::gauge!(BACKFILLING).set(0.0);
     metrics::gauge!(RELAY_LAG_SECONDS).set(0.0);

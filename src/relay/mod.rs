@@ -235,6 +235,9 @@ pub async fn run(
             }
             Err(e) if e.class() == Class::Transient && proven => {
                 metrics::counter!(m::SESSION_RESTARTS).increment(1);
+                if e.is_stream_full() {
+                    metrics::counter!(m::STREAM_FULL).increment(1);
+                }
                 if started.elapsed() > HEALTHY_SESSION {
                     backoff.reset();
                 }

@@ -1416,10 +1416,22 @@ impl Publisher {
                         ))),
                     });
                 }
-                Err(e) if sent.msg.dlq_reason.is_none() && refuses_the_message(&e) => {
+                Err(e)
+                    if sent.msg.dlq_reason.is_none()
+                        && (refuses_the_message(&e)
+                            || (sent.msg.stream.is_some() && stream_full(&e))) =>
+                {
                     let detail = e.to_string();
-                    tracing::warn!(id = %sent.msg.msg_id, reason = %detail, "the server refused the event; dead-lettering it");
-                    metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => DlqReason::Refused.as_str())
+                    // A routed stream at its limits refuses every row for
+                    // it, but must not stop the others (SPEC §13: §9 holds
+                    // per stream).
+                    let reason = if stream_full(&e) {
+                        DlqReason::StreamFull
+                    } else {
+                        DlqReason::Refused
+                    };
+                    tracing::warn!(id = %sent.msg.msg_id, stream = ?sent.msg.stream, reason = %detail, "the server refused the event; dead-lettering it");
+                    metrics::counter!(m::EVENTS_DEAD_LETTERED, "reason" => reason.as_str())
                         .increment(1);
                     let Sent {
                         ticket,
@@ -1431,7 +1443,7 @@ impl Publisher {
                     let msg = dead_letter(
                         msg,
                         &self.refusals.dlq_subject,
-                        DlqReason::Refused,
+                        reason,
                         Some(&detail),
                         self.refusals.max_message,
                     );
@@ -1621,6 +1633,17 @@ fn refuses_the_message(e: &PublishError) -> bool {
     )
 }
 
+/// Refused because the stream is at its limits with discard new (10077:
+/// maximum messages, bytes, or messages per subject exceeded): a full
+/// stream, not a store that failed.
+fn stream_full(e: &PublishError) -> bool {
+    let api = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>());
+    api.is_some_and(|a| {
+        a.error_code() == jetstream::ErrorCode::STREAM_STORE_FAILED
+            && a.to_string().contains("maximum")
+    })
+}
+
 /// Refused for the NATS user's permissions ([`Denied`]).
 pub(super) fn denied(e: &PublishError) -> bool {
     std::error::Error::source(e).is_some_and(|s| s.downcast_ref::<Denied>().is_some())
@@ -1632,6 +1655,7 @@ fn refused(id: String, e: PublishError) -> Error {
         PublishErrorKind::WrongLastMessageId => PublishFailure::OutOfOrder,
         PublishErrorKind::StreamNotFound => PublishFailure::NoStream,
         PublishErrorKind::TimedOut => PublishFailure::TimedOut,
+        _ if stream_full(&e) => PublishFailure::StreamFull,
         _ => PublishFailure::Other,
     };
     Error::Publish {
