@@ -84,6 +84,17 @@ async fn an_invalidated_slot_is_a_lost_slot_and_resync_since_republishes_the_gap
     migrate(&url);
     let pool = own_pool(&url).await;
     let stream = wire::stream_name("winvalid");
+    // The resync republishes from the last stored event's time: the
+    // stream's duplicate window must outlast the invalidation on a slow box.
+    let js = async_nats::jetstream::new(async_nats::connect(&nats).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: wire::stream_name("winvalid"),
+        subjects: vec!["winvalid.>".into()],
+        duplicate_window: Duration::from_secs(1800),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let mut relay = Service::relay(&url, &nats, "winvalid", &["--backfill", "none"]);
     relay.wait_ready();
     let mut sent: HashSet<uuid::Uuid> = insert_txn(&pool, 0, 0, 10, 8).await.into_iter().collect();

@@ -148,7 +148,7 @@ pub async fn prepare(
                 });
             }
             tracing::warn!(slot, reason, "{}", invalidated_line(slot, &reason));
-            drop_slot(pool, slot).await?;
+            drop_invalidated_slot(pool, slot).await?;
             None
         }
         found => found,
@@ -360,12 +360,39 @@ pub fn invalidation(facts: &serde_json::Value) -> Option<String> {
     if let Some(reason) = text("invalidation_reason") {
         return Some(reason.to_owned());
     }
-    // Before 17 only these say it: a standby's slot whose rows the primary
-    // removed (16), and WAL removed past `max_slot_wal_keep_size`.
+    // Before 17 only these say it: a standby's slot in conflict with
+    // recovery (16: rows removed, or wal_level lowered on the primary), and
+    // WAL removed past `max_slot_wal_keep_size`.
     if facts.get("conflicting") == Some(&serde_json::Value::Bool(true)) {
-        return Some("rows_removed".to_owned());
+        return Some("conflict".to_owned());
     }
     (text("wal_status") == Some("lost")).then(|| "wal_removed".to_owned())
+}
+
+/// Drop the slot while it is still invalidated and unused, in one
+/// statement: relays starting together (a rolling deploy) race to drop it,
+/// and one that read it invalidated must not drop the slot another made
+/// since. Gone already is done.
+async fn drop_invalidated_slot(pool: &PgPool, slot: &str) -> Result<()> {
+    let dropped = sqlx::query(
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots s \
+         WHERE slot_name = $1 AND active_pid IS NULL \
+           AND (to_jsonb(s)->>'wal_status' = 'lost' \
+                OR to_jsonb(s)->>'conflicting' = 'true' \
+                OR to_jsonb(s)->>'invalidation_reason' IS NOT NULL)",
+    )
+    .bind(slot)
+    .execute(pool)
+    .await;
+    match dropped {
+        Ok(_) => Ok(()),
+        Err(e) if db_code(&e).as_deref() == Some("42704") => Ok(()),
+        Err(e) if db_code(&e).as_deref() == Some("55006") => Err(Error::SlotBusy {
+            slot: slot.to_owned(),
+            pid: None,
+        }),
+        Err(e) => Err(Error::pg("dropping the invalidated slot")(e)),
+    }
 }
 
 /// What an invalidated slot means, said once as the relay drops it.
@@ -375,6 +402,7 @@ pub fn invalidated_line(slot: &str, reason: &str) -> String {
         "rows_removed" => "the primary removed rows it still needed to decode (hot_standby_feedback off, or no physical slot for this standby)",
         "idle_timeout" => "it was idle longer than idle_replication_slot_timeout",
         "wal_level_insufficient" => "the primary's wal_level is no longer logical",
+        "conflict" => "a conflict with recovery on this standby: the primary removed rows it still needed (hot_standby_feedback off, or no physical slot), or its wal_level is no longer logical",
         _ => "Postgres gave it up",
     };
     format!(
@@ -754,7 +782,7 @@ mod tests {
         );
         assert_eq!(
             of(serde_json::json!({"wal_status": "reserved", "conflicting": true})).as_deref(),
-            Some("rows_removed")
+            Some("conflict")
         );
         assert_eq!(
             of(

@@ -21,7 +21,6 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgConnection};
 use tokio_util::sync::CancellationToken;
 
-use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
 
 /// How often the check runs.
@@ -45,6 +44,10 @@ pub(super) enum Seen {
     /// The role may not read the walsender's details (it needs
     /// `pg_read_all_stats`): nothing can be told.
     Hidden,
+    /// Busy (decoding, reading WAL or spill files): a walsender reads
+    /// replies only while it waits, or every `wal_sender_timeout / 2` while
+    /// it replays one large transaction, so a still record proves nothing.
+    Busy,
     /// The send time of the last status update Postgres received.
     Reply(Option<String>),
 }
@@ -96,6 +99,12 @@ impl Judge {
                     Verdict::Waiting
                 }
             }
+            Seen::Busy => {
+                self.since = now;
+                self.checks = 0;
+                self.gone = 0;
+                Verdict::Waiting
+            }
             Seen::Reply(_) if self.last.as_ref() != Some(&seen) => {
                 self.last = Some(seen);
                 self.since = now;
@@ -118,14 +127,20 @@ impl Judge {
 
 /// Check every [`EVERY`] until `stop` that Postgres hears the walsender
 /// `pid`, and send the line to end the session with once it does not
-/// (having ended that walsender).
+/// (having ended that walsender). The watch says, while no check has
+/// answered for [`UNPROVEN_AFTER`], the line for `/readyz` (`None` once
+/// one answers again).
 pub(super) fn watch(
     options: PgConnectOptions,
     pid: i32,
     slot: String,
-    ready: Readiness,
-) -> (tokio::sync::mpsc::Receiver<String>, CancellationToken) {
+) -> (
+    tokio::sync::mpsc::Receiver<String>,
+    tokio::sync::watch::Receiver<Option<String>>,
+    CancellationToken,
+) {
     let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let (proof, unproven) = tokio::sync::watch::channel(None);
     let stop = CancellationToken::new();
     let stopped = stop.clone();
     tokio::spawn(async move {
@@ -133,40 +148,36 @@ pub(super) fn watch(
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut judge = Judge::new(Instant::now());
         let mut conn: Option<PgConnection> = None;
-        let (mut good, mut unproven, mut hidden_said) = (Instant::now(), false, false);
+        let (mut good, mut hidden_said) = (Instant::now(), false);
         loop {
             tokio::select! {
                 _ = stopped.cancelled() => return,
                 _ = every.tick() => {}
             }
-            let checked = check(&options, &mut conn, pid).await;
-            // The session may have ended during the check: its readiness
-            // is no longer this task's to say.
-            if stopped.is_cancelled() {
-                return;
-            }
-            let seen = match checked {
+            let seen = tokio::select! {
+                _ = stopped.cancelled() => return,
+                seen = check(&options, &mut conn, pid) => seen,
+            };
+            let seen = match seen {
                 Ok(seen) => seen,
                 Err(e) => {
                     // A connection that did not answer may be the silent
                     // path itself: the next check opens another.
                     conn = None;
-                    if !unproven && good.elapsed() >= UNPROVEN_AFTER {
-                        unproven = true;
+                    if proof.borrow().is_none() && good.elapsed() >= UNPROVEN_AFTER {
                         let line = format!(
                             "cannot tell whether Postgres still hears the replication connection: no check answered for {} s ({e})",
                             good.elapsed().as_secs()
                         );
                         tracing::warn!("{line}");
-                        ready.not_ready(line);
+                        proof.send_replace(Some(line));
                     }
                     continue;
                 }
             };
             good = Instant::now();
-            if unproven {
-                unproven = false;
-                ready.ready();
+            if proof.borrow().is_some() {
+                proof.send_replace(None);
             }
             match judge.on_check(Instant::now(), seen) {
                 Verdict::Heard | Verdict::Waiting => {}
@@ -199,7 +210,7 @@ pub(super) fn watch(
             }
         }
     });
-    (rx, stop)
+    (rx, unproven, stop)
 }
 
 async fn check(
@@ -214,9 +225,14 @@ async fn check(
         let Some(c) = conn.as_mut() else {
             return Err("no connection".to_owned());
         };
-        // `state` is NULL exactly when the details are hidden from this role.
-        let row: Option<(Option<String>, Option<String>)> = sqlx::query_as(
-            "SELECT state, reply_time::text FROM pg_stat_replication WHERE pid = $1",
+        // `state` is NULL exactly when the details are hidden from this
+        // role. The wait events are those in which a walsender reads what
+        // the relay sends (its main loop, waiting for WAL, waiting to write).
+        let row: Option<(Option<String>, Option<String>, bool)> = sqlx::query_as(
+            "SELECT r.state, r.reply_time::text, \
+                    coalesce(a.wait_event IN ('WalSenderMain', 'WalSenderWaitForWAL', 'WalSenderWriteData'), false) \
+             FROM pg_stat_replication r LEFT JOIN pg_stat_activity a ON a.pid = r.pid \
+             WHERE r.pid = $1",
         )
         .bind(pid)
         .fetch_optional(&mut *c)
@@ -224,8 +240,9 @@ async fn check(
         .map_err(|e| e.to_string())?;
         Ok(match row {
             None => Seen::Gone,
-            Some((None, _)) => Seen::Hidden,
-            Some((Some(_), reply)) => Seen::Reply(reply),
+            Some((None, _, _)) => Seen::Hidden,
+            Some((Some(_), _, false)) => Seen::Busy,
+            Some((Some(_), reply, true)) => Seen::Reply(reply),
         })
     };
     match tokio::time::timeout(CHECK_TIMEOUT, run).await {
@@ -292,6 +309,27 @@ mod tests {
             j.on_check(t1 + SILENT_AFTER, reply("x")),
             Verdict::Silent(SILENT_AFTER)
         );
+    }
+
+    #[test]
+    fn a_busy_walsender_proves_nothing_however_long_its_record_stands_still() {
+        // Replaying one large transaction, a walsender reads replies only
+        // every wal_sender_timeout / 2 (30 s by default).
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut j = Judge::new(t0);
+        j.on_check(t0, reply("a"));
+        for i in 1..=40u64 {
+            let seen = if i % 5 == 0 { reply("a") } else { Seen::Busy };
+            assert_eq!(j.on_check(t0 + s(i), seen), Verdict::Waiting, "{i}");
+        }
+        // Waiting (it reads replies) with the record still: silence.
+        let t1 = t0 + s(41);
+        let mut last = Verdict::Waiting;
+        for i in 0..=(SILENT_AFTER.as_secs() / 2 + 1) {
+            last = j.on_check(t1 + s(2 * i), reply("a"));
+        }
+        assert!(matches!(last, Verdict::Silent(_)), "{last:?}");
     }
 
     #[test]

@@ -46,7 +46,7 @@ use pgwire_replication::Lsn;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::error::{Class, Result};
+use crate::error::{Class, Error, Result};
 use crate::ops::endpoint::Readiness;
 use crate::ops::metrics as m;
 use crate::postgres::Dsn;
@@ -57,6 +57,10 @@ use session::Session;
 
 /// How often a halted relay tries a session again.
 const HALTED_RETRY: Duration = Duration::from_secs(30);
+
+/// How long a session waits for a connection of the pool made anew after a
+/// silent path (as long as the first pool's).
+const POOL_ACQUIRE: Duration = Duration::from_secs(10);
 
 /// A session that streamed this long resets the reconnect backoff.
 const HEALTHY_SESSION: Duration = Duration::from_secs(30);
@@ -100,7 +104,7 @@ pub async fn run(
 ) -> Result<Stopped> {
     m::register_relay();
     let dsn = Dsn::parse(&cfg.database_url)?;
-    let pool = dsn.pool(2).await?;
+    let mut pool = dsn.pool(2).await?;
     // Set-up, tail scans and batches; the per-event path publishes on a
     // connection of its own (`link`).
     let nats = crate::nats::connect(&cfg.nats, format!("outbox-relay:{}", cfg.slot)).await?;
@@ -124,15 +128,6 @@ pub async fn run(
         lag_stop.clone(),
     ));
     let _lag_stop = lag_stop.drop_guard();
-    let env = Env {
-        cfg: &cfg,
-        dsn: &dsn,
-        pool: &pool,
-        js: &js,
-        nats: &nats,
-        ready: &ready,
-        lag: &lag,
-    };
 
     let mut backoff = Backoff::jittered(Duration::from_millis(100), cfg.max_backoff);
     // Streamed, or found the slot held by another relay: the settings work,
@@ -155,6 +150,15 @@ pub async fn run(
     let mut confirmed = Lsn::ZERO;
     loop {
         let started = Instant::now();
+        let env = Env {
+            cfg: &cfg,
+            dsn: &dsn,
+            pool: &pool,
+            js: &js,
+            nats: &nats,
+            ready: &ready,
+            lag: &lag,
+        };
         let mut session = Session::new(&env).expecting(outbox_oid);
         let result = session.run(&shutdown).await;
         confirmed = confirmed.max(session.confirmed());
@@ -163,6 +167,13 @@ pub async fn run(
         if session.streamed() {
             outbox_oid = outbox_oid.or(session.outbox_oid());
             halted = None;
+        }
+        drop(session);
+        if let Err(Error::ReplicationSilent(_)) = &result {
+            // The pool's connections went silent with the replication
+            // connection, and a query on one waits for ever (sqlx has no
+            // socket timeout): the next session gets new ones.
+            pool = dsn.lazy_pool(2, POOL_ACQUIRE)?;
         }
         metrics::gauge!(m::STREAMING).set(0.0);
         // What the session had in flight is no one's now: the next session

@@ -73,8 +73,10 @@ struct Open {
     found: tokio::sync::mpsc::Receiver<String>,
     _finder: tokio_util::sync::DropGuard,
     /// The line to end with, once Postgres no longer hears the
-    /// replication connection ([`heard`]).
+    /// replication connection ([`heard`]); and, while no check answers,
+    /// the line `/readyz` says (the session owns its readiness).
     silent: tokio::sync::mpsc::Receiver<String>,
+    unproven: tokio::sync::watch::Receiver<Option<String>>,
     _heard: tokio_util::sync::DropGuard,
 }
 
@@ -101,22 +103,28 @@ fn sample_horizons(
                 _ = stopped.cancelled() => return,
                 _ = every.tick() => {}
             }
-            let sample: std::result::Result<(String, String), _> = sqlx::query_as(
+            let sample = sqlx::query_as::<_, (String, String)>(
                 // On a standby, the snapshot is of what it replayed.
                 "SELECT pg_snapshot_xmin(pg_current_snapshot())::text, \
                         (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
                          ELSE pg_current_wal_insert_lsn() END)::text",
             )
-            .fetch_one(&pool)
-            .await;
+            .fetch_one(&pool);
+            // A sample on a path gone silent would wait for ever, and
+            // outlive its session.
+            let sample = tokio::select! {
+                _ = stopped.cancelled() => return,
+                s = tokio::time::timeout(HORIZON_EVERY * 5, sample) => s,
+            };
             match sample {
-                Ok((xid, lsn)) => {
+                Err(_) => tracing::debug!("transaction horizon not sampled: no answer in time"),
+                Ok(Ok((xid, lsn))) => {
                     if let (Ok(xid), Ok(lsn)) = (xid.parse::<u64>(), Lsn::parse(&lsn)) {
                         // A busy loop skips a sample; the next one serves.
                         let _ = tx.try_send((lsn, xid));
                     }
                 }
-                Err(e) => tracing::debug!(error = %e, "transaction horizon not sampled"),
+                Ok(Err(e)) => tracing::debug!(error = %e, "transaction horizon not sampled"),
             }
         }
     });
@@ -603,12 +611,8 @@ impl<'a> Session<'a> {
             cfg.table.clone(),
             pin.clone(),
         );
-        let (silent, hearing) = heard::watch(
-            dsn.connect_options(),
-            walsender,
-            cfg.slot.clone(),
-            ready.clone(),
-        );
+        let (silent, unproven, hearing) =
+            heard::watch(dsn.connect_options(), walsender, cfg.slot.clone());
         self.pin = Some(pin);
         Ok(Open {
             horizons,
@@ -618,6 +622,7 @@ impl<'a> Session<'a> {
             found,
             _finder: finder.drop_guard(),
             silent,
+            unproven,
             _heard: hearing.drop_guard(),
             client,
             stage,
@@ -668,6 +673,7 @@ impl<'a> Session<'a> {
             published,
             found,
             silent,
+            unproven,
             ..
         } = open;
         loop {
@@ -679,6 +685,10 @@ impl<'a> Session<'a> {
                 Some(line) = published.recv() => return Err(Error::setup(line)),
                 Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
                 Some(line) = silent.recv() => return Err(Error::ReplicationSilent(line)),
+                Ok(()) = unproven.changed() => match unproven.borrow_and_update().clone() {
+                    Some(line) => self.env.ready.not_ready(line),
+                    None => self.env.ready.ready(),
+                },
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
                     self.on_ack(client, publisher, ack)?;
                 }

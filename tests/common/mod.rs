@@ -1512,6 +1512,9 @@ impl Proxy {
                     }
                     _ => {}
                 }
+                // Before subscribing: a black hole made between the two is
+                // then both seen and newer than the connection.
+                let born = holed.load(Ordering::SeqCst);
                 let mut changed = watch.subscribe();
                 let (target, flag, held, lag, holes) = (
                     target.clone(),
@@ -1520,7 +1523,6 @@ impl Proxy {
                     lag.clone(),
                     holed.clone(),
                 );
-                let born = holes.load(Ordering::SeqCst);
                 let (up_paused, down_paused) = (pauses.subscribe(), pauses.subscribe());
                 tokio::spawn(async move {
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
