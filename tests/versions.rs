@@ -182,6 +182,22 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
     for t in 0..20 {
         sent.extend(insert_txn(&primary, 1, t, 1, 8).await);
     }
+    // The standby must have replayed the publication before the relay
+    // looks for it there (it refuses a missing one): on a loaded box it
+    // lagged, and the relay exited (issue 58 item 9).
+    let upto: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&primary)
+        .await
+        .unwrap();
+    let standby = pool_of(&pair.standby_url).await;
+    eventually(T, "the standby replayed the publication", || async {
+        sqlx::query_scalar::<_, bool>("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
+            .bind(&upto)
+            .fetch_one(&standby)
+            .await
+            .unwrap_or(false)
+    })
+    .await;
     let mut relay = Service::relay_starting(&pair.standby_url, &stack.nats_url, ctx, &[]);
     // A slot on a standby is created at the primary's next running-xacts
     // record: the background writer logs one every 15 s while WAL moves;

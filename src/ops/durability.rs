@@ -53,7 +53,10 @@ pub fn judge(stream: &str, replicas: usize, file: bool, sync_always: Option<bool
 /// (`/varz`).
 pub async fn sync_always(monitor_url: &str) -> Result<bool> {
     let url = format!("{}/varz", monitor_url.trim_end_matches('/'));
-    let failed = |e: String| Error::setup(format!("--nats-monitor-url: reading {url}: {e}"));
+    // Logged at every session start while the port is down: never with
+    // the URL's password (reqwest's errors carry the URL, so without it).
+    let shown = crate::error::redact_url(&url);
+    let failed = |e: String| Error::setup(format!("--nats-monitor-url: reading {shown}: {e}"));
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()
@@ -63,10 +66,10 @@ pub async fn sync_always(monitor_url: &str) -> Result<bool> {
         .send()
         .await
         .and_then(reqwest::Response::error_for_status)
-        .map_err(|e| failed(e.to_string()))?
+        .map_err(|e| failed(e.without_url().to_string()))?
         .bytes()
         .await
-        .map_err(|e| failed(e.to_string()))?;
+        .map_err(|e| failed(e.without_url().to_string()))?;
     let varz: serde_json::Value =
         serde_json::from_slice(&body).map_err(|e| failed(format!("not JSON: {e}")))?;
     Ok(varz["jetstream"]["config"]["sync_always"]
@@ -77,6 +80,15 @@ pub async fn sync_always(monitor_url: &str) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_monitor_url_password_never_reaches_the_error() {
+        let e = sync_always("http://relay:s3cret@127.0.0.1:1")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("s3cret") && e.contains("127.0.0.1:1"), "{e}");
+    }
 
     #[test]
     fn replicas_or_sync_always_make_an_ack_durable() {
