@@ -619,11 +619,14 @@ async fn run_phase(
     }
 }
 
-/// One transaction of `rows` rows through the relay: its peak RSS.
+/// One transaction of `rows` rows of about `payload` bytes each through
+/// the relay: whether every row came once, contiguous and in insert order,
+/// how fast, and the relay's peak RSS.
 async fn big_txn(
     pool: &PgPool,
     client: &async_nats::Client,
     rows: u64,
+    payload: usize,
     relay_pid: &str,
 ) -> serde_json::Value {
     let mut sub = client.subscribe("bench.>").await.expect("subscribe");
@@ -631,19 +634,30 @@ async fn big_txn(
     let start = Instant::now();
     sqlx::query(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
-         SELECT gen_random_uuid(), 'load', 'big-' || (g % 100), 'tick', jsonb_build_object('g', g) \
+         SELECT gen_random_uuid(), 'load', 'big-' || (g % 100), 'tick', \
+                jsonb_build_object('g', g, 'pad', repeat('x', $2)) \
          FROM generate_series(1, $1) g",
     )
     .bind(rows as i64)
+    .bind(payload.saturating_sub(24) as i32)
     .execute(pool)
     .await
     .expect("big insert");
     let committed = start.elapsed().as_secs_f64();
-    let mut got = 0u64;
+    let (mut got, mut bytes, mut in_order, mut next) = (0u64, 0u64, true, 1i64);
     let mut last_report = Instant::now();
     while got < rows {
         match tokio::time::timeout(Duration::from_secs(60), sub.next()).await {
-            Ok(Some(_)) => got += 1,
+            Ok(Some(m)) => {
+                got += 1;
+                bytes += m.payload.len() as u64;
+                // Insert order is `g`; a repeat or a gap breaks the run.
+                let g = serde_json::from_slice::<serde_json::Value>(&m.payload)
+                    .ok()
+                    .and_then(|v| v["g"].as_i64());
+                in_order &= g == Some(next);
+                next += 1;
+            }
             _ => break,
         }
         if last_report.elapsed() > Duration::from_secs(1) {
@@ -655,12 +669,21 @@ async fn big_txn(
             );
         }
     }
+    // Nothing more may come: a repeat after the last would be one too many.
+    let extra = match tokio::time::timeout(Duration::from_secs(2), sub.next()).await {
+        Ok(Some(_)) => 1,
+        _ => 0,
+    };
     let total = start.elapsed().as_secs_f64();
     json!({
         "rows": rows,
+        "payload_bytes": payload,
         "received": got,
+        "received_mib": bytes as f64 / 1048576.0,
+        "once_contiguous_in_insert_order": in_order && got == rows && extra == 0,
         "insert_seconds": committed,
         "seconds": total,
+        "rows_per_second_after_commit": got as f64 / (total - committed).max(1e-9),
         "relay_peak_rss_mib": rss_mib(relay_pid).1,
     })
 }
@@ -964,7 +987,7 @@ async fn main() {
     let big = match (&relay_pid, a.big_txn) {
         (Some(pid), n) if n > 0 => {
             eprintln!("== phase big: one transaction of {n} rows");
-            Some(big_txn(&pool, &client, n, pid).await)
+            Some(big_txn(&pool, &client, n, a.payload, pid).await)
         }
         _ => None,
     };
@@ -973,11 +996,15 @@ async fn main() {
     println!("{table}");
     if let Some(b) = &big {
         println!(
-            "big transaction: {} rows, {}/{} received in {:.1} s, relay peak RSS {:.1} MiB",
+            "big transaction: {} rows, {}/{} received ({:.0} MiB) in {:.1} s (insert {:.1} s, then {:.0} rows/s), once, contiguous and in insert order: {}, relay peak RSS {:.1} MiB",
             b["rows"],
             b["received"],
             b["rows"],
+            b["received_mib"].as_f64().unwrap_or(0.0),
             b["seconds"].as_f64().unwrap_or(0.0),
+            b["insert_seconds"].as_f64().unwrap_or(0.0),
+            b["rows_per_second_after_commit"].as_f64().unwrap_or(0.0),
+            b["once_contiguous_in_insert_order"],
             b["relay_peak_rss_mib"].as_f64().unwrap_or(0.0)
         );
     }
