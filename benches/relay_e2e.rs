@@ -6,6 +6,9 @@
 //! - `poll`: the same load into a polling outbox, relayed by a polling worker
 //!   that lives here in the bench (`SELECT … FOR UPDATE SKIP LOCKED LIMIT n`,
 //!   publish, `UPDATE … SET published_at`), the design we replace;
+//! - `noisy`: as `cdc`, beside a neighbour writing `--noise-mb-s` of
+//!   unrelated WAL (another table's bulk writes); says what the slot
+//!   retains once the load is done.
 //! - `big`:  optionally, one transaction of `--big-txn` rows through the relay,
 //!   for its peak memory.
 //!
@@ -55,6 +58,7 @@ struct Args {
     stored: bool,
     phases: Vec<String>,
     big_txn: u64,
+    noise_mb_s: u64,
     poll_batch: i64,
     poll_interval: Duration,
     slot: String,
@@ -87,8 +91,12 @@ struct Flags {
     #[arg(long, default_value = "routed", value_parser = ["routed", "stored"])]
     receive: String,
     /// The phases to run, in order.
-    #[arg(long, value_delimiter = ',', default_value = "raw,cdc,poll", value_parser = ["raw", "cdc", "poll", "raw-emit", "emit"])]
+    #[arg(long, value_delimiter = ',', default_value = "raw,cdc,poll", value_parser = ["raw", "cdc", "poll", "raw-emit", "emit", "noisy"])]
     phases: Vec<String>,
+    /// `noisy`: MB/s of unrelated WAL written beside the relay's load (a
+    /// noisy neighbour: another table's bulk writes).
+    #[arg(long, default_value_t = 70)]
+    noise_mb_s: u64,
     /// One transaction of this many rows before the paced load (0: none).
     #[arg(long, default_value_t = 0)]
     big_txn: u64,
@@ -117,6 +125,7 @@ fn parse_args() -> Args {
         stored: f.receive == "stored",
         phases: f.phases,
         big_txn: f.big_txn,
+        noise_mb_s: f.noise_mb_s,
         poll_batch: f.poll_batch,
         poll_interval: Duration::from_millis(f.poll_interval_ms),
         slot: f.slot,
@@ -178,7 +187,7 @@ async fn slot_lag(pool: &PgPool, slot: &str) -> Option<i64> {
 /// Phases the running relay publishes: rows (`cdc`) or `outbox_emit()`
 /// events (`emit`, SPEC §12).
 fn relayed(phase: &str) -> bool {
-    phase == "cdc" || phase == "emit"
+    phase == "cdc" || phase == "emit" || phase == "noisy"
 }
 
 /// Which table a phase's producers write.
@@ -395,6 +404,10 @@ struct PhaseResult {
     samples: Vec<Sample>,
     /// (receive second, p50 ms, p99 ms)
     latency_by_second: Vec<(f64, f64, f64)>,
+    /// `noisy`: the unrelated WAL written meanwhile, and what the slot
+    /// still retained once the load was done.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    noise: Option<serde_json::Value>,
 }
 
 async fn run_phase(
@@ -406,7 +419,7 @@ async fn run_phase(
     nats_pid: Option<&str>,
 ) -> PhaseResult {
     let mut subject = match phase {
-        "cdc" | "emit" => Some("bench.>".to_owned()),
+        "cdc" | "emit" | "noisy" => Some("bench.>".to_owned()),
         "poll" => Some("benchpoll.>".to_owned()),
         _ => None,
     };
@@ -453,6 +466,14 @@ async fn run_phase(
     });
 
     let expected = a.events / a.producers / a.txn_size * a.txn_size * a.producers;
+    let stop_noise = tokio_util::sync::CancellationToken::new();
+    let noise = (phase == "noisy").then(|| {
+        tokio::spawn(noisy_neighbour(
+            pool.clone(),
+            a.noise_mb_s,
+            stop_noise.clone(),
+        ))
+    });
     let wal0 = wal_lsn(pool).await;
     let cpu0 = relay_pid.map(cpu_seconds);
     let nats_cpu0 = nats_pid.map(cpu_seconds);
@@ -537,6 +558,21 @@ async fn run_phase(
     if let Some(p) = poller {
         let _ = p.await;
     }
+    stop_noise.cancel();
+    let noise = match noise {
+        Some(n) => {
+            let written = n.await.unwrap_or(0);
+            // Idle again: the relay confirms past the neighbour's WAL.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            let retained = slot_retained(pool, &a.slot).await;
+            let seconds = last_receipt.duration_since(start).as_secs_f64().max(1e-9);
+            Some(json!({
+                "noise_mb_per_s": written as f64 / 1048576.0 / seconds,
+                "slot_retained_after_mib": retained.map(|b| b as f64 / 1048576.0),
+            }))
+        }
+        None => None,
+    };
     let wal1 = wal_lsn(pool).await;
     let elapsed = last_receipt.duration_since(start).as_secs_f64();
     let relay_cpu = match (relay_pid.map(cpu_seconds), cpu0) {
@@ -616,7 +652,64 @@ async fn run_phase(
         events_per_batch,
         samples,
         latency_by_second,
+        noise,
     }
+}
+
+/// Unrelated WAL at about `mb_s` MB/s until `stop`: 100 KiB values of a
+/// table no publication holds, stored uncompressed (so each is WAL as
+/// large), emptied now and then. Returns the bytes written.
+async fn noisy_neighbour(
+    pool: PgPool,
+    mb_s: u64,
+    stop: tokio_util::sync::CancellationToken,
+) -> u64 {
+    const VALUE: i64 = 100 * 1024;
+    for sql in [
+        "CREATE TABLE IF NOT EXISTS bench_noise (pad text)",
+        "ALTER TABLE bench_noise ALTER COLUMN pad SET STORAGE EXTERNAL",
+        "TRUNCATE bench_noise",
+    ] {
+        sqlx::query(sql).execute(&pool).await.expect(sql);
+    }
+    let per_tick = (mb_s * 1_048_576 / 10 / VALUE as u64).max(1) as i64;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let (mut written, mut ticks) = (0u64, 0u64);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return written,
+            _ = tick.tick() => {}
+        }
+        ticks += 1;
+        // Random text, so no compression shrinks it.
+        let r = sqlx::query(
+            "INSERT INTO bench_noise SELECT string_agg(md5(random()::text), '') \
+             FROM generate_series(1, $2 / 32) s, generate_series(1, $1) g GROUP BY g",
+        )
+        .bind(per_tick)
+        .bind(VALUE)
+        .execute(&pool)
+        .await;
+        if r.is_ok() {
+            written += per_tick as u64 * VALUE as u64;
+        }
+        if ticks % 50 == 0 {
+            let _ = sqlx::query("TRUNCATE bench_noise").execute(&pool).await;
+        }
+    }
+}
+
+/// What the slot keeps: the WAL from its restart point on.
+async fn slot_retained(pool: &PgPool, slot: &str) -> Option<i64> {
+    sqlx::query_scalar(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 \
+         FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .ok()
+    .flatten()
 }
 
 /// One transaction of `rows` rows of about `payload` bytes each through
@@ -800,6 +893,7 @@ fn chart(results: &[PhaseResult], title: &str) -> String {
         ("raw", "#7f7f7f"),
         ("emit", "#2ca02c"),
         ("raw-emit", "#bcbd22"),
+        ("noisy", "#9467bd"),
     ];
     let color = |p: &str| colors.iter().find(|c| c.0 == p).map_or("#000", |c| c.1);
     let t_max = results
@@ -994,6 +1088,15 @@ async fn main() {
 
     let table = summary(&a, &results);
     println!("{table}");
+    for r in &results {
+        if let Some(n) = &r.noise {
+            println!(
+                "noisy neighbour: {:.1} MB/s of unrelated WAL beside the load; the slot retained {:.1} MiB once it was done",
+                n["noise_mb_per_s"].as_f64().unwrap_or(0.0),
+                n["slot_retained_after_mib"].as_f64().unwrap_or(-1.0)
+            );
+        }
+    }
     if let Some(b) = &big {
         println!(
             "big transaction: {} rows, {}/{} received ({:.0} MiB) in {:.1} s (insert {:.1} s, then {:.0} rows/s), once, contiguous and in insert order: {}, relay peak RSS {:.1} MiB",

@@ -2,7 +2,7 @@
 # Load runs on a throwaway local stack with a release build.
 #   scripts/bench.sh [relay] [--events N] [--rate EV_PER_S|0] [--txn-size N] [--payload BYTES]
 #                    [--arrivals poisson|even|lockstep] [--receive routed|stored]
-#                    [--producers N] [--phases raw,cdc,poll] [--big-txn ROWS] [--out DIR]
+#                    [--producers N] [--phases raw,cdc,poll,noisy] [--noise-mb-s N] [--big-txn ROWS] [--out DIR]
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
 #   scripts/bench.sh audit [--rows N]   rows/s and peak RSS of `outbox-relay audit`
