@@ -105,15 +105,15 @@ pub async fn run(
     m::register_relay();
     let dsn = Dsn::parse(&cfg.database_url)?;
     let mut pool = dsn.pool(2).await?;
-    // Set-up, tail scans and batches; the per-event path publishes on a
-    // connection of its own (`link`).
+    // Set-up, tail scans and a batch's look-up; every publish (event by
+    // event, and atomic batches with their commits) goes on a connection
+    // of its own (`link`).
     let nats = crate::nats::connect(&cfg.nats, format!("outbox-relay:{}", cfg.slot)).await?;
     ready.watch_nats(nats.clone());
     let js = jetstream::ContextBuilder::new()
         .timeout(cfg.publish_timeout)
-        // Only atomic batches' commits are JetStream requests now (the
-        // per-event path answers through its own inbox); our window bounds
-        // them, with slack for resent copies.
+        // Nothing is published through this context now (the link carries
+        // every publish); the bound stays as a guard should that change.
         .max_ack_inflight(cfg.max_inflight * 2 + 16)
         .backpressure_on_inflight(true)
         .build(nats.clone());

@@ -7,8 +7,9 @@
 //! 3.45-3.70 µs of client CPU per message flat out against 1.85-1.95 for a
 //! writer that puts the header block straight into its output buffer and
 //! reads the acks off the socket (docs/guide/benchmarks.md). So the hot path
-//! has its own connection; everything else (stream set-up, tail scans,
-//! batches' commits) stays on the async-nats client.
+//! has its own connection, and so do atomic batches (their messages and
+//! commits go through it too); the rest (stream set-up, tail scans, a
+//! batch looked up after a lost answer) stays on the async-nats client.
 //!
 //! The link does as little as a publisher needs: the handshake (INFO,
 //! optional TLS, CONNECT with the configured authentication, one wildcard
