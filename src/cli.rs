@@ -6,9 +6,13 @@ use std::process::ExitCode;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Cli, Command, ConsumerCommand, DlqCommand, DlqReplayArgs, SlotCommand};
+use crate::config::{
+    AdminCommand, AdminLogCommand, Cli, Command, ConsumerCommand, DlqCommand, DlqReplayArgs,
+    SlotCommand,
+};
 use crate::consumer::HttpHandler;
 use crate::error::Error;
+use crate::ops::admin_log;
 use crate::ops::endpoint::{Endpoint, Readiness};
 use crate::ops::slot_monitor::{self as slots, SlotMetrics};
 use crate::postgres::{self, provision};
@@ -22,7 +26,11 @@ pub fn main() -> ExitCode {
     // quiet unless RUST_LOG asks.
     let quiet = matches!(
         cli.command,
-        Command::Prune(_) | Command::Consumer { .. } | Command::Dlq { .. } | Command::Audit(_)
+        Command::Prune(_)
+            | Command::Consumer { .. }
+            | Command::Dlq { .. }
+            | Command::Audit(_)
+            | Command::Admin { .. }
     );
     // The audit's exit status says what it found (SPEC §14): 2 is anything
     // that kept it from saying.
@@ -96,7 +104,17 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
     let pool = dsn.pool(2).await?;
     let nats = crate::nats::connect(&cfg.relay.nats, "outbox-audit".into()).await?;
     let js = async_nats::jetstream::new(nats.clone());
-    let report = crate::ops::audit::run(&pool, &js, &cfg).await?;
+    let report = if cfg.repair {
+        let entry = admin_log::Entry {
+            action: "audit.repair",
+            target: format!("{}.{}", cfg.relay.schema, cfg.relay.table),
+            selection: serde_json::json!({"since": args.since, "last": args.last.map(|d| humantime::format_duration(d).to_string()), "until": args.until}),
+            reason: args.reason.clone(),
+        };
+        admin_log::recorded(&pool, entry, crate::ops::audit::run(&pool, &js, &cfg)).await?
+    } else {
+        crate::ops::audit::run(&pool, &js, &cfg).await?
+    };
     if args.json {
         println!("{}", to_json(&report)?);
     } else {
@@ -199,7 +217,20 @@ async fn run(command: Command) -> Result<(), Error> {
             }
             // The snapshot's anchor, a batch or partition lock, and the slot poll.
             let pool = dsn.pool(4).await?;
-            let mut report = crate::ops::prune::run(&pool, &cfg).await?;
+            let mut report = if args.dry_run {
+                crate::ops::prune::run(&pool, &cfg).await?
+            } else {
+                let entry = admin_log::Entry {
+                    action: "prune",
+                    target: args.table.clone(),
+                    selection: serde_json::json!({
+                        "older_than": humantime::format_duration(args.older_than).to_string(),
+                        "inbox_older_than": args.inbox_older_than.map(|d| humantime::format_duration(d).to_string()),
+                    }),
+                    reason: args.reason.clone(),
+                };
+                admin_log::recorded(&pool, entry, crate::ops::prune::run(&pool, &cfg)).await?
+            };
             if let (Some(inbox_age), Some(stream)) = (cfg.inbox_older_than, &args.events_stream) {
                 let nats = crate::nats::connect(&args.nats, "outbox-prune".into()).await?;
                 let js = async_nats::jetstream::new(nats);
@@ -260,9 +291,19 @@ async fn run(command: Command) -> Result<(), Error> {
                     args.select.stream
                 )));
             }
-            let who = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-            let done =
-                crate::ops::dlq::replay(&pool, &js, &args.select.stream, letters, &who).await?;
+            let who = admin_log::actor(&pool).await?;
+            let entry = admin_log::Entry {
+                action: "dlq.replay",
+                target: args.select.stream.clone(),
+                selection: dlq_selection(&args),
+                reason: args.reason.clone(),
+            };
+            let done = admin_log::recorded(
+                &pool,
+                entry,
+                crate::ops::dlq::replay(&pool, &js, &args.select.stream, letters, &who),
+            )
+            .await?;
             crate::nats::flush_on_exit(&nats).await;
             if args.json {
                 println!("{}", to_json(&done)?);
@@ -281,9 +322,10 @@ async fn run(command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::Dlq {
-            command: DlqCommand::Delete(args),
+            command: DlqCommand::Delete(DlqReplayArgs { db, choice: args }),
         } => {
             let sel = args.select.chosen(args.all)?;
+            let pool = postgres::Dsn::parse(&db.database_url)?.pool(1).await?;
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-delete".into()).await?;
             let js = async_nats::jetstream::new(nats);
             let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;
@@ -293,7 +335,18 @@ async fn run(command: Command) -> Result<(), Error> {
                     args.select.stream
                 )));
             }
-            let done = crate::ops::dlq::delete(&js, &args.select.stream, letters).await?;
+            let entry = admin_log::Entry {
+                action: "dlq.delete",
+                target: args.select.stream.clone(),
+                selection: dlq_selection(&args),
+                reason: args.reason.clone(),
+            };
+            let done = admin_log::recorded(
+                &pool,
+                entry,
+                crate::ops::dlq::delete(&js, &args.select.stream, letters),
+            )
+            .await?;
             if args.json {
                 println!("{}", to_json(&done)?);
             } else {
@@ -316,15 +369,54 @@ async fn run(command: Command) -> Result<(), Error> {
             let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
             let nats = crate::nats::connect(&args.nats, "outbox-consumer-reset".into()).await?;
             let js = async_nats::jetstream::new(nats.clone());
-            let who = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-            let done = crate::ops::reset::run(&pool, &js, &args.stream, &args.durable, &from, &who)
-                .await?;
+            let who = admin_log::actor(&pool).await?;
+            let entry = admin_log::Entry {
+                action: "consumer.reset",
+                target: format!("{}/{}", args.stream, args.durable),
+                selection: serde_json::json!({"seq": args.seq, "time": args.time}),
+                reason: args.reason.clone(),
+            };
+            let done = admin_log::recorded(
+                &pool,
+                entry,
+                crate::ops::reset::run(&pool, &js, &args.stream, &args.durable, &from, &who),
+            )
+            .await?;
             crate::nats::flush_on_exit(&nats).await;
             println!(
                 "durable {} on {} starts over from sequence {}: {} messages go to its handler again",
                 args.durable, args.stream, done.from_seq, done.messages
             );
             Ok(())
+        }
+        Command::Admin {
+            command:
+                AdminCommand::Log {
+                    command: AdminLogCommand::Verify(args),
+                },
+        } => {
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+            let v = admin_log::verify(&pool).await?;
+            if args.json {
+                println!("{}", to_json(&v)?);
+            } else if let Some((seq, why)) = &v.broken {
+                println!(
+                    "outbox_admin_log: {} rows; row {seq} does not hold: {why}",
+                    v.rows
+                );
+            } else {
+                println!(
+                    "outbox_admin_log: {} rows, the chain holds; head {}",
+                    v.rows,
+                    v.head.as_deref().unwrap_or("(empty)")
+                );
+            }
+            match &v.broken {
+                None => Ok(()),
+                Some((seq, why)) => Err(Error::setup(format!(
+                    "outbox_admin_log is not intact from row {seq}: {why}"
+                ))),
+            }
         }
         Command::Slot { command } => match command {
             SlotCommand::Status(args) => {
@@ -366,7 +458,13 @@ async fn run(command: Command) -> Result<(), Error> {
                     )));
                 }
                 let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
-                if provision::drop_slot(&pool, &slot).await? {
+                let entry = admin_log::Entry {
+                    action: "slot.drop",
+                    target: slot.clone(),
+                    selection: serde_json::json!({}),
+                    reason: args.reason.clone(),
+                };
+                if admin_log::recorded(&pool, entry, provision::drop_slot(&pool, &slot)).await? {
                     println!("dropped slot {slot}");
                 } else {
                     println!("slot {slot} does not exist");
@@ -375,6 +473,16 @@ async fn run(command: Command) -> Result<(), Error> {
             }
         },
     }
+}
+
+/// How a dead-letter command chose, for the admin log.
+fn dlq_selection(args: &crate::config::DlqChoice) -> serde_json::Value {
+    serde_json::json!({
+        "filter": args.select.filter,
+        "ids": args.select.ids,
+        "since": args.select.since,
+        "all": args.all,
+    })
 }
 
 fn to_json(v: &impl serde::Serialize) -> Result<String, Error> {

@@ -58,6 +58,11 @@ pub enum Command {
         #[command(subcommand)]
         command: ConsumerCommand,
     },
+    /// The admin log (SPEC §16): every admin action, hash-chained.
+    Admin {
+        #[command(subcommand)]
+        command: AdminCommand,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -71,8 +76,9 @@ pub enum DlqCommand {
     Replay(DlqReplayArgs),
     /// Remove dead letters that are dealt with (replayed, or not wanted)
     /// from their stream, so its depth (`outbox_dlq_messages`) counts only
-    /// what still needs someone.
-    Delete(DlqChoice),
+    /// what still needs someone. Recorded in the database's
+    /// outbox_admin_log, so it takes one.
+    Delete(DlqReplayArgs),
 }
 
 /// Which dead letters a command that acts on them (replay, delete) takes,
@@ -90,6 +96,9 @@ pub struct DlqChoice {
     /// Print JSON instead of lines.
     #[arg(long)]
     pub json: bool,
+    /// Why (recorded in outbox_admin_log with the database role).
+    #[arg(long, env = "OUTBOX_REASON")]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -120,9 +129,11 @@ pub struct DlqListArgs {
     pub json: bool,
 }
 
+/// A command that acts on dead letters (replay, delete): the database that
+/// records it, and the letters.
 #[derive(Debug, Args)]
 pub struct DlqReplayArgs {
-    /// The consumer's database (its inbox, and the replay record).
+    /// The consumer's database (its inbox, the replay record, the admin log).
     #[command(flatten)]
     pub db: DbArgs,
     #[command(flatten)]
@@ -170,6 +181,32 @@ impl DlqSelectArgs {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum AdminCommand {
+    /// outbox_admin_log: every admin action, allowed or denied.
+    Log {
+        #[command(subcommand)]
+        command: AdminLogCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminLogCommand {
+    /// Recompute every row's hash and link: exit 0 when the chain holds
+    /// (printing its head, to keep elsewhere), 1 naming the first row that
+    /// does not.
+    Verify(AdminLogArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct AdminLogArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Print JSON instead of lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
 pub enum ConsumerCommand {
     /// Make a durable start over from a stream sequence or time: its handler
     /// is called once more for every message from there on.
@@ -195,6 +232,9 @@ pub struct ConsumerResetArgs {
     /// Start over from the first message stored at or after this RFC 3339 time.
     #[arg(long)]
     pub time: Option<String>,
+    /// Why (recorded in outbox_admin_log with the database role).
+    #[arg(long, env = "OUTBOX_REASON")]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -215,6 +255,9 @@ pub struct AuditArgs {
     /// Publish the rows missing from the stream again (never deletes).
     #[arg(long)]
     pub repair: bool,
+    /// Why (recorded in outbox_admin_log with the database role).
+    #[arg(long, env = "OUTBOX_REASON")]
+    pub reason: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -297,6 +340,9 @@ pub struct PruneArgs {
     /// Count what would be deleted; delete nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// Why (recorded in outbox_admin_log with the database role).
+    #[arg(long, env = "OUTBOX_REASON")]
+    pub reason: Option<String>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -418,6 +464,9 @@ pub struct SlotDropArgs {
     /// Confirm: dropping the slot loses the relay's position.
     #[arg(long)]
     pub yes: bool,
+    /// Why (recorded in outbox_admin_log with the database role).
+    #[arg(long, env = "OUTBOX_REASON")]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -1887,7 +1887,18 @@ async fn dlq_list_shows_dead_letters_and_replay_calls_the_handler_once_more() {
         f.consumer.scrape().await.value(&depth) == Some(1.0)
     })
     .await;
-    let delete = ["dlq", "delete", "--nats-url", nats, "--stream", &dlq];
+    let delete = [
+        "dlq",
+        "delete",
+        "--database-url",
+        &url,
+        "--nats-url",
+        nats,
+        "--stream",
+        &dlq,
+        "--reason",
+        "dealt with: replayed",
+    ];
     let (ok, out) = run_cli(&delete);
     assert!(
         !ok && out.contains("--all"),
@@ -1901,6 +1912,53 @@ async fn dlq_list_shows_dead_letters_and_replay_calls_the_handler_once_more() {
     .await;
     let (ok, out) = run_cli(&["dlq", "list", "--nats-url", nats, "--stream", &dlq]);
     assert!(ok && out.contains("0 dead letters"), "{out}");
+
+    // SPEC §16: each action is in outbox_admin_log under the database role
+    // it ran as (never $USER, unset in containers and anyone's to set),
+    // with its reason; what bad input refused did not run.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let role: String = sqlx::query_scalar("SELECT session_user::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let log: Vec<(String, String, String, Option<String>, String)> = sqlx::query_as(
+        "SELECT actor, action, target, reason, result FROM outbox_admin_log ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let actor = format!("db:{role}");
+    assert_eq!(
+        log,
+        [
+            (
+                actor.clone(),
+                "dlq.replay".into(),
+                dlq.clone(),
+                None,
+                "done".into()
+            ),
+            (
+                actor.clone(),
+                "dlq.replay".into(),
+                dlq.clone(),
+                None,
+                "done".into()
+            ),
+            (
+                actor,
+                "dlq.delete".into(),
+                dlq.clone(),
+                Some("dealt with: replayed".into()),
+                "done".into()
+            ),
+        ]
+    );
+    let by: Vec<String> = sqlx::query_scalar("SELECT replayed_by FROM dlq_replays")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(by, [role]);
 }
 
 /// Issue 15's consumer signals, scraped from the running consumer: while a

@@ -208,6 +208,8 @@ fn configuration_reference_covers_every_flag() {
         &["dlq", "list"],
         &["dlq", "replay"],
         &["consumer", "reset"],
+        &["dlq", "delete"],
+        &["admin", "log", "verify"],
     ] {
         let title = format!("### `outbox-relay {}`", cmd.join(" "));
         let section = doc

@@ -298,6 +298,8 @@ async fn relay_lag_grows_while_nats_is_gone_and_its_dead_letters_are_counted() {
         &[
             "dlq",
             "delete",
+            "--database-url",
+            &url,
             "--nats-url",
             &nats.url,
             "--stream",
@@ -317,6 +319,8 @@ async fn relay_lag_grows_while_nats_is_gone_and_its_dead_letters_are_counted() {
         &[
             "dlq",
             "delete",
+            "--database-url",
+            &url,
             "--nats-url",
             &nats.url,
             "--stream",

@@ -303,3 +303,104 @@ async fn prune_never_touches_rows_committed_after_its_snapshot() {
         "every row before the snapshot went: {out}"
     );
 }
+
+/// SPEC §16: `outbox_admin_log` records every admin action under the
+/// database role it ran as, whatever `$USER` claims; the database refuses
+/// to change or remove a row; and a row changed behind the triggers' back
+/// (a superuser who disabled them) breaks the chain, which `admin log
+/// verify` finds and names. Before, nothing was recorded but `$USER` in
+/// two tables (unset in containers, set to anything by anyone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_log_names_the_role_refuses_changes_and_finds_a_tampered_row() {
+    let stack = stack();
+    let (url, pool) = empty_db(&stack, "t_adminlog").await;
+    // A database never migrated: the log is made on first use.
+    for reason in ["first", "second", "third"] {
+        let out = Command::new(BIN)
+            .args([
+                "slot",
+                "drop",
+                "--yes",
+                "--database-url",
+                &url,
+                "--context",
+                "adminlog",
+                "--reason",
+                reason,
+            ])
+            .env("USER", "mallory")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    let role: String = sqlx::query_scalar("SELECT session_user::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let rows: Vec<(i64, String, String, String, Option<String>)> = sqlx::query_as(
+        "SELECT seq, actor, action, target, reason FROM outbox_admin_log ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    for (i, (seq, actor, action, target, _)) in rows.iter().enumerate() {
+        assert_eq!(*seq, i as i64 + 1);
+        assert_eq!(actor, &format!("db:{role}"), "never $USER");
+        assert_eq!(
+            (action.as_str(), target.as_str()),
+            ("slot.drop", "outbox_relay_adminlog")
+        );
+    }
+    assert_eq!(rows[1].4.as_deref(), Some("second"));
+
+    for sql in [
+        "UPDATE outbox_admin_log SET reason = 'nothing happened'",
+        "DELETE FROM outbox_admin_log WHERE seq = 2",
+        "TRUNCATE outbox_admin_log",
+    ] {
+        let e = sqlx::raw_sql(sql).execute(&pool).await.unwrap_err();
+        assert!(e.to_string().contains("append-only"), "{sql}: {e}");
+    }
+    let verify = || {
+        run_output_bounded(
+            &["admin", "log", "verify", "--database-url", &url],
+            Duration::from_secs(30),
+        )
+    };
+    let (code, out) = verify();
+    assert!(
+        code == Some(0) && out.contains("3 rows, the chain holds"),
+        "{out}"
+    );
+
+    // Behind the triggers' back.
+    sqlx::raw_sql(
+        "ALTER TABLE outbox_admin_log DISABLE TRIGGER USER; \
+         UPDATE outbox_admin_log SET reason = 'nothing happened' WHERE seq = 2; \
+         ALTER TABLE outbox_admin_log ENABLE TRIGGER USER",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, out) = verify();
+    assert!(
+        code == Some(1) && out.contains("row 2 does not hold"),
+        "{out}"
+    );
+    // A removed row breaks the link of the one after it.
+    sqlx::raw_sql(
+        "ALTER TABLE outbox_admin_log DISABLE TRIGGER USER; \
+         UPDATE outbox_admin_log SET reason = 'second' WHERE seq = 2; \
+         DELETE FROM outbox_admin_log WHERE seq = 2; \
+         ALTER TABLE outbox_admin_log ENABLE TRIGGER USER",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (code, out) = verify();
+    assert!(
+        code == Some(1) && out.contains("row 3 does not hold"),
+        "{out}"
+    );
+}

@@ -50,6 +50,8 @@ pub const STANDBY: &str = "outbox_relay_standby";
 /// 1 while the relay, having streamed, is stopped by what it cannot go past
 /// by itself (its log and `/readyz` say what to run).
 pub const HALTED: &str = "outbox_relay_halted";
+/// Admin actions (SPEC §16), by action and result.
+pub const ADMIN_ACTIONS: &str = "outbox_admin_actions_total";
 /// Times the relay halted: a halt a retry got past still shows.
 pub const HALTS: &str = "outbox_relay_halts_total";
 /// Sessions ended because Postgres stopped hearing the replication

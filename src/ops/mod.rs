@@ -2,6 +2,7 @@
 //! `pg_replication_slots` monitor ([`slot_monitor`]) and the operator
 //! endpoint ([`endpoint`]: `/metrics`, `/healthz`, `/readyz`).
 
+pub mod admin_log;
 pub mod audit;
 pub mod dlq;
 pub mod durability;
