@@ -90,7 +90,7 @@ async fn audit_finds_each_fault_exactly_and_repair_fills_the_holes() {
     let (code, out) = audit(&url, ctx, &["--last", "1h"]);
     assert_eq!(code, Some(0), "clean after the kill -9: {out}");
     assert!(
-        out.contains("200 rows, 200 messages; 0 missing, 0 duplicate, 0 without a row, 0 out of order; 1 emitted events not verifiable"),
+        out.contains("200 rows, 200 messages; 0 missing, 0 duplicate, 0 without a row, 0 out of order, 0 dead-lettered; 1 emitted events not verifiable"),
         "{out}"
     );
 
@@ -455,4 +455,44 @@ async fn the_relay_says_whether_an_acked_event_is_durable() {
     .await;
     let (_, body) = relay.http_get("/readyz").await;
     assert_eq!(body, "ready\n");
+}
+
+/// Issue 62 item 1: a row the relay dead-lettered is in the stream, but
+/// not as an event: a finding of its own, with its reason, and exit 1.
+/// Before, 203 rows of which 3 were dead letters (a subject override that
+/// is not a valid subject) printed "203 rows, 203 messages; 0 missing" and
+/// exited 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_lettered_row_is_a_finding() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_deadrow").await;
+    let ctx = "deadrow";
+    let stream = wire::stream_name(ctx);
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    let mut sent = insert_txn(&pool, 1, 0, 20, 0).await;
+    let bad: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, subject) \
+         SELECT gen_random_uuid(), 'order', 'o' || g, 'placed', '{}', 'not a subject' \
+         FROM generate_series(1, 3) g RETURNING id::text",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    sent.extend(insert_txn(&pool, 1, 20, 5, 0).await);
+    read_stream(&stack.nats_url, &stream, 28, T).await;
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    assert_eq!(code, Some(1), "dead letters are findings: {out}");
+    let found = lines(&out, "dead_lettered");
+    assert_eq!(found.len(), 3, "{out}");
+    for id in &bad {
+        assert!(
+            found
+                .iter()
+                .any(|l| l.contains(id.as_str()) && l.contains("invalid_subject")),
+            "{id}: {out}"
+        );
+    }
+    assert!(lines(&out, "missing").is_empty(), "{out}");
+    assert!(out.contains("3 dead-lettered"), "{out}");
+    drop(relay);
 }

@@ -62,6 +62,9 @@ pub struct Report {
     pub duplicate: i64,
     pub no_row: i64,
     pub out_of_order: i64,
+    /// Rows in the stream as a relay dead letter, not as an event: held,
+    /// not lost, but no consumer got them.
+    pub dead_lettered: i64,
     pub findings: Vec<Finding>,
     /// Ids `--repair` published again.
     pub repaired: Vec<String>,
@@ -70,7 +73,12 @@ pub struct Report {
 
 impl Report {
     pub fn clean(&self) -> bool {
-        self.missing + self.duplicate + self.no_row + self.out_of_order == 0
+        self.findings_count() == 0
+    }
+
+    /// Every finding counted, dead letters included (SPEC §14: exit 1).
+    pub fn findings_count(&self) -> i64 {
+        self.missing + self.duplicate + self.no_row + self.out_of_order + self.dead_lettered
     }
 
     /// One line per finding, then the summary.
@@ -84,7 +92,7 @@ impl Report {
             out.push(format!("repaired {what}"));
         }
         out.push(format!(
-            "audit {} .. {}: {} rows, {} messages; {} missing, {} duplicate, {} without a row, {} out of order; {} emitted events not verifiable; {} repaired; {:.1}s",
+            "audit {} .. {}: {} rows, {} messages; {} missing, {} duplicate, {} without a row, {} out of order, {} dead-lettered; {} emitted events not verifiable; {} repaired; {:.1}s",
             self.since,
             self.until,
             self.rows,
@@ -93,6 +101,7 @@ impl Report {
             self.duplicate,
             self.no_row,
             self.out_of_order,
+            self.dead_lettered,
             self.unverifiable,
             self.repaired.len(),
             self.seconds,
@@ -286,6 +295,21 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                     && get(wire::DLQ_CONSUMER).is_none();
                 if let (true, Some(id)) = (ours, get(wire::MSG_ID)) {
                     let emitted = get(wire::EMITTED).is_some();
+                    // Accounted for (not missing), but as a dead letter:
+                    // no consumer got it (issue 62: it was called clean).
+                    if let Some(reason) = get(wire::DLQ_REASON) {
+                        report.dead_lettered += 1;
+                        if report.dead_lettered <= MAX_LISTED {
+                            report.findings.push(Finding {
+                                kind: "dead_lettered",
+                                id: id.to_owned(),
+                                detail: format!(
+                                    "{reason} (stream {name} seq {seq}): {}",
+                                    get(wire::DLQ_DETAIL).unwrap_or("no detail")
+                                ),
+                            });
+                        }
+                    }
                     // Streamed events only: a backfill's or a repair's have
                     // no WAL position.
                     let pos = Position::from_headers(get).filter(|p| p.commit_lsn != Lsn::ZERO);
@@ -529,7 +553,7 @@ pub fn write_metrics(path: &std::path::Path, report: &Report) -> Result<()> {
          # HELP outbox_audit_findings Findings of the last audit run.\n# TYPE outbox_audit_findings gauge\noutbox_audit_findings {}\n\
          # HELP outbox_audit_last_run_timestamp_seconds When the last audit run ended.\n# TYPE outbox_audit_last_run_timestamp_seconds gauge\noutbox_audit_last_run_timestamp_seconds {now}\n",
         before + holes,
-        report.missing + report.duplicate + report.no_row + report.out_of_order,
+        report.findings_count(),
         h = m::AUDIT_HOLES,
     );
     // Written whole, then renamed: a scrape never reads half a file.
