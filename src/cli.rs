@@ -145,6 +145,18 @@ async fn run(command: Command) -> Result<(), Error> {
                 return Ok(());
             }
             let pool = dsn.pool(1).await?;
+            if args.admin_log_only {
+                let mut tx = pool.begin().await.map_err(Error::pg("migrating"))?;
+                sqlx::raw_sql(admin_log::TABLE)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(Error::pg("creating outbox_admin_log"))?;
+                tx.commit()
+                    .await
+                    .map_err(Error::pg("creating outbox_admin_log"))?;
+                tracing::info!("outbox_admin_log ready");
+                return Ok(());
+            }
             provision::migrate(&pool).await?;
             tracing::info!("migrations applied");
             Ok(())
@@ -396,14 +408,17 @@ async fn run(command: Command) -> Result<(), Error> {
                 },
         } => {
             let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
-            let v = admin_log::verify(&pool).await?;
+            let v = admin_log::verify(&pool, args.expect_head.as_deref()).await?;
             if args.json {
                 println!("{}", to_json(&v)?);
             } else if let Some((seq, why)) = &v.broken {
-                println!(
-                    "outbox_admin_log: {} rows; row {seq} does not hold: {why}",
-                    v.rows
-                );
+                match seq {
+                    0 => println!("outbox_admin_log: {} rows; {why}", v.rows),
+                    _ => println!(
+                        "outbox_admin_log: {} rows; row {seq} does not hold: {why}",
+                        v.rows
+                    ),
+                }
             } else {
                 println!(
                     "outbox_admin_log: {} rows, the chain holds; head {}",
@@ -413,8 +428,8 @@ async fn run(command: Command) -> Result<(), Error> {
             }
             match &v.broken {
                 None => Ok(()),
-                Some((seq, why)) => Err(Error::setup(format!(
-                    "outbox_admin_log is not intact from row {seq}: {why}"
+                Some((_, why)) => Err(Error::setup(format!(
+                    "outbox_admin_log is not intact: {why}"
                 ))),
             }
         }

@@ -201,6 +201,11 @@ pub enum AdminLogCommand {
 pub struct AdminLogArgs {
     #[command(flatten)]
     pub db: DbArgs,
+    /// A head an earlier verify printed, kept elsewhere: it must still be
+    /// in the chain (a rewrite after a row changed behind the triggers
+    /// leaves a chain that holds, without it).
+    #[arg(long)]
+    pub expect_head: Option<String>,
     /// Print JSON instead of lines.
     #[arg(long)]
     pub json: bool,
@@ -409,6 +414,10 @@ pub struct DbArgs {
 pub struct MigrateArgs {
     #[command(flatten)]
     pub db: DbArgs,
+    /// Only outbox_admin_log (SPEC §16), for a database with its own outbox
+    /// table: the admin commands record there. Run as the database's owner.
+    #[arg(long)]
+    pub admin_log_only: bool,
     /// Check the configuration and exit without connecting.
     #[arg(long)]
     pub check_config: bool,

@@ -305,18 +305,19 @@ async fn prune_never_touches_rows_committed_after_its_snapshot() {
 }
 
 /// SPEC §16: `outbox_admin_log` records every admin action under the
-/// database role it ran as, whatever `$USER` claims; the database refuses
-/// to change or remove a row; and a row changed behind the triggers' back
-/// (a superuser who disabled them) breaks the chain, which `admin log
-/// verify` finds and names. Before, nothing was recorded but `$USER` in
-/// two tables (unset in containers, set to anything by anyone).
+/// database role it ran as, whatever `$USER` claims and whatever a row
+/// inserted by hand says; the database refuses to change or remove a row;
+/// a row changed behind the triggers' back (a superuser who disabled them)
+/// breaks the chain, which `admin log verify` finds and names, and a chain
+/// rewritten after it is caught by the head kept from before. An action
+/// that cannot be recorded does not run. Before, nothing was recorded but
+/// `$USER` in two tables (unset in containers, set to anything by anyone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_log_names_the_role_refuses_changes_and_finds_a_tampered_row() {
     let stack = stack();
     let (url, pool) = empty_db(&stack, "t_adminlog").await;
-    // A database never migrated: the log is made on first use.
-    for reason in ["first", "second", "third"] {
-        let out = Command::new(BIN)
+    let drop_slot = |reason: &str| {
+        Command::new(BIN)
             .args([
                 "slot",
                 "drop",
@@ -330,27 +331,48 @@ async fn the_admin_log_names_the_role_refuses_changes_and_finds_a_tampered_row()
             ])
             .env("USER", "mallory")
             .output()
-            .unwrap();
+            .unwrap()
+    };
+    // A team's own database without the log: refused, not run unrecorded.
+    let out = drop_slot("before the log");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--admin-log-only"),
+        "{err}"
+    );
+    let (code, out) = run_output_bounded(
+        &["migrate", "--admin-log-only", "--database-url", &url],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{out}");
+    for reason in ["first", "second", "third"] {
+        let out = drop_slot(reason);
         assert!(out.status.success(), "{out:?}");
     }
+    // A row inserted by hand cannot name another role.
+    sqlx::raw_sql(
+        "INSERT INTO outbox_admin_log (seq, at, db_role, actor, role, action, target, result, request_id, prev_hash, hash) \
+         VALUES (0, now(), 'alice', 'db:alice', 'cli', 'slot.drop', 'x', 'done', 'r', '', '')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let role: String = sqlx::query_scalar("SELECT session_user::text")
         .fetch_one(&pool)
         .await
         .unwrap();
     let rows: Vec<(i64, String, String, String, Option<String>)> = sqlx::query_as(
-        "SELECT seq, actor, action, target, reason FROM outbox_admin_log ORDER BY seq",
+        "SELECT seq, actor, db_role, action, reason FROM outbox_admin_log ORDER BY seq",
     )
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(rows.len(), 3, "{rows:?}");
-    for (i, (seq, actor, action, target, _)) in rows.iter().enumerate() {
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    for (i, (seq, actor, db_role, action, _)) in rows.iter().enumerate() {
         assert_eq!(*seq, i as i64 + 1);
-        assert_eq!(actor, &format!("db:{role}"), "never $USER");
-        assert_eq!(
-            (action.as_str(), target.as_str()),
-            ("slot.drop", "outbox_relay_adminlog")
-        );
+        assert_eq!(actor, &format!("db:{role}"), "never $USER, never a claim");
+        assert_eq!(db_role, &role);
+        assert_eq!(action, "slot.drop");
     }
     assert_eq!(rows[1].4.as_deref(), Some("second"));
 
@@ -362,45 +384,58 @@ async fn the_admin_log_names_the_role_refuses_changes_and_finds_a_tampered_row()
         let e = sqlx::raw_sql(sql).execute(&pool).await.unwrap_err();
         assert!(e.to_string().contains("append-only"), "{sql}: {e}");
     }
-    let verify = || {
-        run_output_bounded(
-            &["admin", "log", "verify", "--database-url", &url],
-            Duration::from_secs(30),
-        )
+    let verify = |extra: &[&str]| {
+        let mut args = vec!["admin", "log", "verify", "--database-url", &url];
+        args.extend(extra);
+        run_output_bounded(&args, Duration::from_secs(30))
     };
-    let (code, out) = verify();
+    let (code, out) = verify(&[]);
     assert!(
-        code == Some(0) && out.contains("3 rows, the chain holds"),
+        code == Some(0) && out.contains("4 rows, the chain holds"),
         "{out}"
     );
+    let head = out
+        .split("head ")
+        .nth(1)
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default();
 
-    // Behind the triggers' back.
+    // Behind the triggers' back, with the database's own hash function
+    // replaced to vouch for it: verify hashes by itself.
     sqlx::raw_sql(
-        "ALTER TABLE outbox_admin_log DISABLE TRIGGER USER; \
+        "CREATE OR REPLACE FUNCTION outbox_admin_log_canonical(l outbox_admin_log) RETURNS text \
+         LANGUAGE sql AS $$ SELECT 'forged' $$; \
+         ALTER TABLE outbox_admin_log DISABLE TRIGGER USER; \
          UPDATE outbox_admin_log SET reason = 'nothing happened' WHERE seq = 2; \
          ALTER TABLE outbox_admin_log ENABLE TRIGGER USER",
     )
     .execute(&pool)
     .await
     .unwrap();
-    let (code, out) = verify();
+    let (code, out) = verify(&[]);
     assert!(
         code == Some(1) && out.contains("row 2 does not hold"),
         "{out}"
     );
-    // A removed row breaks the link of the one after it.
+    // The whole chain rewritten from there: it holds again, and only the
+    // head kept from before shows it.
     sqlx::raw_sql(
         "ALTER TABLE outbox_admin_log DISABLE TRIGGER USER; \
-         UPDATE outbox_admin_log SET reason = 'second' WHERE seq = 2; \
-         DELETE FROM outbox_admin_log WHERE seq = 2; \
+         DO $$ DECLARE r record; prev text := ''; h text; BEGIN \
+           FOR r IN SELECT * FROM outbox_admin_log ORDER BY seq LOOP \
+             h := encode(sha256(convert_to(jsonb_build_array(prev, r.seq, \
+                  (EXTRACT(epoch FROM r.at) * 1000000)::bigint, r.db_role, r.actor, r.role, \
+                  r.action, r.target, r.selection, r.reason, r.result, r.request_id)::text, 'UTF8')), 'hex'); \
+             UPDATE outbox_admin_log SET prev_hash = prev, hash = h WHERE seq = r.seq; \
+             prev := h; \
+           END LOOP; END $$; \
          ALTER TABLE outbox_admin_log ENABLE TRIGGER USER",
     )
     .execute(&pool)
     .await
     .unwrap();
-    let (code, out) = verify();
-    assert!(
-        code == Some(1) && out.contains("row 3 does not hold"),
-        "{out}"
-    );
+    let (code, out) = verify(&[]);
+    assert!(code == Some(0), "a rewritten chain holds by itself: {out}");
+    let (code, out) = verify(&["--expect-head", &head]);
+    assert!(code == Some(1) && out.contains("not in the chain"), "{out}");
 }

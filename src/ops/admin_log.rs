@@ -1,19 +1,19 @@
 //! `outbox_admin_log` (SPEC §16, `migrations/0011_admin_log.sql`): one
-//! row per admin action, appended by the database's own trigger, which
-//! numbers and hash-chains it. The actor is the database role the command
-//! connected as (`session_user`, which a process cannot claim to be
-//! otherwise), never `$USER`, which is unset in most containers and
-//! anyone can set.
+//! row per admin action, appended through the table's own trigger, which
+//! numbers and hash-chains it and names the session's database role
+//! (`session_user`: a command cannot claim another), never `$USER`, which
+//! is unset in most containers and anyone can set.
 
 use serde::Serialize;
+use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;
 
-/// The migration, applied by the CLI itself on a database never migrated
-/// (a team's own outbox): an admin action is recorded wherever it runs.
-const TABLE: &str = include_str!("../../migrations/0011_admin_log.sql");
+/// The migration, for `migrate --admin-log-only` (a team's own database,
+/// which needs no other table of ours).
+pub const TABLE: &str = include_str!("../../migrations/0011_admin_log.sql");
 
 /// One action as the log records it.
 #[derive(Debug, Clone)]
@@ -36,22 +36,35 @@ pub async fn actor(pool: &PgPool) -> Result<String> {
         .map_err(Error::pg("reading the database role"))
 }
 
-/// Make sure the log exists before an action runs: a database never
-/// migrated (a team's own outbox) gets the table from the migration
-/// itself. An action that cannot be recorded does not run.
+/// Make sure the action can be recorded before it runs: an action that
+/// cannot be does not run. The log is made by `outbox-relay migrate` (or
+/// `migrate --admin-log-only`) as the database's owner, never here: whoever
+/// made it would own it, and could empty it.
 pub async fn ensure(pool: &PgPool, action: &str) -> Result<()> {
-    let present: bool = sqlx::query_scalar("SELECT to_regclass('outbox_admin_log') IS NOT NULL")
-        .fetch_one(pool)
-        .await
-        .map_err(Error::pg("looking up outbox_admin_log"))?;
-    if present {
-        return Ok(());
+    let (present, standby, may_insert): (bool, bool, Option<bool>) = sqlx::query_as(
+        "SELECT to_regclass('outbox_admin_log') IS NOT NULL, pg_is_in_recovery(), \
+                CASE WHEN to_regclass('outbox_admin_log') IS NOT NULL \
+                     THEN has_table_privilege('outbox_admin_log', 'INSERT') END",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("looking up outbox_admin_log"))?;
+    if standby {
+        return Err(Error::setup(format!(
+            "{action} is recorded in outbox_admin_log, and DATABASE_URL is a standby: run it against the primary"
+        )));
     }
-    sqlx::raw_sql(TABLE).execute(pool).await.map_err(|e| {
-        Error::setup(format!(
-            "{action} is recorded in outbox_admin_log, which is missing and this role may not create ({e}): run `outbox-relay migrate` as the database's owner first"
-        ))
-    })?;
+    if !present {
+        return Err(Error::setup(format!(
+            "{action} is recorded in outbox_admin_log, which this database does not have: run `outbox-relay migrate` (or `outbox-relay migrate --admin-log-only` on a database with your own outbox table) as the database's owner first"
+        )));
+    }
+    if may_insert != Some(true) {
+        return Err(Error::setup(format!(
+            "{action} is recorded in outbox_admin_log, and this role may not insert into it: GRANT INSERT ON outbox_admin_log TO {}",
+            actor(pool).await.unwrap_or_else(|_| "<this role>".into())
+        )));
+    }
     Ok(())
 }
 
@@ -85,10 +98,16 @@ pub async fn recorded<T>(
 }
 
 async fn insert(pool: &PgPool, entry: &Entry, result: &str) -> sqlx::Result<()> {
+    // Read committed whatever the role's default: the trigger must see the
+    // row committed before the one it waited for.
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .execute(&mut *tx)
+        .await?;
     sqlx::query(
         "INSERT INTO outbox_admin_log \
-             (seq, at, actor, role, action, target, selection, reason, result, request_id, prev_hash, hash) \
-         VALUES (0, now(), 'db:' || session_user, 'cli', $1, $2, $3, $4, $5, $6, '', '')",
+             (seq, at, db_role, actor, role, action, target, selection, reason, result, request_id, prev_hash, hash) \
+         VALUES (0, now(), '', '', 'cli', $1, $2, $3, $4, $5, $6, '', '')",
     )
     .bind(entry.action)
     .bind(&entry.target)
@@ -96,51 +115,72 @@ async fn insert(pool: &PgPool, entry: &Entry, result: &str) -> sqlx::Result<()> 
     .bind(&entry.reason)
     .bind(result)
     .bind(uuid::Uuid::new_v4().to_string())
-    .execute(pool)
-    .await
-    .map(|_| ())
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
 }
 
 /// What `admin log verify` found.
 #[derive(Debug, Serialize)]
 pub struct Verified {
     pub rows: i64,
-    /// The newest row's hash: keep it elsewhere, and a later verify proves
-    /// nothing before it changed (a chain alone cannot show its own tail
-    /// cut off).
+    /// The newest row's hash. Keep it elsewhere: whoever can disable the
+    /// table's triggers can rewrite every row after one they change, and
+    /// only a head kept outside shows that (`--expect-head`).
     pub head: Option<String>,
     /// The first row that does not hold: its sequence and why.
     pub broken: Option<(i64, String)>,
 }
 
-/// Recompute every row's hash and link, in order.
-pub async fn verify(pool: &PgPool) -> Result<Verified> {
-    let rows: Vec<(i64, bool, bool, bool, String)> = sqlx::query_as(
-        "SELECT seq, hash = outbox_admin_log_hash(l), \
-                prev_hash = coalesce(lag(hash) OVER (ORDER BY seq), ''), \
-                seq = row_number() OVER (ORDER BY seq), hash \
-         FROM outbox_admin_log l ORDER BY seq",
+/// Recompute every row's hash and link, in order, here rather than in a
+/// function of the database (whose owner could replace it). `expect_head`:
+/// a head kept from an earlier run, which must still be in the chain.
+pub async fn verify(pool: &PgPool, expect_head: Option<&str>) -> Result<Verified> {
+    // The canonical text from built-in functions only (schema-qualified):
+    // as the trigger builds it.
+    let rows: Vec<(i64, String, String, String)> = sqlx::query_as(
+        "SELECT seq, pg_catalog.jsonb_build_array( \
+                    prev_hash, seq, (EXTRACT(epoch FROM at) * 1000000)::bigint, \
+                    db_role, actor, role, action, target, selection, reason, result, request_id)::text, \
+                prev_hash, hash \
+         FROM outbox_admin_log ORDER BY seq",
     )
     .fetch_all(pool)
     .await
-    .map_err(Error::pg(
-        "reading outbox_admin_log (run `outbox-relay migrate`)",
-    ))?;
-    let broken = rows.iter().find_map(|(seq, sound, linked, numbered, _)| {
-        let why = if !sound {
-            "its fields do not match its hash (changed)"
-        } else if !linked {
-            "it does not follow the row before (a row removed or changed before it)"
-        } else if !numbered {
-            "a row before it is missing"
+    .map_err(Error::pg("reading outbox_admin_log (run `outbox-relay migrate`)"))?;
+    let mut broken = None;
+    let mut before = String::new();
+    for (i, (seq, canonical, prev, hash)) in rows.iter().enumerate() {
+        let why = if *seq != i as i64 + 1 {
+            Some("a row before it is missing")
+        } else if *prev != before {
+            Some("it does not follow the row before (a row removed or changed before it)")
+        } else if hex(&Sha256::digest(canonical.as_bytes())) != *hash {
+            Some("its fields do not match its hash (changed)")
         } else {
-            return None;
+            None
         };
-        Some((*seq, why.to_owned()))
-    });
+        if let Some(why) = why {
+            broken = Some((*seq, why.to_owned()));
+            break;
+        }
+        before = hash.clone();
+    }
+    if let (None, Some(kept)) = (&broken, expect_head) {
+        if !rows.iter().any(|r| r.3 == kept) {
+            broken = Some((
+                0,
+                format!("the head kept from before ({kept}) is not in the chain: rows were rewritten or removed"),
+            ));
+        }
+    }
     Ok(Verified {
         rows: rows.len() as i64,
-        head: rows.last().map(|r| r.4.clone()),
+        head: rows.last().map(|r| r.3.clone()),
         broken,
     })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -169,6 +169,11 @@ pub async fn run(
             halted = None;
         }
         drop(session);
+        // Counted whether or not the relay has streamed yet (a first
+        // start's backfill meets a full stream too).
+        if result.as_ref().is_err_and(Error::is_stream_full) {
+            metrics::counter!(m::STREAM_FULL).increment(1);
+        }
         if let Err(Error::ReplicationSilent(_)) = &result {
             // The pool's connections went silent with the replication
             // connection, and a query on one waits for ever (sqlx has no
@@ -246,9 +251,6 @@ pub async fn run(
             }
             Err(e) if e.class() == Class::Transient && proven => {
                 metrics::counter!(m::SESSION_RESTARTS).increment(1);
-                if e.is_stream_full() {
-                    metrics::counter!(m::STREAM_FULL).increment(1);
-                }
                 if started.elapsed() > HEALTHY_SESSION {
                     backoff.reset();
                 }
