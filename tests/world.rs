@@ -369,3 +369,69 @@ async fn a_full_own_stream_is_said_and_loses_nothing() {
         .collect();
     assert_eq!(ids, sent, "every event once, in commit order");
 }
+
+/// Issue 58 item 8 (review N12): an event JetStream answers as a duplicate
+/// was stored before (a replay the read-back did not reach): it is skipped,
+/// not published. Before, every duplicate ack counted in
+/// `outbox_relay_events_published_total` (and its full age in the
+/// commit-to-ack histogram), so a replay inflated the figure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_ack_counts_as_skipped_not_published() {
+    let stack = stack();
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let name = wire::stream_name("wdup");
+    let _ = js.delete_stream(&name).await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec!["wdup.>".into()],
+        duplicate_window: Duration::from_secs(600),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (url, pool) = fresh_db(&stack, "t_wdup").await;
+    let mut relay = Service::relay(&url, &stack.nats_url, "wdup", &["--publish-mode", "event"]);
+    relay.wait_ready();
+    // Ids the stream already holds (stored by an earlier run this relay
+    // cannot read back: no source header), then rows with them and new ones.
+    let earlier: Vec<uuid::Uuid> = (0..5).map(|_| uuid::Uuid::new_v4()).collect();
+    for id in &earlier {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Msg-Id", id.to_string().as_str());
+        js.publish_with_headers("wdup.earlier", h, "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let later: Vec<uuid::Uuid> = (0..3).map(|_| uuid::Uuid::new_v4()).collect();
+    for id in earlier.iter().chain(&later) {
+        sqlx::query(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ($1, 'order', 'o1', 'placed', '{}')",
+        )
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    eventually(T, "every row acked", || async {
+        let m = relay.scrape().await;
+        m.value("outbox_relay_events_published_total")
+            .unwrap_or(0.0)
+            + m.value("outbox_relay_events_skipped_total").unwrap_or(0.0)
+            >= 8.0
+    })
+    .await;
+    let m = relay.scrape().await;
+    assert_eq!(
+        m.value("outbox_relay_events_published_total"),
+        Some(later.len() as f64),
+        "{}",
+        relay.log_text()
+    );
+    assert_eq!(
+        m.value("outbox_relay_events_skipped_total"),
+        Some(earlier.len() as f64)
+    );
+}

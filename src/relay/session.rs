@@ -134,6 +134,8 @@ fn sample_horizons(
 /// Metric handles resolved once: the per-event path does no registry lookups.
 struct Handles {
     published: metrics::Counter,
+    /// Acked as duplicates: stored before (a replay the read-back missed).
+    skipped: metrics::Counter,
     inflight: metrics::Gauge,
     inflight_bytes: metrics::Gauge,
     commit_to_ack: metrics::Histogram,
@@ -170,6 +172,7 @@ impl<'a> Session<'a> {
             streamed: false,
             metrics: Handles {
                 published: metrics::counter!(m::EVENTS_PUBLISHED),
+                skipped: metrics::counter!(m::EVENTS_SKIPPED),
                 inflight: metrics::gauge!(m::INFLIGHT_EVENTS),
                 inflight_bytes: metrics::gauge!(m::INFLIGHT_BYTES),
                 commit_to_ack: metrics::histogram!(m::COMMIT_TO_ACK_SECONDS),
@@ -771,10 +774,15 @@ impl<'a> Session<'a> {
 
     /// The one place an ack is accounted: metrics, watermark, slot.
     fn on_ack(&mut self, client: &ReplicationClient, publisher: &Batcher, ack: Ack) -> Result<()> {
-        ack.result?;
-        self.metrics.published.increment(1);
-        let age = unix_micros_now() - pg_to_unix_micros(ack.commit_micros);
-        self.metrics.commit_to_ack.record(age.max(0) as f64 / 1e6);
+        // A duplicate was stored before, by an earlier run: not published
+        // now, and its age is that run's, not this one's.
+        if ack.result? {
+            self.metrics.skipped.increment(1);
+        } else {
+            self.metrics.published.increment(1);
+            let age = unix_micros_now() - pg_to_unix_micros(ack.commit_micros);
+            self.metrics.commit_to_ack.record(age.max(0) as f64 / 1e6);
+        }
         let confirmed = self.watermark.ack(ack.ticket);
         if let Some(lsn) = confirmed {
             self.confirm(client, lsn);
