@@ -27,6 +27,20 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Without a good check this long, a change would go unseen: said this often.
 const UNCHECKED_WARNING: Duration = Duration::from_secs(30);
 
+/// What the session's watchers (this check, and [`super::heard`]) tell its
+/// pump, on one channel: one more branch in the loop every event passes
+/// through costs each event its poll.
+#[derive(Debug)]
+pub(super) enum Notice {
+    /// The outbox no longer reaches the slot: the line to stop with.
+    Unpublished(String),
+    /// Postgres no longer hears the replication connection.
+    Silent(String),
+    /// Whether Postgres can be asked at all: the line for `/readyz` while
+    /// not, `None` once it can again.
+    Unproven(Option<String>),
+}
+
 /// Check every [`EVERY`] until `stop`, against `pin` (the session's first
 /// check), and send the line to stop with once one finds a change. A check
 /// Postgres does not answer says nothing; a warning says so every
@@ -37,8 +51,8 @@ pub(super) fn watch(
     schema: String,
     table: String,
     pin: StillPublished,
-) -> (tokio::sync::mpsc::Receiver<String>, CancellationToken) {
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx: tokio::sync::mpsc::Sender<Notice>,
+) -> CancellationToken {
     let stop = CancellationToken::new();
     let stopped = stop.clone();
     tokio::spawn(async move {
@@ -69,12 +83,12 @@ pub(super) fn watch(
                 good = Instant::now();
             }
             if let Err(line) = judge(&pin, found, Some(&since)) {
-                let _ = tx.send(line).await;
+                let _ = tx.send(Notice::Unpublished(line)).await;
                 return;
             }
         }
     });
-    (rx, stop)
+    stop
 }
 
 fn unchecked(warned: &mut Instant, good: Instant, error: &str) {

@@ -21,6 +21,7 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgConnection};
 use tokio_util::sync::CancellationToken;
 
+use super::guard::Notice;
 use crate::ops::metrics as m;
 
 /// How often the check runs.
@@ -127,20 +128,15 @@ impl Judge {
 
 /// Check every [`EVERY`] until `stop` that Postgres hears the walsender
 /// `pid`, and send the line to end the session with once it does not
-/// (having ended that walsender). The watch says, while no check has
-/// answered for [`UNPROVEN_AFTER`], the line for `/readyz` (`None` once
-/// one answers again).
+/// (having ended that walsender); and, while no check has answered for
+/// [`UNPROVEN_AFTER`], the line for `/readyz` (`None` once one answers
+/// again). The session owns its readiness: it says what it is told.
 pub(super) fn watch(
     options: PgConnectOptions,
     pid: i32,
     slot: String,
-) -> (
-    tokio::sync::mpsc::Receiver<String>,
-    tokio::sync::watch::Receiver<Option<String>>,
-    CancellationToken,
-) {
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
-    let (proof, unproven) = tokio::sync::watch::channel(None);
+    tx: tokio::sync::mpsc::Sender<Notice>,
+) -> CancellationToken {
     let stop = CancellationToken::new();
     let stopped = stop.clone();
     tokio::spawn(async move {
@@ -148,7 +144,7 @@ pub(super) fn watch(
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut judge = Judge::new(Instant::now());
         let mut conn: Option<PgConnection> = None;
-        let (mut good, mut hidden_said) = (Instant::now(), false);
+        let (mut good, mut hidden_said, mut unproven) = (Instant::now(), false, false);
         loop {
             tokio::select! {
                 _ = stopped.cancelled() => return,
@@ -164,20 +160,22 @@ pub(super) fn watch(
                     // A connection that did not answer may be the silent
                     // path itself: the next check opens another.
                     conn = None;
-                    if proof.borrow().is_none() && good.elapsed() >= UNPROVEN_AFTER {
+                    if !unproven && good.elapsed() >= UNPROVEN_AFTER {
+                        unproven = true;
                         let line = format!(
                             "cannot tell whether Postgres still hears the replication connection: no check answered for {} s ({e})",
                             good.elapsed().as_secs()
                         );
                         tracing::warn!("{line}");
-                        proof.send_replace(Some(line));
+                        let _ = tx.send(Notice::Unproven(Some(line))).await;
                     }
                     continue;
                 }
             };
             good = Instant::now();
-            if proof.borrow().is_some() {
-                proof.send_replace(None);
+            if unproven {
+                unproven = false;
+                let _ = tx.send(Notice::Unproven(None)).await;
             }
             match judge.on_check(Instant::now(), seen) {
                 Verdict::Heard | Verdict::Waiting => {}
@@ -204,13 +202,13 @@ pub(super) fn watch(
                             "its walsender is gone, or ends by itself (wal_sender_timeout)"
                         }
                     );
-                    let _ = tx.send(line).await;
+                    let _ = tx.send(Notice::Silent(line)).await;
                     return;
                 }
             }
         }
     });
-    (rx, unproven, stop)
+    stop
 }
 
 async fn check(

@@ -67,16 +67,13 @@ struct Open {
     fence: Fence,
     /// The line to stop with, once a check finds the outbox out of the
     /// slot ([`guard`]); the checks stop with the session.
-    published: tokio::sync::mpsc::Receiver<String>,
+    notices: tokio::sync::mpsc::Receiver<guard::Notice>,
     _guard: tokio_util::sync::DropGuard,
     /// A stream `--streams` names that was missing and exists now.
     found: tokio::sync::mpsc::Receiver<String>,
     _finder: tokio_util::sync::DropGuard,
-    /// The line to end with, once Postgres no longer hears the
-    /// replication connection ([`heard`]); and, while no check answers,
-    /// the line `/readyz` says (the session owns its readiness).
-    silent: tokio::sync::mpsc::Receiver<String>,
-    unproven: tokio::sync::watch::Receiver<Option<String>>,
+    /// And once Postgres no longer hears the replication connection
+    /// ([`heard`]); while no check answers, the line `/readyz` says.
     _heard: tokio_util::sync::DropGuard,
 }
 
@@ -607,25 +604,24 @@ impl<'a> Session<'a> {
         let (horizons, sampler) = sample_horizons(pool.clone());
         let missing = routed.map(|(s, _)| s.missing).unwrap_or_default();
         let (found, finder) = publish::watch_missing(js.clone(), missing);
-        let (published, guarding) = guard::watch(
+        let (notify, notices) = tokio::sync::mpsc::channel(4);
+        let guarding = guard::watch(
             pool.clone(),
             cfg.publication.clone(),
             cfg.schema.clone(),
             cfg.table.clone(),
             pin.clone(),
+            notify.clone(),
         );
-        let (silent, unproven, hearing) =
-            heard::watch(dsn.connect_options(), walsender, cfg.slot.clone());
+        let hearing = heard::watch(dsn.connect_options(), walsender, cfg.slot.clone(), notify);
         self.pin = Some(pin);
         Ok(Open {
             horizons,
             _sampler: sampler.drop_guard(),
-            published,
+            notices,
             _guard: guarding.drop_guard(),
             found,
             _finder: finder.drop_guard(),
-            silent,
-            unproven,
             _heard: hearing.drop_guard(),
             client,
             stage,
@@ -673,10 +669,8 @@ impl<'a> Session<'a> {
             publisher,
             horizons,
             fence,
-            published,
+            notices,
             found,
-            silent,
-            unproven,
             ..
         } = open;
         loop {
@@ -685,13 +679,13 @@ impl<'a> Session<'a> {
                 _ = shutdown.cancelled() => return Ok(()),
                 paused = fence.broken() => return Err(Error::Paused { paused }),
                 Some((at, xid)) = horizons.recv() => stage.add_horizon(at, xid),
-                Some(line) = published.recv() => return Err(Error::setup(line)),
-                Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
-                Some(line) = silent.recv() => return Err(Error::ReplicationSilent(line)),
-                Ok(()) = unproven.changed() => match unproven.borrow_and_update().clone() {
-                    Some(line) => self.env.ready.not_ready(line),
-                    None => self.env.ready.ready(),
+                Some(notice) = notices.recv() => match notice {
+                    guard::Notice::Unpublished(line) => return Err(Error::setup(line)),
+                    guard::Notice::Silent(line) => return Err(Error::ReplicationSilent(line)),
+                    guard::Notice::Unproven(Some(line)) => self.env.ready.not_ready(line),
+                    guard::Notice::Unproven(None) => self.env.ready.ready(),
                 },
+                Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
                     self.on_ack(client, publisher, ack)?;
                 }
