@@ -28,6 +28,10 @@ const COMMANDS: &[&[&str]] = &[
     &["dlq", "replay"],
     &["consumer"],
     &["consumer", "reset"],
+    &["dlq", "delete"],
+    &["admin"],
+    &["admin", "log"],
+    &["admin", "log", "verify"],
 ];
 
 /// Flags of the tools the docs drive besides ours: cargo and the test
