@@ -173,10 +173,15 @@ async fn wal_lsn(pool: &PgPool) -> i64 {
 }
 
 async fn slot_lag(pool: &PgPool, slot: &str) -> Option<i64> {
-    sqlx::query_scalar(
-        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 \
-         FROM pg_replication_slots WHERE slot_name = $1",
-    )
+    slot_behind(pool, slot, "confirmed_flush_lsn").await
+}
+
+/// How far the current WAL position is past one of the slot's positions.
+async fn slot_behind(pool: &PgPool, slot: &str, position: &'static str) -> Option<i64> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), {position})::int8 \
+         FROM pg_replication_slots WHERE slot_name = $1"
+    )))
     .bind(slot)
     .fetch_optional(pool)
     .await
@@ -709,15 +714,7 @@ async fn noisy_neighbour(
 
 /// What the slot keeps: the WAL from its restart point on.
 async fn slot_retained(pool: &PgPool, slot: &str) -> Option<i64> {
-    sqlx::query_scalar(
-        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 \
-         FROM pg_replication_slots WHERE slot_name = $1",
-    )
-    .bind(slot)
-    .fetch_optional(pool)
-    .await
-    .ok()
-    .flatten()
+    slot_behind(pool, slot, "restart_lsn").await
 }
 
 /// One transaction of `rows` rows of about `payload` bytes each through

@@ -296,20 +296,9 @@ async fn run(command: Command) -> Result<(), Error> {
             let pool = postgres::Dsn::parse(&db.database_url)?.pool(2).await?;
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-replay".into()).await?;
             let js = async_nats::jetstream::new(nats.clone());
-            let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;
-            if letters.is_empty() {
-                return Err(Error::Config(format!(
-                    "no dead letter in {} matches",
-                    args.select.stream
-                )));
-            }
+            let letters = chosen_letters(&js, &args, &sel).await?;
             let who = admin_log::actor(&pool).await?;
-            let entry = admin_log::Entry {
-                action: "dlq.replay",
-                target: args.select.stream.clone(),
-                selection: dlq_selection(&args),
-                reason: args.reason.clone(),
-            };
+            let entry = dlq_entry("dlq.replay", &args);
             let done = admin_log::recorded(
                 &pool,
                 entry,
@@ -340,19 +329,8 @@ async fn run(command: Command) -> Result<(), Error> {
             let pool = postgres::Dsn::parse(&db.database_url)?.pool(1).await?;
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-delete".into()).await?;
             let js = async_nats::jetstream::new(nats);
-            let letters = crate::ops::dlq::list(&js, &args.select.stream, &sel).await?;
-            if letters.is_empty() {
-                return Err(Error::Config(format!(
-                    "no dead letter in {} matches",
-                    args.select.stream
-                )));
-            }
-            let entry = admin_log::Entry {
-                action: "dlq.delete",
-                target: args.select.stream.clone(),
-                selection: dlq_selection(&args),
-                reason: args.reason.clone(),
-            };
+            let letters = chosen_letters(&js, &args, &sel).await?;
+            let entry = dlq_entry("dlq.delete", &args);
             let done = admin_log::recorded(
                 &pool,
                 entry,
@@ -490,14 +468,36 @@ async fn run(command: Command) -> Result<(), Error> {
     }
 }
 
-/// How a dead-letter command chose, for the admin log.
-fn dlq_selection(args: &crate::config::DlqChoice) -> serde_json::Value {
-    serde_json::json!({
-        "filter": args.select.filter,
-        "ids": args.select.ids,
-        "since": args.select.since,
-        "all": args.all,
-    })
+/// A dead-letter command's record in the admin log: the stream, how it
+/// chose, and why.
+fn dlq_entry(action: &'static str, args: &crate::config::DlqChoice) -> admin_log::Entry {
+    admin_log::Entry {
+        action,
+        target: args.select.stream.clone(),
+        selection: serde_json::json!({
+            "filter": args.select.filter,
+            "ids": args.select.ids,
+            "since": args.select.since,
+            "all": args.all,
+        }),
+        reason: args.reason.clone(),
+    }
+}
+
+/// The dead letters a replay or delete acts on: at least one.
+async fn chosen_letters(
+    js: &async_nats::jetstream::Context,
+    args: &crate::config::DlqChoice,
+    sel: &crate::ops::dlq::Selection,
+) -> Result<Vec<crate::ops::dlq::DeadLetter>, Error> {
+    let letters = crate::ops::dlq::list(js, &args.select.stream, sel).await?;
+    if letters.is_empty() {
+        return Err(Error::Config(format!(
+            "no dead letter in {} matches",
+            args.select.stream
+        )));
+    }
+    Ok(letters)
 }
 
 fn to_json(v: &impl serde::Serialize) -> Result<String, Error> {
