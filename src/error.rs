@@ -118,6 +118,13 @@ pub enum Error {
     )]
     StreamFound { stream: String },
 
+    /// The slot has passed the making of the kept publication
+    /// (`postgres::kept`): a new session streams through it too.
+    #[error(
+        "the slot has passed the making of publication {publication}: starting the session over to stream through it too (an edit of --publication then loses nothing)"
+    )]
+    KeptReady { publication: String },
+
     /// Postgres stopped hearing the replication connection (`relay::heard`).
     #[error("{0}")]
     ReplicationSilent(String),
@@ -145,6 +152,7 @@ impl Error {
             | Error::StreamEnded
             | Error::ReplicationSilent(_)
             | Error::StreamFound { .. }
+            | Error::KeptReady { .. }
             | Error::Paused { .. } => Class::Transient,
         }
     }

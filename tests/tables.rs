@@ -632,6 +632,63 @@ async fn a_mapped_generated_column_is_refused_at_start() {
     }
 }
 
+/// A publication whose column list (PostgreSQL 15+) leaves out a column
+/// the flags map: logical replication leaves it out of every row it
+/// sends, so the relay refuses at start, in one line naming the column and
+/// the list. Before: it started, and every row's header lacked the column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapped_column_a_publication_column_list_leaves_out_is_refused_at_start() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_collist").await;
+    sqlx::raw_sql(
+        "CREATE TABLE collist_outbox (id uuid primary key, aggregate_type text not null, \
+         aggregate_id text not null, event_type text not null, event_version int not null default 1, \
+         payload jsonb not null, tenant text, occurred_at timestamptz not null default now()); \
+         CREATE PUBLICATION collist_pub FOR TABLE collist_outbox \
+           (id, aggregate_type, aggregate_id, event_type, event_version, payload, occurred_at) \
+           WITH (publish = 'insert')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let args = [
+        "--table",
+        "public.collist_outbox",
+        "--publication",
+        "collist_pub",
+        "--header-columns",
+        "tenant",
+    ];
+    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "collist", &args);
+    assert_eq!(code, Some(1), "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(
+        errors.len() == 1
+            && errors[0].contains("column tenant ")
+            && errors[0].contains("column list"),
+        "one line naming tenant: {err}"
+    );
+    // Without the header column the list holds every mapped column: it
+    // streams (through that publication: a filtered one is not replaced).
+    let mut relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        "collist",
+        &[
+            "--table",
+            "public.collist_outbox",
+            "--publication",
+            "collist_pub",
+        ],
+    );
+    relay.wait_ready();
+    assert!(
+        relay.log_text().contains("keeps no publication of its own"),
+        "{}",
+        relay.log_text()
+    );
+}
+
 /// Migrations while the relay streams (SPEC §13): a column added that
 /// plays no role changes nothing, even one named like a role (`stream`); a
 /// mapped column renamed stops the relay before it confirms the first row
@@ -722,12 +779,15 @@ async fn a_migration_while_streaming_loses_no_row() {
 }
 
 /// Issue 57, item 6: the outbox dropped from the publication while the
-/// relay streams (`ALTER PUBLICATION … DROP TABLE`; a table swap or a
-/// rename does the same: the publication no longer names the table the
-/// services write). Its inserts never reach the slot, not even read again.
-/// Before: the relay ran on, and they were gone without a word. Now it
-/// stops, in one line that says what to run; with the table published
-/// again, `audit --repair` publishes the rows written meanwhile.
+/// relay streams (`ALTER PUBLICATION … DROP TABLE`), rows written, and the
+/// table added back; then the publication dropped and made again.
+/// pgoutput leaves out what the session's publication did not publish when
+/// it was written, even when read again. Before: the relay halted, and
+/// `audit --repair` published the rows written meanwhile after the rows
+/// written since (commit order lost). Now the slot streams through a
+/// publication the relay keeps (`{publication}_keep`): the edits cost
+/// nothing, every row arrives once and in commit order, and a warning says
+/// what changed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_dropped_from_the_publication_while_streaming_loses_no_row() {
     let stack = stack();
@@ -768,47 +828,178 @@ async fn a_table_dropped_from_the_publication_while_streaming_loses_no_row() {
     for n in 1..=3 {
         expected.push(insert(n).await);
     }
-    let log = halted(
-        &relay,
-        "the relay halts with its table out of the publication",
-    )
+    let got = read_stream(&stack.nats_url, &stream, 4, T).await;
+    assert_eq!(ids(&got), expected, "{}", relay.log_text());
+    eventually(T, "a warning names the publication kept", || async {
+        relay.log_text().lines().any(|l| {
+            l.contains("WARN")
+                && l.contains("outbox_relay_pubedit no longer publishes")
+                && l.contains("outbox_relay_pubedit_keep")
+        })
+    })
     .await;
-    assert!(
-        log.lines()
-            .any(|l| (l.contains("ERROR") || l.starts_with("error"))
-                && l.contains("ADD TABLE")
-                && l.contains("audit")),
-        "one line saying what to run: {log}"
-    );
     sqlx::raw_sql("ALTER PUBLICATION outbox_relay_pubedit ADD TABLE public.pubedit_outbox")
         .execute(&pool)
         .await
         .unwrap();
-    drop(relay);
-    let mut relay = Service::relay(&url, &stack.nats_url, "pubedit", &flags);
-    relay.wait_ready();
-    let later = insert(4).await;
-    let got = read_stream(&stack.nats_url, &stream, 2, T).await;
-    assert_eq!(ids(&got), [expected[0].clone(), later.clone()]);
+    for n in 4..=5 {
+        expected.push(insert(n).await);
+    }
+    let got = read_stream(&stack.nats_url, &stream, 6, T).await;
+    assert_eq!(ids(&got), expected, "{}", relay.log_text());
+    sqlx::raw_sql("DROP PUBLICATION outbox_relay_pubedit")
+        .execute(&pool)
+        .await
+        .unwrap();
+    expected.push(insert(6).await);
+    sqlx::raw_sql(
+        "CREATE PUBLICATION outbox_relay_pubedit FOR TABLE public.pubedit_outbox WITH (publish = 'insert')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    expected.push(insert(7).await);
+    let got = read_stream(&stack.nats_url, &stream, 8, T).await;
+    assert_eq!(ids(&got), expected, "{}", relay.log_text());
+    let scrape = relay.scrape().await;
+    assert_eq!(scrape.value("outbox_relay_halted"), Some(0.0));
+    assert_eq!(
+        scrape.value("outbox_relay_session_restarts_total"),
+        Some(0.0),
+        "{}",
+        relay.log_text()
+    );
+    // Nothing for the audit to find, nothing to repair.
     let (code, out) = audit(
         "pubedit",
-        &[
-            "--table",
-            "public.pubedit_outbox",
-            "--last",
-            "1h",
-            "--repair",
-        ],
+        &["--table", "public.pubedit_outbox", "--last", "1h"],
     );
-    assert!(out.contains("3 missing"), "{code:?} {out}");
-    // The rows of the gap come after the one written since: commit order
-    // across the change is what a repair cannot give back.
-    expected.push(later);
-    let got = read_stream(&stack.nats_url, &stream, 5, T).await;
-    let (mut got, mut want) = (ids(&got), expected);
-    got.sort();
-    want.sort();
-    assert_eq!(got, want, "{}\n{out}", relay.log_text());
+    assert_eq!(code, Some(0), "{out}");
+}
+
+/// A slot older than the publication the relay keeps (a relay upgraded to
+/// this version, or the kept publication dropped): pgoutput cannot be asked
+/// for a publication made after WAL it still decodes (`publication … does
+/// not exist`), so the relay streams without it until the slot's
+/// `restart_lsn` passes its making, then starts the session over with it;
+/// from then on an edit of the operator's publication loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_older_than_the_kept_publication_streams_through_it_once_past_its_making() {
+    let stack = stack();
+    let (url, pool) = empty_db(&stack, "t_keptlater").await;
+    sqlx::raw_sql(
+        "CREATE TABLE keptlater_outbox (id uuid primary key, aggregate_type text not null, \
+         aggregate_id text not null, event_type text not null, event_version int not null default 1, \
+         payload jsonb not null, occurred_at timestamptz not null default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let flags = ["--table", "public.keptlater_outbox"];
+    let insert = || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "INSERT INTO keptlater_outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES (gen_random_uuid(), 'order', 'o1', 'placed', '{}') RETURNING id::text",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let stream = wire::stream_name("keptlater");
+    let mut relay = Service::relay(&url, &stack.nats_url, "keptlater", &flags);
+    relay.wait_ready();
+    let mut expected = vec![insert().await];
+    read_stream(&stack.nats_url, &stream, 1, T).await;
+    drop(relay);
+    sqlx::raw_sql("DROP PUBLICATION outbox_relay_keptlater_keep")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // Written before the kept publication is made again, and still to be
+    // decoded: a transaction open across its making, too.
+    expected.push(insert().await);
+    let mut open = pool.begin().await.unwrap();
+    let straddling: String = sqlx::query_scalar(
+        "INSERT INTO keptlater_outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'o1', 'placed', '{}') RETURNING id::text",
+    )
+    .fetch_one(&mut *open)
+    .await
+    .unwrap();
+    let mut relay = Service::relay(&url, &stack.nats_url, "keptlater", &flags);
+    relay.wait_ready();
+    eventually(T, "the kept publication made again", || async {
+        relay.log_text().contains("created the kept publication")
+    })
+    .await;
+    assert!(
+        relay
+            .log_text()
+            .contains("streaming through --publication until the slot passes that position"),
+        "{}",
+        relay.log_text()
+    );
+    open.commit().await.unwrap();
+    expected.push(straddling);
+    expected.push(insert().await);
+    let got = read_stream(&stack.nats_url, &stream, 4, T).await;
+    assert_eq!(ids(&got), expected, "{}", relay.log_text());
+    // Once the slot has passed it (a running-transactions record moves
+    // restart_lsn: a checkpoint writes one now), the session starts over
+    // through the kept publication.
+    eventually(
+        Duration::from_secs(90),
+        "a session through the kept publication",
+        || async {
+            sqlx::raw_sql("CHECKPOINT").execute(&pool).await.unwrap();
+            insert_quiet(&pool).await;
+            relay.log_text().lines().any(|l| {
+                l.contains("publication=outbox_relay_keptlater_keep") && l.contains(" from=")
+            })
+        },
+    )
+    .await;
+    sqlx::raw_sql("ALTER PUBLICATION outbox_relay_keptlater DROP TABLE public.keptlater_outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let last = insert().await;
+    eventually(
+        T,
+        "the row written with the outbox out of --publication",
+        || async {
+            ids(&read_stream(&stack.nats_url, &stream, 0, Duration::ZERO).await).contains(&last)
+        },
+    )
+    .await;
+    let all = ids(&read_stream(&stack.nats_url, &stream, 0, Duration::ZERO).await);
+    assert_eq!(&all[..4], &expected[..], "{}", relay.log_text());
+    assert_eq!(all.last(), Some(&last), "in commit order");
+    let mut once = all.clone();
+    once.sort();
+    once.dedup();
+    assert_eq!(once.len(), all.len(), "each once: {all:?}");
+    eventually(
+        T,
+        "the gauge says the kept publication carries the outbox",
+        || async { relay.scrape().await.value("outbox_relay_publication_kept") == Some(1.0) },
+    )
+    .await;
+    assert_eq!(relay.scrape().await.value("outbox_relay_halted"), Some(0.0));
+}
+
+/// A row nobody waits for: what moves the slot along.
+async fn insert_quiet(pool: &sqlx::PgPool) {
+    sqlx::raw_sql(
+        "INSERT INTO keptlater_outbox (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'o1', 'placed', '{}')",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 /// Issue 57, item 6, the other changes that take the outbox out of the
@@ -827,15 +1018,16 @@ async fn a_rename_or_a_quick_drop_and_add_of_the_outbox_stops_the_relay() {
         &["ALTER TABLE renamed_outbox_old RENAME TO renamed_outbox"],
     )
     .await;
-    // Out of the publication and back within a second: the rows written
-    // between are not in the slot, though every check may see it published.
+    // Out of the publication the slot streams through (the one the relay
+    // keeps) and back within a second: the rows written between are not in
+    // the slot, though every check may see it published.
     stops_on(
         "readded",
         &[
-            "ALTER PUBLICATION outbox_relay_readded DROP TABLE readded_outbox",
+            "ALTER PUBLICATION outbox_relay_readded_keep DROP TABLE readded_outbox",
             "INSERT INTO readded_outbox (id, aggregate_type, aggregate_id, event_type, payload) \
              VALUES (gen_random_uuid(), 'order', 'o1', 'placed', '{}')",
-            "ALTER PUBLICATION outbox_relay_readded ADD TABLE readded_outbox",
+            "ALTER PUBLICATION outbox_relay_readded_keep ADD TABLE readded_outbox",
         ],
         "readded_outbox",
         // A check between the two statements sees it out.
@@ -1388,11 +1580,10 @@ async fn every_column_type_reads_the_same_streamed_as_backfilled() {
 /// (a row every few milliseconds, each its own transaction): `ADD COLUMN`
 /// of a role's name, `RENAME COLUMN` of a header column, then of the
 /// payload column, then `ALTER PUBLICATION … DROP TABLE` and back. The
-/// relay halts at each breaking change; the restart it asks for (with the
-/// fixed flags), and for the publication the audit it names, bring every
-/// row into the stream once, as an event (no dead letter), and in commit
-/// order (but for the rows the publication left out, which the repair
-/// publishes after).
+/// relay halts at each breaking change of the column map, and the restart
+/// it asks for (with the fixed flags) brings every row into the stream
+/// once, as an event (no dead letter), in commit order; the publication's
+/// edit stops nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_under_load_lose_no_row() {
     use std::sync::{Arc, Mutex};
@@ -1496,38 +1687,24 @@ async fn migrations_under_load_lose_no_row() {
     rows(100).await;
     let written = sent.lock().unwrap().len();
     in_stream(written).await;
+    // Out of the publication and back: the slot carries the outbox through
+    // the publication the relay keeps, and nothing stops.
     ddl("ALTER PUBLICATION outbox_relay_migload DROP TABLE migload_outbox").await;
     rows(50).await;
-    halted(&r, "halted with the table out of the publication").await;
     ddl("ALTER PUBLICATION outbox_relay_migload ADD TABLE migload_outbox").await;
-    drop(r);
-    let r = relay(&fixed);
     rows(50).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     producer.await.unwrap();
     let sent = sent.lock().unwrap().clone();
-    // What the relay published by itself, before the repair: in commit
-    // order, each once.
-    let before = read_stream(&stack.nats_url, &stream, 0, Duration::ZERO).await;
-    let published = ids(&before);
-    let in_order: Vec<&String> = sent.iter().filter(|id| published.contains(id)).collect();
+    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
     assert_eq!(
-        published.iter().collect::<Vec<_>>(),
-        in_order,
-        "in commit order, once each\n{}",
+        ids(&got),
+        sent,
+        "every row once, in commit order\n{}",
         r.log_text()
     );
-    let mut flags = vec!["--table", "public.migload_outbox"];
-    flags.extend(fixed);
-    flags.extend(["--last", "1h", "--repair"]);
-    let (code, out) = audit("migload", &flags);
-    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
-    let mut all = ids(&got);
-    all.sort();
-    let mut want = sent.clone();
-    want.sort();
-    assert_eq!(all, want, "every row once: {code:?} {out}");
     for g in &got {
         assert!(!g.subject.contains(".dlq."), "a dead letter: {}", g.subject);
     }
+    assert_eq!(r.scrape().await.value("outbox_relay_halted"), Some(0.0));
 }

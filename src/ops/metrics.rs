@@ -50,6 +50,9 @@ pub const STANDBY: &str = "outbox_relay_standby";
 /// 1 while the relay, having streamed, is stopped by what it cannot go past
 /// by itself (its log and `/readyz` say what to run).
 pub const HALTED: &str = "outbox_relay_halted";
+/// 1 while `--publication` does not publish the outbox and the slot streams
+/// it through the publication the relay keeps.
+pub const PUBLICATION_KEPT: &str = "outbox_relay_publication_kept";
 /// Admin actions (SPEC §16), by action and result.
 pub const ADMIN_ACTIONS: &str = "outbox_admin_actions_total";
 /// Times the relay halted: a halt a retry got past still shows.
@@ -158,6 +161,7 @@ pub const ALL: &[&str] = &[
     STREAMING,
     STANDBY,
     HALTED,
+    PUBLICATION_KEPT,
     HALTS,
     REPLICATION_SILENCES,
     STREAM_FULL,
@@ -300,6 +304,10 @@ pub fn register_relay() {
         "1 while the relay is stopped by a change it cannot go past by itself (a migration, the outbox out of its publication, a lost slot); its log and /readyz say what to run"
     );
     describe_gauge!(
+        PUBLICATION_KEPT,
+        "1 while --publication does not publish the outbox and the slot streams it through the publication the relay keeps ({publication}_keep)"
+    );
+    describe_gauge!(
         STREAM_DURABLE,
         "1 when an event the stream acked survives one server's OS crash (replicas, or sync_interval: always)"
     );
@@ -334,6 +342,7 @@ pub fn register_relay() {
     metrics::gauge!(STREAMING).set(0.0);
     metrics::gauge!(STANDBY).set(0.0);
     metrics::gauge!(HALTED).set(0.0);
+    metrics::gauge!(PUBLICATION_KEPT).set(0.0);
     metrics::counter!(HALTS).increment(0);
     metrics::counter!(REPLICATION_SILENCES).increment(0);
     metrics::counter!(STREAM_FULL).increment(0);

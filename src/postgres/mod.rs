@@ -3,6 +3,7 @@
 //! replication connections always agree. [`provision`] makes sure the
 //! table, publication and slot exist.
 
+pub(crate) mod kept;
 mod pgpass;
 pub(crate) mod pooler;
 pub(crate) mod provision;
@@ -164,14 +165,18 @@ impl Dsn {
 
     /// The replication stream's config. The session is pinned to ISO dates in
     /// UTC so text-format timestamps decode the same on every server.
-    pub fn replication_config(&self, slot: &str, publication: &str) -> ReplicationConfig {
+    pub fn replication_config(
+        &self,
+        slot: &str,
+        publications: impl Into<pgwire_replication::config::Publication>,
+    ) -> ReplicationConfig {
         ReplicationConfig::new(
             self.host.clone(),
             self.user.clone(),
             self.password.clone(),
             self.database.clone(),
             slot.to_owned(),
-            publication.to_owned(),
+            publications,
         )
         .with_port(self.port)
         .with_tls(self.tls.clone())

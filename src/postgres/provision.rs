@@ -5,6 +5,7 @@
 use pgwire_replication::Lsn;
 use sqlx::{PgPool, Row};
 
+use super::kept::{self, Kept};
 use super::{db_code, parse_lsn};
 use crate::error::{Error, Result};
 
@@ -28,11 +29,15 @@ pub struct Prepared {
     /// publication publishes through the root, so pgoutput must never name
     /// one of them; if it does, the publication changed under the relay.
     pub partitions: Vec<(String, String)>,
+    /// The publication the relay keeps and streams through (`kept.rs`).
+    pub kept: Kept,
 }
 
 #[derive(Debug, Clone)]
 pub struct SlotState {
     pub confirmed: Lsn,
+    /// The oldest WAL the slot may decode again (`None` before it has one).
+    pub restart: Option<Lsn>,
     /// The backend streaming from the slot now, if any (another relay).
     pub active_pid: Option<i32>,
     /// Why Postgres invalidated it, if it did.
@@ -126,10 +131,7 @@ pub async fn prepare(
         }
     }
 
-    let facts = publication_facts(pool, publication, schema, table).await?;
-    if let Some(fix) = publication_fix(publication, schema, table, &facts) {
-        return Err(Error::setup(fix));
-    }
+    let unpublished = publishes(pool, publication, schema, table).await?;
     let partitions = partitions(pool, schema, table).await?;
 
     let slot = match existing_slot(pool, slot).await? {
@@ -153,7 +155,39 @@ pub async fn prepare(
         }
         found => found,
     };
-    Ok(Prepared { slot, partitions })
+    // A first start whose publication does not publish the outbox is a
+    // mistake to say (SPEC §4), not an edit to ride out.
+    if let (Some(fix), None) = (&unpublished, &slot) {
+        return Err(Error::setup(fix.clone()));
+    }
+    let kept = match kept::ensure(pool, publication, schema, table, standby).await? {
+        Some((name, ready)) => {
+            if let Some(fix) = publishes(pool, &name, schema, table).await? {
+                tracing::warn!(publication = %name, "{fix}: the relay streams through --publication, so an edit of it while the relay streams stops the relay");
+                Kept::None
+            } else if kept::filters(pool, &name, schema, table).await? {
+                tracing::warn!(publication = %name, "the kept publication filters the outbox's rows or columns: the relay streams through --publication; drop it, and the relay makes it again");
+                Kept::None
+            } else {
+                kept::standing(name, ready, slot.as_ref().map(|s| s.restart))
+            }
+        }
+        None => Kept::None,
+    };
+    if let Some(fix) = unpublished {
+        // The outbox edited out of the operator's publication while no
+        // relay ran: the kept one carried it into the slot meanwhile, and
+        // carries it on. Otherwise the SPEC's refusal.
+        let Some(name) = kept.streamed() else {
+            return Err(Error::setup(fix));
+        };
+        tracing::warn!(publication, kept = name, "{fix}. The slot carries the outbox through publication {name}, which the relay keeps for this: nothing is lost");
+    }
+    Ok(Prepared {
+        slot,
+        partitions,
+        kept,
+    })
 }
 
 /// The slot's `catalog_xmin` as a full transaction id: every transaction
@@ -212,41 +246,62 @@ pub async fn unreplicated_columns(
     schema: &str,
     table: &str,
     publication: &str,
-) -> Result<Vec<String>> {
+) -> Result<Vec<(String, Unreplicated)>> {
     let read = || Error::pg("reading the outbox's generated columns");
-    let generated: Vec<(String, String)> = sqlx::query_as(
-        "SELECT a.attname::text, a.attgenerated::text FROM pg_attribute a \
-         JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
-         WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped \
-           AND a.attgenerated <> '' ORDER BY a.attnum",
+    // `to_jsonb`: `prattrs` (a column list, 15+) and `pubgencols` (18+)
+    // exist only on some versions; one statement reads whichever there are.
+    let rows: Vec<(String, String, bool)> = sqlx::query_as(
+        "WITH t AS (SELECT to_regclass(format('%I.%I', $1::text, $2::text)) AS rel), \
+              listed AS (SELECT ARRAY(SELECT jsonb_array_elements_text(to_jsonb(pr) -> 'prattrs'))::int2[] AS attrs \
+                         FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid, t \
+                         WHERE p.pubname = $3 AND pr.prrelid = t.rel \
+                           AND jsonb_typeof(to_jsonb(pr) -> 'prattrs') = 'array') \
+         SELECT a.attname::text, a.attgenerated::text, \
+                EXISTS (SELECT 1 FROM listed WHERE NOT (a.attnum = ANY (listed.attrs))) \
+         FROM pg_attribute a, t \
+         WHERE a.attrelid = t.rel AND a.attnum > 0 AND NOT a.attisdropped \
+         ORDER BY a.attnum",
     )
     .bind(schema)
     .bind(table)
+    .bind(publication)
     .fetch_all(pool)
     .await
     .map_err(read())?;
-    if generated.is_empty() {
-        return Ok(Vec::new());
-    }
-    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
-        .fetch_one(pool)
-        .await
-        .map_err(read())?;
+    let generated = rows.iter().any(|(_, kind, _)| !kind.is_empty());
     // `pubgencols` is new in 18; a publication not made yet is made by
     // the relay without it.
-    let stored_published = version >= 180_000
+    let stored_published = generated
         && sqlx::query_scalar::<_, bool>(
-            "SELECT coalesce(bool_or(pubgencols::text = 's'), false) FROM pg_publication WHERE pubname = $1",
+            "SELECT coalesce(bool_or(coalesce(to_jsonb(p) ->> 'pubgencols', 'n') = 's'), false) \
+             FROM pg_publication p WHERE pubname = $1",
         )
         .bind(publication)
         .fetch_one(pool)
         .await
         .map_err(read())?;
-    Ok(generated
+    Ok(rows
         .into_iter()
-        .filter(|(_, kind)| !(stored_published && kind == "s"))
-        .map(|(name, _)| name)
+        .filter_map(|(name, kind, unlisted)| {
+            if unlisted {
+                Some((name, Unreplicated::NotListed))
+            } else {
+                // Stored ones reach the slot where the publication says so.
+                let sent = kind.is_empty() || (stored_published && kind == "s");
+                (!sent).then_some((name, Unreplicated::Generated))
+            }
+        })
         .collect())
+}
+
+/// Why logical replication leaves a column out of the rows it sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unreplicated {
+    /// A generated column (before PostgreSQL 18, or unless the
+    /// publication publishes them).
+    Generated,
+    /// Outside the publication's column list (PostgreSQL 15+).
+    NotListed,
 }
 
 /// `--unpublished`: a predicate the table takes, or one line with the
@@ -348,6 +403,10 @@ pub async fn existing_slot(pool: &PgPool, slot: &str) -> Result<Option<SlotState
     let facts: serde_json::Value = row.get("facts");
     Ok(Some(SlotState {
         confirmed: parse_lsn(confirmed.as_deref().unwrap_or("0/0"))?,
+        restart: facts
+            .get("restart_lsn")
+            .and_then(serde_json::Value::as_str)
+            .and_then(|s| Lsn::parse(s).ok()),
         active_pid: row.get("active_pid"),
         invalidated: invalidation(&facts),
     }))
@@ -674,6 +733,19 @@ pub async fn still_published(
             since,
         }),
     })
+}
+
+/// What makes `publication` publish the outbox's inserts under the
+/// outbox's own name (a line with the statement to run), or `None` when it
+/// already does.
+pub async fn publishes(
+    pool: &PgPool,
+    publication: &str,
+    schema: &str,
+    table: &str,
+) -> Result<Option<String>> {
+    let facts = publication_facts(pool, publication, schema, table).await?;
+    Ok(publication_fix(publication, schema, table, &facts))
 }
 
 /// The statement that makes the publication publish the outbox's inserts

@@ -75,7 +75,8 @@ pub(super) async fn first_start(
         .await
         .map_err(Error::pg("reading the server's version"))?;
     let mut session =
-        ReplicationClient::connect_gated(dsn.replication_config(&init, &cfg.publication)).await?;
+        ReplicationClient::connect_gated(dsn.replication_config(&init, cfg.publication.as_str()))
+            .await?;
     let system = session.identify_system().await?;
     // The temporary slot first, exporting its snapshot whether or not the
     // plan then uses it: the plan is read after it.

@@ -28,7 +28,8 @@ use super::watermark::Watermark;
 use crate::error::{Error, Result};
 use crate::ops::metrics as m;
 use crate::postgres;
-use crate::postgres::provision::{self, SlotState};
+use crate::postgres::kept::Kept;
+use crate::postgres::provision::{self, SlotState, Unreplicated};
 use crate::wire;
 
 /// Events buffered between the replication worker and the loop.
@@ -45,9 +46,9 @@ fn replication_buffer(max_inflight_bytes: usize, max_message: usize) -> usize {
 pub(super) struct Session<'a> {
     env: &'a Env<'a>,
     watermark: Watermark,
-    /// The table and its membership of the publication the session began
-    /// with ([`guard`]).
-    pin: Option<provision::StillPublished>,
+    /// The session's publications, and the table and its membership of
+    /// each the session began with ([`guard`]).
+    pin: Option<(guard::Names, guard::Pin)>,
     /// The outbox's oid an earlier session of this process streamed from.
     expected_oid: Option<i64>,
     streamed: bool,
@@ -188,7 +189,7 @@ impl<'a> Session<'a> {
 
     /// The outbox's oid, as this session found it.
     pub fn outbox_oid(&self) -> Option<i64> {
-        self.pin.as_ref().map(|p| p.oid)
+        self.pin.as_ref().and_then(|(_, p)| p.oid())
     }
 
     /// Whether this session reached the streaming state.
@@ -254,18 +255,26 @@ impl<'a> Session<'a> {
                 pid: Some(pid),
             });
         }
-        // What the table and its membership of the publication are now: a
-        // change while streaming stops the relay (`guard`).
-        let pin = match provision::still_published(pool, &cfg.publication, &cfg.schema, &cfg.table)
-            .await?
-        {
-            Ok(pin) => pin,
-            Err(why) => return Err(Error::setup(guard::stop_line(&why, None))),
+        // What the table and its membership of the publications are now: a
+        // gap in the one streamed through stops the relay (`guard`).
+        let names = guard::Names {
+            named: cfg.publication.clone(),
+            kept: prepared.kept.streamed().map(str::to_owned),
+            later: match &prepared.kept {
+                Kept::Later { name, ready } => Some((name.clone(), *ready)),
+                _ => None,
+            },
+            slot: cfg.slot.clone(),
         };
-        if let Some(oid) = self.expected_oid.filter(|oid| *oid != pin.oid) {
+        let pin = guard::check(pool, &names, &cfg.schema, &cfg.table).await?;
+        let outbox = match (&pin.named, &pin.kept) {
+            (Ok(p), _) | (Err(_), Some(Ok(p))) => p.clone(),
+            (Err(why), _) => return Err(Error::setup(guard::stop_line(why, None))),
+        };
+        if let Some(oid) = self.expected_oid.filter(|oid| *oid != outbox.oid) {
             return Err(Error::setup(format!(
                 "table {}.{} is another table now (oid {oid} when this relay streamed, {} now): a table made under its name while the relay was stopped, or a swap. Rows written to the old one since are not read from here: restart the relay once the outbox is the right table, then run `outbox-relay audit --repair` with its flags over the window of the change",
-                cfg.schema, cfg.table, pin.oid
+                cfg.schema, cfg.table, outbox.oid
             )));
         }
         // What the flags ask of the table (SPEC §13), before anything is
@@ -287,16 +296,14 @@ impl<'a> Session<'a> {
             .columns
             .resolve(&table, &columns)
             .map_err(Error::setup)?;
-        // A generated column is not in the rows logical replication sends
-        // (before PostgreSQL 18, or unless the publication publishes them):
+        // A generated column (before PostgreSQL 18, or unless the
+        // publication publishes them), or one outside the publication's
+        // column list, is not in the rows logical replication sends:
         // mapped, every streamed row would lack it.
-        let unreplicated = postgres::provision::unreplicated_columns(
-            pool,
-            &cfg.schema,
-            &cfg.table,
-            &cfg.publication,
-        )
-        .await?;
+        let streamed = names.kept.as_deref().unwrap_or(&cfg.publication);
+        let unreplicated =
+            postgres::provision::unreplicated_columns(pool, &cfg.schema, &cfg.table, streamed)
+                .await?;
         let mapped = crate::relay::columns::Role::ALL
             .iter()
             .filter_map(|r| {
@@ -310,12 +317,17 @@ impl<'a> Session<'a> {
                     .map(|c| (c.clone(), "a subject or header column".to_owned())),
             );
         for (column, plays) in mapped {
-            if unreplicated.contains(&column) {
-                return Err(Error::setup(format!(
-                    "column {column} of table {table} ({plays}) is generated, and logical replication leaves it out of the rows it sends (before PostgreSQL 18, or unless the publication publishes generated columns: ALTER PUBLICATION {} SET (publish_generated_columns = stored) on 18): map a column that is written, or compute it in the subject template",
-                    cfg.publication
-                )));
-            }
+            let Some((_, why)) = unreplicated.iter().find(|(c, _)| *c == column) else {
+                continue;
+            };
+            return Err(Error::setup(match why {
+                Unreplicated::Generated => format!(
+                    "column {column} of table {table} ({plays}) is generated, and logical replication leaves it out of the rows it sends (before PostgreSQL 18, or unless the publication publishes generated columns: ALTER PUBLICATION {streamed} SET (publish_generated_columns = stored) on 18): map a column that is written, or compute it in the subject template"
+                ),
+                Unreplicated::NotListed => format!(
+                    "column {column} of table {table} ({plays}) is not in publication {streamed}'s column list, and logical replication leaves it out of the rows it sends: add it to the list (ALTER PUBLICATION {streamed} SET TABLE {table} (…, {column})), or map a column the list has"
+                ),
+            }));
         }
         // A template or header column of a type binary tuples carry in a
         // form of its own (an enum, numeric, date, a domain...) is read as
@@ -502,8 +514,16 @@ impl<'a> Session<'a> {
             "not streaming yet: starting replication from slot {}",
             cfg.slot
         ));
+        // The kept publication alone where there is one: the operator's,
+        // named too, would fail the session once dropped (pgoutput cannot
+        // read WAL for a publication that did not exist when it was
+        // written), and the kept one carries every row anyway.
+        let publication = names
+            .kept
+            .clone()
+            .unwrap_or_else(|| cfg.publication.clone());
         let repl = dsn
-            .replication_config(&cfg.slot, &cfg.publication)
+            .replication_config(&cfg.slot, publication.as_str())
             .with_start_lsn(confirmed)
             .with_ack_lsn(confirmed)
             .with_binary(binary)
@@ -574,7 +594,7 @@ impl<'a> Session<'a> {
         metrics::gauge!(m::HALTED).set(0.0);
         metrics::gauge!(m::STREAMING).set(1.0);
         tracing::info!(
-            slot = %cfg.slot, from = %confirmed, stream = %cfg.stream,
+            slot = %cfg.slot, publication = %publication, from = %confirmed, stream = %cfg.stream,
             batches = publisher.batches(),
             resume_after = ?resume_after,
             verified = resume.as_ref().map_or(0, |r| r.stored.len()),
@@ -593,7 +613,7 @@ impl<'a> Session<'a> {
         .with_emitted(cfg.emitted_events)
         .with_columns(cfg.columns.pinned(&resolved, &needed))
         .with_binary(binary);
-        if let Ok(oid) = u32::try_from(pin.oid) {
+        if let Ok(oid) = u32::try_from(outbox.oid) {
             stage = stage.with_outbox_oid(oid);
         }
         // What was written while no relay read is published before the
@@ -607,14 +627,14 @@ impl<'a> Session<'a> {
         let (notify, notices) = tokio::sync::mpsc::channel(4);
         let guarding = guard::watch(
             pool.clone(),
-            cfg.publication.clone(),
+            names.clone(),
             cfg.schema.clone(),
             cfg.table.clone(),
             pin.clone(),
             notify.clone(),
         );
         let hearing = heard::watch(dsn.connect_options(), walsender, cfg.slot.clone(), notify);
-        self.pin = Some(pin);
+        self.pin = Some((names, pin));
         Ok(Open {
             horizons,
             _sampler: sampler.drop_guard(),
@@ -684,6 +704,7 @@ impl<'a> Session<'a> {
                     guard::Notice::Silent(line) => return Err(Error::ReplicationSilent(line)),
                     guard::Notice::Unproven(Some(line)) => self.env.ready.not_ready(line),
                     guard::Notice::Unproven(None) => self.env.ready.ready(),
+                    guard::Notice::KeptReady(kept) => return Err(Error::KeptReady { publication: kept }),
                 },
                 Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
@@ -749,13 +770,17 @@ impl<'a> Session<'a> {
         }
         // A change a last check finds is said now: the next start may
         // not see it (a table added back), and its rows need the audit.
-        let env = self.env;
-        let check = provision::still_published(env.pool, &cfg.publication, &cfg.schema, &cfg.table);
-        if let (Ok(Ok(found)), Some(pin)) =
-            (tokio::time::timeout(guard::EVERY, check).await, &self.pin)
-        {
-            if let Err(line) = guard::judge(pin, found, None) {
-                tracing::error!("{line}");
+        if let Some((names, pin)) = &self.pin {
+            let check = guard::check(self.env.pool, names, &cfg.schema, &cfg.table);
+            if let Ok(Ok(found)) = tokio::time::timeout(guard::EVERY, check).await {
+                match guard::judge(names, pin, &found) {
+                    guard::Verdict::Stop(line) => tracing::error!("{line}"),
+                    guard::Verdict::Carried(lines) => {
+                        for line in lines {
+                            tracing::warn!("{line}");
+                        }
+                    }
+                }
             }
         }
         // The worker sends a raised position within one status interval.

@@ -1,0 +1,260 @@
+//! The publication the relay keeps, so that editing `--publication` while
+//! the relay streams loses nothing.
+//!
+//! pgoutput sends a row only if a publication the session names published
+//! its table *when the row was written*, read through the catalog as of
+//! that WAL position: rows written while the outbox was out of the
+//! publication (`ALTER PUBLICATION … DROP TABLE`, then `ADD TABLE`) never
+//! reach the slot, not even when read again, and only the table still has
+//! them; published from there they would come after the rows written
+//! since. So the relay makes `{publication}_keep` for the outbox's inserts
+//! alone, which nobody has a reason to edit, and the session streams
+//! through it instead of the operator's. Not beside it: a publication the
+//! session names that is dropped fails decoding (`publication "…" does not
+//! exist`, up to PostgreSQL 17) for all the WAL written until it is made
+//! again, and the kept one carries every row anyway.
+//!
+//! For the same reason a publication cannot be named for WAL written before
+//! it existed, so its comment records the WAL position after it was made,
+//! and a slot streams through it once the slot's `restart_lsn` (the oldest
+//! WAL it may decode again) has passed that: at once for a slot made after
+//! it, within a confirm and a running-transactions record for an older one
+//! (until then through `--publication`).
+//!
+//! Where the operator's publication filters the outbox (a row filter, a
+//! column list, generated columns published), an unfiltered one would
+//! publish more: none is kept, and an edit stops the relay as before
+//! (`relay/guard.rs`).
+
+use pgwire_replication::Lsn;
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+
+use super::{db_code, parse_lsn};
+use crate::error::{Error, Result};
+
+/// Where the comment records the position the publication was made at.
+const FROM: &str = "in the slot from WAL position ";
+
+/// The publication kept for `publication`: `{publication}_keep`, or, for
+/// a name too long for that, one shortened with a hash of the whole (a
+/// publication name has at most 63 bytes).
+pub fn name(publication: &str) -> String {
+    const SUFFIX: &str = "_keep";
+    if publication.len() + SUFFIX.len() <= 63 {
+        return format!("{publication}{SUFFIX}");
+    }
+    let hash = Sha256::digest(publication.as_bytes());
+    let short: String = hash[..4].iter().map(|b| format!("{b:02x}")).collect();
+    // 49 + 1 + 8 + 5 = 63; the names are ASCII (validated at config load).
+    format!("{}_{short}{SUFFIX}", &publication[..49])
+}
+
+/// What the session can do with the kept publication.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kept {
+    /// None: the operator's publication filters the outbox, this role may
+    /// not make one, or it no longer publishes the outbox (said once, at
+    /// start).
+    None,
+    /// Streamed through: the slot has passed its making.
+    Now(String),
+    /// Not yet: the slot may still decode WAL written before it was made.
+    /// The session streams through `--publication` and starts over once
+    /// the slot's `restart_lsn` passes `ready`.
+    Later { name: String, ready: Lsn },
+}
+
+impl Kept {
+    /// The publication a session streams through instead of the
+    /// operator's, if any.
+    pub fn streamed(&self) -> Option<&str> {
+        match self {
+            Kept::Now(name) => Some(name),
+            _ => None,
+        }
+    }
+}
+
+/// Whether `publication` publishes the outbox's rows filtered: a row
+/// filter or a column list for it (PostgreSQL 15+), or generated columns
+/// (18+). `to_jsonb`: one statement reads whichever columns the server has.
+pub async fn filters(pool: &PgPool, publication: &str, schema: &str, table: &str) -> Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_publication p \
+           WHERE p.pubname = $1 AND ( \
+             coalesce(to_jsonb(p) ->> 'pubgencols', 'n') NOT IN ('n', 'false') \
+             OR EXISTS (SELECT 1 FROM pg_publication_rel pr \
+                        WHERE pr.prpubid = p.oid \
+                          AND pr.prrelid = to_regclass(format('%I.%I', $2::text, $3::text)) \
+                          AND (to_jsonb(pr) ->> 'prqual' IS NOT NULL \
+                               OR to_jsonb(pr) ->> 'prattrs' IS NOT NULL))))",
+    )
+    .bind(publication)
+    .bind(schema)
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("reading the publication's filters"))
+}
+
+/// The position a kept publication's comment records, if it does.
+fn ready_from(comment: Option<&str>) -> Option<Lsn> {
+    let rest = comment?.split_once(FROM)?.1;
+    let word = rest.split_whitespace().next()?;
+    Lsn::parse(word.trim_end_matches('.')).ok()
+}
+
+/// The comment a kept publication carries.
+fn comment(publication: &str, schema: &str, table: &str, ready: Lsn) -> String {
+    format!(
+        "outbox-relay streams the inserts of {schema}.{table} through this publication rather than {publication}, so that an edit of that one loses nothing; {FROM}{ready}. Drop it only with the relay stopped"
+    )
+}
+
+/// Make sure the publication kept for `publication` exists and says from
+/// which WAL position it publishes: its name and that position, or `None`
+/// where none is kept. Made when missing and permitted; otherwise one
+/// warning says what to run, and the relay streams through `--publication`.
+pub async fn ensure(
+    pool: &PgPool,
+    publication: &str,
+    schema: &str,
+    table: &str,
+    standby: bool,
+) -> Result<Option<(String, Lsn)>> {
+    let kept = name(publication);
+    if filters(pool, publication, schema, table).await? {
+        tracing::info!(
+            publication,
+            "the publication filters the outbox's rows or columns: the relay keeps no publication of its own (an unfiltered one would publish more) and streams through this one, so an edit of it while the relay streams stops the relay"
+        );
+        return Ok(None);
+    }
+    let create = format!(
+        "CREATE PUBLICATION {kept} FOR TABLE \"{}\".\"{}\" WITH (publish = 'insert', publish_via_partition_root = true)",
+        schema.replace('"', "\"\""),
+        table.replace('"', "\"\"")
+    );
+    let found: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1",
+    )
+    .bind(&kept)
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("looking up the kept publication"))?;
+    let comment_now = |ready: Lsn| {
+        let text = comment(publication, schema, table, ready).replace('\'', "''");
+        format!("COMMENT ON PUBLICATION {kept} IS '{text}'")
+    };
+    let ready = match found {
+        Some(text) => match ready_from(text.as_deref()) {
+            Some(ready) => ready,
+            // Made, and the process stopped before its comment: a later
+            // position is as good (the slot streams through it later).
+            None if !standby => match record_ready(pool, &comment_now).await {
+                Ok(ready) => ready,
+                Err(e) => {
+                    tracing::warn!(publication = %kept, error = %e, "the kept publication does not say from which WAL position it publishes, and this role may not say it: the relay streams through --publication (an edit of it then stops the relay); drop it as its owner, and the relay makes it again");
+                    return Ok(None);
+                }
+            },
+            None => return Ok(None),
+        },
+        None if standby => {
+            tracing::info!(publication = %kept, "no kept publication, and a standby cannot make one: the relay streams through --publication (an edit of it then stops the relay); start a relay on the primary once, or run there: {create};");
+            return Ok(None);
+        }
+        None => {
+            match sqlx::query(sqlx::AssertSqlSafe(create.clone()))
+                .execute(pool)
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(publication = %kept, "created the kept publication: an edit of --publication while the relay streams loses nothing")
+                }
+                // Another relay made it at the same moment.
+                Err(e) if db_code(&e).as_deref() == Some("42710") => {}
+                Err(e) if db_code(&e).as_deref() == Some("42501") => {
+                    tracing::warn!(publication = %kept, "this role may not make the kept publication: the relay streams through --publication, so an edit of it while the relay streams stops the relay; as the table owner run: {create};");
+                    return Ok(None);
+                }
+                Err(e) => return Err(Error::pg("creating the kept publication")(e)),
+            }
+            match record_ready(pool, &comment_now).await {
+                Ok(ready) => ready,
+                Err(e) => {
+                    tracing::warn!(publication = %kept, error = %e, "cannot say from which WAL position the kept publication publishes: the relay streams through --publication");
+                    return Ok(None);
+                }
+            }
+        }
+    };
+    Ok(Some((kept, ready)))
+}
+
+/// What a session with a slot whose `restart_lsn` is `restart` (`None`:
+/// the slot is made after this) can do with the kept publication `name`,
+/// made at `ready`, once `provision` found it publishes the outbox.
+pub fn standing(name: String, ready: Lsn, restart: Option<Option<Lsn>>) -> Kept {
+    match restart {
+        None => Kept::Now(name),
+        Some(Some(at)) if at >= ready => Kept::Now(name),
+        Some(_) => {
+            tracing::info!(publication = %name, ready = %ready, "the slot may still decode WAL written before the kept publication was made: streaming through --publication until the slot passes that position, then starting the session over through the kept one");
+            Kept::Later { name, ready }
+        }
+    }
+}
+
+/// The WAL position now, recorded in the kept publication's comment.
+async fn record_ready(pool: &PgPool, comment_now: &impl Fn(Lsn) -> String) -> Result<Lsn> {
+    let at: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(pool)
+        .await
+        .map_err(Error::pg("reading the WAL position"))?;
+    let ready = parse_lsn(&at)?;
+    sqlx::query(sqlx::AssertSqlSafe(comment_now(ready)))
+        .execute(pool)
+        .await
+        .map_err(Error::pg("commenting the kept publication"))?;
+    Ok(ready)
+}
+
+/// The slot's `restart_lsn` now, if it has one.
+pub async fn restart_lsn(pool: &PgPool, slot: &str) -> Result<Option<Lsn>> {
+    let at: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("reading the slot's restart_lsn"))?;
+    at.flatten().map(|s| parse_lsn(&s)).transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kept_name_fits_a_publication_name() {
+        assert_eq!(name("outbox_relay_billing"), "outbox_relay_billing_keep");
+        let long = "a".repeat(63);
+        let kept = name(&long);
+        assert_eq!(kept.len(), 63, "{kept}");
+        assert!(kept.ends_with("_keep"));
+        let other = name(&format!("{}b", "a".repeat(62)));
+        assert_ne!(kept, other, "two long names keep two publications");
+        assert!(crate::config::validate_pg_name("publication", &kept).is_ok());
+    }
+
+    #[test]
+    fn the_comment_says_the_position_it_is_read_back_as() {
+        let at = Lsn::parse("1A/2B3C4D").unwrap();
+        let text = comment("outbox_relay_x", "public", "outbox_events", at);
+        assert_eq!(ready_from(Some(&text)), Some(at), "{text}");
+        assert_eq!(ready_from(Some("made by hand")), None);
+        assert_eq!(ready_from(None), None);
+    }
+}
