@@ -72,6 +72,8 @@ MATRIX_TESTS=(
   emitted::kill_9_under_an_emitting_load_loses_nothing_and_duplicates_nothing
   consumer::unreachable_handler_is_retried_then_dead_lettered
   versions::the_publish_mode_follows_the_servers_release
+  tables::a_table_dropped_from_the_publication_while_streaming_loses_no_row
+  tables::a_slot_older_than_the_kept_publication_streams_through_it_once_past_its_making
 )
 for pair in "${MATRIX_PAIRS[@]}"; do
   read -r pg nats <<<"$pair"

@@ -118,12 +118,11 @@ pub enum Error {
     )]
     StreamFound { stream: String },
 
-    /// The slot has passed the making of the kept publication
-    /// (`postgres::kept`): a new session streams through it too.
-    #[error(
-        "the slot has passed the making of publication {publication}: starting the session over to stream through it too (an edit of --publication then loses nothing)"
-    )]
-    KeptReady { publication: String },
+    /// A session ended on purpose, to begin again at once with what has
+    /// changed (the slot has passed the making of the kept publication,
+    /// `postgres::kept`): said, not counted as a restart.
+    #[error("{0}")]
+    StartOver(String),
 
     /// Postgres stopped hearing the replication connection (`relay::heard`).
     #[error("{0}")]
@@ -152,7 +151,7 @@ impl Error {
             | Error::StreamEnded
             | Error::ReplicationSilent(_)
             | Error::StreamFound { .. }
-            | Error::KeptReady { .. }
+            | Error::StartOver(_)
             | Error::Paused { .. } => Class::Transient,
         }
     }

@@ -9,6 +9,11 @@ BEGIN
   IF NOT EXISTS (SELECT FROM pg_publication WHERE pubname = 'outbox_relay_demo') THEN
     CREATE PUBLICATION outbox_relay_demo FOR TABLE public.outbox_events WITH (publish = 'insert', publish_via_partition_root = true);
   END IF;
+  -- The one the relay streams through, so that an edit of the one above
+  -- loses nothing (docs/guide/outbox-tables.md, "The publication the relay keeps").
+  IF NOT EXISTS (SELECT FROM pg_publication WHERE pubname = 'outbox_relay_demo_keep') THEN
+    CREATE PUBLICATION outbox_relay_demo_keep FOR TABLE public.outbox_events WITH (publish = 'insert', publish_via_partition_root = true);
+  END IF;
 END
 $$;
 GRANT SELECT ON public.outbox_events TO outbox_relay;

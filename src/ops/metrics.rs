@@ -305,7 +305,7 @@ pub fn register_relay() {
     );
     describe_gauge!(
         PUBLICATION_KEPT,
-        "1 while --publication does not publish the outbox and the slot streams it through the publication the relay keeps ({publication}_keep)"
+        "1 while --publication does not publish the outbox and the slot streams it through the publication the relay keeps ({slot}_keep)"
     );
     describe_gauge!(
         STREAM_DURABLE,

@@ -7,7 +7,7 @@
 //! publication (`ALTER PUBLICATION … DROP TABLE`, then `ADD TABLE`) never
 //! reach the slot, not even when read again, and only the table still has
 //! them; published from there they would come after the rows written
-//! since. So the relay makes `{publication}_keep` for the outbox's inserts
+//! since. So the relay makes `{slot}_keep` for the outbox's inserts
 //! alone, which nobody has a reason to edit, and the session streams
 //! through it instead of the operator's. Not beside it: a publication the
 //! session names that is dropped fails decoding (`publication "…" does not
@@ -28,6 +28,8 @@
 
 use pgwire_replication::Lsn;
 use sha2::{Digest, Sha256};
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use sqlx::PgPool;
 
 use super::{db_code, parse_lsn};
@@ -36,18 +38,19 @@ use crate::error::{Error, Result};
 /// Where the comment records the position the publication was made at.
 const FROM: &str = "in the slot from WAL position ";
 
-/// The publication kept for `publication`: `{publication}_keep`, or, for
-/// a name too long for that, one shortened with a hash of the whole (a
+/// The publication kept for `slot`: `{slot}_keep` (one slot, one relay's
+/// stream: relays sharing `--publication` keep one each), or, for a name
+/// too long for that, one shortened with a hash of the whole (a
 /// publication name has at most 63 bytes).
-pub fn name(publication: &str) -> String {
+pub fn name(slot: &str) -> String {
     const SUFFIX: &str = "_keep";
-    if publication.len() + SUFFIX.len() <= 63 {
-        return format!("{publication}{SUFFIX}");
+    if slot.len() + SUFFIX.len() <= 63 {
+        return format!("{slot}{SUFFIX}");
     }
-    let hash = Sha256::digest(publication.as_bytes());
+    let hash = Sha256::digest(slot.as_bytes());
     let short: String = hash[..4].iter().map(|b| format!("{b:02x}")).collect();
     // 49 + 1 + 8 + 5 = 63; the names are ASCII (validated at config load).
-    format!("{}_{short}{SUFFIX}", &publication[..49])
+    format!("{}_{short}{SUFFIX}", &slot[..49])
 }
 
 /// What the session can do with the kept publication.
@@ -98,37 +101,89 @@ pub async fn filters(pool: &PgPool, publication: &str, schema: &str, table: &str
     .map_err(Error::pg("reading the publication's filters"))
 }
 
-/// The position a kept publication's comment records, if it does.
-fn ready_from(comment: Option<&str>) -> Option<Lsn> {
-    let rest = comment?.split_once(FROM)?.1;
+/// Where the comment records the outbox's membership row of the
+/// publication when that position was taken.
+const MEMBERSHIP: &str = "membership ";
+
+/// The position a kept publication's comment records, if it does, and the
+/// membership row it was taken for.
+fn ready_from(comment: Option<&str>) -> Option<(Lsn, &str)> {
+    let comment = comment?;
+    let rest = comment.split_once(FROM)?.1;
     let word = rest.split_whitespace().next()?;
-    Lsn::parse(word.trim_end_matches('.')).ok()
+    let ready = Lsn::parse(word.trim_end_matches('.')).ok()?;
+    let membership = comment
+        .split_once(MEMBERSHIP)?
+        .1
+        .split(|c: char| c == ';' || c.is_whitespace())
+        .next()?;
+    Some((ready, membership))
 }
 
-/// The comment a kept publication carries.
-fn comment(publication: &str, schema: &str, table: &str, ready: Lsn) -> String {
+/// The comment a kept publication carries: the WAL position from which it
+/// publishes the outbox, and the membership row it was taken for (the
+/// table dropped from it and added again is a new row, from a later
+/// position).
+fn comment(slot: &str, schema: &str, table: &str, membership: &str, ready: Lsn) -> String {
     format!(
-        "outbox-relay streams the inserts of {schema}.{table} through this publication rather than {publication}, so that an edit of that one loses nothing; {FROM}{ready}. Drop it only with the relay stopped"
+        "outbox-relay: slot {slot} streams the inserts of {schema}.{table} through this publication, so that an edit of --publication loses nothing; {MEMBERSHIP}{membership}; {FROM}{ready}. Drop it only with the relay stopped (it is made again); never add the table back by hand"
     )
 }
 
-/// Make sure the publication kept for `publication` exists and says from
-/// which WAL position it publishes: its name and that position, or `None`
-/// where none is kept. Made when missing and permitted; otherwise one
-/// warning says what to run, and the relay streams through `--publication`.
+/// Whether this process said why it keeps no publication (a relay retries
+/// its session every 30 s while halted: said once).
+static SAID: AtomicBool = AtomicBool::new(false);
+
+fn once(say: impl FnOnce()) {
+    if !SAID.swap(true, Ordering::Relaxed) {
+        say();
+    }
+}
+
+/// The kept publication's comment and the outbox's membership row of it
+/// (`""`: none), if it exists.
+async fn look(
+    pool: &PgPool,
+    kept: &str,
+    schema: &str,
+    table: &str,
+) -> Result<Option<(Option<String>, String)>> {
+    sqlx::query_as(
+        "SELECT obj_description(p.oid, 'pg_publication'), \
+                coalesce((SELECT string_agg(pr.oid::text, ',' ORDER BY pr.oid) FROM pg_publication_rel pr \
+                          WHERE pr.prpubid = p.oid \
+                            AND pr.prrelid = to_regclass(format('%I.%I', $2::text, $3::text))), '') \
+         FROM pg_publication p WHERE p.pubname = $1",
+    )
+    .bind(kept)
+    .bind(schema)
+    .bind(table)
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("looking up the kept publication"))
+}
+
+/// Make sure the publication kept for `slot` exists and says from which
+/// WAL position it publishes the outbox: its name and that position, or
+/// `None` where none is kept. Made when missing and permitted; otherwise
+/// one warning says what to run, and the relay streams through
+/// `--publication`.
 pub async fn ensure(
     pool: &PgPool,
     publication: &str,
+    slot: &str,
     schema: &str,
     table: &str,
     standby: bool,
 ) -> Result<Option<(String, Lsn)>> {
-    let kept = name(publication);
+    let kept = name(slot);
     if filters(pool, publication, schema, table).await? {
-        tracing::info!(
+        once(|| {
+            tracing::info!(
             publication,
             "the publication filters the outbox's rows or columns: the relay keeps no publication of its own (an unfiltered one would publish more) and streams through this one, so an edit of it while the relay streams stops the relay"
-        );
+        )
+        });
         return Ok(None);
     }
     let create = format!(
@@ -136,36 +191,36 @@ pub async fn ensure(
         schema.replace('"', "\"\""),
         table.replace('"', "\"\"")
     );
-    let found: Option<Option<String>> = sqlx::query_scalar(
-        "SELECT obj_description(oid, 'pg_publication') FROM pg_publication WHERE pubname = $1",
-    )
-    .bind(&kept)
-    .fetch_optional(pool)
-    .await
-    .map_err(Error::pg("looking up the kept publication"))?;
-    let comment_now = |ready: Lsn| {
-        let text = comment(publication, schema, table, ready).replace('\'', "''");
-        format!("COMMENT ON PUBLICATION {kept} IS '{text}'")
-    };
-    let ready = match found {
-        Some(text) => match ready_from(text.as_deref()) {
-            Some(ready) => ready,
-            // Made, and the process stopped before its comment: a later
-            // position is as good (the slot streams through it later).
-            None if !standby => match record_ready(pool, &comment_now).await {
-                Ok(ready) => ready,
-                Err(e) => {
-                    tracing::warn!(publication = %kept, error = %e, "the kept publication does not say from which WAL position it publishes, and this role may not say it: the relay streams through --publication (an edit of it then stops the relay); drop it as its owner, and the relay makes it again");
-                    return Ok(None);
-                }
-            },
-            None => return Ok(None),
-        },
+    let found = match look(pool, &kept, schema, table).await? {
+        Some(found) => found,
         None if standby => {
-            tracing::info!(publication = %kept, "no kept publication, and a standby cannot make one: the relay streams through --publication (an edit of it then stops the relay); start a relay on the primary once, or run there: {create};");
+            once(
+                || tracing::info!(publication = %kept, "no kept publication, and a standby cannot make one: the relay streams through --publication (an edit of it then stops the relay); start a relay on the primary once, or run there: {create};"),
+            );
             return Ok(None);
         }
         None => {
+            // Asked first: a refused CREATE is an ERROR in the server's log
+            // at every start.
+            let may: bool = sqlx::query_scalar(
+                "SELECT coalesce(bool_and(pg_has_role(c.relowner, 'USAGE')), false) \
+                        AND has_database_privilege(current_database(), 'CREATE') \
+                 FROM pg_class c WHERE c.oid = to_regclass(format('%I.%I', $1::text, $2::text))",
+            )
+            .bind(schema)
+            .bind(table)
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("checking who may make the kept publication"))?;
+            let refused = || {
+                once(
+                    || tracing::warn!(publication = %kept, "this role may not make the kept publication: the relay streams through --publication, so an edit of it while the relay streams stops the relay; as the table owner run: {create};"),
+                );
+                Ok(None)
+            };
+            if !may {
+                return refused();
+            }
             match sqlx::query(sqlx::AssertSqlSafe(create.clone()))
                 .execute(pool)
                 .await
@@ -173,21 +228,39 @@ pub async fn ensure(
                 Ok(_) => {
                     tracing::info!(publication = %kept, "created the kept publication: an edit of --publication while the relay streams loses nothing")
                 }
-                // Another relay made it at the same moment.
-                Err(e) if db_code(&e).as_deref() == Some("42710") => {}
-                Err(e) if db_code(&e).as_deref() == Some("42501") => {
-                    tracing::warn!(publication = %kept, "this role may not make the kept publication: the relay streams through --publication, so an edit of it while the relay streams stops the relay; as the table owner run: {create};");
-                    return Ok(None);
-                }
+                // Another relay made it at the same moment (the duplicate
+                // name, or the unique index it waited on).
+                Err(e) if matches!(db_code(&e).as_deref(), Some("42710" | "23505")) => {}
+                Err(e) if db_code(&e).as_deref() == Some("42501") => return refused(),
                 Err(e) => return Err(Error::pg("creating the kept publication")(e)),
             }
-            match record_ready(pool, &comment_now).await {
-                Ok(ready) => ready,
-                Err(e) => {
-                    tracing::warn!(publication = %kept, error = %e, "cannot say from which WAL position the kept publication publishes: the relay streams through --publication");
-                    return Ok(None);
-                }
+            match look(pool, &kept, schema, table).await? {
+                Some(found) => found,
+                // Dropped again at once: next session.
+                None => return Ok(None),
             }
+        }
+    };
+    let (text, membership) = found;
+    if membership.is_empty() {
+        // Not for the outbox (any more): `provision` says so.
+        return Ok(Some((kept, Lsn::ZERO)));
+    }
+    let ready = match ready_from(text.as_deref()) {
+        Some((ready, of)) if of == membership => ready,
+        // Made by its owner (the statement above), the process stopped
+        // before its comment, or the table dropped from it and added back:
+        // recorded where this role may, else counted from now, which is
+        // past the membership row's making (it is visible): safe, only
+        // later than it could be, and counted again at each start.
+        _ => {
+            let ready = wal_now(pool).await?;
+            if !standby {
+                let text = comment(slot, schema, table, &membership, ready).replace('\'', "''");
+                let sql = format!("COMMENT ON PUBLICATION {kept} IS '{text}'");
+                let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(pool).await;
+            }
+            ready
         }
     };
     Ok(Some((kept, ready)))
@@ -207,18 +280,19 @@ pub fn standing(name: String, ready: Lsn, restart: Option<Option<Lsn>>) -> Kept 
     }
 }
 
-/// The WAL position now, recorded in the kept publication's comment.
-async fn record_ready(pool: &PgPool, comment_now: &impl Fn(Lsn) -> String) -> Result<Lsn> {
-    let at: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
-        .fetch_one(pool)
-        .await
-        .map_err(Error::pg("reading the WAL position"))?;
-    let ready = parse_lsn(&at)?;
-    sqlx::query(sqlx::AssertSqlSafe(comment_now(ready)))
-        .execute(pool)
-        .await
-        .map_err(Error::pg("commenting the kept publication"))?;
-    Ok(ready)
+/// The WAL position now: past every record inserted yet, so past the
+/// commit of any publication this session sees (with `synchronous_commit =
+/// off` a commit is visible before it is written out). On a standby, what
+/// it has replayed.
+async fn wal_now(pool: &PgPool) -> Result<Lsn> {
+    let at: String = sqlx::query_scalar(
+        "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() \
+                     ELSE pg_current_wal_insert_lsn() END::text",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("reading the WAL position"))?;
+    parse_lsn(&at)
 }
 
 /// The slot's `restart_lsn` now, if it has one.
@@ -250,10 +324,10 @@ mod tests {
     }
 
     #[test]
-    fn the_comment_says_the_position_it_is_read_back_as() {
+    fn the_comment_says_the_position_and_membership_it_is_read_back_as() {
         let at = Lsn::parse("1A/2B3C4D").unwrap();
-        let text = comment("outbox_relay_x", "public", "outbox_events", at);
-        assert_eq!(ready_from(Some(&text)), Some(at), "{text}");
+        let text = comment("outbox_relay_x", "public", "outbox_events", "16412", at);
+        assert_eq!(ready_from(Some(&text)), Some((at, "16412")), "{text}");
         assert_eq!(ready_from(Some("made by hand")), None);
         assert_eq!(ready_from(None), None);
     }

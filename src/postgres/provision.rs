@@ -50,8 +50,9 @@ pub async fn prepare(
     schema: &str,
     table: &str,
     publication: &str,
-    slot: &str,
+    slot_name: &str,
 ) -> Result<Prepared> {
+    let slot = slot_name;
     let wal_level: String = sqlx::query_scalar("SHOW wal_level")
         .fetch_one(pool)
         .await
@@ -114,8 +115,9 @@ pub async fn prepare(
         // The names were validated at config load (lower-case, digits, underscores).
         match sqlx::query(sqlx::AssertSqlSafe(sql.clone())).execute(pool).await {
             Ok(_) => tracing::info!(publication, "created publication"),
-            // Another relay created it at the same moment.
-            Err(e) if db_code(&e).as_deref() == Some("42710") => {}
+            // Another relay created it at the same moment (the duplicate
+            // name, or the unique index it waited on).
+            Err(e) if matches!(db_code(&e).as_deref(), Some("42710" | "23505")) => {}
             Err(e) if db_code(&e).as_deref() == Some("42501") => {
                 return Err(Error::setup(format!(
                     "publication {publication} is missing and this role may not create it; as the table owner run: {sql};"
@@ -160,10 +162,17 @@ pub async fn prepare(
     if let (Some(fix), None) = (&unpublished, &slot) {
         return Err(Error::setup(fix.clone()));
     }
-    let kept = match kept::ensure(pool, publication, schema, table, standby).await? {
+    // Another relay streams from the slot: this one waits (asking every
+    // second), and keeps nothing meanwhile.
+    let busy = slot.as_ref().is_some_and(|s| s.active_pid.is_some());
+    let ensured = match busy {
+        true => None,
+        false => kept::ensure(pool, publication, slot_name, schema, table, standby).await?,
+    };
+    let kept = match ensured {
         Some((name, ready)) => {
             if let Some(fix) = publishes(pool, &name, schema, table).await? {
-                tracing::warn!(publication = %name, "{fix}: the relay streams through --publication, so an edit of it while the relay streams stops the relay");
+                tracing::warn!(publication = %name, "the kept publication does not publish the outbox ({fix}): the relay streams through --publication, so an edit of it while the relay streams stops the relay. Drop it (DROP PUBLICATION {name};) and the relay makes it again; never add the table back by hand (rows written meanwhile would be missed)");
                 Kept::None
             } else if kept::filters(pool, &name, schema, table).await? {
                 tracing::warn!(publication = %name, "the kept publication filters the outbox's rows or columns: the relay streams through --publication; drop it, and the relay makes it again");

@@ -181,6 +181,7 @@ pub async fn run(
             pool = dsn.lazy_pool(2, POOL_ACQUIRE)?;
         }
         metrics::gauge!(m::STREAMING).set(0.0);
+        metrics::gauge!(m::PUBLICATION_KEPT).set(0.0);
         // What the session had in flight is no one's now: the next session
         // publishes it again.
         metrics::gauge!(m::INFLIGHT_EVENTS).set(0.0);
@@ -248,6 +249,10 @@ pub async fn run(
                     }
                     _ = tokio::time::sleep(HALTED_RETRY) => {}
                 }
+            }
+            // Planned: no pause, no restart counted.
+            Err(e @ Error::StartOver(_)) => {
+                tracing::info!("{e}");
             }
             Err(e) if e.class() == Class::Transient && proven => {
                 metrics::counter!(m::SESSION_RESTARTS).increment(1);

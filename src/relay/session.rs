@@ -25,7 +25,7 @@ use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
 use super::watermark::Watermark;
-use crate::error::{Error, Result};
+use crate::error::{Class, Error, Result};
 use crate::ops::metrics as m;
 use crate::postgres;
 use crate::postgres::kept::Kept;
@@ -216,6 +216,15 @@ impl<'a> Session<'a> {
             open = self.open() => open?,
         };
         if let Err(e) = self.pump(&mut open, shutdown).await {
+            // A halt (a change the relay cannot go past by itself) first
+            // settles what it sent before the change: acked and confirmed,
+            // a restart with the fixed flags begins after it, instead of
+            // reading it again under the new map. So does a planned start
+            // over (no replay to dedupe).
+            if e.class() == Class::Permanent || matches!(e, Error::StartOver(_)) {
+                self.settle(&mut open).await;
+                tokio::time::sleep(open.status_interval + Duration::from_millis(200)).await;
+            }
             open.client.abort();
             return Err(e);
         }
@@ -268,8 +277,14 @@ impl<'a> Session<'a> {
         };
         let pin = guard::check(pool, &names, &cfg.schema, &cfg.table).await?;
         let outbox = match (&pin.named, &pin.kept) {
+            // Edited since `prepare` looked: the next session looks again.
+            (_, Some(Err(why))) => {
+                return Err(Error::StartOver(format!(
+                    "the kept publication changed as the session began ({why}); starting over"
+                )))
+            }
             (Ok(p), _) | (Err(_), Some(Ok(p))) => p.clone(),
-            (Err(why), _) => return Err(Error::setup(guard::stop_line(why, None))),
+            (Err(why), None) => return Err(Error::setup(guard::stop_line(why, None))),
         };
         if let Some(oid) = self.expected_oid.filter(|oid| *oid != outbox.oid) {
             return Err(Error::setup(format!(
@@ -322,7 +337,8 @@ impl<'a> Session<'a> {
             };
             return Err(Error::setup(match why {
                 Unreplicated::Generated => format!(
-                    "column {column} of table {table} ({plays}) is generated, and logical replication leaves it out of the rows it sends (before PostgreSQL 18, or unless the publication publishes generated columns: ALTER PUBLICATION {streamed} SET (publish_generated_columns = stored) on 18): map a column that is written, or compute it in the subject template"
+                    "column {column} of table {table} ({plays}) is generated, and logical replication leaves it out of the rows it sends (before PostgreSQL 18, or unless the publication publishes generated columns: ALTER PUBLICATION {} SET (publish_generated_columns = stored) on 18, which the relay then streams through): map a column that is written, or compute it in the subject template",
+                    cfg.publication
                 ),
                 Unreplicated::NotListed => format!(
                     "column {column} of table {table} ({plays}) is not in publication {streamed}'s column list, and logical replication leaves it out of the rows it sends: add it to the list (ALTER PUBLICATION {streamed} SET TABLE {table} (…, {column})), or map a column the list has"
@@ -704,7 +720,9 @@ impl<'a> Session<'a> {
                     guard::Notice::Silent(line) => return Err(Error::ReplicationSilent(line)),
                     guard::Notice::Unproven(Some(line)) => self.env.ready.not_ready(line),
                     guard::Notice::Unproven(None) => self.env.ready.ready(),
-                    guard::Notice::KeptReady(kept) => return Err(Error::KeptReady { publication: kept }),
+                    guard::Notice::KeptReady(kept) => return Err(Error::StartOver(format!(
+                        "the slot has passed the making of publication {kept}: starting the session over to stream through it (an edit of --publication then loses nothing)"
+                    ))),
                 },
                 Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
@@ -749,25 +767,7 @@ impl<'a> Session<'a> {
             in_flight = open.publisher.in_flight(),
             "stopping: waiting for in-flight acks"
         );
-        // An open transaction will not complete now: it is read again.
-        open.publisher.close();
-        let drain = async {
-            while open.publisher.in_flight() > 0 {
-                let Some(ack) = open.publisher.next_ack().await else {
-                    break;
-                };
-                if let Err(e) = self.on_ack(&open.client, &open.publisher, ack) {
-                    tracing::warn!(error = %e, "publish failed during shutdown; it will be replayed");
-                    break;
-                }
-            }
-        };
-        if tokio::time::timeout(cfg.shutdown_timeout, drain)
-            .await
-            .is_err()
-        {
-            tracing::warn!("shutdown timeout: unacked events will be replayed on the next start");
-        }
+        self.settle(&mut open).await;
         // A change a last check finds is said now: the next start may
         // not see it (a table added back), and its rows need the audit.
         if let Some((names, pin)) = &self.pin {
@@ -788,6 +788,28 @@ impl<'a> Session<'a> {
         let _ = open.client.shutdown().await;
         Stopped {
             confirmed: self.watermark.confirmed(),
+        }
+    }
+
+    /// Read nothing more, and wait (up to the shutdown timeout) for the
+    /// acks of what is in flight, confirming as they come.
+    async fn settle(&mut self, open: &mut Open) {
+        // An open transaction will not complete now: it is read again.
+        open.publisher.close();
+        let timeout = self.env.cfg.shutdown_timeout;
+        let drain = async {
+            while open.publisher.in_flight() > 0 {
+                let Some(ack) = open.publisher.next_ack().await else {
+                    break;
+                };
+                if let Err(e) = self.on_ack(&open.client, &open.publisher, ack) {
+                    tracing::warn!(error = %e, "a publish failed while stopping; it will be replayed");
+                    break;
+                }
+            }
+        };
+        if tokio::time::timeout(timeout, drain).await.is_err() {
+            tracing::warn!("shutdown timeout: unacked events will be replayed on the next start");
         }
     }
 
