@@ -249,6 +249,8 @@ const NOT_METRICS: &[&str] = &[
     "outbox_relay_orders",
     "outbox_relay_bench",
     "outbox_relay_demo",
+    "outbox_relay_orders_keep",
+    "outbox_relay_demo_keep",
 ];
 
 /// Metric names of a text: the exporters' prefixes. A name inside a

@@ -412,6 +412,18 @@ async fn every_metric_the_rules_read_is_scraped_from_the_running_processes() {
             .all(|n| r.has(n) || c.has(n))
     })
     .await;
+    // Each failure is counted once its message has come through (the
+    // series above exist from the start).
+    eventually(T, "each process counted its schema failure", || async {
+        let (r, c) = (relay.scrape().await, consumer.scrape().await);
+        r.value(r#"outbox_schema_validation_failures_total{stage="relay",event_type="placed"}"#)
+            .is_some()
+            && c.value(
+                r#"outbox_schema_validation_failures_total{stage="consume",event_type="placed"}"#,
+            )
+            .is_some()
+    })
+    .await;
     let (r, c) = (relay.scrape().await, consumer.scrape().await);
     assert_eq!(
         r.value(r#"outbox_schema_validation_failures_total{stage="relay",event_type="placed"}"#),

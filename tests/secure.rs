@@ -572,3 +572,118 @@ async fn insert_order(pool: &sqlx::PgPool, aggregate: &str) -> uuid::Uuid {
     .unwrap();
     id
 }
+
+/// Review N12's residuals: libpq's other ways to say how to trust the
+/// server reach the replication connection as they reach the pools. Each
+/// relay streams one event over TLS from a Postgres that requires it:
+/// `sslmode=verify-full` with an address for a host (the certificate names
+/// IP:127.0.0.1); `sslrootcert=system` (libpq 16: the system's bundle,
+/// here `SSL_CERT_FILE` naming the test CA, and verify-full when no mode is
+/// given); and `~/.postgresql/root.crt` when nothing names a root. Before:
+/// the replication connection refused the address ("VerifyFull enabled but
+/// host '127.0.0.1' is an IP address"), `system` was "not a readable file",
+/// and without `sslrootcert` verify-full trusted only the public roots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libpq_ways_to_trust_the_server_reach_the_replication_connection() {
+    outbox_relay::install_tls_provider();
+    let s = OwnStack::up("trust-stack", true);
+    let admin_url = s.get("DATABASE_URL").to_owned();
+    migrate(&admin_url);
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&admin_url)
+        .await
+        .unwrap();
+    let ca = s.get("PG_CA").to_owned();
+    let nats_args = [
+        "--nats-ca",
+        s.get("NATS_CA"),
+        "--nats-user",
+        s.get("NATS_USER"),
+        "--nats-password",
+        s.get("NATS_PASSWORD"),
+    ];
+    // The URL with neither sslmode nor sslrootcert.
+    let bare = admin_url.split('?').next().unwrap().to_owned();
+    let home = PathBuf::from(&ca).parent().unwrap().join("home");
+    std::fs::create_dir_all(home.join(".postgresql")).unwrap();
+    std::fs::copy(&ca, home.join(".postgresql/root.crt")).unwrap();
+    let home_dir = home.to_str().unwrap().to_owned();
+    type Case<'a> = (&'a str, String, Vec<(&'a str, &'a str)>);
+    let cases: [Case; 3] = [
+        (
+            "an address under verify-full",
+            format!(
+                "{}?sslmode=verify-full&sslrootcert={ca}",
+                bare.replace("@localhost:", "@127.0.0.1:")
+            ),
+            vec![],
+        ),
+        (
+            "sslrootcert=system",
+            format!("{bare}?sslrootcert=system"),
+            vec![("SSL_CERT_FILE", ca.as_str())],
+        ),
+        (
+            "~/.postgresql/root.crt",
+            format!("{bare}?sslmode=verify-full"),
+            vec![("HOME", home_dir.as_str())],
+        ),
+    ];
+    let client = || async {
+        async_nats::ConnectOptions::new()
+            .add_root_certificates(PathBuf::from(s.get("NATS_CA")))
+            .user_and_password(s.get("NATS_USER").into(), s.get("NATS_PASSWORD").into())
+            .connect(s.get("NATS_URL"))
+            .await
+            .unwrap()
+    };
+    let mut sent = HashSet::new();
+    for (n, (what, url, envs)) in cases.iter().enumerate() {
+        let relay = Service::relay_env(url, s.get("NATS_URL"), "trust", &nats_args, envs);
+        sent.insert(insert_order(&admin, &format!("o-{n}")).await);
+        let got =
+            read_stream_with(client().await, &wire::stream_name("trust"), n as u64 + 1, T).await;
+        assert_eq!(got.len(), n + 1, "{what}: {}", relay.log_text());
+        let walsender_tls: Vec<bool> = sqlx::query_scalar(
+            "SELECT s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.backend_type = 'walsender' AND a.application_name LIKE 'outbox-relay:%'",
+        )
+        .fetch_all(&admin)
+        .await
+        .unwrap();
+        assert_eq!(
+            walsender_tls,
+            [true],
+            "{what}: the replication connection is TLS"
+        );
+        drop(relay);
+        eventually(T, "the walsender gone", || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'",
+            )
+            .fetch_one(&admin)
+            .await
+            .unwrap()
+                == 0
+        })
+        .await;
+    }
+    assert_exactly_once_in_order(
+        &read_stream_with(client().await, &wire::stream_name("trust"), 3, T).await,
+        &sent,
+    );
+    // Weaker than verify-full with the system's roots: one line, as libpq.
+    let (code, err) = run_relay_bounded(
+        &format!("{bare}?sslrootcert=system&sslmode=require"),
+        s.get("NATS_URL"),
+        "trust",
+        &nats_args,
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.lines()
+            .any(|l| l.starts_with("error") && l.contains("verify-full")),
+        "{err}"
+    );
+}

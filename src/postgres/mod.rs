@@ -76,7 +76,37 @@ impl Dsn {
         };
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let file = |names: &[&str], var: &str| param(names).or_else(|| env(var)).map(PathBuf::from);
-        let root = file(&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT");
+        // libpq's files in ~/.postgresql when nothing names others.
+        let home = |name: &str| {
+            env("HOME")
+                .map(|h| PathBuf::from(h).join(".postgresql").join(name))
+                .filter(|p| p.is_file())
+        };
+        let mut root = file(&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT");
+        if root.as_ref().is_some_and(|p| p.as_os_str() == "system") {
+            // libpq 16: the system's trust store, and then nothing weaker
+            // than verify-full (those roots vouch for any name they signed).
+            match param(&["sslmode", "ssl-mode"]).or_else(|| env("PGSSLMODE")).as_deref() {
+                None | Some("verify-full") => {
+                    options = options.ssl_mode(sqlx::postgres::PgSslMode::VerifyFull)
+                }
+                Some(other) => {
+                    return Err(bad(&format!(
+                        "sslrootcert=system with sslmode={other}: as in libpq, the system's roots go only with sslmode=verify-full (or no sslmode)"
+                    )))
+                }
+            }
+            let bundle = system_roots().ok_or_else(|| {
+                bad("sslrootcert=system: no system certificate bundle found (set SSL_CERT_FILE to one)")
+            })?;
+            options = options.ssl_root_cert(&bundle);
+            root = Some(bundle);
+        } else if root.is_none() {
+            if let Some(p) = home("root.crt") {
+                options = options.ssl_root_cert(&p);
+                root = Some(p);
+            }
+        }
         if let Some(p) = root.as_ref().filter(|p| !p.is_file()) {
             return Err(bad(&format!(
                 "sslrootcert={} is not a readable file",
@@ -109,12 +139,26 @@ impl Dsn {
             Pg::VerifyCa => SslMode::VerifyCa,
             Pg::VerifyFull => SslMode::VerifyFull,
         };
+        let (mut cert, mut key) = (
+            file(&["sslcert", "ssl-cert"], "PGSSLCERT"),
+            file(&["sslkey", "ssl-key"], "PGSSLKEY"),
+        );
+        if cert.is_none() && key.is_none() && mode != SslMode::Disable {
+            if let (Some(c), Some(k)) = (home("postgresql.crt"), home("postgresql.key")) {
+                options = options.ssl_client_cert(&c).ssl_client_key(&k);
+                (cert, key) = (Some(c), Some(k));
+            }
+        }
+        // An address checks against the certificate's IP names, as libpq
+        // and the pools do; pgwire-replication refuses an IP host under
+        // verify-full unless told the name to check, which is the address.
+        let ip = host.parse::<std::net::IpAddr>().is_ok();
         let tls = TlsConfig {
             mode,
             ca_pem_path: root,
-            sni_hostname: None,
-            client_cert_pem_path: file(&["sslcert", "ssl-cert"], "PGSSLCERT"),
-            client_key_pem_path: file(&["sslkey", "ssl-key"], "PGSSLKEY"),
+            sni_hostname: (mode == SslMode::VerifyFull && ip).then(|| host.clone()),
+            client_cert_pem_path: cert,
+            client_key_pem_path: key,
         };
         let port = options.get_port();
         let user = options.get_username().to_owned();
@@ -214,6 +258,25 @@ pub fn set_local_tuple_text() -> String {
         .collect()
 }
 
+/// The system's certificate bundle, where OpenSSL (so libpq's
+/// `sslrootcert=system`) finds it: `SSL_CERT_FILE`, else the usual places.
+fn system_roots() -> Option<PathBuf> {
+    let named = std::env::var_os("SSL_CERT_FILE").map(PathBuf::from);
+    named
+        .into_iter()
+        .chain(
+            [
+                "/etc/ssl/certs/ca-certificates.crt",
+                "/etc/pki/tls/certs/ca-bundle.crt",
+                "/etc/ssl/ca-bundle.pem",
+                "/etc/pki/tls/cacert.pem",
+                "/etc/ssl/cert.pem",
+            ]
+            .map(PathBuf::from),
+        )
+        .find(|p| p.is_file())
+}
+
 fn ssl_mode_name(mode: sqlx::postgres::PgSslMode) -> &'static str {
     use sqlx::postgres::PgSslMode as Pg;
     match mode {
@@ -274,5 +337,27 @@ mod tests {
         assert!(!format!("{d:?}").contains("p@ss"), "password never printed");
         assert!(matches!(Dsn::parse("mysql://x/y"), Err(Error::Config(_))));
         assert!(matches!(Dsn::parse("not a url"), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn the_system_roots_go_with_verify_full_only() {
+        let err = Dsn::parse("postgres://app@db.local/orders?sslrootcert=system&sslmode=require")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("verify-full"), "{err}");
+        if system_roots().is_some() {
+            let d = Dsn::parse("postgres://app@db.local/orders?sslrootcert=system").unwrap();
+            assert_eq!(d.tls.mode, SslMode::VerifyFull);
+            assert!(d.tls.ca_pem_path.is_some_and(|p| p.is_file()));
+        }
+    }
+
+    #[test]
+    fn verify_full_checks_an_address_host_as_an_address() {
+        let d = Dsn::parse("postgres://app@127.0.0.1/orders?sslmode=verify-full").unwrap();
+        assert_eq!(d.tls.sni_hostname.as_deref(), Some("127.0.0.1"));
+        let d = Dsn::parse("postgres://app@db.local/orders?sslmode=verify-full").unwrap();
+        assert_eq!(d.tls.sni_hostname, None);
     }
 }
