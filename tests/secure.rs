@@ -17,17 +17,8 @@ const T: Duration = Duration::from_secs(60);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
-    outbox_relay::install_tls_provider();
-    let s = OwnStack::up("secure-stack", true);
-    let admin_url = s.get("DATABASE_URL").to_owned();
-
     // The owner migrates (over TLS + SCRAM) and creates the publication.
-    migrate(&admin_url);
-    let admin = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&admin_url)
-        .await
-        .unwrap();
+    let (s, admin_url, admin) = tls_stack("secure-stack").await;
     // Exactly the SQL docker-compose.yml runs and docs/configuration.md shows.
     let role_sql = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -35,10 +26,15 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
     ))
     .unwrap()
     .replace("PASSWORD 'relay'", "PASSWORD 'relay-Secret-1'");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(role_sql))
-        .execute(&admin)
-        .await
-        .unwrap();
+    // Statement by statement, each in a transaction of its own, as
+    // `psql -f` runs it: the kept publication's comment must come after
+    // the commit that made it.
+    for statement in role_sql.split_inclusive("$$;\n") {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement.to_owned()))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
     let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
         .fetch_one(&admin)
         .await
@@ -50,14 +46,7 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         1,
     );
 
-    let nats_args = [
-        "--nats-ca",
-        s.get("NATS_CA"),
-        "--nats-user",
-        s.get("NATS_USER"),
-        "--nats-password",
-        s.get("NATS_PASSWORD"),
-    ];
+    let nats_args = nats_tls_args(&s);
     let mut relay = Service::relay_traced(&relay_url, s.get("NATS_URL"), "demo", &nats_args);
 
     // Both of the relay's Postgres connections are TLS, as the least-privilege role.
@@ -76,6 +65,19 @@ async fn relay_over_tls_and_scram_as_a_least_privilege_role() {
         rows.iter().all(|r| r.1),
         "every relay connection is TLS: {rows:?}"
     );
+    // The role may not make the kept publication; the owner's script made
+    // it and said from where: the relay streams through it.
+    eventually(
+        T,
+        "the relay streams through the kept publication",
+        || async {
+            relay
+                .log_text()
+                .lines()
+                .any(|l| l.contains("publication=outbox_relay_demo_keep") && l.contains(" from="))
+        },
+    )
+    .await;
 
     let mut sent = HashSet::new();
     for i in 0..5 {
@@ -558,6 +560,33 @@ async fn nats_creds_file_auth() {
     assert_eq!(m.value("outbox_relay_session_restarts_total"), Some(0.0));
 }
 
+/// A stack whose Postgres and NATS require TLS, migrated by its owner: the
+/// stack, the owner's URL and a pool of the owner's.
+async fn tls_stack(name: &str) -> (OwnStack, String, sqlx::PgPool) {
+    outbox_relay::install_tls_provider();
+    let s = OwnStack::up(name, true);
+    let admin_url = s.get("DATABASE_URL").to_owned();
+    migrate(&admin_url);
+    let admin = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&admin_url)
+        .await
+        .unwrap();
+    (s, admin_url, admin)
+}
+
+/// The relay's flags for that stack's NATS.
+fn nats_tls_args(s: &OwnStack) -> [&str; 6] {
+    [
+        "--nats-ca",
+        s.get("NATS_CA"),
+        "--nats-user",
+        s.get("NATS_USER"),
+        "--nats-password",
+        s.get("NATS_PASSWORD"),
+    ]
+}
+
 /// One outbox row of aggregate `aggregate`, committed; its id.
 async fn insert_order(pool: &sqlx::PgPool, aggregate: &str) -> uuid::Uuid {
     let id = uuid::Uuid::new_v4();
@@ -585,24 +614,9 @@ async fn insert_order(pool: &sqlx::PgPool, aggregate: &str) -> uuid::Uuid {
 /// and without `sslrootcert` verify-full trusted only the public roots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libpq_ways_to_trust_the_server_reach_the_replication_connection() {
-    outbox_relay::install_tls_provider();
-    let s = OwnStack::up("trust-stack", true);
-    let admin_url = s.get("DATABASE_URL").to_owned();
-    migrate(&admin_url);
-    let admin = PgPoolOptions::new()
-        .max_connections(2)
-        .connect(&admin_url)
-        .await
-        .unwrap();
+    let (s, admin_url, admin) = tls_stack("trust-stack").await;
     let ca = s.get("PG_CA").to_owned();
-    let nats_args = [
-        "--nats-ca",
-        s.get("NATS_CA"),
-        "--nats-user",
-        s.get("NATS_USER"),
-        "--nats-password",
-        s.get("NATS_PASSWORD"),
-    ];
+    let nats_args = nats_tls_args(&s);
     // The URL with neither sslmode nor sslrootcert.
     let bare = admin_url.split('?').next().unwrap().to_owned();
     let home = PathBuf::from(&ca).parent().unwrap().join("home");

@@ -28,7 +28,7 @@
 
 use pgwire_replication::Lsn;
 use sha2::{Digest, Sha256};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use sqlx::PgPool;
 
@@ -102,8 +102,9 @@ pub async fn filters(pool: &PgPool, publication: &str, schema: &str, table: &str
 }
 
 /// Where the comment records the outbox's membership row of the
-/// publication when that position was taken.
-const MEMBERSHIP: &str = "membership ";
+/// publication when that position was taken (after a `; `: a slot or table
+/// name may end in "membership").
+const MEMBERSHIP: &str = "; membership ";
 
 /// The position a kept publication's comment records, if it does, and the
 /// membership row it was taken for.
@@ -113,7 +114,7 @@ fn ready_from(comment: Option<&str>) -> Option<(Lsn, &str)> {
     let word = rest.split_whitespace().next()?;
     let ready = Lsn::parse(word.trim_end_matches('.')).ok()?;
     let membership = comment
-        .split_once(MEMBERSHIP)?
+        .rsplit_once(MEMBERSHIP)?
         .1
         .split(|c: char| c == ';' || c.is_whitespace())
         .next()?;
@@ -126,16 +127,21 @@ fn ready_from(comment: Option<&str>) -> Option<(Lsn, &str)> {
 /// position).
 fn comment(slot: &str, schema: &str, table: &str, membership: &str, ready: Lsn) -> String {
     format!(
-        "outbox-relay: slot {slot} streams the inserts of {schema}.{table} through this publication, so that an edit of --publication loses nothing; {MEMBERSHIP}{membership}; {FROM}{ready}. Drop it only with the relay stopped (it is made again); never add the table back by hand"
+        "outbox-relay: slot {slot} streams the inserts of {schema}.{table} through this publication, so that an edit of --publication loses nothing{MEMBERSHIP}{membership}; {FROM}{ready}. Drop it only with the relay stopped (it is made again); never add the table back by hand"
     )
 }
 
-/// Whether this process said why it keeps no publication (a relay retries
-/// its session every 30 s while halted: said once).
-static SAID: AtomicBool = AtomicBool::new(false);
+/// What this process said of the kept publication (a relay retries its
+/// session every 30 s while halted: each said once).
+static SAID: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
 
-fn once(say: impl FnOnce()) {
-    if !SAID.swap(true, Ordering::Relaxed) {
+fn once(what: &'static str, say: impl FnOnce()) {
+    let first = SAID.lock().map_or(true, |mut said| {
+        let first = !said.contains(&what);
+        said.push(what);
+        first
+    });
+    if first {
         say();
     }
 }
@@ -178,7 +184,7 @@ pub async fn ensure(
 ) -> Result<Option<(String, Lsn)>> {
     let kept = name(slot);
     if filters(pool, publication, schema, table).await? {
-        once(|| {
+        once("filters", || {
             tracing::info!(
             publication,
             "the publication filters the outbox's rows or columns: the relay keeps no publication of its own (an unfiltered one would publish more) and streams through this one, so an edit of it while the relay streams stops the relay"
@@ -195,6 +201,7 @@ pub async fn ensure(
         Some(found) => found,
         None if standby => {
             once(
+                "standby",
                 || tracing::info!(publication = %kept, "no kept publication, and a standby cannot make one: the relay streams through --publication (an edit of it then stops the relay); start a relay on the primary once, or run there: {create};"),
             );
             return Ok(None);
@@ -214,6 +221,7 @@ pub async fn ensure(
             .map_err(Error::pg("checking who may make the kept publication"))?;
             let refused = || {
                 once(
+                    "refused",
                     || tracing::warn!(publication = %kept, "this role may not make the kept publication: the relay streams through --publication, so an edit of it while the relay streams stops the relay; as the table owner run: {create};"),
                 );
                 Ok(None)
@@ -248,17 +256,31 @@ pub async fn ensure(
     }
     let ready = match ready_from(text.as_deref()) {
         Some((ready, of)) if of == membership => ready,
-        // Made by its owner (the statement above), the process stopped
-        // before its comment, or the table dropped from it and added back:
-        // recorded where this role may, else counted from now, which is
-        // past the membership row's making (it is visible): safe, only
-        // later than it could be, and counted again at each start.
+        // Made by the relay, which stopped before its comment; the table
+        // dropped from it and added back; or made by its owner without
+        // one. A position is vouched for only once the membership row is
+        // committed (it is visible here), and only durably: a position
+        // taken anew at each start would let a later start stream from
+        // an older confirmed position through --publication, which may
+        // have missed rows only this one carried.
         _ => {
             let ready = wal_now(pool).await?;
-            if !standby {
-                let text = comment(slot, schema, table, &membership, ready).replace('\'', "''");
-                let sql = format!("COMMENT ON PUBLICATION {kept} IS '{text}'");
-                let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(pool).await;
+            let text = comment(slot, schema, table, &membership, ready).replace('\'', "''");
+            let sql = format!("COMMENT ON PUBLICATION {kept} IS '{text}'");
+            let said = match standby {
+                true => Err("a standby".to_owned()),
+                false => sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .execute(pool)
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+            };
+            if let Err(why) = said {
+                once(
+                    "uncommented",
+                    || tracing::warn!(publication = %kept, why, "the kept publication does not say from which WAL position it publishes the outbox, and this role cannot say it: the relay streams through --publication (an edit of it then stops the relay). As the publication's owner, run the COMMENT block of docs/configuration.md (\"Postgres privileges\", as deploy/postgres/relay-role.sql does) in a transaction after the one that made the publication"),
+                );
+                return Ok(None);
             }
             ready
         }
@@ -328,6 +350,14 @@ mod tests {
         let at = Lsn::parse("1A/2B3C4D").unwrap();
         let text = comment("outbox_relay_x", "public", "outbox_events", "16412", at);
         assert_eq!(ready_from(Some(&text)), Some((at, "16412")), "{text}");
+        let named = comment(
+            "outbox_relay_membership",
+            "public",
+            "team_membership",
+            "7",
+            at,
+        );
+        assert_eq!(ready_from(Some(&named)), Some((at, "7")), "{named}");
         assert_eq!(ready_from(Some("made by hand")), None);
         assert_eq!(ready_from(None), None);
     }

@@ -144,19 +144,30 @@ impl Dsn {
             file(&["sslkey", "ssl-key"], "PGSSLKEY"),
         );
         if cert.is_none() && key.is_none() && mode != SslMode::Disable {
-            if let (Some(c), Some(k)) = (home("postgresql.crt"), home("postgresql.key")) {
-                options = options.ssl_client_cert(&c).ssl_client_key(&k);
-                (cert, key) = (Some(c), Some(k));
+            match (home("postgresql.crt"), home("postgresql.key")) {
+                (Some(c), Some(k)) => {
+                    options = options.ssl_client_cert(&c).ssl_client_key(&k);
+                    (cert, key) = (Some(c), Some(k));
+                }
+                // As libpq: a certificate it would send without its key.
+                (Some(c), None) => {
+                    return Err(bad(&format!(
+                        "{} is present but not postgresql.key beside it (libpq's default client certificate needs its key)",
+                        c.display()
+                    )))
+                }
+                _ => {}
             }
         }
         // An address checks against the certificate's IP names, as libpq
         // and the pools do; pgwire-replication refuses an IP host under
         // verify-full unless told the name to check, which is the address.
-        let ip = host.parse::<std::net::IpAddr>().is_ok();
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let ip = bare.parse::<std::net::IpAddr>().is_ok();
         let tls = TlsConfig {
             mode,
             ca_pem_path: root,
-            sni_hostname: (mode == SslMode::VerifyFull && ip).then(|| host.clone()),
+            sni_hostname: (mode == SslMode::VerifyFull && ip).then(|| bare.to_owned()),
             client_cert_pem_path: cert,
             client_key_pem_path: key,
         };
@@ -357,6 +368,8 @@ mod tests {
     fn verify_full_checks_an_address_host_as_an_address() {
         let d = Dsn::parse("postgres://app@127.0.0.1/orders?sslmode=verify-full").unwrap();
         assert_eq!(d.tls.sni_hostname.as_deref(), Some("127.0.0.1"));
+        let d = Dsn::parse("postgres://app@[::1]:5432/orders?sslmode=verify-full").unwrap();
+        assert_eq!(d.tls.sni_hostname.as_deref(), Some("::1"));
         let d = Dsn::parse("postgres://app@db.local/orders?sslmode=verify-full").unwrap();
         assert_eq!(d.tls.sni_hostname, None);
     }

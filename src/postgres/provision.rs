@@ -163,12 +163,19 @@ pub async fn prepare(
         return Err(Error::setup(fix.clone()));
     }
     // Another relay streams from the slot: this one waits (asking every
-    // second), and keeps nothing meanwhile.
-    let busy = slot.as_ref().is_some_and(|s| s.active_pid.is_some());
-    let ensured = match busy {
-        true => None,
-        false => kept::ensure(pool, publication, slot_name, schema, table, standby).await?,
-    };
+    // second), and neither keeps nor judges anything meanwhile (the
+    // outbox out of --publication is the active relay's to ride out).
+    if let Some(SlotState {
+        active_pid: Some(pid),
+        ..
+    }) = slot
+    {
+        return Err(Error::SlotBusy {
+            slot: slot_name.to_owned(),
+            pid: Some(pid),
+        });
+    }
+    let ensured = kept::ensure(pool, publication, slot_name, schema, table, standby).await?;
     let kept = match ensured {
         Some((name, ready)) => {
             if let Some(fix) = publishes(pool, &name, schema, table).await? {

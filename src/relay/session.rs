@@ -25,7 +25,7 @@ use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
 use super::route::Router;
 use super::watermark::Watermark;
-use crate::error::{Class, Error, Result};
+use crate::error::{Error, Result};
 use crate::ops::metrics as m;
 use crate::postgres;
 use crate::postgres::kept::Kept;
@@ -51,6 +51,9 @@ pub(super) struct Session<'a> {
     pin: Option<(guard::Names, guard::Pin)>,
     /// The outbox's oid an earlier session of this process streamed from.
     expected_oid: Option<i64>,
+    /// The session ended on a publish or an ack that failed: what follows
+    /// it is not sent.
+    publish_failed: bool,
     streamed: bool,
     metrics: Handles,
 }
@@ -167,6 +170,7 @@ impl<'a> Session<'a> {
             watermark: Watermark::new(Lsn::ZERO),
             pin: None,
             expected_oid: None,
+            publish_failed: false,
             streamed: false,
             metrics: Handles {
                 published: metrics::counter!(m::EVENTS_PUBLISHED),
@@ -216,14 +220,28 @@ impl<'a> Session<'a> {
             open = self.open() => open?,
         };
         if let Err(e) = self.pump(&mut open, shutdown).await {
-            // A halt (a change the relay cannot go past by itself) first
-            // settles what it sent before the change: acked and confirmed,
-            // a restart with the fixed flags begins after it, instead of
-            // reading it again under the new map. So does a planned start
-            // over (no replay to dedupe).
-            if e.class() == Class::Permanent || matches!(e, Error::StartOver(_)) {
-                self.settle(&mut open).await;
-                tokio::time::sleep(open.status_interval + Duration::from_millis(200)).await;
+            // A halt on what was read (a change the relay cannot go past by
+            // itself) first settles what it sent before the change: acked
+            // and confirmed, a restart with the fixed flags begins after
+            // it, instead of reading it again under the new map. So does a
+            // planned start over. Not a publish that failed: what follows
+            // it must not be sent. A stop, or a pause long enough to lose
+            // the slot, ends the settling.
+            if !self.publish_failed && matches!(e, Error::Setup { .. } | Error::StartOver(_)) {
+                self.env
+                    .ready
+                    .not_ready(format!("stopping: {e}; settling what was sent first"));
+                let fence = open.fence.clone();
+                let status = open.status_interval;
+                tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled() => {}
+                    _ = fence.broken() => {}
+                    _ = async {
+                        self.settle(&mut open).await;
+                        tokio::time::sleep(status + Duration::from_millis(200)).await;
+                    } => {}
+                }
             }
             open.client.abort();
             return Err(e);
@@ -726,7 +744,10 @@ impl<'a> Session<'a> {
                 },
                 Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
-                    self.on_ack(client, publisher, ack)?;
+                    if let Err(e) = self.on_ack(client, publisher, ack) {
+                        self.publish_failed = true;
+                        return Err(e);
+                    }
                 }
                 event = client.recv(), if publisher.has_room() => {
                     let event = match event {
@@ -747,7 +768,10 @@ impl<'a> Session<'a> {
                             self.metrics.in_flight(publisher, true);
                         }
                         Step::Publish { ticket, commit_micros, pos, msg } => {
-                            publisher.publish(ticket, commit_micros, pos, msg).await?;
+                            if let Err(e) = publisher.publish(ticket, commit_micros, pos, msg).await {
+                                self.publish_failed = true;
+                                return Err(e);
+                            }
                             self.metrics.in_flight(publisher, false);
                         }
                     }
