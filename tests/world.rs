@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use crate::common::*;
+use futures::StreamExt;
 use outbox_relay::wire;
 
 const T: Duration = Duration::from_secs(120);
@@ -239,6 +240,242 @@ async fn nats_path_gone_silent(ctx: &str, flags: &[&str]) {
         &relay,
     )
     .await;
+}
+
+/// Item 4: another writer in a routed stream (a shared stream another
+/// team publishes to) comes between two of the relay's messages there, so
+/// the order chain refuses the second. Before, every message in flight, of
+/// every stream, was sent again (and a refusal behind an unanswered
+/// message of another stream was taken for a lost leader: an outage, with
+/// probes). Now only that stream's messages go again, from the refused one:
+/// the relay's own stream, which nobody else writes, gets each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_writer_in_a_routed_stream_costs_that_stream_alone_a_resend() {
+    let stack = stack();
+    let client = async_nats::connect(&stack.nats_url).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let _ = js.delete_stream("WFOR_B").await;
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "WFOR_B".into(),
+        subjects: vec!["wforb.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (url, pool) = empty_db(&stack, "t_wfor").await;
+    sqlx::raw_sql(
+        "CREATE TABLE outbox_events (id text primary key, stream text, \
+         topic text not null, payload jsonb not null, created_at timestamptz default now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let flags = [
+        "--table",
+        "public.outbox_events",
+        "--columns",
+        "subject=topic,occurred_at=created_at",
+        "--streams",
+        "WFOR_B,WFOR_EVENTS",
+    ];
+    let mut relay = Service::relay(&url, &stack.nats_url, "wfor", &flags);
+    relay.wait_ready();
+    // Every copy the relay sends to its own stream, stored or refused.
+    let mut copies = client.subscribe("wfor.>").await.unwrap();
+    client.flush().await.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let foreign = {
+        let (js, stop) = (js.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                js.publish("wforb.someone.else", "x".into())
+                    .await
+                    .unwrap()
+                    .await
+                    .unwrap();
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            n
+        })
+    };
+    const TXNS: i64 = 20;
+    const PER_TXN: i64 = 1_000;
+    for t in 0..TXNS {
+        sqlx::query(
+            "INSERT INTO outbox_events (id, stream, topic, payload) \
+             SELECT CASE WHEN g % 2 = 0 THEN 'b' ELSE 'o' END || lpad(g::text, 8, '0'), \
+                    CASE WHEN g % 2 = 0 THEN 'WFOR_B' ELSE 'WFOR_EVENTS' END, \
+                    CASE WHEN g % 2 = 0 THEN 'wforb.paid' ELSE 'wfor.placed' END, '{}' \
+             FROM generate_series($1::int8, $2::int8) g",
+        )
+        .bind(t * PER_TXN)
+        .bind((t + 1) * PER_TXN - 1)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let own = read_stream(
+        &stack.nats_url,
+        "WFOR_EVENTS",
+        (TXNS * PER_TXN / 2) as u64,
+        T,
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let foreign = foreign.await.unwrap();
+    let b = read_stream(
+        &stack.nats_url,
+        "WFOR_B",
+        (TXNS * PER_TXN / 2) as u64 + foreign,
+        T,
+    )
+    .await;
+    let ids = |got: &[Got]| -> Vec<String> {
+        got.iter()
+            .filter_map(|g| g.h(wire::MSG_ID).map(str::to_owned))
+            .collect()
+    };
+    let want = |prefix: &str, parity: i64| -> Vec<String> {
+        (0..TXNS * PER_TXN)
+            .filter(|g| g % 2 == parity)
+            .map(|g| format!("{prefix}{g:08}"))
+            .collect()
+    };
+    assert_eq!(
+        ids(&own),
+        want("o", 1),
+        "the own stream: each once, in order"
+    );
+    let b_ids: Vec<String> = ids(&b).into_iter().filter(|i| i.starts_with('b')).collect();
+    assert_eq!(
+        b_ids,
+        want("b", 0),
+        "the shared stream: each once, in order"
+    );
+    let ours = |g: &Got| g.h(wire::MSG_ID).is_some_and(|i| i.starts_with('b'));
+    let (first, last) = (
+        b.iter().position(ours).unwrap(),
+        b.iter().rposition(ours).unwrap(),
+    );
+    assert!(
+        b[first..last].iter().any(|g| !ours(g)),
+        "the other writer came between the relay's messages"
+    );
+    let m = relay.scrape().await;
+    assert!(
+        m.value("outbox_relay_publish_resends_total").unwrap_or(0.0) > 0.0,
+        "the shared stream's order chain was broken and mended"
+    );
+    assert_eq!(m.value("outbox_relay_session_restarts_total"), Some(0.0));
+    // Each copy seen by now: the stream holds every event, and the core
+    // subscription saw each publish before the stream stored it.
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut again = Vec::new();
+    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(200), copies.next()).await
+    {
+        let id = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(wire::MSG_ID))
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default();
+        if !seen.insert(id.clone()) {
+            again.push(id);
+        }
+    }
+    assert!(
+        !seen.is_empty(),
+        "the subscription saw the own stream's publishes"
+    );
+    assert!(
+        again.is_empty(),
+        "{} of the own stream's events were sent again (first: {:?}): {}",
+        again.len(),
+        again.first(),
+        relay.log_text()
+    );
+}
+
+/// Item 5 (review N7): events the stream holds already, sent again (a
+/// resync over stored rows, a replay past what the read-back verified).
+/// Each came back a duplicate, and a duplicate is not the stream's last
+/// message, so the next went alone too: one round trip per event, which
+/// at 1 ms over a million events outlasts the duplicate window and stores
+/// them twice. The server checks duplicates before the order chain, so
+/// repeats chained to one another pass as duplicates: they go pipelined,
+/// and only the first new event after them is refused once and sent
+/// again alone. Seen from a subscription on the stream's subjects: how
+/// many copies went unchained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_sent_again_go_pipelined_not_one_round_trip_each() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_wrepeat").await;
+    let stream = wire::stream_name("wrepeat");
+    let flags = ["--backfill", "none", "--publish-mode", "event"];
+    let mut relay = Service::relay(&url, &stack.nats_url, "wrepeat", &flags);
+    let mut sent = Vec::new();
+    for i in 0..30 {
+        sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
+    }
+    let got = read_stream(&stack.nats_url, &stream, 300, T).await;
+    let since = got[0].h(wire::OCCURRED_AT).unwrap().to_owned();
+    assert!(relay.term(Duration::from_secs(30)).success());
+    let (code, err) = run_bounded(
+        &[
+            "slot",
+            "drop",
+            "--yes",
+            "--database-url",
+            &url,
+            "--context",
+            "wrepeat",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let client = async_nats::connect(&stack.nats_url).await.unwrap();
+    let mut copies = client
+        .subscribe(wire::stream_subjects("wrepeat"))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let mut flags = flags.to_vec();
+    flags.extend(["--resync-since", &since]);
+    let relay = Service::relay(&url, &stack.nats_url, "wrepeat", &flags);
+    let mut new = Vec::new();
+    for i in 30..35 {
+        new.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
+    }
+    let got = read_stream(&stack.nats_url, &stream, 350, T).await;
+    let ids: Vec<uuid::Uuid> = msg_ids(&got);
+    let unique: HashSet<uuid::Uuid> = ids.iter().copied().collect();
+    assert_eq!(unique.len(), ids.len(), "a duplicate in the stream");
+    assert_eq!(ids.len(), 350, "every row once");
+    let (mut repeats, mut unchained) = (0, 0);
+    let old: HashSet<String> = sent.iter().map(|u| u.to_string()).collect();
+    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(300), copies.next()).await
+    {
+        let h = msg.headers.as_ref();
+        if h.and_then(|h| h.get(wire::MSG_ID))
+            .is_some_and(|id| old.contains(id.as_str()))
+        {
+            repeats += 1;
+        }
+        if h.and_then(|h| h.get(wire::EXPECTED_LAST_MSG_ID)).is_none() {
+            unchained += 1;
+        }
+    }
+    assert!(
+        repeats >= 300,
+        "the resync sent the stored rows again: {repeats}"
+    );
+    assert!(
+        unchained <= 4,
+        "{unchained} copies went alone, one round trip each ({repeats} repeats): {}",
+        relay.log_text()
+    );
 }
 
 /// Item 3: a routed stream at its limits (`max_msgs` with discard new)

@@ -2,19 +2,22 @@
 //!
 //! Up to `max_inflight` publishes await their ack at once. Order in the
 //! stream is kept by the server, not by hope: every publish carries
-//! `Nats-Expected-Last-Msg-Id` = the previous event's id, so if one message is
-//! lost (a connection drop with later messages still queued in the client, a
-//! rejected publish), every message after it is refused too, instead of being
-//! stored ahead of it. Any failed ack ends the session; the relay reconnects,
-//! finds its last message in the stream ([`stored_tail`]) and resumes.
+//! `Nats-Expected-Last-Msg-Id` = the previous event's id in the same stream,
+//! so if one message is lost (a connection drop with later messages still
+//! queued in the client, a rejected publish), every message after it is
+//! refused too, instead of being stored ahead of it. The refusals the
+//! session can settle (another writer, a message the server will never take,
+//! no leader for a while: [`Publisher::next_ack`]) are settled in it; any
+//! other failed ack ends the session, and the relay reconnects, finds its
+//! last message in the stream ([`stored_tail`]) and resumes.
 //!
 //! The first publish of a session has nothing to chain from (the stream's
 //! last message may not be ours), so it goes alone, unconditionally, and the
-//! pipeline opens once it is stored. Its `Nats-Msg-Id` still dedupes it if
-//! an earlier session stored it; but a duplicate does not become the
-//! stream's last message, so nothing can chain from it either: while solo
-//! publishes come back as duplicates (a backfill republishing what the
-//! stream holds), each next one goes solo too.
+//! pipeline opens once it is answered. Its `Nats-Msg-Id` still dedupes it if
+//! an earlier session stored it. A duplicate does not become the stream's
+//! last message, but the server checks for a duplicate before the chain, so
+//! repeats chained to repeats pass; the first new message after them is
+//! refused and goes again alone (see [`Publisher::resend_lane`]).
 
 use std::time::Duration;
 
@@ -28,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::acks::{Inbox, Next};
+use super::acks::{Inbox, Lane, Next};
 use super::config::PublishMode;
 use super::fence::Fence;
 use super::link::{Denied, Dialer, Link, LinkError};
@@ -853,13 +856,14 @@ struct Outage {
 /// The id each publish must follow, per stream: `Nats-Expected-Last-Msg-Id`
 /// is checked against the stream the message lands in, and with the
 /// `stream` role (SPEC §13) rows go to several. A stream with none yet
-/// gets its next message alone.
+/// gets its next message alone. Each stream keeps its [`Lane`] number for
+/// the publisher's life (0: the relay's own).
 #[derive(Debug, Default)]
 struct Chains {
     /// The relay's own stream (and every message without a `stream`).
     own: Option<String>,
-    /// The streams rows named, few: a scan beats a map.
-    named: Vec<(Arc<str>, String)>,
+    /// The streams rows named, few: a scan beats a map. Lane `i + 1`.
+    named: Vec<(Arc<str>, Option<String>)>,
 }
 
 impl Chains {
@@ -870,38 +874,60 @@ impl Chains {
                 .named
                 .iter()
                 .find(|(n, _)| &**n == s)
-                .map(|(_, id)| id.as_str()),
+                .and_then(|(_, id)| id.as_deref()),
         }
     }
 
-    fn set(&mut self, stream: &Option<Arc<str>>, id: &str) {
-        let slot = match stream {
-            None => &mut self.own,
-            Some(s) => match self.named.iter().position(|(n, _)| n == s) {
-                Some(i) => {
-                    let last = &mut self.named[i].1;
+    /// `stream`'s lane; a stream met for the first time gets the next.
+    fn lane(&mut self, stream: &Option<Arc<str>>) -> Lane {
+        let Some(s) = stream else {
+            return 0;
+        };
+        let i = match self.named.iter().position(|(n, _)| n == s) {
+            Some(i) => i,
+            None => {
+                self.named.push((s.clone(), None));
+                self.named.len() - 1
+            }
+        };
+        Lane::try_from(i + 1).unwrap_or(Lane::MAX)
+    }
+
+    fn id_mut(&mut self, lane: Lane) -> Option<&mut Option<String>> {
+        match lane {
+            0 => Some(&mut self.own),
+            l => self
+                .named
+                .get_mut(usize::try_from(l - 1).ok()?)
+                .map(|(_, id)| id),
+        }
+    }
+
+    /// The next message of `lane` follows `id`.
+    fn set(&mut self, lane: Lane, id: &str) {
+        if let Some(slot) = self.id_mut(lane) {
+            match slot {
+                Some(last) => {
                     last.clear();
                     last.push_str(id);
-                    return;
                 }
-                None => {
-                    self.named.push((s.clone(), id.to_owned()));
-                    return;
-                }
-            },
-        };
-        match slot {
-            Some(last) => {
-                last.clear();
-                last.push_str(id);
+                None => *slot = Some(id.to_owned()),
             }
-            None => *slot = Some(id.to_owned()),
+        }
+    }
+
+    /// The next message of `lane` goes alone.
+    fn forget(&mut self, lane: Lane) {
+        if let Some(slot) = self.id_mut(lane) {
+            *slot = None;
         }
     }
 
     fn clear(&mut self) {
         self.own = None;
-        self.named.clear();
+        for (_, id) in &mut self.named {
+            *id = None;
+        }
     }
 }
 
@@ -924,13 +950,15 @@ pub struct Publisher {
     /// The `wire_size` of everything in `sent` and `parked`: the window is
     /// bounded in bytes as well.
     bytes: usize,
-    /// Id of the message the next publish must follow; `None` until a solo
-    /// publish is stored.
+    /// Per stream, the id of the message the next publish must follow.
     chain: Chains,
     /// The `max_payload` of the session's first link, which routing used:
     /// a later link with a smaller one gets messages checked against it.
     routed_for: usize,
-    solo_pending: bool,
+    /// The newest message sent alone, until its answer is taken: nothing
+    /// new goes meanwhile (if it was stored before, nothing may chain
+    /// from it).
+    solo: Option<Ticket>,
     max_inflight: usize,
     max_bytes: usize,
     refusals: Refusals,
@@ -966,7 +994,7 @@ impl Publisher {
             bytes: 0,
             chain: Chains::default(),
             routed_for: usize::MAX,
-            solo_pending: false,
+            solo: None,
             max_inflight,
             max_bytes,
             refusals,
@@ -1004,7 +1032,7 @@ impl Publisher {
     pub(super) fn unchain(&mut self) {
         if self.sent.is_empty() && self.parked.is_empty() {
             self.chain.clear();
-            self.solo_pending = false;
+            self.solo = None;
         }
     }
 
@@ -1026,7 +1054,7 @@ impl Publisher {
     /// Whether another message may be handed over. One message is always
     /// let through when nothing is in flight, whatever its size.
     pub fn has_room(&self) -> bool {
-        !self.solo_pending
+        self.solo.is_none()
             && self.parked.is_empty()
             && self.unanswered() < self.max_inflight
             && (self.bytes < self.max_bytes || self.unanswered() == 0)
@@ -1262,6 +1290,7 @@ impl Publisher {
             );
             self.bytes = self.bytes.saturating_sub(before) + sent.msg.wire_size();
         }
+        let lane = self.chain.lane(&sent.msg.stream);
         let prev = self.chain.last(sent.msg.stream.as_deref());
         if !acks.publish(&sent.msg, prev) {
             return broken(sent, "the publish connection broke");
@@ -1270,11 +1299,11 @@ impl Publisher {
             .outage
             .filter(|_| probe)
             .map(|o| now + o.probe_timeout.peek());
-        acks.queue.push(probe_deadline);
+        acks.queue.push(probe_deadline, lane);
         if prev.is_none() {
-            self.solo_pending = true;
+            self.solo = Some(sent.ticket);
         }
-        self.chain.set(&sent.msg.stream, &sent.msg.msg_id);
+        self.chain.set(lane, &sent.msg.msg_id);
         sent.at = now;
         self.sent.push_back(sent);
         Ok(Sending::Sent)
@@ -1284,10 +1313,12 @@ impl Publisher {
     /// here, inside the session, because a new session cannot help them:
     ///
     /// - out of order (`Nats-Expected-Last-Msg-Id` did not match): every
-    ///   earlier message is stored (acks come in order), this one and all
-    ///   after it were refused, since each expects its predecessor. Another
-    ///   writer appended to the stream. They are sent again from this one,
-    ///   alone first: a foreign message costs a round trip, not a session.
+    ///   earlier message of its stream is stored (one stream's acks come in
+    ///   order), this one and the later ones of its stream were refused,
+    ///   since each expects its predecessor. Another writer appended to the
+    ///   stream. That stream's are sent again from this one, alone first
+    ///   (see [`Publisher::resend_lane`]): a foreign message costs a round
+    ///   trip, not a session, and the other streams nothing.
     /// - the server refuses this message itself (too large for the stream,
     ///   a header block over 64 KiB): it is dead-lettered in its place, and
     ///   the messages after it are sent again behind the dead letter.
@@ -1301,7 +1332,10 @@ impl Publisher {
     /// dedupes by id).
     pub async fn next_ack(&mut self) -> Option<Ack> {
         loop {
-            if self.unanswered() == 0 && !self.parked.is_empty() {
+            // Outside an outage, what waits to go again goes at once, beside
+            // the other streams' messages still in flight (see
+            // `resend_lane`); in one, a probe goes only when nothing is.
+            if !self.parked.is_empty() && (self.unanswered() == 0 || self.outage.is_none()) {
                 if let Some(o) = self.outage {
                     if o.since.elapsed() > OUTAGE_BUDGET {
                         let e = self.gave_up();
@@ -1331,6 +1365,12 @@ impl Publisher {
                     Next::Ack(r) => r,
                     Next::Trouble => {
                         self.ride_out(None, "the stream refused a later message", false);
+                        continue;
+                    }
+                    Next::Reorder(token) => {
+                        if let Some(from) = acks.queue.index(token) {
+                            self.resend_lane(None, from);
+                        }
                         continue;
                     }
                     Next::Denied(subject) => {
@@ -1378,15 +1418,16 @@ impl Publisher {
                             "the stream answers again; sending what waited"
                         );
                     }
-                    if self.solo_pending {
-                        self.solo_pending = false;
-                        // A duplicate is not the stream's last message, so
-                        // nothing may chain from it: the next goes alone
-                        // too. (With more in flight, those chained to it are
-                        // refused and sent again in order instead.)
-                        if duplicate && self.unanswered() == 0 {
-                            self.chain.clear();
-                        }
+                    // A duplicate is not the stream's last message, but the
+                    // chain stays on it: the server tells a duplicate before
+                    // it checks the order, so the repeats that follow (a
+                    // replay past what was read back, a resync) pass as
+                    // duplicates, pipelined, and only the first new event
+                    // after them is refused once and goes again alone.
+                    // (Alone each, a million repeats at 1 ms a round trip
+                    // outlast the duplicate window: stored twice.)
+                    if self.solo == Some(sent.ticket) {
+                        self.solo = None;
                     }
                     // What waited behind it goes out on the next call.
                     return Some(Ack {
@@ -1396,9 +1437,7 @@ impl Publisher {
                     });
                 }
                 Err(e) if matches!(e.kind(), PublishErrorKind::WrongLastMessageId) => {
-                    metrics::counter!(m::PUBLISH_RESENDS).increment(1);
-                    tracing::debug!(id = %sent.msg.msg_id, "another writer appended to the stream; sending again from here");
-                    self.requeue(Some(sent));
+                    self.resend_lane(Some(sent), 0);
                 }
                 Err(e) if sent.msg.dlq_reason.is_some() && denied(&e) => {
                     // The dead letter itself may not go: nothing can be
@@ -1531,6 +1570,49 @@ impl Publisher {
         }
     }
 
+    /// Another writer appended to a stream between two of ours, so the
+    /// order chain refused the second: every earlier message of that stream
+    /// is stored, and this one and the later ones of its stream in flight
+    /// (each chained to the one before) were refused or will be. They go
+    /// again, the first alone, before anything of theirs not yet sent. The
+    /// other streams' messages stay in flight: a foreign writer costs its
+    /// stream's window, not everyone's. `first`: the refused message, just
+    /// taken off the books (it was the oldest); else it is the one at
+    /// index `from`.
+    fn resend_lane(&mut self, first: Option<Sent>, from: usize) {
+        let lane = match &first {
+            Some(sent) => self.chain.lane(&sent.msg.stream),
+            None => match self.acks.as_ref().and_then(|a| a.queue.lane_at(from)) {
+                Some(lane) => lane,
+                None => return,
+            },
+        };
+        metrics::counter!(m::PUBLISH_RESENDS).increment(1);
+        let taken = match self.acks.as_mut() {
+            Some(acks) => acks.queue.take_lane(from, lane),
+            None => Vec::new(),
+        };
+        let mut again: VecDeque<Sent> = first.into_iter().collect();
+        if !taken.is_empty() {
+            let mut next = taken.iter().copied().peekable();
+            let mut kept = VecDeque::with_capacity(self.sent.len() - taken.len());
+            for (i, s) in self.sent.drain(..).enumerate() {
+                if next.next_if_eq(&i).is_some() {
+                    again.push_back(s);
+                } else {
+                    kept.push_back(s);
+                }
+            }
+            self.sent = kept;
+        }
+        if let Some(head) = again.front() {
+            tracing::debug!(id = %head.msg.msg_id, stream = ?head.msg.stream, again = again.len(), "another writer appended to the stream; sending its events again from here");
+        }
+        again.extend(self.parked.drain(..));
+        self.parked = again;
+        self.chain.forget(lane);
+    }
+
     /// Put everything unacked back in the queue, `first` (just taken off
     /// the books) at its head, and forget the old copies' answers. What
     /// was in flight was refused or is unknown. On the same link the server
@@ -1549,11 +1631,12 @@ impl Publisher {
             acks.link().barrier();
         }
         self.chain.clear();
-        self.solo_pending = false;
+        self.solo = None;
     }
 
-    /// Hand queued messages to the connection, in order, the first
-    /// unchained; during an outage only the first, as a probe.
+    /// Hand queued messages to the connection, in order, each stream's
+    /// first unchained where its chain was forgotten; during an outage only
+    /// the first, as a probe.
     async fn flush(&mut self) -> Result<()> {
         let probe = self.outage.is_some();
         while let Some(front) = self.parked.front() {
@@ -1675,17 +1758,28 @@ mod tests {
         let mut c = Chains::default();
         let (a, b): (Option<Arc<str>>, Option<Arc<str>>) = (Some("A".into()), Some("B".into()));
         assert_eq!(c.last(None), None);
-        c.set(&None, "own-1");
-        c.set(&a, "a-1");
-        c.set(&a, "a-2");
+        let (own, la) = (c.lane(&None), c.lane(&a));
+        c.set(own, "own-1");
+        c.set(la, "a-1");
+        c.set(la, "a-2");
         assert_eq!(
             (c.last(None), c.last(Some("A")), c.last(Some("B"))),
             (Some("own-1"), Some("a-2"), None)
         );
-        c.set(&b, "b-1");
+        let lb = c.lane(&b);
+        c.set(lb, "b-1");
         assert_eq!(c.last(Some("B")), Some("b-1"));
+        c.forget(la);
+        assert_eq!(
+            (c.last(None), c.last(Some("A")), c.last(Some("B"))),
+            (Some("own-1"), None, Some("b-1")),
+            "one stream's chain forgotten alone"
+        );
         c.clear();
         assert_eq!((c.last(None), c.last(Some("A"))), (None, None));
+        // Lanes keep their numbers across a clear: slots in flight name them.
+        assert_eq!((c.lane(&None), c.lane(&a), c.lane(&b)), (own, la, lb));
+        assert_ne!(la, lb);
     }
     use std::time::Duration;
 

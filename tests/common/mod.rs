@@ -451,8 +451,26 @@ impl Drop for Service {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A failed test shows what its processes said: a flake on CI is
+        // diagnosed from the run's own output, not rerun in the hope of it.
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(LOG_TAIL)..];
+            eprintln!(
+                "--- last {} lines of {} ---",
+                tail.len(),
+                self.log.display()
+            );
+            for line in tail {
+                eprintln!("{line}");
+            }
+        }
     }
 }
+
+/// How much of a process's log a failed test prints.
+const LOG_TAIL: usize = 120;
 
 /// `outbox-relay relay` for context `context`, expected to refuse at start:
 /// (exit code, stderr) within 30 s (see [`run_bounded`]).
