@@ -16,6 +16,10 @@ use pgwire_replication::Lsn;
 /// (`<occurred_at> <id> <xid horizon>`, comma-separated; see
 /// `publish::Covered`).
 pub const BACKFILL_COVERED: &str = "Outbox-Backfill-Covered";
+/// On the last message a backfill run published, once its snapshot was
+/// read to the end (`1`): the run finished, so a slot missing after it was
+/// lost, not never made.
+pub const BACKFILL_END: &str = "Outbox-Backfill-End";
 /// On an event written with `outbox_emit()`: it has no outbox row (the
 /// audit counts it as not verifiable).
 pub const EMITTED: &str = "Outbox-Emitted";
@@ -266,6 +270,29 @@ impl Position {
     }
 }
 
+/// A message id in 16 bytes, for the sets a restart reads back from the
+/// stream (up to a million ids): a UUID written as Postgres writes one
+/// (lowercase, hyphenated) is its own bytes, any other id the first 16
+/// bytes of its SHA-256. Two ids share a key only if they are the same id
+/// (or collide in 128 bits). A `String` per id cost ~100 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IdKey([u8; 16]);
+
+impl IdKey {
+    pub fn of(id: &str) -> IdKey {
+        if id.len() == 36 && !id.bytes().any(|b| b.is_ascii_uppercase()) {
+            if let Ok(u) = uuid::Uuid::try_parse(id) {
+                return IdKey(*u.as_bytes());
+            }
+        }
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(id.as_bytes());
+        let mut key = [0; 16];
+        key.copy_from_slice(&digest[..16]);
+        IdKey(key)
+    }
+}
+
 /// The `Outbox-Source` of a relay: `{system id}/{timeline}/{database}/{slot}`.
 ///
 /// LSNs order events only within one WAL history: after a point-in-time
@@ -465,6 +492,26 @@ pub fn header_block_size<'a>(lines: impl IntoIterator<Item = (&'a str, &'a str)>
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_id_key_tells_ids_apart_as_their_text_does() {
+        let u = "0b7e5c3e-8d7f-4f57-9b5a-3f0d9a3c2e11";
+        assert_eq!(IdKey::of(u), IdKey::of(u));
+        let parsed = uuid::Uuid::parse_str(u).unwrap();
+        assert_eq!(
+            IdKey::of(u),
+            IdKey(*parsed.as_bytes()),
+            "a UUID is its bytes"
+        );
+        // Another spelling of the same UUID is another message id.
+        assert_ne!(IdKey::of(u), IdKey::of(&u.to_uppercase()));
+        assert_ne!(IdKey::of(u), IdKey::of(&parsed.simple().to_string()));
+        for (a, b) in [("order-1", "order-2"), ("1", "01"), ("", " ")] {
+            assert_eq!(IdKey::of(a), IdKey::of(a));
+            assert_ne!(IdKey::of(a), IdKey::of(b), "{a:?} / {b:?}");
+        }
+        assert_eq!(std::mem::size_of::<IdKey>(), 16);
+    }
 
     #[test]
     fn a_message_id_is_its_uuid_or_a_uuid_derived_from_its_text() {

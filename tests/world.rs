@@ -478,6 +478,78 @@ async fn events_sent_again_go_pipelined_not_one_round_trip_each() {
     );
 }
 
+/// Item 5 (review R8): the slot lost right after a backfill finished,
+/// before anything was streamed. The stream's newest events of this
+/// database were all backfilled, so the relay took the finished run for an
+/// interrupted one and backfilled again from a new snapshot: the outbox's
+/// rows came back, but the events written with `outbox_emit()` since (WAL
+/// only) were gone without a word. A finished run marks its last message
+/// (`Outbox-Backfill-End`), so this is the lost slot it is: refused with
+/// the last event and `--resync-since`, which then brings back the rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_lost_after_a_finished_backfill_is_a_lost_slot() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "t_wbfend").await;
+    let stream = wire::stream_name("wbfend");
+    let mut sent = Vec::new();
+    for i in 0..5 {
+        sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
+    }
+    let mut relay = Service::relay(&url, &stack.nats_url, "wbfend", &[]);
+    eventually(T, "the backfill done and the relay streaming", || async {
+        relay.scrape().await.value("outbox_relay_streaming") == Some(1.0)
+    })
+    .await;
+    let got = read_stream(&stack.nats_url, &stream, 50, T).await;
+    assert_eq!(got.len(), 50);
+    let last = got.last().unwrap().clone();
+    assert_eq!(
+        last.h(wire::BACKFILL_END),
+        Some("1"),
+        "the run's last message says so"
+    );
+    assert!(got[..49].iter().all(|g| g.h(wire::BACKFILL_END).is_none()));
+    assert!(relay.term(Duration::from_secs(30)).success());
+    let (code, err) = run_bounded(
+        &[
+            "slot",
+            "drop",
+            "--yes",
+            "--database-url",
+            &url,
+            "--context",
+            "wbfend",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    for i in 5..7 {
+        sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
+    }
+    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "wbfend", &[]);
+    assert_eq!(
+        code,
+        Some(1),
+        "a lost slot, not an interrupted backfill: {err}"
+    );
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    let since = last.h(wire::OCCURRED_AT).unwrap();
+    assert!(lines[0].contains(last.h(wire::MSG_ID).unwrap()), "{err}");
+    assert!(
+        lines[0].contains(&format!("--resync-since {since}")),
+        "{err}"
+    );
+    assert!(lines[0].contains("outbox_emit()"), "{err}");
+    let _relay = Service::relay(&url, &stack.nats_url, "wbfend", &["--resync-since", since]);
+    let got = read_stream(&stack.nats_url, &stream, 70, T).await;
+    let ids: HashSet<uuid::Uuid> = msg_ids(&got).into_iter().collect();
+    assert!(
+        sent.iter().all(|id| ids.contains(id)),
+        "every row in the stream after the resync"
+    );
+}
+
 /// Item 3: a routed stream at its limits (`max_msgs` with discard new)
 /// refuses the next row for it (10077, "maximum messages exceeded").
 /// Before, that ended the session, the replay met the same refusal, and

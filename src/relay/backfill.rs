@@ -132,6 +132,7 @@ pub(super) async fn first_start(
     let resume = match &tail {
         Some(TailEvent {
             backfill: Some(header),
+            backfill_end: false,
             ..
         }) if export => {
             let mut resume = publish::BackfillResume::default();
@@ -228,7 +229,8 @@ pub(super) async fn first_start(
 /// is an old one, not an interrupted run. The resync then starts from the
 /// oldest transaction horizon of them all: events in flight to one stream
 /// may have been lost while another acked later ones (repeats, never a
-/// loss). With backfill events only, the newest run is the interrupted one.
+/// loss). With backfill events only, the newest run decides: interrupted,
+/// or finished if its last message, in any stream, says so.
 fn decisive(lasts: Vec<TailEvent>) -> Option<TailEvent> {
     // No horizon (an older relay wrote it) orders first.
     let oldest = lasts.iter().map(|e| e.xid_horizon).min()?;
@@ -240,7 +242,13 @@ fn decisive(lasts: Vec<TailEvent>) -> Option<TailEvent> {
         streamed.xid_horizon = oldest;
         Some(streamed)
     } else {
-        lasts.into_iter().max_by_key(|e| e.xid_horizon)
+        let newest = lasts.iter().map(|e| e.xid_horizon).max()?;
+        let ended = lasts
+            .iter()
+            .any(|e| e.xid_horizon == newest && e.backfill_end);
+        let mut last = lasts.into_iter().find(|e| e.xid_horizon == newest)?;
+        last.backfill_end = ended;
+        Some(last)
     }
 }
 
@@ -275,9 +283,11 @@ pub(super) fn plan(
     match tail {
         None => Ok(resync.unwrap_or(configured).clone().into()),
         // An interrupted backfill: finish it, with its own filter unless
-        // told; the transactions a resync covered stay covered.
+        // told; the transactions a resync covered stay covered. (A finished
+        // one means the slot was made, then lost: below.)
         Some(TailEvent {
             backfill: Some(header),
+            backfill_end: false,
             ..
         }) => {
             let interrupted = parse_header(header).unwrap_or(Backfill::Unpublished.into());
@@ -558,7 +568,9 @@ async fn publish_snapshot(
         + covered
             .as_ref()
             .map_or(0, |c| wire::BACKFILL_COVERED.len() + c.len() + 4)
-        + 4;
+        + wire::BACKFILL_END.len()
+        + 1
+        + 8;
     let max_payload = max_payload.saturating_sub(added);
     let mut router = router.clone();
     router.set_xid_horizon(snap_xmin);
@@ -569,6 +581,9 @@ async fn publish_snapshot(
     let mut index: u32 = 0;
     let mut acked: u64 = 0;
     let mut skipped: u64 = 0;
+    // Each message waits for the next row: only once the cursor is read
+    // to the end is the last one known, and marked.
+    let mut held: Option<(u64, OutMessage)> = None;
     loop {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "FETCH FORWARD {BATCH_ROWS} FROM outbox_backfill"
@@ -588,13 +603,16 @@ async fn publish_snapshot(
             index = index.saturating_add(1);
             let mut msg: OutMessage = match &layout {
                 Ok(l) => match l.row(&values) {
-                    Ok(r) if resume.stored.contains(&r.id) => {
+                    Ok(r) if resume.stored.contains(&wire::IdKey::of(&r.id)) => {
                         skipped += 1;
                         continue;
                     }
                     Ok(r) => router.route_committed(r, pos, None, max_payload),
                     // Its dead letter, under the row's id, may be stored too.
-                    Err(_) if l.id(&values).is_some_and(|id| resume.stored.contains(&id)) => {
+                    Err(_)
+                        if l.id(&values)
+                            .is_some_and(|id| resume.stored.contains(&wire::IdKey::of(&id))) =>
+                    {
                         skipped += 1;
                         continue;
                     }
@@ -611,15 +629,25 @@ async fn publish_snapshot(
             if let Some(reason) = msg.dlq_reason {
                 log_dead_letter(&msg, reason);
             }
-            while !publisher.has_room() {
-                acked += await_ack(publisher).await?;
+            if let Some((ticket, msg)) = held.replace((u64::from(index), msg)) {
+                while !publisher.has_room() {
+                    acked += await_ack(publisher).await?;
+                }
+                publisher.publish(ticket, 0, msg).await?;
             }
-            publisher.publish(u64::from(index), 0, msg).await?;
         }
         if last_log.elapsed() > PROGRESS_EVERY {
             last_log = Instant::now();
             tracing::info!(rows = index, acked, elapsed = ?started.elapsed(), "backfilling");
         }
+    }
+    if let Some((ticket, mut msg)) = held {
+        msg.headers
+            .push((Cow::Borrowed(wire::BACKFILL_END), "1".into()));
+        while !publisher.has_room() {
+            acked += await_ack(publisher).await?;
+        }
+        publisher.publish(ticket, 0, msg).await?;
     }
     while publisher.in_flight() > 0 {
         acked += await_ack(publisher).await?;
@@ -745,6 +773,7 @@ mod tests {
             occurred_at: Some("2026-11-20T10:00:00Z".into()),
             commit_lsn: Some("0/16B3748".into()),
             backfill: None,
+            backfill_end: false,
             xid_horizon: Some(7_000),
         }
     }
@@ -769,6 +798,44 @@ mod tests {
             ..at(false, 1)
         };
         assert_eq!(decisive(vec![at(false, 8), old]).unwrap().xid_horizon, None);
+        // The newest run finished if its last message in any stream says so.
+        let end = |h: u64| TailEvent {
+            backfill_end: true,
+            ..at(true, h)
+        };
+        let d = decisive(vec![at(true, 4), end(4), at(true, 3)]).unwrap();
+        assert_eq!((d.xid_horizon, d.backfill_end), (Some(4), true));
+        let d = decisive(vec![at(true, 4), end(3)]).unwrap();
+        assert_eq!(
+            (d.xid_horizon, d.backfill_end),
+            (Some(4), false),
+            "an older run's end"
+        );
+    }
+
+    /// Review R8: the slot lost right after a backfill finished is a lost
+    /// slot (its events written with `outbox_emit()` since are gone), not
+    /// an interrupted backfill to finish quietly.
+    #[test]
+    fn a_finished_backfills_lost_slot_is_refused_as_a_lost_slot() {
+        let tail = TailEvent {
+            backfill: Some(header_value(&Backfill::Unpublished.into(), None)),
+            backfill_end: true,
+            ..streamed()
+        };
+        let err = plan(&Backfill::Unpublished, None, Some(&tail), "s", "S")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--resync-since 2026-11-20T10:00:00Z"), "{err}");
+        assert!(err.contains("outbox_emit()"), "{err}");
+        let since = Backfill::Since("2026-11-20T10:00:00Z".into());
+        assert_eq!(
+            plan(&Backfill::Unpublished, Some(&since), Some(&tail), "s", "S").unwrap(),
+            Filter {
+                rows: since,
+                xid_from: Some(7_000)
+            }
+        );
     }
 
     #[test]

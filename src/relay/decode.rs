@@ -128,7 +128,7 @@ impl Horizons {
 #[derive(Debug, Clone)]
 pub struct Resume {
     pub tail: Position,
-    pub stored: HashMap<Position, String>,
+    pub stored: HashMap<Position, wire::IdKey>,
 }
 
 impl Stage {
@@ -451,11 +451,10 @@ fn already_stored(resume: &mut Option<Resume>, pos: Position, msg_id: &str) -> b
         return false;
     }
     match r.stored.get(&pos) {
-        Some(id) if id == msg_id => true,
-        Some(id) => {
+        Some(id) if *id == wire::IdKey::of(msg_id) => true,
+        Some(_) => {
             tracing::warn!(
                 position = %format!("{}#{}", pos.commit_lsn, pos.index),
-                stored = %id,
                 replayed = %msg_id,
                 "the stream holds another event at this WAL position: this database's WAL is not the one the stream was written from (was it restored from a disk snapshot?); publishing every event from here on"
             );
@@ -625,7 +624,7 @@ mod tests {
             tail: pos(lsn, index),
             stored: stored
                 .iter()
-                .map(|&(l, i, id)| (pos(l, i), id.to_owned()))
+                .map(|&(l, i, id)| (pos(l, i), wire::IdKey::of(id)))
                 .collect(),
         }
     }

@@ -379,6 +379,8 @@ pub struct TailEvent {
     pub commit_lsn: Option<String>,
     /// Set when it was backfilled: which rows that backfill published.
     pub backfill: Option<String>,
+    /// The last message of a backfill run that finished.
+    pub backfill_end: bool,
     /// Its [`wire::XID_HORIZON`].
     pub xid_horizon: Option<u64>,
 }
@@ -403,6 +405,7 @@ pub async fn last_event_of_database(
             occurred_at: get(wire::OCCURRED_AT),
             commit_lsn: get(wire::COMMIT_LSN),
             backfill: get(wire::BACKFILL),
+            backfill_end: get(wire::BACKFILL_END).is_some(),
             xid_horizon: get(wire::XID_HORIZON).and_then(|x| x.parse().ok()),
         })
     })
@@ -473,7 +476,7 @@ pub async fn stored_since(
     lineage: &wire::Lineage,
     tail: &Tail,
     from: Lsn,
-) -> Result<HashMap<Position, String>> {
+) -> Result<HashMap<Position, wire::IdKey>> {
     let mut stored = HashMap::new();
     if tail.at.commit_lsn < from {
         return Ok(stored);
@@ -485,9 +488,9 @@ pub async fn stored_since(
         .map_err(Error::nats(context))?;
     let first = stream.cached_info().state.first_sequence;
     let deadline = Instant::now() + TAIL_SCAN_BUDGET;
-    let ours = |h: &HeaderMap| -> Option<(Position, String)> {
+    let ours = |h: &HeaderMap| -> Option<(Position, wire::IdKey)> {
         let at = lineage_position(h, lineage)?;
-        Some((at, h.get(wire::MSG_ID)?.as_str().to_owned()))
+        Some((at, wire::IdKey::of(h.get(wire::MSG_ID)?.as_str())))
     };
 
     let mut start = first;
@@ -579,7 +582,7 @@ async fn read_headers(
 #[derive(Debug, Default)]
 pub struct BackfillResume {
     /// Ids of the backfill's messages read back: stored, skip them.
-    pub stored: std::collections::HashSet<String>,
+    pub stored: std::collections::HashSet<wire::IdKey>,
     /// What the interrupted runs are known to have stored, beyond `stored`.
     pub covered: Vec<Covered>,
 }
@@ -731,7 +734,7 @@ pub async fn backfill_resume(
             let Some(msg_id) = get(wire::MSG_ID).filter(|_| ours) else {
                 return;
             };
-            resume.stored.insert(msg_id.to_owned());
+            resume.stored.insert(wire::IdKey::of(msg_id));
             // A bound is a place in (occurred_at, id) order, which the SQL
             // and this process agree on for uuid ids only.
             let Ok(id) = msg_id.parse::<uuid::Uuid>() else {
