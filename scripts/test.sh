@@ -75,7 +75,6 @@ MATRIX_TESTS=(
   tables::a_table_dropped_from_the_publication_while_streaming_loses_no_row
   tables::a_slot_older_than_the_kept_publication_streams_through_it_once_past_its_making
   world::a_foreign_writer_in_a_routed_stream_costs_that_stream_alone_a_resend
-  world::events_sent_again_go_pipelined_not_one_round_trip_each
 )
 for pair in "${MATRIX_PAIRS[@]}"; do
   read -r pg nats <<<"$pair"

@@ -4479,6 +4479,69 @@ async fn a_helper_cut_off_from_postgres_finishes_its_job_and_the_dispatcher_reco
     assert_eq!(crew.spans.started(k1), 1, "K/1 called again");
 }
 
+/// Issue 56, item 1 ("a 200 whose completion cannot be written yet is …
+/// handed to a process that can write it"): a helper cut off from Postgres
+/// asks the crew to record its success on `{crew}.record`. That was a
+/// queue group, so the server handed each request to one process at
+/// random, the asker itself or another cut-off one among them, and such a
+/// pick went unanswered (10 s more with the job listed; the likely cause of
+/// the rare CI failure of the test above). And a process answered
+/// "recorded" for a message the inbox has no row of. Asked here as B would
+/// ask, ten times, with B cut off: every request answered, and none for an
+/// unknown id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_to_record_a_success_reaches_a_process_that_can_write_it() {
+    let crew = Crew::new("c_crewrec", "ccrewrec").await;
+    let nats = stack().nats_url;
+    let proxy = Proxy::start(&pg_target(&crew.url)).await;
+    let mut a = crew.process("crewrec-a", &nats);
+    a.wait_ready();
+    let b = crew.process_via("crewrec-b", &proxy.pg_url(&crew.url), &nats);
+    let k1 = crew.k1_running_on_b(&a, &b, 1_000).await;
+    proxy.freeze();
+    let client = async_nats::connect(&nats).await.unwrap();
+    let subject = format!(
+        "{}.{}.{}.record",
+        outbox_relay::wire::CREW_PREFIX,
+        crew.stream,
+        crew.ctx
+    );
+    let ask = |id: Uuid| {
+        let (client, subject) = (client.clone(), subject.clone());
+        async move {
+            tokio::time::timeout(
+                Duration::from_secs(3),
+                client.request(subject, id.to_string().into()),
+            )
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|reply| reply.payload.to_vec())
+        }
+    };
+    for i in 0..10 {
+        assert_eq!(
+            ask(k1).await.as_deref(),
+            Some(&b"recorded"[..]),
+            "request {i} for K/1 went unanswered"
+        );
+    }
+    let processed: Option<bool> = sqlx::query_scalar(
+        "SELECT processed_at IS NOT NULL FROM inbox_messages WHERE consumer = $1 AND message_id = $2",
+    )
+    .bind(crew.ctx)
+    .bind(k1)
+    .fetch_optional(&crew.pool)
+    .await
+    .unwrap();
+    assert_eq!(processed, Some(true), "the inbox says K/1 processed");
+    assert_eq!(
+        ask(Uuid::new_v4()).await,
+        None,
+        "recorded: a message the inbox has no row of"
+    );
+}
+
 /// How long a process stays frozen (SIGSTOP) or cut off in the tests of
 /// issue 43: well past the 10 s a takeover may take.
 const PARTITION: Duration = Duration::from_secs(30);

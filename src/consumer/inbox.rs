@@ -202,6 +202,30 @@ pub async fn complete_many<'c>(
     Ok(())
 }
 
+/// Record a success another process of the crew made: whether the row says
+/// processed now (by this write, or by another process's answer to the same
+/// request before it). Every process of the crew may answer one request.
+pub async fn record_success<'c>(
+    e: impl PgExecutor<'c>,
+    consumer: &str,
+    id: Uuid,
+) -> Result<bool, sqlx::Error> {
+    // The outer query sees the row as it was before the update: processed
+    // already, or processed by this statement.
+    sqlx::query_scalar(
+        "WITH done AS (UPDATE inbox_messages \
+           SET processed_at = greatest(now(), received_at), parked_until = NULL \
+           WHERE consumer = $1 AND message_id = $2 AND processed_at IS NULL RETURNING 1) \
+         SELECT EXISTS (SELECT 1 FROM done) OR EXISTS (SELECT 1 FROM inbox_messages \
+           WHERE consumer = $1 AND message_id = $2 AND processed_at IS NOT NULL)",
+    )
+    .persistent(false)
+    .bind(consumer)
+    .bind(id)
+    .fetch_one(e)
+    .await
+}
+
 /// Where a message waits in the inbox.
 pub struct Parking<'a> {
     pub consumer: &'a str,

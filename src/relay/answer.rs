@@ -60,6 +60,17 @@ pub fn read_commit(status: Option<StatusCode>, payload: &[u8]) -> CommitAnswer {
             };
             Err(PublishError::with_source(kind, error))
         }
+        // A replicated stream's leader notes an id before it proposes the
+        // message, with no sequence yet, and keeps the note if the message
+        // is then refused (out of order, say) until the duplicate window
+        // ends. nats-server 2.10 answers a copy sent meanwhile as a
+        // duplicate of sequence 0; later releases answer 10158, "in
+        // process". Either way nothing says it is stored: taken for a
+        // duplicate, it was acked and lost.
+        (None, Some(0)) if body.duplicate => Err(PublishError::with_source(
+            PublishErrorKind::Other,
+            in_process(),
+        )),
         (None, Some(_)) => Ok(Stored {
             duplicate: body.duplicate,
             batch: body.batch,
@@ -74,9 +85,30 @@ pub fn read_commit(status: Option<StatusCode>, payload: &[u8]) -> CommitAnswer {
     }
 }
 
+/// The API error newer servers give where 2.10 says "duplicate of
+/// sequence 0" (see [`read_commit`]).
+fn in_process() -> jetstream::Error {
+    serde_json::from_str(
+        r#"{"code":400,"err_code":10158,"description":"duplicate message id is in process"}"#,
+    )
+    .expect("a fixed API error parses")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_duplicate_of_sequence_zero_is_in_process_not_stored() {
+        let answer = read(None, br#"{"stream":"S","seq":0,"duplicate":true}"#);
+        let e = answer.expect_err("not stored");
+        let api = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<jetstream::Error>());
+        assert_eq!(api.map(|a| a.error_code().0), Some(10158));
+        assert_eq!(
+            read(None, br#"{"stream":"S","seq":5,"duplicate":true}"#).ok(),
+            Some(true)
+        );
+    }
 
     #[test]
     fn answers_read_as_async_nats_reads_them() {

@@ -14,10 +14,10 @@
 //! The first publish of a session has nothing to chain from (the stream's
 //! last message may not be ours), so it goes alone, unconditionally, and the
 //! pipeline opens once it is answered. Its `Nats-Msg-Id` still dedupes it if
-//! an earlier session stored it. A duplicate does not become the stream's
-//! last message, but the server checks for a duplicate before the chain, so
-//! repeats chained to repeats pass; the first new message after them is
-//! refused and goes again alone (see [`Publisher::resend_lane`]).
+//! an earlier session stored it; but a duplicate does not become the
+//! stream's last message, so nothing can chain from it either: while solo
+//! publishes come back as duplicates (a backfill republishing what the
+//! stream holds), each next one of that stream goes solo too.
 
 use std::time::Duration;
 
@@ -1421,16 +1421,20 @@ impl Publisher {
                             "the stream answers again; sending what waited"
                         );
                     }
-                    // A duplicate is not the stream's last message, but the
-                    // chain stays on it: the server tells a duplicate before
-                    // it checks the order, so the repeats that follow (a
-                    // replay past what was read back, a resync) pass as
-                    // duplicates, pipelined, and only the first new event
-                    // after them is refused once and goes again alone.
-                    // (Alone each, a million repeats at 1 ms a round trip
-                    // outlast the duplicate window: stored twice.)
                     if self.solo == Some(sent.ticket) {
                         self.solo = None;
+                        // A duplicate is not the stream's last message, so
+                        // nothing may chain from it: the next of its stream
+                        // goes alone too. Chained, the repeats after it
+                        // would pass (the server tells a duplicate before it
+                        // checks the order), but the first new event would
+                        // be refused, and a replicated stream's leader keeps
+                        // a refused id as "in process" for the duplicate
+                        // window: sent again, it is not stored until then.
+                        if duplicate && !self.sent.iter().any(|s| s.msg.stream == sent.msg.stream) {
+                            let lane = self.chain.lane(&sent.msg.stream);
+                            self.chain.forget(lane);
+                        }
                     }
                     // What waited behind it goes out on the next call.
                     return Some(Ack {

@@ -187,7 +187,8 @@ pub(super) fn record_subject(stream: &str, durable: &str) -> String {
 const RECORD_WAIT: Duration = Duration::from_secs(2);
 
 /// Record a success another process of the crew could not, and say so:
-/// only once the inbox row says processed does the asker ack the message.
+/// only once the inbox row says processed does the asker ack the message
+/// (no row, no answer: the asker keeps its job and asks again).
 async fn record_for(
     client: async_nats::Client,
     pool: PgPool,
@@ -202,9 +203,8 @@ async fn record_for(
     ) else {
         return;
     };
-    let ids = [id];
-    let write = super::inbox::complete_many(&pool, &durable, &ids);
-    if let Ok(Ok(())) = tokio::time::timeout(RECORD_WAIT, write).await {
+    let write = super::inbox::record_success(&pool, &durable, id);
+    if let Ok(Ok(true)) = tokio::time::timeout(RECORD_WAIT, write).await {
         tracing::info!(%id, "recorded a success for a process of the crew cut off from Postgres");
         bounded(client.publish(reply, delivery::RECORDED.into())).await;
     }
@@ -1066,11 +1066,11 @@ impl Subs {
                 }
             }
         };
-        // Any one process answers: a queue group.
-        let record = match client
-            .queue_subscribe(format!("{base}.record"), "record".to_owned())
-            .await
-        {
+        // Every process hears it and any that reaches Postgres answers.
+        // Not a queue group: the server would hand some requests to the
+        // asker itself, or to another process cut off from Postgres, and
+        // each such pick cost the asker another 10 s with its job listed.
+        let record = match client.subscribe(format!("{base}.record")).await {
             Ok(s) => Some(s),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot subscribe for the crew; retrying");
