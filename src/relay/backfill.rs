@@ -324,8 +324,13 @@ pub(super) fn plan(
                 } else {
                     "every row that occurred from then on; that event carries no transaction horizon (an older relay wrote it), so a row of a transaction that began earlier and committed after it is not covered: give a time before the oldest transaction open then"
                 };
+                let lost = if last.backfill_end {
+                    "a backfill finished with that event, and its slot was lost since (or the relay stopped, or could not make the slot persistent, right after it)"
+                } else {
+                    "the slot was dropped, invalidated or lost in a failover"
+                };
                 Err(Error::setup(format!(
-                    "slot {slot} does not exist, but stream {stream} already holds events of this database (the last: {}, occurred at {at}, commit LSN {}): the slot was dropped, invalidated or lost in a failover, and what was written since is not in the WAL any more. Restart with --resync-since {at} to republish {covers} (consumers' inboxes drop the repeats). Events written with outbox_emit() since that event lived in the WAL only: they cannot be recovered, by --resync-since or otherwise",
+                    "slot {slot} does not exist, but stream {stream} already holds events of this database (the last: {}, occurred at {at}, commit LSN {}): {lost}, and what was written since is not in the WAL any more. Restart with --resync-since {at} to republish {covers} (consumers' inboxes drop the repeats). Events written with outbox_emit() since that event lived in the WAL only: they cannot be recovered, by --resync-since or otherwise",
                     last.id,
                     last.commit_lsn.as_deref().unwrap_or("unknown"),
                 )))
@@ -642,11 +647,15 @@ async fn publish_snapshot(
         }
     }
     if let Some((ticket, mut msg)) = held {
-        msg.headers
-            .push((Cow::Borrowed(wire::BACKFILL_END), "1".into()));
-        while !publisher.has_room() {
+        // Only once everything before it is stored: with several streams,
+        // each keeping its own order, a mark stored in one would otherwise
+        // say nothing of a row still in flight to another, and the next
+        // start would take the run for finished without it.
+        while publisher.in_flight() > 0 {
             acked += await_ack(publisher).await?;
         }
+        msg.headers
+            .push((Cow::Borrowed(wire::BACKFILL_END), "1".into()));
         publisher.publish(ticket, 0, msg).await?;
     }
     while publisher.in_flight() > 0 {
@@ -828,6 +837,7 @@ mod tests {
             .to_string();
         assert!(err.contains("--resync-since 2026-11-20T10:00:00Z"), "{err}");
         assert!(err.contains("outbox_emit()"), "{err}");
+        assert!(err.contains("a backfill finished with that event"), "{err}");
         let since = Backfill::Since("2026-11-20T10:00:00Z".into());
         assert_eq!(
             plan(&Backfill::Unpublished, Some(&since), Some(&tail), "s", "S").unwrap(),
