@@ -177,21 +177,8 @@ async fn follow_the_suggested_resync(
     a: uuid::Uuid,
     b: uuid::Uuid,
 ) {
-    let (code, err) = run_bounded(
-        &[
-            "slot",
-            "drop",
-            "--yes",
-            "--database-url",
-            url,
-            "--context",
-            ctx,
-        ],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "{err}");
-    let (code, err) = run_relay_bounded(url, &stack.nats_url, ctx, &[]);
-    assert_eq!(code, Some(1), "{err}");
+    drop_slot(url, ctx);
+    let err = lost_slot_refusal(url, &stack.nats_url, ctx);
     assert!(!err.contains("older relay"), "{err}");
     let since = err
         .split("--resync-since ")

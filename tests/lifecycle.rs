@@ -384,34 +384,16 @@ async fn dropped_slot_is_refused_then_resync_since_republishes_the_gap() {
     let got = read_stream(&stack.nats_url, &stream, 100, T).await;
     let last = got.last().unwrap().clone();
     assert!(relay.term(Duration::from_secs(30)).success());
-    let (code, err) = run_bounded(
-        &[
-            "slot",
-            "drop",
-            "--yes",
-            "--database-url",
-            &url,
-            "--context",
-            "slotlost",
-        ],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "{err}");
+    drop_slot(&url, "slotlost");
     // Written while no slot existed: only the table has them.
     for i in 10..15 {
         sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
     }
 
-    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "slotlost", &[]);
-    assert_eq!(code, Some(1), "{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(lines.len(), 1, "{err}");
+    let line = lost_slot_refusal(&url, &stack.nats_url, "slotlost");
     let since = last.h(wire::OCCURRED_AT).unwrap();
-    assert!(lines[0].contains(last.h(wire::MSG_ID).unwrap()), "{err}");
-    assert!(
-        lines[0].contains(&format!("--resync-since {since}")),
-        "{err}"
-    );
+    assert!(line.contains(last.h(wire::MSG_ID).unwrap()), "{line}");
+    assert!(line.contains(&format!("--resync-since {since}")), "{line}");
 
     let relay = Service::relay(
         &url,

@@ -242,27 +242,20 @@ async fn nats_path_gone_silent(ctx: &str, flags: &[&str]) {
     .await;
 }
 
-/// Item 4: another writer in a routed stream (a shared stream another
-/// team publishes to) comes between two of the relay's messages there, so
-/// the order chain refuses the second. Before, every message in flight, of
-/// every stream, was sent again (and a refusal behind an unanswered
-/// message of another stream was taken for a lost leader: an outage, with
-/// probes). Now only that stream's messages go again, from the refused one:
-/// the relay's own stream, which nobody else writes, gets each event once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_foreign_writer_in_a_routed_stream_costs_that_stream_alone_a_resend() {
-    let stack = stack();
-    let client = async_nats::connect(&stack.nats_url).await.unwrap();
-    let js = async_nats::jetstream::new(client.clone());
-    let _ = js.delete_stream("WFOR_B").await;
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: "WFOR_B".into(),
-        subjects: vec!["wforb.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (url, pool) = empty_db(&stack, "t_wfor").await;
+/// A text-id outbox with a `stream` column, and a stream `b` beside the
+/// relay's own (`own`) for rows to name: the database and the relay's
+/// flags routing to both.
+async fn routed_outbox(
+    stack: &Stack,
+    db: &str,
+    b: async_nats::jetstream::stream::Config,
+    own: &str,
+) -> (String, sqlx::PgPool, Vec<String>) {
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream(&b.name).await;
+    let name = b.name.clone();
+    js.create_stream(b).await.unwrap();
+    let (url, pool) = empty_db(stack, db).await;
     sqlx::raw_sql(
         "CREATE TABLE outbox_events (id text primary key, stream text, \
          topic text not null, payload jsonb not null, created_at timestamptz default now())",
@@ -276,8 +269,32 @@ async fn a_foreign_writer_in_a_routed_stream_costs_that_stream_alone_a_resend() 
         "--columns",
         "subject=topic,occurred_at=created_at",
         "--streams",
-        "WFOR_B,WFOR_EVENTS",
-    ];
+        &format!("{name},{own}"),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    (url, pool, flags)
+}
+
+/// Item 4: another writer in a routed stream (a shared stream another
+/// team publishes to) comes between two of the relay's messages there, so
+/// the order chain refuses the second. Before, every message in flight, of
+/// every stream, was sent again (and a refusal behind an unanswered
+/// message of another stream was taken for a lost leader: an outage, with
+/// probes). Now only that stream's messages go again, from the refused one:
+/// the relay's own stream, which nobody else writes, gets each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_writer_in_a_routed_stream_costs_that_stream_alone_a_resend() {
+    let stack = stack();
+    let b = async_nats::jetstream::stream::Config {
+        name: "WFOR_B".into(),
+        subjects: vec!["wforb.>".into()],
+        ..Default::default()
+    };
+    let (url, pool, flags) = routed_outbox(&stack, "t_wfor", b, "WFOR_EVENTS").await;
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let client = async_nats::connect(&stack.nats_url).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
     let mut relay = Service::relay(&url, &stack.nats_url, "wfor", &flags);
     relay.wait_ready();
     // Every copy the relay sends to its own stream, stored or refused.
@@ -430,37 +447,16 @@ async fn a_slot_lost_after_a_finished_backfill_is_a_lost_slot() {
     );
     assert!(got[..49].iter().all(|g| g.h(wire::BACKFILL_END).is_none()));
     assert!(relay.term(Duration::from_secs(30)).success());
-    let (code, err) = run_bounded(
-        &[
-            "slot",
-            "drop",
-            "--yes",
-            "--database-url",
-            &url,
-            "--context",
-            "wbfend",
-        ],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "{err}");
+    drop_slot(&url, "wbfend");
     for i in 5..7 {
         sent.extend(insert_txn(&pool, 0, i * 10, 10, 8).await);
     }
-    let (code, err) = run_relay_bounded(&url, &stack.nats_url, "wbfend", &[]);
-    assert_eq!(
-        code,
-        Some(1),
-        "a lost slot, not an interrupted backfill: {err}"
-    );
-    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
-    assert_eq!(lines.len(), 1, "{err}");
+    let line = lost_slot_refusal(&url, &stack.nats_url, "wbfend");
     let since = last.h(wire::OCCURRED_AT).unwrap();
-    assert!(lines[0].contains(last.h(wire::MSG_ID).unwrap()), "{err}");
-    assert!(
-        lines[0].contains(&format!("--resync-since {since}")),
-        "{err}"
-    );
-    assert!(lines[0].contains("outbox_emit()"), "{err}");
+    assert!(line.contains(last.h(wire::MSG_ID).unwrap()), "{line}");
+    assert!(line.contains(&format!("--resync-since {since}")), "{line}");
+    assert!(line.contains("outbox_emit()"), "{line}");
+    assert!(line.contains("a backfill finished"), "{line}");
     let _relay = Service::relay(&url, &stack.nats_url, "wbfend", &["--resync-since", since]);
     let got = read_stream(&stack.nats_url, &stream, 70, T).await;
     let ids: HashSet<uuid::Uuid> = msg_ids(&got).into_iter().collect();
@@ -479,33 +475,15 @@ async fn a_slot_lost_after_a_finished_backfill_is_a_lost_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_routed_stream_stops_no_other_stream() {
     let stack = stack();
-    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
-    let _ = js.delete_stream("WFULL_B").await;
-    js.create_stream(async_nats::jetstream::stream::Config {
+    let b = async_nats::jetstream::stream::Config {
         name: "WFULL_B".into(),
         subjects: vec!["wfullb.>".into()],
         max_messages: 3,
         discard: async_nats::jetstream::stream::DiscardPolicy::New,
         ..Default::default()
-    })
-    .await
-    .unwrap();
-    let (url, pool) = empty_db(&stack, "t_wfull").await;
-    sqlx::raw_sql(
-        "CREATE TABLE outbox_events (id text primary key, stream text, \
-         topic text not null, payload jsonb not null, created_at timestamptz default now())",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let flags = [
-        "--table",
-        "public.outbox_events",
-        "--columns",
-        "subject=topic,occurred_at=created_at",
-        "--streams",
-        "WFULL_B,WFULL_EVENTS",
-    ];
+    };
+    let (url, pool, flags) = routed_outbox(&stack, "t_wfull", b, "WFULL_EVENTS").await;
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let mut relay = Service::relay(&url, &stack.nats_url, "wfull", &flags);
     let insert = |id: String, stream: Option<&'static str>, topic: &'static str| {
         let pool = pool.clone();

@@ -472,6 +472,34 @@ impl Drop for Service {
 /// How much of a process's log a failed test prints.
 const LOG_TAIL: usize = 120;
 
+/// `outbox-relay slot drop` of `context`'s slot, which must succeed: a lost
+/// slot, as the tests of one make it.
+pub fn drop_slot(url: &str, context: &str) {
+    let (code, err) = run_bounded(
+        &[
+            "slot",
+            "drop",
+            "--yes",
+            "--database-url",
+            url,
+            "--context",
+            context,
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "{err}");
+}
+
+/// A relay for `context` that finds no slot but this database's events in
+/// its stream: it exits 1 with one `error:` line, returned.
+pub fn lost_slot_refusal(url: &str, nats_url: &str, context: &str) -> String {
+    let (code, err) = run_relay_bounded(url, nats_url, context, &[]);
+    assert_eq!(code, Some(1), "a lost slot is refused: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    lines[0].to_owned()
+}
+
 /// `outbox-relay relay` for context `context`, expected to refuse at start:
 /// (exit code, stderr) within 30 s (see [`run_bounded`]).
 pub fn run_relay_bounded(
