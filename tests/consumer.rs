@@ -4509,8 +4509,9 @@ async fn a_request_to_record_a_success_reaches_a_process_that_can_write_it() {
     let ask = |id: Uuid| {
         let (client, subject) = (client.clone(), subject.clone());
         async move {
+            // As long as a helper waits for an answer (HANDOFF_AFTER).
             tokio::time::timeout(
-                Duration::from_secs(3),
+                Duration::from_secs(5),
                 client.request(subject, id.to_string().into()),
             )
             .await

@@ -202,28 +202,43 @@ pub async fn complete_many<'c>(
     Ok(())
 }
 
-/// Record a success another process of the crew made: whether the row says
-/// processed now (by this write, or by another process's answer to the same
-/// request before it). Every process of the crew may answer one request.
+/// What [`record_success`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// This write marked the row processed.
+    Now,
+    /// The row said processed already (another process's answer).
+    Already,
+    /// No row, or one this statement could not mark: nothing to say.
+    No,
+}
+
+/// Record a success another process of the crew made. Every process of
+/// the crew may answer one request; one of them writes it.
 pub async fn record_success<'c>(
     e: impl PgExecutor<'c>,
     consumer: &str,
     id: Uuid,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Recorded, sqlx::Error> {
     // The outer query sees the row as it was before the update: processed
     // already, or processed by this statement.
-    sqlx::query_scalar(
+    let (now, already): (bool, bool) = sqlx::query_as(
         "WITH done AS (UPDATE inbox_messages \
            SET processed_at = greatest(now(), received_at), parked_until = NULL \
            WHERE consumer = $1 AND message_id = $2 AND processed_at IS NULL RETURNING 1) \
-         SELECT EXISTS (SELECT 1 FROM done) OR EXISTS (SELECT 1 FROM inbox_messages \
+         SELECT EXISTS (SELECT 1 FROM done), EXISTS (SELECT 1 FROM inbox_messages \
            WHERE consumer = $1 AND message_id = $2 AND processed_at IS NOT NULL)",
     )
     .persistent(false)
     .bind(consumer)
     .bind(id)
     .fetch_one(e)
-    .await
+    .await?;
+    Ok(match (now, already) {
+        (true, _) => Recorded::Now,
+        (false, true) => Recorded::Already,
+        (false, false) => Recorded::No,
+    })
 }
 
 /// Where a message waits in the inbox.

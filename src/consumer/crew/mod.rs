@@ -177,7 +177,8 @@ fn base(stream: &str, durable: &str) -> String {
 }
 
 /// Where a helper cut off from Postgres asks the crew to record a success
-/// (see [`delivery::Recorder`]); every process listens, one answers.
+/// (see [`delivery::Recorder`]); every process listens, and each that finds
+/// the row processed (one of them by its own write) answers.
 pub(super) fn record_subject(stream: &str, durable: &str) -> String {
     format!("{}.record", base(stream, durable))
 }
@@ -204,10 +205,14 @@ async fn record_for(
         return;
     };
     let write = super::inbox::record_success(&pool, &durable, id);
-    if let Ok(Ok(true)) = tokio::time::timeout(RECORD_WAIT, write).await {
-        tracing::info!(%id, "recorded a success for a process of the crew cut off from Postgres");
-        bounded(client.publish(reply, delivery::RECORDED.into())).await;
+    match tokio::time::timeout(RECORD_WAIT, write).await {
+        Ok(Ok(super::inbox::Recorded::Now)) => {
+            tracing::info!(%id, "recorded a success for a process of the crew cut off from Postgres");
+        }
+        Ok(Ok(super::inbox::Recorded::Already)) => {}
+        _ => return,
     }
+    bounded(client.publish(reply, delivery::RECORDED.into())).await;
 }
 
 /// This process's place in the crew: a session advisory lock that lives as
