@@ -870,13 +870,13 @@ struct Chains {
 }
 
 impl Chains {
-    fn last(&self, stream: Option<&str>) -> Option<&str> {
-        match stream {
-            None => self.own.as_deref(),
-            Some(s) => self
+    /// The id `lane`'s next message follows, if any.
+    fn last(&self, lane: Lane) -> Option<&str> {
+        match lane {
+            0 => self.own.as_deref(),
+            l => self
                 .named
-                .iter()
-                .find(|(n, _)| &**n == s)
+                .get(usize::try_from(l - 1).ok()?)
                 .and_then(|(_, id)| id.as_deref()),
         }
     }
@@ -1294,7 +1294,7 @@ impl Publisher {
             self.bytes = self.bytes.saturating_sub(before) + sent.msg.wire_size();
         }
         let lane = self.chain.lane(&sent.msg.stream);
-        let prev = self.chain.last(sent.msg.stream.as_deref());
+        let prev = self.chain.last(lane);
         if !acks.publish(&sent.msg, prev) {
             return broken(sent, "the publish connection broke");
         }
@@ -1764,26 +1764,25 @@ mod tests {
     fn each_stream_chains_to_its_own_last_message() {
         let mut c = Chains::default();
         let (a, b): (Option<Arc<str>>, Option<Arc<str>>) = (Some("A".into()), Some("B".into()));
-        assert_eq!(c.last(None), None);
-        let (own, la) = (c.lane(&None), c.lane(&a));
+        let (own, la, lb) = (c.lane(&None), c.lane(&a), c.lane(&b));
+        assert_eq!(c.last(own), None);
         c.set(own, "own-1");
         c.set(la, "a-1");
         c.set(la, "a-2");
         assert_eq!(
-            (c.last(None), c.last(Some("A")), c.last(Some("B"))),
+            (c.last(own), c.last(la), c.last(lb)),
             (Some("own-1"), Some("a-2"), None)
         );
-        let lb = c.lane(&b);
         c.set(lb, "b-1");
-        assert_eq!(c.last(Some("B")), Some("b-1"));
+        assert_eq!(c.last(lb), Some("b-1"));
         c.forget(la);
         assert_eq!(
-            (c.last(None), c.last(Some("A")), c.last(Some("B"))),
+            (c.last(own), c.last(la), c.last(lb)),
             (Some("own-1"), None, Some("b-1")),
             "one stream's chain forgotten alone"
         );
         c.clear();
-        assert_eq!((c.last(None), c.last(Some("A"))), (None, None));
+        assert_eq!((c.last(own), c.last(la)), (None, None));
         // Lanes keep their numbers across a clear: slots in flight name them.
         assert_eq!((c.lane(&None), c.lane(&a), c.lane(&b)), (own, la, lb));
         assert_ne!(la, lb);
