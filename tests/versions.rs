@@ -314,6 +314,21 @@ async fn a_standby_the_relay_cannot_decode_on_is_refused_with_the_setting_that_f
         .execute(&primary)
         .await
         .unwrap();
+        // Replayed on the standby first: a relay that finds no publication
+        // refuses that before it judges the standby (CI on a loaded box).
+        let upto: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+            .fetch_one(&primary)
+            .await
+            .unwrap();
+        let standby = pool_of(&pair.standby_url).await;
+        eventually(T, "the standby replayed the publication", || async {
+            sqlx::query_scalar::<_, bool>("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
+                .bind(&upto)
+                .fetch_one(&standby)
+                .await
+                .unwrap_or(false)
+        })
+        .await;
         let (code, err) = run_relay_bounded(
             &pair.standby_url,
             &stack.nats_url,
