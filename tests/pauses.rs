@@ -516,10 +516,12 @@ async fn a_helper_cut_off_from_postgres_mid_call_has_its_successes_recorded_once
 /// Three processes whose paths to Postgres all stall 4 s at once (the
 /// database's host congested, a virtual IP moving). No process can have
 /// taken another's work while none of them reaches Postgres, so no call
-/// should be made again. It passed alone on an idle box and failed on a
-/// loaded clean-clone run (8 repeated): ignored until item 1 is fixed.
+/// may be made again. Before, on a loaded box: every member lock went with
+/// the stall, and the dispatcher's next period took the crew for whoever
+/// it had heard or found locked at its first poll; a helper that took its
+/// lock back a moment later ran 7 jobs it never adopted, and they ran
+/// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 56 item 1, open: on a loaded 2-core run 8 of 144 successful calls were made again (the stall outlasts the lease's server-side timeout, and the helpers' calls still running when their proofs lapse are cut)"]
 async fn three_processes_whose_postgres_stalls_4_s_repeat_no_call() {
     let w = World::shared("p_crewstall", "pcrewstall").await;
     let proxy = Proxy::start(&pg_target(&w.url)).await;

@@ -169,6 +169,7 @@ pub async fn run<H: Handler>(
         member: std::sync::atomic::AtomicI32::new(member.id),
         fences: Default::default(),
         dlq_failing: helping.dlq_failing.clone(),
+        overheard: Default::default(),
     });
     let worker_task = tokio::spawn(crew::work(
         helping,

@@ -453,7 +453,8 @@ impl Drop for Service {
         let _ = self.child.wait();
         // A failed test shows what its processes said: a flake on CI is
         // diagnosed from the run's own output, not rerun in the hope of it.
-        if std::thread::panicking() {
+        // OUTBOX_TEST_LOGS=1 shows them for a test that passed too.
+        if std::thread::panicking() || std::env::var_os("OUTBOX_TEST_LOGS").is_some() {
             let text = std::fs::read_to_string(&self.log).unwrap_or_default();
             let lines: Vec<&str> = text.lines().collect();
             let tail = &lines[lines.len().saturating_sub(LOG_TAIL)..];

@@ -93,6 +93,12 @@ mod rule;
 
 /// How long a helper may take to answer a request or a sync.
 const SEND_TIMEOUT: Duration = Duration::from_millis(500);
+/// A process heard running jobs less than this ago is part of the crew a
+/// takeover accounts for, its member lock held or not: two beats, and a
+/// beat's longest wait behind a helper's other work ([`PING`]). One silent
+/// longer (dead, or cut off from NATS) is the rule's to account for, as
+/// before.
+const HEARD_LATELY: Duration = BEAT.saturating_mul(2).saturating_add(PING);
 /// A new dispatcher that cannot account for every live process by then
 /// gives the lease up and asks again.
 const ADOPT_LIMIT: Duration = Duration::from_secs(30);
@@ -525,6 +531,9 @@ struct CrewInner {
     /// Set on hand-over: waiting on other processes' jobs stops (the next
     /// dispatcher adopts them).
     handover: CancellationToken,
+    /// Set once the takeover has adopted what runs: before, a process the
+    /// listener syncs lists jobs the takeover is about to adopt.
+    adopted: AtomicBool,
 }
 
 impl Crew {
@@ -553,6 +562,7 @@ impl Crew {
                 worker,
                 state: Mutex::new(Ledger::new(me, period)),
                 handover: CancellationToken::new(),
+                adopted: AtomicBool::new(false),
             }),
         };
         tokio::spawn(
@@ -666,7 +676,7 @@ impl Crew {
                             .filter(|r| !s.is_waited(r.id))
                             .collect()
                     };
-                    if !foreign.is_empty() {
+                    if !foreign.is_empty() && crew.inner.adopted.load(Ordering::Relaxed) {
                         tracing::warn!(
                             member,
                             jobs = foreign.len(),
@@ -848,11 +858,16 @@ impl Crew {
             if let Some(live) = live {
                 // Every live process, and every one heard running jobs
                 // (its lock may be gone while it still runs them).
+                // And every one this process heard running jobs a moment
+                // ago: one whose lock is gone and that this period has not
+                // heard yet runs them all the same (a dead one drops out
+                // once silent for HEARD_LATELY).
                 let targets: HashSet<i32> = {
                     let s = self.state();
                     live.iter()
                         .copied()
                         .chain(s.heard_running(started))
+                        .chain(self.inner.worker.heard_running_lately(HEARD_LATELY))
                         .collect()
                 };
                 let ask: Vec<i32> = targets
@@ -868,8 +883,9 @@ impl Crew {
                         let mut s = self.state();
                         for running in &a.running {
                             let (tx, rx) = oneshot::channel();
-                            s.adopt(running.id, *m, a.beat, tx, Instant::now());
-                            adopted.push((*m, running.clone(), rx));
+                            if s.adopt(running.id, *m, a.beat, tx, Instant::now()) {
+                                adopted.push((*m, running.clone(), rx));
+                            }
                         }
                         answers.insert(*m, a);
                     }
@@ -917,6 +933,7 @@ impl Crew {
             }
             tokio::time::sleep(BEAT / 5).await;
         }
+        self.inner.adopted.store(true, Ordering::Relaxed);
         Ok(adopted)
     }
 
@@ -1047,6 +1064,68 @@ pub(super) struct Worker {
     /// Dead letters the DLQ has not stored yet, of the jobs this process
     /// runs for the crew (the dispatcher's own are its period's).
     pub dlq_failing: Arc<AtomicUsize>,
+    /// The processes this one has heard beat while they ran jobs, and
+    /// when (whoever dispatches): a takeover accounts for each it heard
+    /// lately, its member lock held or not. Kept by [`overhear`].
+    pub overheard: Mutex<HashMap<i32, Instant>>,
+}
+
+impl Worker {
+    /// Processes heard running jobs less than `within` ago.
+    fn heard_running_lately(&self, within: Duration) -> Vec<i32> {
+        let now = Instant::now();
+        self.overheard
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, at)| now.saturating_duration_since(**at) < within)
+            .map(|(m, _)| *m)
+            .collect()
+    }
+}
+
+/// Hear every process's beat, in every process, all along: a new
+/// dispatcher's own listener starts with its period, and a process whose
+/// member lock is gone (every one, after a Postgres stall past
+/// `LEASE_TTL`) that it has not heard yet would be missing from the crew
+/// it takes over, with the jobs it runs.
+async fn overhear(
+    client: async_nats::Client,
+    base: String,
+    worker: Arc<Worker>,
+    stop: CancellationToken,
+) {
+    let mut sub = None;
+    loop {
+        if sub.is_none() {
+            sub = client.subscribe(format!("{base}.s.hello")).await.ok();
+        }
+        let Some(s) = sub.as_mut() else {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(BEAT) => continue,
+            }
+        };
+        let msg = tokio::select! {
+            _ = stop.cancelled() => return,
+            msg = s.next() => msg,
+        };
+        let Some(msg) = msg else {
+            sub = None;
+            continue;
+        };
+        let Ok(h) = serde_json::from_slice::<Hello>(&msg.payload) else {
+            continue;
+        };
+        let mut heard = worker.overheard.lock().unwrap_or_else(|e| e.into_inner());
+        if h.running.is_empty() {
+            heard.remove(&h.member);
+        } else {
+            heard.insert(h.member, Instant::now());
+        }
+        // Bounded by the crew: who fell silent long ago is forgotten.
+        heard.retain(|_, at| at.elapsed() < rule::SILENT_LOCKED);
+    }
 }
 
 /// The subscriptions of one membership.
@@ -1142,12 +1221,21 @@ pub(super) async fn work<H: Handler>(
     let _cutter = {
         let stop = CancellationToken::new();
         tokio::spawn(cut_at_lapse(w.shared.clone(), stop.clone()));
+        tokio::spawn(overhear(
+            w.client.clone(),
+            w.base.clone(),
+            w.worker.clone(),
+            stop.clone(),
+        ));
         stop.drop_guard()
     };
     let mut beat = tokio::time::interval(BEAT);
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     loop {
         if w.leaving.is_some() && w.tasks.is_empty() && roster(&w.worker.registry).jobs.is_empty() {
+            // A last beat that lists nothing: a takeover that heard this
+            // process running jobs a moment ago need not wait for it.
+            w.beat().await;
             break;
         }
         let leaving = w.leaving;

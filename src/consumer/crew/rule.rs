@@ -377,7 +377,15 @@ pub(super) struct Ledger<T> {
     /// silence through time nobody could have heard it.
     deaf: Duration,
     syncing: HashSet<i32>,
+    /// Jobs whose end was heard while nobody waited for them (newest
+    /// last, bounded): a takeover's sync answer may list a job whose end
+    /// overtakes the answer, and adopted after it, the job would wait for
+    /// an end already gone, then be taken for lost.
+    early: VecDeque<u64>,
 }
+
+/// How many unwaited ends a ledger remembers: more than a crew runs at once.
+const EARLY_ENDS: usize = 4096;
 
 /// Jobs taken for lost: the shell ends each (the inbox decides, and a reset
 /// to the ack floor brings back what is unacked).
@@ -396,6 +404,7 @@ impl<T> Ledger<T> {
             self_heard: None,
             deaf: Duration::ZERO,
             syncing: HashSet::new(),
+            early: VecDeque::new(),
         }
     }
 
@@ -627,13 +636,23 @@ impl<T> Ledger<T> {
 
     /// Job `id` ended (its end was heard), or was refused: no longer waited.
     pub fn ended(&mut self, id: u64) -> Option<Waiter<T>> {
-        self.waiting.remove(&id)
+        let waiter = self.waiting.remove(&id);
+        if waiter.is_none() {
+            if self.early.len() == EARLY_ENDS {
+                self.early.pop_front();
+            }
+            self.early.push_back(id);
+        }
+        waiter
     }
 
     /// A job `member` listed as running when this dispatcher synced it at
     /// its beat `beat` (its answer heard at `now`): waited for like one
-    /// sent.
-    pub fn adopt(&mut self, id: u64, member: i32, beat: u64, end: T, now: Instant) {
+    /// sent. False, and not waited for, when its end came first.
+    pub fn adopt(&mut self, id: u64, member: i32, beat: u64, end: T, now: Instant) -> bool {
+        if self.early.contains(&id) {
+            return false;
+        }
         let deaf_then = self.deaf_at(now);
         self.helpers.entry(member).or_insert(Helper {
             capacity: 0,
@@ -652,6 +671,7 @@ impl<T> Ledger<T> {
                 end,
             },
         );
+        true
     }
 
     /// Jobs waited for.
@@ -933,6 +953,49 @@ mod tests {
             }
         }
         assert_eq!(at.map(|a| a - t0), Some(SILENT_LOCKED));
+    }
+
+    /// Seen on a loaded run of a whole-crew Postgres stall: a helper's
+    /// answer to the takeover's sync listed a job, the job ended, and its
+    /// end reached the dispatcher before the answer was adopted (the
+    /// takeover waits for every process's answer first). Adopted after its
+    /// end, the job waited for an end already gone, and the helper's next
+    /// beat made it lost (a needless reset, and a warning).
+    #[test]
+    fn a_job_whose_end_overtakes_its_adoption_is_not_waited_for() {
+        let t0 = Instant::now();
+        let mut l: Ledger<()> = Ledger::new(D, PERIOD);
+        l.heard(
+            Heard {
+                member: D,
+                beat: 1,
+                offer: Some(0),
+                running: HashSet::new(),
+                serving: Some((D, PERIOD)),
+            },
+            D,
+            t0,
+        );
+        assert!(l.ended(7).is_none(), "nobody waited for it yet");
+        assert!(!l.adopt(7, 1, 3, (), t0), "its end came first");
+        assert!(l.adopt(8, 1, 3, (), t0));
+        let (_, lost) = l.heard(
+            Heard {
+                member: 1,
+                beat: 4,
+                offer: Some(4),
+                running: [8].into(),
+                serving: Some((D, PERIOD)),
+            },
+            D,
+            t0 + Duration::from_millis(250),
+        );
+        assert!(
+            lost.is_empty(),
+            "taken for lost: {:?}",
+            lost.iter().map(|(id, _)| id).collect::<Vec<_>>()
+        );
+        assert_eq!(l.waiting(), 1);
     }
 
     /// Review N6, the directed sequence: a lock seen gone, polls that go
