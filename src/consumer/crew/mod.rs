@@ -17,7 +17,9 @@
 //! first run has stopped.** So:
 //!
 //! - Every process serves one dispatcher at a time. A new dispatcher first
-//!   *syncs* every live process. A process honours a sync only from the
+//!   *syncs* every live process, and every one it heard running jobs in the
+//!   last [`HEARD_LATELY`] (each process hears every beat, all along: after
+//!   a Postgres stall every member lock is gone at once). A process honours a sync only from the
 //!   member that holds the lease *now* (the lease's connection also holds a
 //!   tag lock keyed by the holder's member id, see `lease::held_by`), so an
 //!   old dispatcher that has not noticed it lost the lease cannot take a
@@ -94,11 +96,16 @@ mod rule;
 /// How long a helper may take to answer a request or a sync.
 const SEND_TIMEOUT: Duration = Duration::from_millis(500);
 /// A process heard running jobs less than this ago is part of the crew a
-/// takeover accounts for, its member lock held or not: two beats, and a
-/// beat's longest wait behind a helper's other work ([`PING`]). One silent
-/// longer (dead, or cut off from NATS) is the rule's to account for, as
-/// before.
-const HEARD_LATELY: Duration = BEAT.saturating_mul(2).saturating_add(PING);
+/// takeover accounts for, its member lock held or not: longer than the
+/// longest gap between two of a process's beats (a beat, and the loop's
+/// other waits, a [`PING`] each; the member-lock check runs off the loop).
+/// One silent longer is dead, or cut off from NATS: with its lock held it
+/// is waited for by the rule; with its lock gone too (cut off from both),
+/// not, and its calls may run on until its proof lapses (at most [`FENCE`]
+/// after its last acknowledged beat): the one gap left, documented.
+const HEARD_LATELY: Duration = BEAT
+    .saturating_mul(2)
+    .saturating_add(PING.saturating_mul(3));
 /// A new dispatcher that cannot account for every live process by then
 /// gives the lease up and asks again.
 const ADOPT_LIMIT: Duration = Duration::from_secs(30);
@@ -848,6 +855,7 @@ impl Crew {
         durable: &str,
     ) -> Result<Vec<(i32, Running, EndRx)>> {
         let started = Instant::now();
+        let began = (started, self.state().deafness(started));
         let mut answers: HashMap<i32, Hello> = HashMap::new();
         let mut adopted = Vec::new();
         loop {
@@ -900,7 +908,7 @@ impl Crew {
                 // says it has stopped its jobs.
                 let waiting = {
                     let s = self.state();
-                    unanswered.iter().any(|m| !s.accounted(*m, started, now))
+                    unanswered.iter().any(|m| !s.accounted(*m, began, now))
                 };
                 let own = self.inner.worker.member.load(Ordering::Relaxed);
                 if !answers.contains_key(&own) && started.elapsed() >= FENCE {
@@ -1084,6 +1092,62 @@ impl Worker {
     }
 }
 
+/// What a member-lock check found.
+struct LockCheck {
+    member: Member,
+    /// When the check that found the lock held was sent.
+    proven: Option<Instant>,
+    /// Postgres's clock, and when the statement that read it was sent.
+    clock: Option<(Instant, f64)>,
+}
+
+/// The member lock, checked; or taken back under the same id: the
+/// dispatcher waits GRACE before it takes a member whose lock went for
+/// gone, and a blip (a Postgres restart, a terminated backend) must not
+/// cost the jobs running here. The old session, if it lives, holds the id
+/// until Postgres ends it (LEASE_TTL).
+async fn check_member(
+    mut member: Member,
+    pool: PgPool,
+    stream: String,
+    durable: String,
+) -> LockCheck {
+    let pinged = Instant::now();
+    if let Some(clock) = member.held().await {
+        return LockCheck {
+            member,
+            proven: Some(pinged),
+            clock: Some((pinged, clock)),
+        };
+    }
+    let asked = Instant::now();
+    match tokio::time::timeout(PING, Member::join_as(&pool, &stream, &durable, member.id)).await {
+        Ok(Ok(Some(mut m))) => {
+            tracing::info!(
+                member = m.id,
+                "the crew membership's connection failed; took the membership back"
+            );
+            let checked = Instant::now();
+            let clock = m.held().await.map(|c| (checked, c));
+            return LockCheck {
+                member: m,
+                proven: Some(asked),
+                clock,
+            };
+        }
+        Ok(Ok(None)) => tracing::warn!(
+            "the crew membership's connection failed and its lock is still held; retrying"
+        ),
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
+        Err(_) => tracing::warn!("cannot join the crew again (Postgres does not answer); retrying"),
+    }
+    LockCheck {
+        member,
+        proven: None,
+        clock: None,
+    }
+}
+
 /// Hear every process's beat, in every process, all along: a new
 /// dispatcher's own listener starts with its period, and a process whose
 /// member lock is gone (every one, after a Postgres stall past
@@ -1181,10 +1245,11 @@ impl Subs {
 /// runs, until `shutdown`; then finish them (bounded by `timeout`) and keep
 /// saying what runs until nothing does.
 ///
-/// Nothing in this loop waits longer than [`PING`]: the checks that stop
-/// this process's jobs (its lock, the dispatcher's acknowledgements) must
-/// come every beat, or the dispatcher's [`GRACE`](rule::GRACE) would not
-/// cover them.
+/// Nothing in this loop waits longer than [`PING`], and the member-lock
+/// check runs off it: the checks that stop this process's jobs (its lock,
+/// the dispatcher's acknowledgements) must come every beat, or the
+/// dispatcher's [`GRACE`](rule::GRACE) would not cover them; and a
+/// takeover hears a process by its beats.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn work<H: Handler>(
     shared: Arc<Shared<H>>,
@@ -1200,13 +1265,15 @@ pub(super) async fn work<H: Handler>(
     let base = base(&shared.cfg.stream, &shared.cfg.durable);
     let subs = Subs::open(&client, &base, member.id, false).await;
     let mut w = Work {
+        member_id: member.id,
+        member: Some(member),
+        lock_check: JoinSet::new(),
         capacity: shared.cfg.concurrency.max(1),
         shared,
         js,
         client,
         base,
         pool,
-        member,
         worker,
         readiness,
         subs,
@@ -1251,6 +1318,7 @@ pub(super) async fn work<H: Handler>(
                 break;
             }
             Some(done) = w.tasks.join_next() => w.job_ended(done).await,
+            Some(checked) = w.lock_check.join_next() => w.lock_checked(checked).await,
             req = next(&mut w.subs.sync) => match req {
                 Some(req) => w.synced(req).await,
                 None => w.subs.sync = None,
@@ -1311,7 +1379,14 @@ struct Work<H> {
     client: async_nats::Client,
     base: String,
     pool: PgPool,
-    member: Member,
+    /// The membership, here between checks; away while one runs
+    /// ([`check_member`]).
+    member: Option<Member>,
+    member_id: i32,
+    /// The member-lock check under way: off the loop, so that a Postgres
+    /// that does not answer never holds up a beat (a takeover hears a
+    /// process by its beats, and counts its silence).
+    lock_check: JoinSet<LockCheck>,
     worker: Arc<Worker>,
     readiness: Readiness,
     subs: Subs,
@@ -1488,55 +1563,41 @@ impl<H: Handler> Work<H> {
         if !self.subs.complete(leaving) {
             if let Ok(s) = tokio::time::timeout(
                 PING,
-                Subs::open(&self.client, &self.base, self.member.id, leaving),
+                Subs::open(&self.client, &self.base, self.member_id, leaving),
             )
             .await
             {
                 self.subs = s;
             }
         }
-        self.check_lock().await;
+        if let Some(member) = self.member.take() {
+            let cfg = &self.shared.cfg;
+            self.lock_check.spawn(check_member(
+                member,
+                self.pool.clone(),
+                cfg.stream.clone(),
+                cfg.durable.clone(),
+            ));
+        }
     }
 
-    /// The member lock, checked; or taken back under the same id: the
-    /// dispatcher waits GRACE before it takes a member whose lock went for
-    /// gone, and a blip (a Postgres restart, a terminated backend) must not
-    /// cost the jobs running here. The old session, if it lives, holds the
-    /// id until Postgres ends it (LEASE_TTL).
-    async fn check_lock(&mut self) {
-        let pinged = Instant::now();
-        if let Some(clock) = self.member.held().await {
-            self.clock_read(pinged, clock).await;
-            self.lock_proven(pinged);
+    /// A member-lock check ended ([`check_member`]).
+    async fn lock_checked(
+        &mut self,
+        checked: std::result::Result<LockCheck, tokio::task::JoinError>,
+    ) {
+        let Ok(c) = checked else {
+            // Only a panic: the membership's connection went with it, and
+            // its lock; the proof rests on the dispatcher's acknowledgements.
+            tracing::error!("the crew membership's check failed; this process's lock is gone");
             return;
+        };
+        self.member = Some(c.member);
+        if let Some((sent, clock)) = c.clock {
+            self.clock_read(sent, clock).await;
         }
-        let cfg = &self.shared.cfg;
-        let asked = Instant::now();
-        match tokio::time::timeout(
-            PING,
-            Member::join_as(&self.pool, &cfg.stream, &cfg.durable, self.member.id),
-        )
-        .await
-        {
-            Ok(Ok(Some(mut m))) => {
-                tracing::info!(
-                    member = m.id,
-                    "the crew membership's connection failed; took the membership back"
-                );
-                let checked = Instant::now();
-                if let Some(clock) = m.held().await {
-                    self.clock_read(checked, clock).await;
-                }
-                self.member = m;
-                self.lock_proven(asked);
-            }
-            Ok(Ok(None)) => tracing::warn!(
-                "the crew membership's connection failed and its lock is still held; retrying"
-            ),
-            Ok(Err(e)) => tracing::warn!(error = %e, "cannot join the crew again; retrying"),
-            Err(_) => {
-                tracing::warn!("cannot join the crew again (Postgres does not answer); retrying")
-            }
+        if let Some(pinged) = c.proven {
+            self.lock_proven(pinged);
         }
     }
 
@@ -1597,7 +1658,7 @@ impl<H: Handler> Work<H> {
             self.readiness.note(format!(
                 "one of {n} process(es) of durable {}: another dispatches; this one (crew member {}, its advisory lock's objid in pg_locks) runs the jobs it is sent ({} running, room for {})",
                 cfg.durable,
-                self.member.id,
+                self.member_id,
                 self.tasks.len(),
                 self.capacity
             ));
@@ -1607,7 +1668,7 @@ impl<H: Handler> Work<H> {
     fn hello(&self, r: &Roster, beat: u64) -> Hello {
         hello(
             r,
-            self.member.id,
+            self.member_id,
             room(&self.shared, self.capacity),
             self.leaving.is_some(),
             beat,

@@ -697,14 +697,28 @@ impl<T> Ledger<T> {
     /// Whether a takeover that began at `started` may go on without an
     /// answer from `member`: it has stopped its jobs by the rule
     /// ([`stopped`](Self::stopped)), or, never heard, could not have been
-    /// acknowledged since `started` for [`SILENT_LOCKED`].
-    pub fn accounted(&self, member: i32, started: Instant, now: Instant) -> bool {
+    /// acknowledged since `started` for [`SILENT_LOCKED`] of the time this
+    /// process could hear (`deaf_then`: its deafness at `started`, from
+    /// [`deafness`](Self::deafness)).
+    pub fn accounted(
+        &self,
+        member: i32,
+        (started, deaf_then): (Instant, Duration),
+        now: Instant,
+    ) -> bool {
         match self.helpers.contains_key(&member) {
             true => self.stopped(member, now),
             false => {
-                self.hears_itself(now) && now.saturating_duration_since(started) >= SILENT_LOCKED
+                let deaf = self.deaf_at(now).saturating_sub(deaf_then);
+                let heard_for = now.saturating_duration_since(started).saturating_sub(deaf);
+                self.hears_itself(now) && heard_for >= SILENT_LOCKED
             }
         }
+    }
+
+    /// How long this process could not hear its own beats, until `now`.
+    pub fn deafness(&self, now: Instant) -> Duration {
+        self.deaf_at(now)
     }
 
     /// The period ended: nobody waits for these any more.
