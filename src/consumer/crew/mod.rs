@@ -860,7 +860,7 @@ impl Crew {
                 .ok()
                 .and_then(|r| r.ok());
             if let Some(live) = live {
-                let overheard = self.inner.worker.heard_lately();
+                let overheard = self.inner.worker.heard_running_lately();
                 let targets = takeover.targets(&mut self.state(), &live, overheard);
                 let ask = takeover.unanswered(&targets);
                 let got = futures::future::join_all(ask.iter().map(|m| self.sync(*m))).await;
@@ -1048,25 +1048,12 @@ pub(super) struct Worker {
     /// Dead letters the DLQ has not stored yet, of the jobs this process
     /// runs for the crew (the dispatcher's own are its period's).
     pub dlq_failing: Arc<AtomicUsize>,
-    /// The processes this one has heard beat, or has asked to run a job,
-    /// when last, and whether they dispatched then (whoever dispatches): a
-    /// takeover accounts for each it heard lately, its member lock held or
-    /// not. Kept by [`overhear`] and [`Crew::send`].
-    pub overheard: Mutex<HashMap<i32, (Instant, bool)>>,
+    /// The processes this one has heard beat while they ran jobs, or has
+    /// asked to run one, and when (whoever dispatches): a takeover accounts
+    /// for each it heard lately, its member lock held or not. Kept by
+    /// [`overhear`] and [`Crew::send`].
+    pub overheard: Mutex<HashMap<i32, Instant>>,
 }
-
-/// How long a takeover counts a dispatcher it heard (one that stopped
-/// dispatching without a word: its lease lost in a Postgres stall, or dead)
-/// among the processes it must hear from: longer than the longest gap
-/// between two beats of a working loop (a beat, and one of the loop's
-/// other waits, a [`PING`]; the member-lock check runs off the loop).
-/// Alive and heard, it answers
-/// and its calls are adopted; silent past this, it is dead or cut off from
-/// NATS, and a takeover does not wait for it: its calls are its lease's,
-/// and waiting the rule's 4 s for a process it cannot tell from a dead one
-/// would cost every kill -9 of a dispatcher as much (the one gap left: a
-/// dispatcher cut off from both may still be in a call after the reset).
-const DISPATCHER_HEARD: Duration = BEAT.saturating_mul(2).saturating_add(PING);
 
 impl Worker {
     /// `member` may run a job from now on (one was just asked of it).
@@ -1074,29 +1061,19 @@ impl Worker {
         self.overheard
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(member, (Instant::now(), false));
+            .insert(member, Instant::now());
     }
 
-    /// The processes a takeover must hear from, with when each was last
-    /// heard (or asked): every helper heard less than [`OVERHEARD`] ago
-    /// (one that beat idle may have been handed a job since, by a
-    /// dispatcher now gone), every dispatcher less than
-    /// [`DISPATCHER_HEARD`] ago.
-    fn heard_lately(&self) -> Vec<(i32, Instant)> {
+    /// Processes heard running jobs, or asked to, less than [`OVERHEARD`]
+    /// ago, and when.
+    fn heard_running_lately(&self) -> Vec<(i32, Instant)> {
         let now = Instant::now();
         self.overheard
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .filter(|(_, (at, dispatching))| {
-                let within = if *dispatching {
-                    DISPATCHER_HEARD
-                } else {
-                    OVERHEARD
-                };
-                now.saturating_duration_since(*at) < within
-            })
-            .map(|(m, (at, _))| (*m, *at))
+            .filter(|(_, at)| now.saturating_duration_since(**at) < OVERHEARD)
+            .map(|(m, at)| (*m, *at))
             .collect()
     }
 }
@@ -1157,6 +1134,12 @@ async fn check_member(
     }
 }
 
+/// A dispatcher's own beats are not kept: its calls are its own lease's
+/// (a process that stops dispatching with calls in flight lists them under
+/// the next dispatcher, which hears it as a helper); taken for a helper's,
+/// every kill -9 of a dispatcher would cost a takeover the rule's full wait
+/// (4 s) for a process it cannot tell from one cut off from both.
+///
 /// Hear every process's beat, in every process, all along: a new
 /// dispatcher's own listener starts with its period, and a process whose
 /// member lock is gone (every one, after a Postgres stall past
@@ -1191,15 +1174,15 @@ async fn overhear(
             continue;
         };
         let mut heard = worker.overheard.lock().unwrap_or_else(|e| e.into_inner());
-        if h.leaving && h.running.is_empty() {
+        if !h.running.is_empty() && h.serving != Some(h.member) {
+            heard.insert(h.member, Instant::now());
+        } else if h.leaving {
             // Its last beat: it takes no job again. (A beat that lists
             // nothing proves little else: a request may be on its way.)
             heard.remove(&h.member);
-        } else {
-            heard.insert(h.member, (Instant::now(), h.serving == Some(h.member)));
         }
         // Bounded by the crew: who fell silent long ago is forgotten.
-        heard.retain(|_, (at, _)| at.elapsed() < OVERHEARD);
+        heard.retain(|_, at| at.elapsed() < OVERHEARD);
     }
 }
 

@@ -754,10 +754,9 @@ impl<T> Ledger<T> {
     }
 }
 
-/// How long a helper heard (or asked to run a job) stays part of the crew
-/// a takeover accounts for, its member lock held or not: past this,
-/// silent, it has stopped its jobs by the rule whatever its lock
-/// ([`SILENT_LOCKED`]).
+/// How long a process heard running jobs stays part of the crew a
+/// takeover accounts for, its member lock held or not: past this, silent,
+/// it has stopped them by the rule whatever its lock ([`SILENT_LOCKED`]).
 pub(super) const OVERHEARD: Duration = SILENT_LOCKED;
 
 /// A new period's account of the crew it takes over: whom it must hear
@@ -784,10 +783,9 @@ impl Takeover {
     }
 
     /// Every live process (Postgres's word), every one this period heard
-    /// running jobs, and every one this process heard (or asked to run a
-    /// job) lately (`overheard`: who, and when its last beat was), which
-    /// `ledger` learns of as heard then (its proof runs from a beat, idle
-    /// or not): a process whose lock is gone (every one's,
+    /// running jobs, and every one this process heard running jobs before
+    /// (`overheard`: who, and when, within [`OVERHEARD`]), which `ledger`
+    /// learns of as heard then: a process whose lock is gone (every one's,
     /// after a Postgres stall past the lock's timeout; or one cut off from
     /// both) may run them still, and is waited for until it answers or the
     /// rule says it has stopped them.
@@ -1709,7 +1707,9 @@ mod tests {
             match msg {
                 Msg::Hello(h) => {
                     let member = h.member;
-                    self.overheard.insert(member, self.now);
+                    if !h.running.is_empty() {
+                        self.overheard.insert(member, self.now);
+                    }
                     let (answer, lost) = self.ledger.heard(h, D, now);
                     self.declare_lost(lost);
                     if let Some((m, beat)) = answer.ack {
