@@ -3721,11 +3721,6 @@ async fn crew_rust_child() {
     ) else {
         return;
     };
-    // Its log, as `consume` writes it: printed when the test fails.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_ansi(false)
-        .try_init();
     // Named after the process: a test finds its sessions by name.
     let options: sqlx::postgres::PgConnectOptions = db.parse().unwrap();
     let pool = sqlx::postgres::PgPoolOptions::new()

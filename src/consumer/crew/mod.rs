@@ -18,9 +18,8 @@
 //!
 //! - Every process serves one dispatcher at a time. A new dispatcher first
 //!   *syncs* every live process, and every one it heard running jobs in the
-//!   last [`OVERHEARD`] (each process hears every beat, all along: after a
-//!   Postgres stall every member lock is gone at once, and a process cut
-//!   off from both may still be running its calls). A process honours a sync only from the
+//!   last [`HEARD_LATELY`] (each process hears every beat, all along: after
+//!   a Postgres stall every member lock is gone at once). A process honours a sync only from the
 //!   member that holds the lease *now* (the lease's connection also holds a
 //!   tag lock keyed by the holder's member id, see `lease::held_by`), so an
 //!   old dispatcher that has not noticed it lost the lease cannot take a
@@ -90,14 +89,23 @@ use crate::ops::metrics as m;
 pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;
-use rule::{
-    Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, OVERHEARD, PING,
-};
+use rule::{Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, PING};
 
 mod rule;
 
 /// How long a helper may take to answer a request or a sync.
 const SEND_TIMEOUT: Duration = Duration::from_millis(500);
+/// A process heard running jobs less than this ago is part of the crew a
+/// takeover accounts for, its member lock held or not: longer than the
+/// longest gap between two of a process's beats (a beat, and the loop's
+/// other waits, a [`PING`] each; the member-lock check runs off the loop).
+/// One silent longer is dead, or cut off from NATS: with its lock held it
+/// is waited for by the rule; with its lock gone too (cut off from both),
+/// not, and its calls may run on until its proof lapses (at most [`FENCE`]
+/// after its last acknowledged beat): the one gap left, documented.
+const HEARD_LATELY: Duration = BEAT
+    .saturating_mul(2)
+    .saturating_add(PING.saturating_mul(3));
 /// A new dispatcher that cannot account for every live process by then
 /// gives the lease up and asks again.
 const ADOPT_LIMIT: Duration = Duration::from_secs(30);
@@ -745,10 +753,6 @@ impl Crew {
         // The request expires one beat after the last one heard: a beat
         // past that which does not list the job says it never started.
         let until = self.state().expect(id, member, tx);
-        // From now on the member may run a job: a takeover (this process's
-        // next period after a lost lease, say) accounts for it even if its
-        // beat never says so.
-        self.inner.worker.may_run(member);
         let (head, headers, body) = match job {
             Job::Deliver(msg) | Job::Check(msg) => (
                 JobHead {
@@ -850,19 +854,35 @@ impl Crew {
         stream: &str,
         durable: &str,
     ) -> Result<Vec<(i32, Running, EndRx)>> {
-        let mut takeover = rule::Takeover::new(&self.state(), Instant::now());
-        let started = takeover.started();
+        let started = Instant::now();
+        let began = (started, self.state().deafness(started));
+        let mut answers: HashMap<i32, Hello> = HashMap::new();
         let mut adopted = Vec::new();
-        let mut told = false;
         loop {
             let live = tokio::time::timeout(LIVENESS, alive(pool, stream, durable))
                 .await
                 .ok()
                 .and_then(|r| r.ok());
             if let Some(live) = live {
-                let overheard = self.inner.worker.heard_running_lately();
-                let targets = takeover.targets(&mut self.state(), &live, overheard);
-                let ask = takeover.unanswered(&targets);
+                // Every live process, and every one heard running jobs
+                // (its lock may be gone while it still runs them).
+                // And every one this process heard running jobs a moment
+                // ago: one whose lock is gone and that this period has not
+                // heard yet runs them all the same (a dead one drops out
+                // once silent for HEARD_LATELY).
+                let targets: HashSet<i32> = {
+                    let s = self.state();
+                    live.iter()
+                        .copied()
+                        .chain(s.heard_running(started))
+                        .chain(self.inner.worker.heard_running_lately(HEARD_LATELY))
+                        .collect()
+                };
+                let ask: Vec<i32> = targets
+                    .iter()
+                    .filter(|m| !answers.contains_key(m))
+                    .copied()
+                    .collect();
                 let got = futures::future::join_all(ask.iter().map(|m| self.sync(*m))).await;
                 for (m, answer) in ask.iter().zip(got) {
                     if let Some(a) = answer {
@@ -875,32 +895,36 @@ impl Crew {
                                 adopted.push((*m, running.clone(), rx));
                             }
                         }
-                        takeover.answered.insert(*m);
+                        answers.insert(*m, a);
                     }
                 }
+                let now = Instant::now();
+                let unanswered: Vec<i32> = targets
+                    .iter()
+                    .filter(|m| !answers.contains_key(m))
+                    .copied()
+                    .collect();
+                // One that does not answer is waited for until the rule
+                // says it has stopped its jobs.
+                let waiting = {
+                    let s = self.state();
+                    unanswered.iter().any(|m| !s.accounted(*m, began, now))
+                };
                 let own = self.inner.worker.member.load(Ordering::Relaxed);
-                if !takeover.answered.contains(&own) && started.elapsed() >= FENCE {
+                if !answers.contains_key(&own) && started.elapsed() >= FENCE {
                     return Err(Error::Nats {
                         context: "taking over as dispatcher".into(),
                         source: "this process cannot reach itself through NATS".into(),
                     });
                 }
-                // One that does not answer is waited for until the rule
-                // says it has stopped its jobs.
-                let complete = takeover.complete(&self.state(), &targets, Instant::now());
-                if !complete && !told {
-                    told = true;
-                    tracing::info!(processes = ?takeover.unanswered(&targets), "taking over: waiting for processes that ran jobs a moment ago to answer, or to have stopped them");
-                }
-                if complete {
-                    let unanswered = takeover.unanswered(&targets);
+                if !waiting {
                     if !unanswered.is_empty() {
                         tracing::warn!(processes = ?unanswered, "taking over without an answer from every live process: each has stopped its jobs by now");
                     }
                     // Whoever did not answer (the old dispatcher frozen,
                     // say) runs nothing this dispatcher knows of: its
                     // transactions end before its messages come again.
-                    let mut answered = takeover.answered.clone();
+                    let mut answered: HashSet<i32> = answers.keys().copied().collect();
                     answered.insert(own);
                     end_transactions(pool, stream, durable, Fenced::AllBut(&answered)).await;
                     break;
@@ -1048,32 +1072,22 @@ pub(super) struct Worker {
     /// Dead letters the DLQ has not stored yet, of the jobs this process
     /// runs for the crew (the dispatcher's own are its period's).
     pub dlq_failing: Arc<AtomicUsize>,
-    /// The processes this one has heard beat while they ran jobs, or has
-    /// asked to run one, and when (whoever dispatches): a takeover accounts
-    /// for each it heard lately, its member lock held or not. Kept by
-    /// [`overhear`] and [`Crew::send`].
+    /// The processes this one has heard beat while they ran jobs, and
+    /// when (whoever dispatches): a takeover accounts for each it heard
+    /// lately, its member lock held or not. Kept by [`overhear`].
     pub overheard: Mutex<HashMap<i32, Instant>>,
 }
 
 impl Worker {
-    /// `member` may run a job from now on (one was just asked of it).
-    fn may_run(&self, member: i32) {
-        self.overheard
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(member, Instant::now());
-    }
-
-    /// Processes heard running jobs, or asked to, less than [`OVERHEARD`]
-    /// ago, and when.
-    fn heard_running_lately(&self) -> Vec<(i32, Instant)> {
+    /// Processes heard running jobs less than `within` ago.
+    fn heard_running_lately(&self, within: Duration) -> Vec<i32> {
         let now = Instant::now();
         self.overheard
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .filter(|(_, at)| now.saturating_duration_since(**at) < OVERHEARD)
-            .map(|(m, at)| (*m, *at))
+            .filter(|(_, at)| now.saturating_duration_since(**at) < within)
+            .map(|(m, _)| *m)
             .collect()
     }
 }
@@ -1134,12 +1148,6 @@ async fn check_member(
     }
 }
 
-/// A dispatcher's own beats are not kept: its calls are its own lease's
-/// (a process that stops dispatching with calls in flight lists them under
-/// the next dispatcher, which hears it as a helper); taken for a helper's,
-/// every kill -9 of a dispatcher would cost a takeover the rule's full wait
-/// (4 s) for a process it cannot tell from one cut off from both.
-///
 /// Hear every process's beat, in every process, all along: a new
 /// dispatcher's own listener starts with its period, and a process whose
 /// member lock is gone (every one, after a Postgres stall past
@@ -1174,15 +1182,13 @@ async fn overhear(
             continue;
         };
         let mut heard = worker.overheard.lock().unwrap_or_else(|e| e.into_inner());
-        if !h.running.is_empty() && h.serving != Some(h.member) {
-            heard.insert(h.member, Instant::now());
-        } else if h.leaving {
-            // Its last beat: it takes no job again. (A beat that lists
-            // nothing proves little else: a request may be on its way.)
+        if h.running.is_empty() {
             heard.remove(&h.member);
+        } else {
+            heard.insert(h.member, Instant::now());
         }
         // Bounded by the crew: who fell silent long ago is forgotten.
-        heard.retain(|_, at| at.elapsed() < OVERHEARD);
+        heard.retain(|_, at| at.elapsed() < rule::SILENT_LOCKED);
     }
 }
 
@@ -1294,7 +1300,9 @@ pub(super) async fn work<H: Handler>(
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     loop {
         if w.leaving.is_some() && w.tasks.is_empty() && roster(&w.worker.registry).jobs.is_empty() {
-            w.farewell().await;
+            // A last beat that lists nothing: a takeover that heard this
+            // process running jobs a moment ago need not wait for it.
+            w.beat().await;
             break;
         }
         let leaving = w.leaving;
@@ -1570,22 +1578,6 @@ impl<H: Handler> Work<H> {
                 cfg.stream.clone(),
                 cfg.durable.clone(),
             ));
-        }
-    }
-
-    /// A last beat, leaving, that lists nothing, sent out before this
-    /// process exits: a takeover that heard it running jobs a moment ago
-    /// need not wait for it.
-    async fn farewell(&mut self) {
-        let beat_no = self.standing.beat(Instant::now());
-        let hello = self.hello(&roster(&self.worker.registry), beat_no);
-        if let Ok(body) = serde_json::to_vec(&hello) {
-            bounded(
-                self.client
-                    .publish(format!("{}.s.hello", self.base), body.into()),
-            )
-            .await;
-            bounded(self.client.flush()).await;
         }
     }
 

@@ -538,15 +538,7 @@ impl<T> Ledger<T> {
             .gone
             .iter()
             .filter(|(id, (first, _))| {
-                // A takeover may still account for it: not before the rule
-                // says it stopped, whatever its lock (its silence would
-                // start over with its lock's absence).
-                now.saturating_duration_since(*first) >= SILENT
-                    && !waited.contains(id)
-                    && self
-                        .helpers
-                        .get(id)
-                        .is_none_or(|h| self.silence(h, now) >= SILENT_LOCKED)
+                now.saturating_duration_since(*first) >= SILENT && !waited.contains(id)
             })
             .map(|(id, _)| *id)
             .collect();
@@ -682,25 +674,6 @@ impl<T> Ledger<T> {
         true
     }
 
-    /// This process heard `member` beat while it ran jobs, at `at`, before
-    /// this period heard from it: its silence counts from then.
-    pub fn overheard(&mut self, member: i32, at: Instant) {
-        let deaf_then = self.deaf_at(at);
-        let h = self.helpers.entry(member).or_insert(Helper {
-            capacity: 0,
-            leaving: false,
-            beat: 0,
-            heard: at,
-            deaf_then,
-            running: 1,
-            serving: None,
-        });
-        if h.heard < at {
-            h.heard = at;
-            h.deaf_then = deaf_then;
-        }
-    }
-
     /// Jobs waited for.
     #[cfg(test)]
     pub fn waiting(&self) -> usize {
@@ -751,79 +724,6 @@ impl<T> Ledger<T> {
     /// The period ended: nobody waits for these any more.
     pub fn clear(&mut self) {
         self.waiting.clear();
-    }
-}
-
-/// How long a process heard running jobs stays part of the crew a
-/// takeover accounts for, its member lock held or not: past this, silent,
-/// it has stopped them by the rule whatever its lock ([`SILENT_LOCKED`]).
-pub(super) const OVERHEARD: Duration = SILENT_LOCKED;
-
-/// A new period's account of the crew it takes over: whom it must hear
-/// from before it resets the durable to its ack floor (which runs again
-/// whatever it has not adopted), and when it may go on without an answer.
-#[derive(Debug)]
-pub(super) struct Takeover {
-    /// When it began, and how deaf the period's ledger was then.
-    began: (Instant, Duration),
-    /// The processes that answered its sync (their jobs adopted).
-    pub answered: HashSet<i32>,
-}
-
-impl Takeover {
-    pub fn new<T>(ledger: &Ledger<T>, now: Instant) -> Takeover {
-        Takeover {
-            began: (now, ledger.deafness(now)),
-            answered: HashSet::new(),
-        }
-    }
-
-    pub fn started(&self) -> Instant {
-        self.began.0
-    }
-
-    /// Every live process (Postgres's word), every one this period heard
-    /// running jobs, and every one this process heard running jobs before
-    /// (`overheard`: who, and when, within [`OVERHEARD`]), which `ledger`
-    /// learns of as heard then: a process whose lock is gone (every one's,
-    /// after a Postgres stall past the lock's timeout; or one cut off from
-    /// both) may run them still, and is waited for until it answers or the
-    /// rule says it has stopped them.
-    pub fn targets<T>(
-        &self,
-        ledger: &mut Ledger<T>,
-        live: &HashSet<i32>,
-        overheard: impl IntoIterator<Item = (i32, Instant)>,
-    ) -> HashSet<i32> {
-        let mut targets: HashSet<i32> = live
-            .iter()
-            .copied()
-            .chain(ledger.heard_running(self.began.0))
-            .collect();
-        for (member, at) in overheard {
-            ledger.overheard(member, at);
-            targets.insert(member);
-        }
-        targets
-    }
-
-    /// Those of `targets` that have not answered.
-    pub fn unanswered(&self, targets: &HashSet<i32>) -> Vec<i32> {
-        let mut ids: Vec<i32> = targets
-            .iter()
-            .filter(|m| !self.answered.contains(m))
-            .copied()
-            .collect();
-        ids.sort();
-        ids
-    }
-
-    /// Whether every one of `targets` answered, or has stopped its jobs by
-    /// the rule ([`Ledger::accounted`]).
-    pub fn complete<T>(&self, ledger: &Ledger<T>, targets: &HashSet<i32>, now: Instant) -> bool {
-        self.unanswered(targets)
-            .iter()
-            .all(|m| ledger.accounted(*m, self.began, now))
     }
 }
 
@@ -1170,11 +1070,6 @@ mod tests {
         DropLock(usize),
         DispatcherCut(u64),
         DispatcherBlind(u64),
-        /// The dispatcher's lease lapsed (a Postgres stall, a slow ping)
-        /// and it takes it back: a new period, whose takeover syncs the
-        /// crew, adopts what each process runs, and resets the durable to
-        /// its ack floor (what it did not adopt runs again).
-        Retake,
     }
 
     fn event() -> impl Strategy<Value = Event> {
@@ -1191,7 +1086,6 @@ mod tests {
             1 => (0usize..8).prop_map(Event::DropLock),
             1 => (100u64..9000).prop_map(Event::DispatcherCut),
             1 => (100u64..9000).prop_map(Event::DispatcherBlind),
-            1 => Just(Event::Retake),
         ]
     }
 
@@ -1202,19 +1096,10 @@ mod tests {
         Done(u64),
         /// dispatcher → helper.
         Ack(u64),
-        Sync {
-            period: u64,
-        },
-        /// helper → dispatcher: a sync's answer, what the helper lists.
-        SyncAnswer {
-            period: u64,
-            beat: u64,
-            running: Vec<u64>,
-        },
+        Sync,
         Request {
             id: u64,
             until: u64,
-            period: u64,
         },
         /// helper → dispatcher, the request's answer: Some(beat) admitted.
         Answer {
@@ -1301,19 +1186,6 @@ mod tests {
         ended: HashSet<u64>,
         sent: HashSet<u64>,
         admitted: usize,
-        /// The dispatcher's period, and its takeover while one runs.
-        period: u64,
-        takeover: Option<Takeover>,
-        next_poll: u64,
-        /// Syncs the takeover waits an answer for, and until when.
-        syncing: HashMap<i32, u64>,
-        /// Whom the dispatcher's process heard running jobs, and when (the
-        /// shell's `overhear`).
-        overheard: HashMap<i32, u64>,
-        /// Jobs a helper finished (recorded and acked: a reset does not
-        /// bring them back).
-        finished: HashSet<u64>,
-        takeovers: usize,
     }
 
     impl World {
@@ -1347,13 +1219,6 @@ mod tests {
                 ended: HashSet::new(),
                 sent: HashSet::new(),
                 admitted: 0,
-                period: PERIOD,
-                takeover: None,
-                next_poll: 0,
-                syncing: HashMap::new(),
-                overheard: HashMap::new(),
-                finished: HashSet::new(),
-                takeovers: 0,
             }
         }
 
@@ -1398,112 +1263,22 @@ mod tests {
 
         fn declare_lost(&mut self, lost: Lost<()>) {
             for (id, w) in lost {
-                self.ledger.unreserve(w.member);
-                self.run_again(id, w.member - 1);
-            }
-        }
-
-        /// Job `id` runs again (taken for lost, or brought back by a
-        /// takeover's reset): helper `h` may not be running it still.
-        fn run_again(&mut self, id: u64, h: i32) {
-            self.lost.insert(id, self.now);
-            self.check(h);
-            // A job whose call succeeded, at a helper that could be heard
-            // all along, is run again: a successful call made twice by a
-            // pause, not a crash.
-            let hs = &self.helpers[h as usize];
-            let reachable = hs
-                .unreachable_at
-                .is_none_or(|t| self.now.saturating_sub(t) > SILENT_LOCKED.as_millis() as u64);
-            assert!(
-                hs.dead || !hs.past.contains(&id) || !reachable,
-                "job {id} succeeded at helper {}, which could be heard, and was run again at {}ms: its call is made again",
-                hs.id,
-                self.now
-            );
-        }
-
-        /// The takeover's reset to the ack floor: every job not finished,
-        /// not adopted and not run again already runs again now.
-        fn reset(&mut self) {
-            let mut ids: Vec<u64> = self
-                .sent
-                .iter()
-                .filter(|id| {
-                    !self.finished.contains(id)
-                        && !self.lost.contains_key(id)
-                        && !self.ledger.is_waited(**id)
-                })
-                .copied()
-                .collect();
-            ids.sort();
-            for id in ids {
                 self.lost.insert(id, self.now);
-                for h in 0..self.helpers.len() {
-                    if self.helpers[h].roster.jobs.contains_key(&id) {
-                        self.run_again(id, h as i32);
-                    }
-                }
-            }
-        }
-
-        /// A step of the takeover (the shell's `adopt` loop, every fifth
-        /// of a beat): ask whom it must hear from, and end it once each
-        /// answered or has stopped its jobs by the rule.
-        fn take_over(&mut self) {
-            let now = self.now;
-            if self.takeover.is_none() || now < self.next_poll {
-                return;
-            }
-            self.next_poll = now + BEAT.as_millis() as u64 / 5;
-            if now < self.d_blind_until {
-                return;
-            }
-            let live: HashSet<i32> = self
-                .helpers
-                .iter()
-                .filter(|h| h.locked)
-                .map(|h| h.id)
-                .chain([D])
-                .collect();
-            let overheard: Vec<(i32, Instant)> = self
-                .overheard
-                .iter()
-                .filter(|(_, t)| now.saturating_sub(**t) < OVERHEARD.as_millis() as u64)
-                .map(|(m, t)| (*m, self.at(*t)))
-                .collect();
-            let Some(t) = self.takeover.as_mut() else {
-                return;
-            };
-            // Its own process answers itself, through NATS.
-            if now >= self.d_cut_until {
-                t.answered.insert(D);
-            }
-            let targets = t.targets(&mut self.ledger, &live, overheard);
-            let started = t.started();
-            let ask: Vec<i32> = t
-                .unanswered(&targets)
-                .into_iter()
-                .filter(|m| *m != D && self.syncing.get(m).is_none_or(|until| *until <= now))
-                .collect();
-            for m in ask {
-                self.syncing.insert(m, now + SEND_TIMEOUT_MS);
-                let period = self.period;
-                self.send(-1, m - 1, Msg::Sync { period });
-            }
-            let Some(t) = self.takeover.as_ref() else {
-                return;
-            };
-            if !t.answered.contains(&D) && self.at(now) >= started + FENCE {
-                // Cannot reach itself: it gives the lease up and asks again.
-                self.takeover = None;
-                self.step(&Event::Retake);
-                return;
-            }
-            if t.complete(&self.ledger, &targets, self.at(now)) {
-                self.takeover = None;
-                self.takeovers += 1;
-                self.reset();
+                self.ledger.unreserve(w.member);
+                self.check(w.member - 1);
+                // A job whose call succeeded, at a helper that could be
+                // heard all along, is run again: a successful call made
+                // twice by a pause, not a crash.
+                let hs = &self.helpers[(w.member - 1) as usize];
+                let reachable = hs
+                    .unreachable_at
+                    .is_none_or(|t| self.now.saturating_sub(t) > SILENT_LOCKED.as_millis() as u64);
+                assert!(
+                    hs.dead || !hs.past.contains(&id) || !reachable,
+                    "job {id} succeeded at helper {}, which could be heard, and was taken for lost at {}ms: its call is made again",
+                    hs.id,
+                    self.now
+                );
             }
         }
 
@@ -1549,18 +1324,13 @@ mod tests {
                     }
                 }
                 Event::Send => {
-                    if self.takeover.is_some() {
-                        return;
-                    }
                     if let Some(h) = self.ledger.pick(D, self.at(self.now)) {
                         let id = self.next_id;
                         self.next_id += 1;
                         let until = self.ledger.expect(id, h, ());
-                        self.overheard.insert(h, self.now);
                         self.sent.insert(id);
                         self.asked.push((id, h, until, self.now + SEND_TIMEOUT_MS));
-                        let period = self.period;
-                        self.send(-1, h - 1, Msg::Request { id, until, period });
+                        self.send(-1, h - 1, Msg::Request { id, until });
                     }
                 }
                 Event::Finish(h, k) => {
@@ -1574,7 +1344,6 @@ mod tests {
                     if let Some(&id) = ids.get(k) {
                         hs.roster.jobs.remove(&id);
                         hs.past.remove(&id);
-                        self.finished.insert(id);
                         self.send(h as i32, -1, Msg::Done(id));
                     }
                 }
@@ -1602,16 +1371,6 @@ mod tests {
                 Event::DropLock(h) => self.helpers[pick(h)].locked = false,
                 Event::DispatcherCut(d) => self.d_cut_until = self.now + d,
                 Event::DispatcherBlind(d) => self.d_blind_until = self.now + d,
-                Event::Retake => {
-                    if self.takeover.is_none() {
-                        self.period += 1;
-                        self.ledger = Ledger::new(D, self.period);
-                        self.asked.clear();
-                        self.syncing.clear();
-                        self.takeover = Some(Takeover::new(&self.ledger, self.at(self.now)));
-                        self.next_poll = self.now;
-                    }
-                }
             }
         }
 
@@ -1672,7 +1431,7 @@ mod tests {
                         beat: now,
                         offer: Some(0),
                         running: HashSet::new(),
-                        serving: Some((D, self.period)),
+                        serving: Some((D, PERIOD)),
                     };
                     let (_, lost) = self.ledger.heard(heard, D, self.at(now));
                     self.declare_lost(lost);
@@ -1691,7 +1450,6 @@ mod tests {
                 let lost = self.ledger.liveness(alive, self.at(now));
                 self.declare_lost(lost);
             }
-            self.take_over();
         }
 
         /// Job `id` ended at helper `from` (or it refused the job).
@@ -1707,36 +1465,14 @@ mod tests {
             match msg {
                 Msg::Hello(h) => {
                     let member = h.member;
-                    if !h.running.is_empty() {
-                        self.overheard.insert(member, self.now);
-                    }
                     let (answer, lost) = self.ledger.heard(h, D, now);
                     self.declare_lost(lost);
                     if let Some((m, beat)) = answer.ack {
                         self.send(-1, m - 1, Msg::Ack(beat));
                     }
                     if answer.sync {
-                        let period = self.period;
-                        self.send(-1, member - 1, Msg::Sync { period });
+                        self.send(-1, member - 1, Msg::Sync);
                         self.ledger.synced(member);
-                    }
-                }
-                Msg::SyncAnswer {
-                    period,
-                    beat,
-                    running,
-                } => {
-                    let member = from + 1;
-                    let Some(t) = self.takeover.as_mut() else {
-                        return;
-                    };
-                    if period != self.period || t.answered.contains(&member) {
-                        return;
-                    }
-                    t.answered.insert(member);
-                    self.syncing.remove(&member);
-                    for id in running {
-                        self.ledger.adopt(id, member, beat, (), now);
                     }
                 }
                 Msg::Done(id) => self.end(id, from),
@@ -1774,34 +1510,18 @@ mod tests {
                     Msg::Ack(beat) => {
                         self.helpers[h].standing.acknowledged(Some(beat));
                     }
-                    Msg::Sync { period } => {
-                        // Only from the lease's holder: asked of Postgres.
-                        if now_ms < self.helpers[h].pg_cut_until {
-                            continue;
-                        }
+                    Msg::Sync => {
                         let hs = &mut self.helpers[h];
-                        hs.roster.serve(D, period);
-                        let mut running: Vec<u64> = hs.roster.jobs.keys().copied().collect();
-                        running.sort();
-                        let beat = hs.standing.last_beat();
-                        self.send(
-                            h as i32,
-                            -1,
-                            Msg::SyncAnswer {
-                                period,
-                                beat,
-                                running,
-                            },
-                        );
+                        hs.roster.serve(D, PERIOD);
                     }
-                    Msg::Request { id, until, period } => {
+                    Msg::Request { id, until } => {
                         let hs = &mut self.helpers[h];
                         let beat = hs.standing.last_beat();
                         let proven = hs.standing.holds(now);
                         let room = hs.roster.jobs.len() < 4;
                         let admitted =
                             hs.roster
-                                .admit((D, period, until), (beat, proven, room), id, ());
+                                .admit((D, PERIOD, until), (beat, proven, room), id, ());
                         if admitted.is_ok() {
                             self.admitted += 1;
                             assert!(
@@ -1868,7 +1588,6 @@ mod tests {
                 .map(|(id, _)| id)
                 .collect();
             for id in ids {
-                self.finished.insert(id);
                 self.send(h as i32, -1, Msg::Done(id));
             }
         }
@@ -1920,13 +1639,9 @@ mod tests {
             events in proptest::collection::vec(event(), 1..160),
         ) {
             let w = run_world(seed, &events);
-            prop_assert!(w.takeover.is_none(), "a takeover still runs after the world healed");
             prop_assert_eq!(w.ledger.waiting(), 0, "jobs still waited for after the world healed");
             for id in &w.sent {
-                prop_assert!(
-                    w.ended.contains(id) || w.lost.contains_key(id) || w.finished.contains(id),
-                    "job {} neither ended nor lost", id
-                );
+                prop_assert!(w.ended.contains(id) || w.lost.contains_key(id), "job {} neither ended nor lost", id);
             }
         }
     }
@@ -2161,55 +1876,5 @@ mod tests {
         assert!(w.admitted >= 5, "admitted {}", w.admitted);
         assert!(!w.ended.is_empty());
         assert!(!w.lost.is_empty());
-    }
-
-    /// Issue 56: every process's path to Postgres stalls 4 s; the member
-    /// locks go at 3 s, the dispatcher's lease with them, and it takes the
-    /// lease back (a new period) while no lock is back yet. Its takeover
-    /// must adopt what the helpers run, not take the crew for the live
-    /// processes alone (none) and run every job again (a loaded run of the
-    /// shell repeated 7 of 144 calls this way).
-    #[test]
-    fn a_takeover_after_a_crew_wide_postgres_stall_adopts_what_the_helpers_run() {
-        let mut events = vec![Event::Advance(1000)];
-        for _ in 0..9 {
-            events.push(Event::Send);
-            events.push(Event::Advance(30));
-        }
-        events.push(Event::Succeed(0, 0));
-        events.push(Event::Succeed(1, 0));
-        for h in 0..3 {
-            events.push(Event::CutPostgres(h, 4000));
-        }
-        events.push(Event::Advance(3300));
-        events.push(Event::Retake);
-        events.push(Event::Advance(3000));
-        for seed in 0..32 {
-            let w = run_world(seed, &events);
-            assert!(w.takeovers >= 1, "seed {seed}: no takeover ended");
-            assert!(w.admitted >= 3, "seed {seed}: admitted {}", w.admitted);
-        }
-    }
-
-    /// The same process takes its lease back while a helper is frozen:
-    /// the takeover waits for it (it was heard running jobs a moment ago)
-    /// until the rule says it has stopped them, then runs them again.
-    #[test]
-    fn a_takeover_waits_for_a_frozen_helper_it_heard_lately() {
-        let mut events = vec![Event::Advance(1000)];
-        for _ in 0..9 {
-            events.push(Event::Send);
-            events.push(Event::Advance(30));
-        }
-        events.extend([
-            Event::Freeze(0, 9000),
-            Event::Advance(100),
-            Event::Retake,
-            Event::Advance(12000),
-        ]);
-        for seed in 0..32 {
-            let w = run_world(seed, &events);
-            assert!(w.takeovers >= 1, "seed {seed}: no takeover ended");
-        }
     }
 }
