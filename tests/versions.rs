@@ -185,19 +185,7 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
     // The standby must have replayed the publication before the relay
     // looks for it there (it refuses a missing one): on a loaded box it
     // lagged, and the relay exited (issue 58 item 9).
-    let upto: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
-        .fetch_one(&primary)
-        .await
-        .unwrap();
-    let standby = pool_of(&pair.standby_url).await;
-    eventually(T, "the standby replayed the publication", || async {
-        sqlx::query_scalar::<_, bool>("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
-            .bind(&upto)
-            .fetch_one(&standby)
-            .await
-            .unwrap_or(false)
-    })
-    .await;
+    standby_replayed(&primary, &pair.standby_url).await;
     let mut relay = Service::relay_starting(&pair.standby_url, &stack.nats_url, ctx, &[]);
     // A slot on a standby is created at the primary's next running-xacts
     // record: the background writer logs one every 15 s while WAL moves;
@@ -316,19 +304,7 @@ async fn a_standby_the_relay_cannot_decode_on_is_refused_with_the_setting_that_f
         .unwrap();
         // Replayed on the standby first: a relay that finds no publication
         // refuses that before it judges the standby (CI on a loaded box).
-        let upto: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
-            .fetch_one(&primary)
-            .await
-            .unwrap();
-        let standby = pool_of(&pair.standby_url).await;
-        eventually(T, "the standby replayed the publication", || async {
-            sqlx::query_scalar::<_, bool>("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
-                .bind(&upto)
-                .fetch_one(&standby)
-                .await
-                .unwrap_or(false)
-        })
-        .await;
+        standby_replayed(&primary, &pair.standby_url).await;
         let (code, err) = run_relay_bounded(
             &pair.standby_url,
             &stack.nats_url,
@@ -341,4 +317,22 @@ async fn a_standby_the_relay_cannot_decode_on_is_refused_with_the_setting_that_f
             "{major} {env:?}: one line naming {says:?}: {err}"
         );
     }
+}
+
+/// Wait for the standby at `standby_url` to replay all the primary wrote
+/// so far (a publication just made there, say).
+async fn standby_replayed(primary: &sqlx::PgPool, standby_url: &str) {
+    let upto: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(primary)
+        .await
+        .unwrap();
+    let standby = pool_of(standby_url).await;
+    eventually(T, "the standby replayed the publication", || async {
+        sqlx::query_scalar::<_, bool>("SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn")
+            .bind(&upto)
+            .fetch_one(&standby)
+            .await
+            .unwrap_or(false)
+    })
+    .await;
 }
