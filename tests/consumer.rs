@@ -3503,7 +3503,13 @@ async fn three_processes_of_one_durable_share_its_work_across_a_kill_a_sigterm_a
     crew[killed] = None;
     crew.push(Some(start("crew-d")));
     crew.last_mut().unwrap().as_mut().unwrap().wait_ready();
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The SIGTERM comes once the kill's takeover is done (work flows again:
+    // more calls than the 12 the crew can have had in flight at the kill):
+    // SPEC §11 bounds each handover, not one inside the other.
+    eventually(T, "calls flow again after the kill", || async {
+        handler.calls().len() >= calls_before_kill + 20
+    })
+    .await;
     let termed = dispatcher(&crew).await;
     let t_term = Instant::now();
     let st = crew[termed].as_mut().unwrap().term(Duration::from_secs(30));
@@ -3721,6 +3727,11 @@ async fn crew_rust_child() {
     ) else {
         return;
     };
+    // Its log, as `consume` writes it: printed when the test fails.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_ansi(false)
+        .try_init();
     // Named after the process: a test finds its sessions by name.
     let options: sqlx::postgres::PgConnectOptions = db.parse().unwrap();
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -3860,6 +3871,18 @@ async fn three_processes_of_a_rust_handler_durable_keep_exactly_once_effects_acr
     let mut d = spawn("d");
     eventually(T, "three processes again", || async {
         members().await == 3
+    })
+    .await;
+    // The SIGTERM comes once the kill's takeover is done (work flows again:
+    // more calls than the 12 the crew can have had in flight at the kill):
+    // SPEC §11 bounds each handover, not one inside the other.
+    eventually(T, "calls flow again after the kill", || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM crew_effects WHERE started > $1")
+            .bind(t_kill)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            >= 20
     })
     .await;
     let t_term = pg_now().await;

@@ -160,6 +160,11 @@ impl World {
     /// Publish the load, about 24 messages a second, each aggregate's
     /// messages in order; calls take 1 to 3 s.
     fn load(&self) -> tokio::task::JoinHandle<()> {
+        self.load_of_calls(1_000, 2_000)
+    }
+
+    /// The load with calls of `base` to `base + spread` ms.
+    fn load_of_calls(&self, base: u64, spread: u64) -> tokio::task::JoinHandle<()> {
         let (js, subject, sent) = (
             self.js.clone(),
             format!("{}.e", self.ctx),
@@ -170,7 +175,7 @@ impl World {
             for k in 0..MESSAGES {
                 tick.tick().await;
                 let (aggregate, n) = (format!("agg{}", k % AGGREGATES), (k / AGGREGATES) as u64);
-                let sleep_ms = 1_000 + (k as u64 * 397) % 2_001;
+                let sleep_ms = base + (k as u64 * 397) % (spread + 1);
                 let id = Uuid::new_v4();
                 let body =
                     serde_json::json!({"aggregate": aggregate, "n": n, "sleep_ms": sleep_ms});
@@ -508,6 +513,43 @@ async fn a_helper_cut_off_from_postgres_mid_call_has_its_successes_recorded_once
     })
     .await;
     proxy.pause();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    proxy.resume();
+    w.settled(load).await;
+}
+
+/// Issue 56, item 11: the dispatcher hands its lease on (a SIGTERM: a
+/// deploy) while a helper's path to Postgres is stalled. That helper cannot
+/// answer the next dispatcher's sync (it cannot ask Postgres who holds the
+/// lease) and goes on beating its jobs. Before: the takeover waited for it
+/// (up to its 30 s limit), nobody acknowledged its beats, its lock could
+/// not be proven, and it cut its calls in flight, which were made again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_helper_cut_off_from_postgres_through_a_handover_repeats_no_call() {
+    let w = World::shared("p_handpg", "phandpg").await;
+    let proxy = Proxy::start(&pg_target(&w.url)).await;
+    let a = w.crew_process("phandpg-a", &w.url);
+    let b = w.crew_process("phandpg-b", &proxy.pg_url(&w.url));
+    let c = w.crew_process("phandpg-c", &w.url);
+    eventually(T, "three processes, the first dispatching", || async {
+        a.scrape().await.value("outbox_consumer_standby") == Some(0.0)
+            && a.scrape().await.value("outbox_consumer_processes") == Some(3.0)
+    })
+    .await;
+    // Calls longer than every proof the helper has of its own.
+    let load = w.load_of_calls(6_000, 2_000);
+    eventually(T, "the helper to be cut off runs calls", || async {
+        b.scrape().await.value("outbox_consumer_running_jobs") >= Some(2.0)
+    })
+    .await;
+    proxy.pause();
+    signal(a.pid(), "TERM");
+    eventually(T, "the third process dispatches", || async {
+        c.scrape().await.value("outbox_consumer_standby") == Some(0.0)
+    })
+    .await;
+    // The stall outlasts every proof the helper had of its own (1.5 s on
+    // its lock, 3 s on the last dispatcher's acknowledgements).
     tokio::time::sleep(Duration::from_secs(8)).await;
     proxy.resume();
     w.settled(load).await;

@@ -291,7 +291,8 @@ where
 
 /// [`persist`] for a write that may be given up with its job: at a helper
 /// cut off from Postgres (its member lock unproven), `None` once it has
-/// waited [`HANDOFF_AFTER`]. Never for a write after a successful call.
+/// waited [`HANDOFF_AFTER`]; at a dispatcher, once its lease is gone.
+/// Never for a write after a successful call.
 async fn persist_here<H, T, E, F, Fut>(shared: &Shared<H>, what: &str, op: F) -> Option<T>
 where
     F: FnMut() -> Fut,
@@ -312,9 +313,34 @@ where
     Fut: std::future::Future<Output = Result<T, E>>,
     E: std::fmt::Display,
 {
+    // Cut from here on, this job calls nothing any more (its fence is this
+    // token, or an older one already cut).
+    let cut = shared.calls.token();
     let give_up = async {
-        let Some(helper) = shared.helper.as_ref().filter(|_| may_give_up) else {
+        if !may_give_up {
             return std::future::pending().await;
+        }
+        let Some(helper) = shared.helper.as_ref() else {
+            // The dispatcher's own job, its lease gone (its period's
+            // proof revoked, for good), or its calls cut (`Finishing`,
+            // once another process may take over): it can call nothing
+            // now (`may_call`). Handed back, it is reported and runs again
+            // elsewhere; waiting, it would hold its aggregate (which the
+            // next dispatcher adopts from this process's beats) for as
+            // long as this process cannot reach Postgres.
+            let lapsed = async {
+                while !shared.proof.revoked() {
+                    tokio::time::sleep(BEAT_CHECK).await;
+                }
+            };
+            tokio::select! {
+                () = cut.cancelled() => {}
+                () = lapsed => {}
+            }
+            tracing::warn!(
+                "{what} waits on Postgres, and this process no longer dispatches; handing the job back"
+            );
+            return;
         };
         tokio::time::sleep(HANDOFF_AFTER).await;
         // Postgres answers this process: a slow write is waited for (a

@@ -123,6 +123,9 @@ impl<'a, H: Handler> Active<'a, H> {
         let mut dispatch = tokio::select! {
             opened = self.open(consumer, &lease, shutdown) => opened?,
             _ = lost.cancelled() => return Ok(Ended::LeaseLost),
+            // A takeover may wait seconds for a silent process: a SIGTERM
+            // meanwhile hands the lease on at once (it has started nothing).
+            _ = shutdown.cancelled() => return Ok(Ended::Shutdown),
         };
         let ended = dispatch.pump(&lease, shutdown).await;
         dispatch.drain(&ended, lease).await;

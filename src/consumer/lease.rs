@@ -111,6 +111,11 @@ impl Proof {
         }
     }
 
+    /// Revoked: the lease it proved is gone, and nothing it gated starts.
+    pub fn revoked(&self) -> bool {
+        self.until.load(Ordering::Relaxed) == REVOKED
+    }
+
     pub fn holds(&self) -> bool {
         let until = self.until.load(Ordering::Relaxed);
         until > 0 && until != REVOKED && (origin().elapsed().as_millis() as u64) < until - 1

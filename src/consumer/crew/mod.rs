@@ -18,8 +18,9 @@
 //!
 //! - Every process serves one dispatcher at a time. A new dispatcher first
 //!   *syncs* every live process, and every one it heard running jobs in the
-//!   last [`HEARD_LATELY`] (each process hears every beat, all along: after
-//!   a Postgres stall every member lock is gone at once). A process honours a sync only from the
+//!   last [`OVERHEARD`] (each process hears every beat, all along: after a
+//!   Postgres stall every member lock is gone at once, and a process cut
+//!   off from both may still be running its calls). A process honours a sync only from the
 //!   member that holds the lease *now* (the lease's connection also holds a
 //!   tag lock keyed by the holder's member id, see `lease::held_by`), so an
 //!   old dispatcher that has not noticed it lost the lease cannot take a
@@ -89,23 +90,14 @@ use crate::ops::metrics as m;
 pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;
-use rule::{Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, PING};
+use rule::{
+    Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, OVERHEARD, PING,
+};
 
 mod rule;
 
 /// How long a helper may take to answer a request or a sync.
 const SEND_TIMEOUT: Duration = Duration::from_millis(500);
-/// A process heard running jobs less than this ago is part of the crew a
-/// takeover accounts for, its member lock held or not: longer than the
-/// longest gap between two of a process's beats (a beat, and the loop's
-/// other waits, a [`PING`] each; the member-lock check runs off the loop).
-/// One silent longer is dead, or cut off from NATS: with its lock held it
-/// is waited for by the rule; with its lock gone too (cut off from both),
-/// not, and its calls may run on until its proof lapses (at most [`FENCE`]
-/// after its last acknowledged beat): the one gap left, documented.
-const HEARD_LATELY: Duration = BEAT
-    .saturating_mul(2)
-    .saturating_add(PING.saturating_mul(3));
 /// A new dispatcher that cannot account for every live process by then
 /// gives the lease up and asks again.
 const ADOPT_LIMIT: Duration = Duration::from_secs(30);
@@ -363,6 +355,9 @@ struct Hello {
     serving: Option<i32>,
     #[serde(default)]
     period: u64,
+    /// It refused a sync since it was last synced: sync it again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    fenced: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -381,6 +376,24 @@ struct JobDone {
     id: u64,
     how: Finished<Instant>,
     panicked: bool,
+}
+
+/// A sync refused by a process that cannot ask Postgres who holds the
+/// lease, with its beat then (the takeover adopts its jobs from a later
+/// beat: [`rule::Takeover::adopts_from`]).
+#[derive(Debug, Serialize, Deserialize)]
+struct SyncRefusal {
+    refused_at_beat: u64,
+}
+
+/// How a process answered a sync.
+enum SyncReply {
+    /// It serves the asker now; what it runs.
+    Joined(Hello),
+    /// It cannot tell whether the asker holds the lease.
+    Refused { beat: u64 },
+    /// No answer, or "not the dispatcher".
+    Silent,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -541,6 +554,10 @@ struct CrewInner {
     /// Set once the takeover has adopted what runs: before, a process the
     /// listener syncs lists jobs the takeover is about to adopt.
     adopted: AtomicBool,
+    /// Until then, each process's newest beat and the jobs it lists: one
+    /// that cannot answer the sync is adopted from them
+    /// ([`rule::Takeover::adopts_from`]).
+    beats: Mutex<HashMap<i32, (u64, Vec<Running>)>>,
 }
 
 impl Crew {
@@ -570,6 +587,7 @@ impl Crew {
                 state: Mutex::new(Ledger::new(me, period)),
                 handover: CancellationToken::new(),
                 adopted: AtomicBool::new(false),
+                beats: Mutex::new(HashMap::new()),
             }),
         };
         tokio::spawn(
@@ -657,12 +675,17 @@ impl Crew {
     /// its jobs running).
     fn heard(&self, h: Hello) -> Option<(i32, u64)> {
         let member = h.member;
+        if !self.inner.adopted.load(Ordering::Relaxed) {
+            let mut beats = self.inner.beats.lock().unwrap_or_else(|e| e.into_inner());
+            beats.insert(member, (h.beat, h.running.clone()));
+        }
         let heard = Heard {
             member,
             beat: h.beat,
             offer: (!h.leaving).then_some(h.capacity),
             running: h.running.iter().map(|r| r.id).collect(),
             serving: h.serving.map(|s| (s, h.period)),
+            fenced: h.fenced,
         };
         let own = self.inner.worker.member.load(Ordering::Relaxed);
         let (Answer { ack, sync }, lost) = self.state().heard(heard, own, Instant::now());
@@ -670,7 +693,7 @@ impl Crew {
         if sync {
             let crew = self.clone();
             tokio::spawn(async move {
-                if let Some(answer) = crew.sync(member).await {
+                if let SyncReply::Joined(answer) = crew.sync(member).await {
                     // Adopting now would come after the keys moved on; a
                     // job of a previous dispatcher here means that process
                     // could not be reached when this period began and did
@@ -698,7 +721,24 @@ impl Crew {
     }
 
     /// Make `member` serve this dispatcher; its answer lists what it runs.
-    async fn sync(&self, member: i32) -> Option<Hello> {
+    async fn sync(&self, member: i32) -> SyncReply {
+        match self.ask_sync(member).await {
+            None => SyncReply::Silent,
+            Some(payload) => match serde_json::from_slice::<Hello>(&payload) {
+                Ok(h) => SyncReply::Joined(h),
+                Err(_) => match serde_json::from_slice::<SyncRefusal>(&payload) {
+                    Ok(r) => SyncReply::Refused {
+                        beat: r.refused_at_beat,
+                    },
+                    // "not the dispatcher", from a process that reached
+                    // Postgres (or from an earlier version).
+                    Err(_) => SyncReply::Silent,
+                },
+            },
+        }
+    }
+
+    async fn ask_sync(&self, member: i32) -> Option<bytes::Bytes> {
         let body = serde_json::to_vec(&Sync {
             from: self.inner.me,
             period: self.inner.period,
@@ -712,7 +752,7 @@ impl Crew {
         .await
         .ok()?
         .ok()?;
-        serde_json::from_slice(&reply.payload).ok()
+        Some(reply.payload)
     }
 
     fn own(&self) -> i32 {
@@ -753,6 +793,10 @@ impl Crew {
         // The request expires one beat after the last one heard: a beat
         // past that which does not list the job says it never started.
         let until = self.state().expect(id, member, tx);
+        // From now on the member may run a job: a takeover (this process's
+        // next period after a lost lease, say) accounts for it even if its
+        // beat never says so.
+        self.inner.worker.may_run(member);
         let (head, headers, body) = match job {
             Job::Deliver(msg) | Job::Check(msg) => (
                 JobHead {
@@ -854,38 +898,25 @@ impl Crew {
         stream: &str,
         durable: &str,
     ) -> Result<Vec<(i32, Running, EndRx)>> {
-        let started = Instant::now();
-        let began = (started, self.state().deafness(started));
-        let mut answers: HashMap<i32, Hello> = HashMap::new();
+        let mut takeover = rule::Takeover::new(&self.state(), Instant::now());
+        let started = takeover.started();
         let mut adopted = Vec::new();
+        let mut told = false;
         loop {
             let live = tokio::time::timeout(LIVENESS, alive(pool, stream, durable))
                 .await
                 .ok()
                 .and_then(|r| r.ok());
             if let Some(live) = live {
-                // Every live process, and every one heard running jobs
-                // (its lock may be gone while it still runs them).
-                // And every one this process heard running jobs a moment
-                // ago: one whose lock is gone and that this period has not
-                // heard yet runs them all the same (a dead one drops out
-                // once silent for HEARD_LATELY).
-                let targets: HashSet<i32> = {
-                    let s = self.state();
-                    live.iter()
-                        .copied()
-                        .chain(s.heard_running(started))
-                        .chain(self.inner.worker.heard_running_lately(HEARD_LATELY))
-                        .collect()
-                };
-                let ask: Vec<i32> = targets
-                    .iter()
-                    .filter(|m| !answers.contains_key(m))
-                    .copied()
-                    .collect();
+                let overheard = self.inner.worker.heard_lately();
+                let targets = takeover.targets(&mut self.state(), &live, overheard);
+                let ask = takeover.unanswered(&targets);
                 let got = futures::future::join_all(ask.iter().map(|m| self.sync(*m))).await;
                 for (m, answer) in ask.iter().zip(got) {
-                    if let Some(a) = answer {
+                    if let SyncReply::Refused { beat } = answer {
+                        takeover.refused(*m, beat);
+                    }
+                    if let SyncReply::Joined(a) = answer {
                         // Waited for at once: an end may come before the
                         // takeover is done.
                         let mut s = self.state();
@@ -895,36 +926,61 @@ impl Crew {
                                 adopted.push((*m, running.clone(), rx));
                             }
                         }
-                        answers.insert(*m, a);
+                        takeover.answered.insert(*m);
                     }
                 }
-                let now = Instant::now();
-                let unanswered: Vec<i32> = targets
-                    .iter()
-                    .filter(|m| !answers.contains_key(m))
-                    .copied()
-                    .collect();
-                // One that does not answer is waited for until the rule
-                // says it has stopped its jobs.
-                let waiting = {
-                    let s = self.state();
-                    unanswered.iter().any(|m| !s.accounted(*m, began, now))
-                };
+                // One that cannot answer (cut off from Postgres alone) is
+                // adopted from its beats once they list all it may run.
                 let own = self.inner.worker.member.load(Ordering::Relaxed);
-                if !answers.contains_key(&own) && started.elapsed() >= FENCE {
+                for m in takeover.unanswered(&targets) {
+                    // Its own process answers itself or the takeover
+                    // fails: its roster must serve the new period.
+                    if m == own {
+                        continue;
+                    }
+                    let beat = {
+                        let beats = self.inner.beats.lock().unwrap_or_else(|e| e.into_inner());
+                        beats
+                            .get(&m)
+                            .filter(|(b, _)| takeover.adopts_from(m, *b))
+                            .cloned()
+                    };
+                    let Some((beat, running)) = beat else {
+                        continue;
+                    };
+                    let mut s = self.state();
+                    s.adopted_from_beats(m);
+                    for r in running {
+                        let (tx, rx) = oneshot::channel();
+                        if s.adopt(r.id, m, beat, tx, Instant::now()) {
+                            adopted.push((m, r, rx));
+                        }
+                    }
+                    takeover.answered.insert(m);
+                    tracing::info!(process = m, beat, "taking over: adopted the jobs of a process that cannot reach Postgres to answer, from its beats");
+                }
+                if !takeover.answered.contains(&own) && started.elapsed() >= FENCE {
                     return Err(Error::Nats {
                         context: "taking over as dispatcher".into(),
                         source: "this process cannot reach itself through NATS".into(),
                     });
                 }
-                if !waiting {
+                // One that does not answer is waited for until the rule
+                // says it has stopped its jobs.
+                let complete = takeover.complete(&self.state(), &targets, Instant::now());
+                if !complete && !told {
+                    told = true;
+                    tracing::info!(processes = ?takeover.unanswered(&targets), "taking over: waiting for processes that ran jobs a moment ago to answer, or to have stopped them");
+                }
+                if complete {
+                    let unanswered = takeover.unanswered(&targets);
                     if !unanswered.is_empty() {
                         tracing::warn!(processes = ?unanswered, "taking over without an answer from every live process: each has stopped its jobs by now");
                     }
                     // Whoever did not answer (the old dispatcher frozen,
                     // say) runs nothing this dispatcher knows of: its
                     // transactions end before its messages come again.
-                    let mut answered: HashSet<i32> = answers.keys().copied().collect();
+                    let mut answered = takeover.answered.clone();
                     answered.insert(own);
                     end_transactions(pool, stream, durable, Fenced::AllBut(&answered)).await;
                     break;
@@ -1072,22 +1128,55 @@ pub(super) struct Worker {
     /// Dead letters the DLQ has not stored yet, of the jobs this process
     /// runs for the crew (the dispatcher's own are its period's).
     pub dlq_failing: Arc<AtomicUsize>,
-    /// The processes this one has heard beat while they ran jobs, and
-    /// when (whoever dispatches): a takeover accounts for each it heard
-    /// lately, its member lock held or not. Kept by [`overhear`].
-    pub overheard: Mutex<HashMap<i32, Instant>>,
+    /// The processes this one has heard beat, or has asked to run a job,
+    /// when last, and whether they dispatched then (whoever dispatches): a
+    /// takeover accounts for each it heard lately, its member lock held or
+    /// not. Kept by [`overhear`] and [`Crew::send`].
+    pub overheard: Mutex<HashMap<i32, (Instant, bool)>>,
 }
 
+/// How long a takeover counts a dispatcher it heard (one that stopped
+/// dispatching without a word: its lease lost in a Postgres stall, or dead)
+/// among the processes it must hear from: longer than the longest gap
+/// between two beats of a working loop (a beat, and one of the loop's
+/// other waits, a [`PING`]; the member-lock check runs off the loop).
+/// Alive and heard, it answers
+/// and its calls are adopted; silent past this, it is dead or cut off from
+/// NATS, and a takeover does not wait for it: its calls are its lease's,
+/// and waiting the rule's 4 s for a process it cannot tell from a dead one
+/// would cost every kill -9 of a dispatcher as much (the one gap left: a
+/// dispatcher cut off from both may still be in a call after the reset).
+const DISPATCHER_HEARD: Duration = BEAT.saturating_mul(2).saturating_add(PING);
+
 impl Worker {
-    /// Processes heard running jobs less than `within` ago.
-    fn heard_running_lately(&self, within: Duration) -> Vec<i32> {
+    /// `member` may run a job from now on (one was just asked of it).
+    fn may_run(&self, member: i32) {
+        self.overheard
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(member, (Instant::now(), false));
+    }
+
+    /// The processes a takeover must hear from, with when each was last
+    /// heard (or asked): every helper heard less than [`OVERHEARD`] ago
+    /// (one that beat idle may have been handed a job since, by a
+    /// dispatcher now gone), every dispatcher less than
+    /// [`DISPATCHER_HEARD`] ago.
+    fn heard_lately(&self) -> Vec<(i32, Instant)> {
         let now = Instant::now();
         self.overheard
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .filter(|(_, at)| now.saturating_duration_since(**at) < within)
-            .map(|(m, _)| *m)
+            .filter(|(_, (at, dispatching))| {
+                let within = if *dispatching {
+                    DISPATCHER_HEARD
+                } else {
+                    OVERHEARD
+                };
+                now.saturating_duration_since(*at) < within
+            })
+            .map(|(m, (at, _))| (*m, *at))
             .collect()
     }
 }
@@ -1182,13 +1271,15 @@ async fn overhear(
             continue;
         };
         let mut heard = worker.overheard.lock().unwrap_or_else(|e| e.into_inner());
-        if h.running.is_empty() {
+        if h.leaving && h.running.is_empty() {
+            // Its last beat: it takes no job again. (A beat that lists
+            // nothing proves little else: a request may be on its way.)
             heard.remove(&h.member);
         } else {
-            heard.insert(h.member, Instant::now());
+            heard.insert(h.member, (Instant::now(), h.serving == Some(h.member)));
         }
         // Bounded by the crew: who fell silent long ago is forgotten.
-        heard.retain(|_, at| at.elapsed() < rule::SILENT_LOCKED);
+        heard.retain(|_, (at, _)| at.elapsed() < OVERHEARD);
     }
 }
 
@@ -1300,9 +1391,7 @@ pub(super) async fn work<H: Handler>(
     let mut liveness = tokio::time::interval(Duration::from_secs(1));
     loop {
         if w.leaving.is_some() && w.tasks.is_empty() && roster(&w.worker.registry).jobs.is_empty() {
-            // A last beat that lists nothing: a takeover that heard this
-            // process running jobs a moment ago need not wait for it.
-            w.beat().await;
+            w.farewell().await;
             break;
         }
         let leaving = w.leaving;
@@ -1453,14 +1542,33 @@ impl<H: Handler> Work<H> {
             return;
         };
         let cfg = &self.shared.cfg;
+        // Well inside the asker's wait (`SEND_TIMEOUT`): a refusal that
+        // comes after it is not heard, and a black-holed Postgres would
+        // never let a takeover adopt from this process's beats.
         let holds = tokio::time::timeout(
-            PING,
+            SEND_TIMEOUT * 3 / 5,
             super::lease::held_by(&self.pool, &cfg.stream, &cfg.durable, sync.from),
         )
         .await;
-        if !matches!(holds, Ok(Ok(true))) {
-            bounded(self.client.publish(reply, "not the dispatcher".into())).await;
-            return;
+        match holds {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => {
+                bounded(self.client.publish(reply, "not the dispatcher".into())).await;
+                return;
+            }
+            // Postgres cannot tell: the beat lets a takeover adopt this
+            // process's jobs from its later beats.
+            Ok(Err(_)) | Err(_) => {
+                let beat = self.standing.last_beat();
+                roster(&self.worker.registry).refuse_sync(beat);
+                let refusal = SyncRefusal {
+                    refused_at_beat: beat,
+                };
+                if let Ok(body) = serde_json::to_vec(&refusal) {
+                    bounded(self.client.publish(reply, body.into())).await;
+                }
+                return;
+            }
         }
         // From now on only `sync.from` is served; the answer lists
         // everything started before.
@@ -1578,6 +1686,22 @@ impl<H: Handler> Work<H> {
                 cfg.stream.clone(),
                 cfg.durable.clone(),
             ));
+        }
+    }
+
+    /// A last beat, leaving, that lists nothing, sent out before this
+    /// process exits: a takeover that heard it running jobs a moment ago
+    /// need not wait for it.
+    async fn farewell(&mut self) {
+        let beat_no = self.standing.beat(Instant::now());
+        let hello = self.hello(&roster(&self.worker.registry), beat_no);
+        if let Ok(body) = serde_json::to_vec(&hello) {
+            bounded(
+                self.client
+                    .publish(format!("{}.s.hello", self.base), body.into()),
+            )
+            .await;
+            bounded(self.client.flush()).await;
         }
     }
 
@@ -1710,6 +1834,7 @@ fn hello(r: &Roster, member: i32, capacity: usize, leaving: bool, beat: u64) -> 
         running: r.jobs.values().cloned().collect(),
         serving: r.serving,
         period: r.period,
+        fenced: r.refused_sync.is_some(),
     }
 }
 
