@@ -313,14 +313,15 @@ where
     Fut: std::future::Future<Output = Result<T, E>>,
     E: std::fmt::Display,
 {
-    // Cut from here on, this job calls nothing any more (its fence is this
-    // token, or an older one already cut).
-    let cut = shared.calls.token();
     let give_up = async {
         if !may_give_up {
             return std::future::pending().await;
         }
         let Some(helper) = shared.helper.as_ref() else {
+            // Cut from here on (the first poll, as the write starts), this
+            // job calls nothing any more: its fence is this token, or an
+            // older one already cut.
+            let cut = shared.calls.token();
             // The dispatcher's own job, its lease gone (its period's
             // proof revoked, for good), or its calls cut (`Finishing`,
             // once another process may take over): it can call nothing
@@ -333,6 +334,10 @@ where
                     tokio::time::sleep(BEAT_CHECK).await;
                 }
             };
+            // Only a write Postgres does not answer: one that comes after
+            // a failed call while the lease is handed on (a SIGTERM, its
+            // Postgres fine) records its backoff.
+            tokio::time::sleep(SLOW_WRITE).await;
             tokio::select! {
                 () = cut.cancelled() => {}
                 () = lapsed => {}
@@ -357,6 +362,9 @@ where
         () = give_up => None,
     }
 }
+
+/// How long an ex-dispatcher's write waits before it may be given up.
+const SLOW_WRITE: Duration = Duration::from_secs(1);
 
 /// How often a helper's give-up looks at its member lock's proof again.
 const BEAT_CHECK: Duration = Duration::from_millis(250);

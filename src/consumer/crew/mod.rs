@@ -558,6 +558,10 @@ struct CrewInner {
     /// that cannot answer the sync is adopted from them
     /// ([`rule::Takeover::adopts_from`]).
     beats: Mutex<HashMap<i32, (u64, Vec<Running>)>>,
+    /// Refusals of this period's syncs, the listener's too (a process
+    /// answers one sync at a time, and the takeover's may time out behind
+    /// the listener's): member, and the beat it named.
+    refusals: Mutex<HashMap<i32, u64>>,
 }
 
 impl Crew {
@@ -588,6 +592,7 @@ impl Crew {
                 handover: CancellationToken::new(),
                 adopted: AtomicBool::new(false),
                 beats: Mutex::new(HashMap::new()),
+                refusals: Mutex::new(HashMap::new()),
             }),
         };
         tokio::spawn(
@@ -722,7 +727,7 @@ impl Crew {
 
     /// Make `member` serve this dispatcher; its answer lists what it runs.
     async fn sync(&self, member: i32) -> SyncReply {
-        match self.ask_sync(member).await {
+        let reply = match self.ask_sync(member).await {
             None => SyncReply::Silent,
             Some(payload) => match serde_json::from_slice::<Hello>(&payload) {
                 Ok(h) => SyncReply::Joined(h),
@@ -735,7 +740,16 @@ impl Crew {
                     Err(_) => SyncReply::Silent,
                 },
             },
+        };
+        if let SyncReply::Refused { beat } = reply {
+            let mut refusals = self
+                .inner
+                .refusals
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            refusals.entry(member).or_insert(beat);
         }
+        reply
     }
 
     async fn ask_sync(&self, member: i32) -> Option<bytes::Bytes> {
@@ -912,10 +926,17 @@ impl Crew {
                 let targets = takeover.targets(&mut self.state(), &live, overheard);
                 let ask = takeover.unanswered(&targets);
                 let got = futures::future::join_all(ask.iter().map(|m| self.sync(*m))).await;
-                for (m, answer) in ask.iter().zip(got) {
-                    if let SyncReply::Refused { beat } = answer {
-                        takeover.refused(*m, beat);
+                {
+                    let refusals = self
+                        .inner
+                        .refusals
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    for (m, beat) in refusals.iter() {
+                        takeover.refused(*m, *beat);
                     }
+                }
+                for (m, answer) in ask.iter().zip(got) {
                     if let SyncReply::Joined(a) = answer {
                         // Waited for at once: an end may come before the
                         // takeover is done.
@@ -1790,13 +1811,12 @@ impl<H: Handler> Work<H> {
     }
 
     fn hello(&self, r: &Roster, beat: u64) -> Hello {
-        hello(
-            r,
-            self.member_id,
-            room(&self.shared, self.capacity),
-            self.leaving.is_some(),
-            beat,
-        )
+        // Fenced, it would refuse most requests: it offers none.
+        let room = match r.refused_sync {
+            Some(_) => 0,
+            None => room(&self.shared, self.capacity),
+        };
+        hello(r, self.member_id, room, self.leaving.is_some(), beat)
     }
 }
 
