@@ -171,6 +171,14 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
         .and_then(|s| s.strip_suffix(';'))
         .unwrap_or_else(|| panic!("the line gives the statement: {}", errors[0]))
         .to_owned();
+    // The standby lags (replay paused): the publication the primary has
+    // just created is not there yet when the relay starts. It waits for it
+    // (issue 58, item 9: it refused, and exited).
+    let standby = pool_of(&pair.standby_url).await;
+    sqlx::query("SELECT pg_wal_replay_pause()")
+        .execute(&standby)
+        .await
+        .unwrap();
     sqlx::raw_sql(sqlx::AssertSqlSafe(create))
         .execute(&primary)
         .await
@@ -182,11 +190,17 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
     for t in 0..20 {
         sent.extend(insert_txn(&primary, 1, t, 1, 8).await);
     }
-    // The standby must have replayed the publication before the relay
-    // looks for it there (it refuses a missing one): on a loaded box it
-    // lagged, and the relay exited (issue 58 item 9).
-    standby_replayed(&primary, &pair.standby_url).await;
     let mut relay = Service::relay_starting(&pair.standby_url, &stack.nats_url, ctx, &[]);
+    eventually(
+        T,
+        "the relay waits for the publication's replay",
+        || async { relay.log_text().contains("waiting up to") },
+    )
+    .await;
+    sqlx::query("SELECT pg_wal_replay_resume()")
+        .execute(&standby)
+        .await
+        .unwrap();
     // A slot on a standby is created at the primary's next running-xacts
     // record: the background writer logs one every 15 s while WAL moves;
     // this says it now, as the deployment guide tells operators.

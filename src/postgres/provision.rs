@@ -44,6 +44,18 @@ pub struct SlotState {
     pub invalidated: Option<String>,
 }
 
+/// How long a relay on a standby waits for a missing publication to be
+/// replayed from the primary before it refuses.
+const PUBLICATION_REPLAY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+async fn publication_exists(pool: &PgPool, publication: &str) -> Result<bool> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+        .bind(publication)
+        .fetch_one(pool)
+        .await
+        .map_err(Error::pg("looking up the publication"))
+}
+
 /// Make sure the server, table, publication and slot are ready to stream.
 pub async fn prepare(
     pool: &PgPool,
@@ -100,12 +112,21 @@ pub async fn prepare(
         )));
     }
 
-    let has_pub: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
-            .bind(publication)
-            .fetch_one(pool)
-            .await
-            .map_err(Error::pg("looking up the publication"))?;
+    let mut has_pub = publication_exists(pool, publication).await?;
+    if !has_pub && standby {
+        // The primary may have created it a moment ago, and this standby
+        // not replayed it yet (issue 58, item 9): a bounded wait, then the
+        // refusal that says where to create it.
+        tracing::info!(
+            publication,
+            "the publication is missing on this standby: waiting up to {PUBLICATION_REPLAY_WAIT:?} for the primary's to be replayed"
+        );
+        let deadline = std::time::Instant::now() + PUBLICATION_REPLAY_WAIT;
+        while !has_pub && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            has_pub = publication_exists(pool, publication).await?;
+        }
+    }
     if !has_pub {
         // Through the root, a partitioned outbox's rows carry the outbox's
         // name, whatever partition holds them (now or in the future).
