@@ -649,3 +649,79 @@ async fn a_duplicate_ack_counts_as_skipped_not_published() {
         Some(earlier.len() as f64)
     );
 }
+
+/// Review N7 (issue 58, item 5): a restart whose replay lies far behind what
+/// the stream holds — one big transaction, the relay killed with part of it
+/// stored — over a slow path to NATS and past the duplicate window, stores
+/// no event twice. The read-back was capped (a million messages, ten
+/// seconds); what it did not reach was published again, and once the
+/// window had passed, stored again. Now the stream is read back at the
+/// replay's pace, as far as the replay has come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_far_behind_the_stream_stores_nothing_twice_past_the_duplicate_window() {
+    let stack = stack();
+    let ctx = "wreadback";
+    let (url, pool) = fresh_db(&stack, "t_wreadback").await;
+    let proxy = Proxy::start(stack.nats_url.trim_start_matches("nats://")).await;
+    let stream = wire::stream_name(ctx);
+    let mut relay = Service::relay(&url, &proxy.nats_url(), ctx, &["--duplicate-window", "1s"]);
+    relay.wait_ready();
+    const N: u64 = 150_000;
+    let sent: HashSet<uuid::Uuid> = sqlx::query_scalar(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), 'bulk', (g % 100)::text, 'imported', jsonb_build_object('s', g) \
+         FROM generate_series(1, $1::int8) g RETURNING id",
+    )
+    .bind(N as i64)
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let count = || async {
+        match js.get_stream(&stream).await {
+            Ok(mut s) => s.info().await.map_or(0, |i| i.state.messages),
+            Err(_) => 0,
+        }
+    };
+    // Killed with a third stored: the slot is still before the commit.
+    eventually(T, "a third of the transaction stored", || async {
+        count().await >= N / 3
+    })
+    .await;
+    relay.kill9();
+    let stored = count().await;
+    assert!(stored < N, "killed before the transaction was all stored");
+    // A slow path (each answer 250 ms late), and the window passed: what
+    // the restart does not read back is stored a second time.
+    proxy.delay(Duration::from_millis(250));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let restarted = Instant::now();
+    relay.restart();
+    // Once it stores past what was there, the read-back is behind it: the
+    // path may be fast again.
+    eventually(
+        Duration::from_secs(300),
+        "the restart storing new events",
+        || async { count().await > stored },
+    )
+    .await;
+    proxy.delay(Duration::ZERO);
+    let got = read_stream(&stack.nats_url, &stream, N, T).await;
+    let distinct: HashSet<&str> = got.iter().filter_map(|g| g.h(wire::MSG_ID)).collect();
+    eprintln!(
+        "{stored} of {N} stored before the kill; every event stored {:.1} s after the restart; relay peak RSS {:?} KiB",
+        restarted.elapsed().as_secs_f64(),
+        relay.peak_rss_kib()
+    );
+    assert_eq!(
+        got.len() - distinct.len(),
+        0,
+        "events stored twice ({} messages, {} events): {}",
+        got.len(),
+        distinct.len(),
+        relay.log_text()
+    );
+    assert_exactly_once_in_order(&got, &sent);
+}

@@ -15,7 +15,7 @@
 //!
 //! Recovery is crash-only: any transient error ends the session; the next
 //! one starts from the slot's confirmed LSN and skips the events the stream
-//! already holds ([`publish::stored_tail`]). A kill -9 takes the same path,
+//! already holds ([`publish::stored_tail`], [`readback`]). A kill -9 takes the same path,
 //! so the path is exercised, not hoped for.
 
 mod acks;
@@ -34,6 +34,7 @@ pub(crate) mod link;
 pub(crate) mod outbox_row;
 pub(crate) mod pgoutput;
 pub(crate) mod publish;
+pub(crate) mod readback;
 pub(crate) mod route;
 mod session;
 pub(crate) mod watermark;

@@ -41,7 +41,6 @@ use crate::backoff::Backoff;
 use crate::error::{Error, PublishFailure, Result};
 use crate::ops::metrics as m;
 use crate::wire::{self, DlqReason, Position};
-use pgwire_replication::Lsn;
 
 /// How long a scan of the stream's tail may take. Other writers (consumer
 /// dead letters, foreign publishers) may sit after the relay's last message;
@@ -361,7 +360,7 @@ pub async fn stored_tail(
 
 /// The position of a message this WAL history's relay wrote (not a
 /// consumer's dead letter, not another source's event).
-fn lineage_position(h: &HeaderMap, lineage: &wire::Lineage) -> Option<Position> {
+pub(super) fn lineage_position(h: &HeaderMap, lineage: &wire::Lineage) -> Option<Position> {
     let get = |name: &str| h.get(name).map(|v| v.as_str());
     if get(wire::DLQ_CONSUMER).is_some() {
         return None;
@@ -455,81 +454,6 @@ async fn scan_tail<T>(
         seq -= 1;
     }
     Ok(None)
-}
-
-/// At most this many messages are read to verify a resume (see
-/// [`stored_since`]): what lies beyond is published again, a repeat the
-/// duplicate window and the inboxes absorb, never a loss.
-const RESUME_READ_MAX: u64 = 1_000_000;
-
-/// What this source stored from `from` (the slot's confirmed LSN, where the
-/// replay starts) up to `tail`: position → message id. A replayed event is
-/// skipped only when the stream holds that very message at its position:
-/// after a disk snapshot restore (same system id, same timeline) the same
-/// LSNs carry other transactions. Headers only, read forward by an ordered
-/// consumer from a start found by probing back from the tail in doubling
-/// steps. What is not read within [`TAIL_SCAN_BUDGET`] stays unverified, so
-/// is published again.
-pub async fn stored_since(
-    js: &Context,
-    stream_name: &str,
-    lineage: &wire::Lineage,
-    tail: &Tail,
-    from: Lsn,
-) -> Result<HashMap<Position, wire::IdKey>> {
-    let mut stored = HashMap::new();
-    if tail.at.commit_lsn < from {
-        return Ok(stored);
-    }
-    let context = "reading what the stream holds since the slot's position";
-    let stream = js
-        .get_stream(stream_name)
-        .await
-        .map_err(Error::nats(context))?;
-    let first = stream.cached_info().state.first_sequence;
-    let deadline = Instant::now() + TAIL_SCAN_BUDGET;
-    let ours = |h: &HeaderMap| -> Option<(Position, wire::IdKey)> {
-        let at = lineage_position(h, lineage)?;
-        Some((at, wire::IdKey::of(h.get(wire::MSG_ID)?.as_str())))
-    };
-
-    let mut start = first;
-    let mut step = 1u64;
-    while step <= tail.seq.saturating_sub(first) {
-        if Instant::now() > deadline {
-            return Ok(stored);
-        }
-        let probe = tail.seq - step;
-        match stream.get_raw_message(probe).await {
-            Ok(m) => {
-                if ours(&m.headers).is_some_and(|(at, _)| at.commit_lsn < from) {
-                    start = probe;
-                    break;
-                }
-            }
-            Err(e) if matches!(e.kind(), stream::RawMessageErrorKind::NoMessageFound) => {}
-            Err(e) => return Err(Error::nats(context)(e)),
-        }
-        step = step.saturating_mul(2);
-    }
-    let start = start.max(tail.seq.saturating_sub(RESUME_READ_MAX));
-
-    let complete = read_headers(&stream, start, tail.seq, deadline, context, |h| {
-        if let Some((at, id)) = ours(h) {
-            if at.commit_lsn >= from {
-                stored.insert(at, id);
-            }
-        }
-    })
-    .await?;
-    if !complete {
-        tracing::warn!(
-            stream = stream_name,
-            verified = stored.len(),
-            "stopped reading the stream after {TAIL_SCAN_BUDGET:?}: events replayed past what was read are published again (the duplicate window and the inboxes absorb repeats)"
-        );
-    }
-    Ok(stored)
 }
 
 /// Read the stream's headers forward from `start` through `last` with an

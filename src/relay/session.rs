@@ -16,13 +16,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::backfill;
 use super::batch::Batcher;
-use super::decode::{Resume, Stage, Step};
+use super::decode::{Stage, Step};
 use super::env::{Env, Stopped};
 use super::fence::{self, Fence};
 use super::guard;
 use super::heard;
 use super::link::Dialer;
 use super::publish::{self, Ack, Publisher, Refusals, StreamSettings};
+use super::readback::ReadBack;
 use super::route::Router;
 use super::watermark::Watermark;
 use crate::error::{Error, Result};
@@ -79,6 +80,8 @@ struct Open {
     /// And once Postgres no longer hears the replication connection
     /// ([`heard`]); while no check answers, the line `/readyz` says.
     _heard: tokio_util::sync::DropGuard,
+    /// What the replay compares against, read as it goes.
+    readback: ReadBack,
 }
 
 /// How often the transaction horizon is sampled: what a resync after a lost
@@ -583,35 +586,27 @@ impl<'a> Session<'a> {
         );
         let source = lineage.source.clone();
         // With multi-stream routing, every stream rows may name holds part
-        // of what was stored: the resume is their union, up to the newest.
+        // of what was stored: the resume reads them all, up to the newest.
         let mut tail = None;
-        let mut resume: Option<Resume> = None;
+        let mut tails = Vec::new();
         let routed_names = streams
             .iter()
             .flat_map(|s| s.found.iter().map(|(n, _)| &**n));
-        let mut read: Vec<&str> = Vec::new();
         for name in std::iter::once(cfg.stream.as_str()).chain(routed_names) {
-            if read.contains(&name) {
+            if tails.iter().any(|(n, _): &(String, _)| n == name) {
                 continue;
             }
-            read.push(name);
             let Some(t) = publish::stored_tail(js, name, &lineage).await? else {
                 continue;
             };
-            let stored = publish::stored_since(js, name, &lineage, &t, confirmed).await?;
-            match &mut resume {
-                Some(r) => {
-                    r.tail = r.tail.max(t.at);
-                    r.stored.extend(stored);
-                }
-                None => resume = Some(Resume { tail: t.at, stored }),
-            }
             // The batch path settles in the relay's own stream only (rows
             // routed to several go event by event).
             if name == cfg.stream {
-                tail = Some(t);
+                tail = Some(t.clone());
             }
+            tails.push((name.to_owned(), t));
         }
+        let (resume, readback) = ReadBack::open(js, &tails, &lineage, confirmed).await?;
         let resume_after = resume
             .as_ref()
             .map(|r| format!("{}#{}", r.tail.commit_lsn, r.tail.index));
@@ -631,7 +626,6 @@ impl<'a> Session<'a> {
             slot = %cfg.slot, publication = %publication, from = %confirmed, stream = %cfg.stream,
             batches = publisher.batches(),
             resume_after = ?resume_after,
-            verified = resume.as_ref().map_or(0, |r| r.stored.len()),
             "streaming"
         );
         self.metrics.confirmed.set(confirmed.as_u64() as f64);
@@ -682,6 +676,7 @@ impl<'a> Session<'a> {
             publisher,
             status_interval,
             fence,
+            readback,
         })
     }
 
@@ -725,6 +720,7 @@ impl<'a> Session<'a> {
             fence,
             notices,
             found,
+            readback,
             ..
         } = open;
         loop {
@@ -755,6 +751,14 @@ impl<'a> Session<'a> {
                         Ok(None) => return Err(Error::StreamEnded),
                         Err(e) => return Err(e.into()),
                     };
+                    if let Some(want) = stage.resume_wants() {
+                        if let Some(resume) = stage.resume_mut() {
+                            tokio::select! {
+                                _ = shutdown.cancelled() => return Ok(()),
+                                () = readback.advance(resume, want) => {}
+                            }
+                        }
+                    }
                     let step = stage.on_event(event, &mut self.watermark)?;
                     self.env.lag.set(self.watermark.oldest_unacked());
                     match step {
