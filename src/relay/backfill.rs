@@ -34,8 +34,8 @@ use bytes::Bytes;
 use pgwire_replication::{Lsn, ReplicationClient};
 use sqlx::Row;
 
-use super::columns::{Role, Source};
-use super::config::Backfill;
+use super::columns::{Resolved, Role, Source};
+use super::config::{Backfill, RelayConfig};
 use super::decode::log_dead_letter;
 use super::env::Env;
 use super::outbox_row::OutboxLayout;
@@ -136,6 +136,7 @@ pub(super) async fn first_start(
             ..
         }) if export => {
             let mut resume = publish::BackfillResume::default();
+            let ids = outbox_id_kind(pool, cfg).await?;
             // With several streams no run's bound holds (see below): each
             // is read back whole, within the scan budget, so the ids say
             // what is stored.
@@ -151,6 +152,7 @@ pub(super) async fn first_start(
                     (&system.system_id, &dsn.database),
                     header,
                     window,
+                    ids,
                 )
                 .await?;
                 resume.stored.extend(one.stored);
@@ -510,18 +512,27 @@ async fn publish_snapshot(
     // by ids alone: a bound is a place in an order the SQL and the stream
     // agree on.
     let plain = |role: Role| matches!(resolved.source(role), Some(Source::Column(_)));
-    let uuid_id = typed.iter().any(|(n, ty)| {
-        resolved.source(Role::Id) == Some(&Source::Column(n.clone()))
-            && *ty == crate::relay::pgoutput::oid::UUID
-    });
-    let bounds = if plain(Role::OccurredAt) && uuid_id {
-        &resume.covered[..]
+    let kind = id_kind(&resolved, &typed);
+    let bounds: Vec<&publish::Covered> = if plain(Role::OccurredAt) {
+        // A bound read for ids of another kind (the column retyped since)
+        // is no place in this order.
+        resume
+            .covered
+            .iter()
+            .filter(|c| Some(c.id.kind()) == kind)
+            .collect()
     } else {
-        &[]
+        Vec::new()
+    };
+    // Text ids by their UTF-8 bytes, the order the bounds are read in,
+    // whatever the column's collation or the database's encoding.
+    let id_order = match kind {
+        Some(publish::IdKind::Text) => format!("convert_to({id_sql}, 'UTF8')"),
+        _ => id_sql.clone(),
     };
     let order = match &occurred_sql {
-        Some(o) => format!("{o}, {id_sql}"),
-        None => id_sql.clone(),
+        Some(o) => format!("{o}, {id_order}"),
+        None => id_order,
     };
     for covered in bounds {
         // Rows an interrupted run's snapshot held (their transaction ended
@@ -533,8 +544,8 @@ async fn publish_snapshot(
         // COALESCE: a row whose order key is null compares as null and
         // must be published, not dropped by the NOT.
         condition.push_str(&format!(
-            " AND NOT COALESCE(({order}) < ('{at}', '{}') AND {} < {}, false)",
-            covered.id,
+            " AND NOT COALESCE(({order}) < ('{at}', {}) AND {} < {}, false)",
+            covered.id.sql(),
             full_xid("xmin", snap_xmax),
             covered.horizon
         ));
@@ -747,6 +758,46 @@ fn create_init_slot(init: &str, server_version_num: i32) -> String {
 
 /// SQL for a role's source in the backfill's order: its column, or a key
 /// of a json column as text.
+/// The kind of the outbox's ids, where a resumed backfill can bound them:
+/// an id column of a type whose order the SQL and the relay agree on.
+fn id_kind(resolved: &Resolved, typed: &[(String, u32)]) -> Option<publish::IdKind> {
+    use crate::relay::pgoutput::oid;
+    let Some(Source::Column(id)) = resolved.source(Role::Id) else {
+        return None;
+    };
+    match typed.iter().find(|(n, _)| n == id)?.1 {
+        oid::UUID => Some(publish::IdKind::Uuid),
+        oid::INT2 | oid::INT4 | oid::INT8 => Some(publish::IdKind::Int),
+        oid::TEXT | oid::VARCHAR => Some(publish::IdKind::Text),
+        _ => None,
+    }
+}
+
+/// [`id_kind`], read from the catalog.
+async fn outbox_id_kind(pool: &sqlx::PgPool, cfg: &RelayConfig) -> Result<Option<publish::IdKind>> {
+    let typed: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT a.attname::text, a.atttypid::int8 FROM pg_attribute a \
+         JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped \
+         ORDER BY a.attnum",
+    )
+    .bind(&cfg.schema)
+    .bind(&cfg.table)
+    .fetch_all(pool)
+    .await
+    .map_err(Error::pg("reading the outbox's columns"))?;
+    let typed: Vec<(String, u32)> = typed
+        .into_iter()
+        .map(|(name, oid)| (name, u32::try_from(oid).unwrap_or_default()))
+        .collect();
+    let table = format!("{}.{}", cfg.schema, cfg.table);
+    Ok(cfg
+        .columns
+        .resolve(&table, &typed)
+        .ok()
+        .and_then(|resolved| id_kind(&resolved, &typed)))
+}
+
 fn source_sql(source: &Source) -> String {
     match source {
         Source::Column(c) => quote(c),

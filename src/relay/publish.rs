@@ -511,13 +511,101 @@ pub struct BackfillResume {
     pub covered: Vec<Covered>,
 }
 
+/// The kind of id a bound can be put on: one whose order the SQL and this
+/// process agree on (uuid bytes; integers; text by its UTF-8 bytes, which
+/// the backfill orders by `convert_to(id, 'UTF8')`, whatever the
+/// collation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdKind {
+    Uuid,
+    Int,
+    Text,
+}
+
+/// An id, ordered as the backfill's SQL orders it. A table's ids are of
+/// one kind, so the variants are never compared with each other.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum OrderId {
+    Uuid(uuid::Uuid),
+    Int(i64),
+    Text(String),
+}
+
+impl OrderId {
+    /// The id a message carries (`Nats-Msg-Id`), read as `kind`.
+    pub fn parse(kind: IdKind, msg_id: &str) -> Option<OrderId> {
+        match kind {
+            IdKind::Uuid => msg_id.parse().ok().map(OrderId::Uuid),
+            IdKind::Int => msg_id.parse().ok().map(OrderId::Int),
+            IdKind::Text => Some(OrderId::Text(msg_id.to_owned())),
+        }
+    }
+
+    pub fn kind(&self) -> IdKind {
+        match self {
+            OrderId::Uuid(_) => IdKind::Uuid,
+            OrderId::Int(_) => IdKind::Int,
+            OrderId::Text(_) => IdKind::Text,
+        }
+    }
+
+    /// As a SQL value compared with the backfill's order expression for
+    /// the id: never quoted text (a text id goes as its bytes).
+    pub fn sql(&self) -> String {
+        match self {
+            OrderId::Uuid(u) => format!("'{u}'::uuid"),
+            OrderId::Int(n) => format!("{n}::int8"),
+            OrderId::Text(t) => format!("'\\x{}'::bytea", hex(t.as_bytes())),
+        }
+    }
+
+    /// In [`wire::BACKFILL_COVERED`]: a uuid as itself (as before other
+    /// kinds had bounds), `i:` and the number, `t:` and the hex of the
+    /// text (which may hold spaces and commas).
+    fn encode(&self) -> String {
+        match self {
+            OrderId::Uuid(u) => u.to_string(),
+            OrderId::Int(n) => format!("i:{n}"),
+            OrderId::Text(t) => format!("t:{}", hex(t.as_bytes())),
+        }
+    }
+
+    fn decode(s: &str) -> Option<OrderId> {
+        if let Some(n) = s.strip_prefix("i:") {
+            return n.parse().ok().map(OrderId::Int);
+        }
+        if let Some(h) = s.strip_prefix("t:") {
+            return String::from_utf8(unhex(h)?).ok().map(OrderId::Text);
+        }
+        s.parse().ok().map(OrderId::Uuid)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 /// Every row of a backfill run's snapshot ordered before `(at, id)` whose
 /// transaction ended before `horizon` (the run's snapshot horizon: such a
 /// transaction's rows were all in that snapshot) is in the stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Covered {
     pub at: time::OffsetDateTime,
-    pub id: uuid::Uuid,
+    pub id: OrderId,
     pub horizon: u64,
 }
 
@@ -528,12 +616,12 @@ impl Covered {
     const MAX: usize = 4;
 
     fn covers(&self, other: &Covered) -> bool {
-        (self.at, self.id) >= (other.at, other.id) && self.horizon >= other.horizon
+        (self.at, &self.id) >= (other.at, &other.id) && self.horizon >= other.horizon
     }
 
     /// Without those another one covers; the newest horizons first.
     pub fn merge(mut all: Vec<Covered>) -> Vec<Covered> {
-        all.sort_by_key(|c| std::cmp::Reverse((c.horizon, c.at, c.id)));
+        all.sort_by(|a, b| (b.horizon, b.at, &b.id).cmp(&(a.horizon, a.at, &a.id)));
         let mut kept: Vec<Covered> = Vec::new();
         for c in all {
             if !kept.iter().any(|k| k.covers(&c)) {
@@ -551,7 +639,7 @@ impl Covered {
                 let at =
                     c.at.format(&time::format_description::well_known::Rfc3339)
                         .ok()?;
-                Some(format!("{at} {} {}", c.id, c.horizon))
+                Some(format!("{at} {} {}", c.id.encode(), c.horizon))
             })
             .collect::<Vec<_>>()
             .join(", ")
@@ -570,7 +658,7 @@ impl Covered {
                 .ok()?;
                 Some(Covered {
                     at,
-                    id: f.next()?.parse().ok()?,
+                    id: OrderId::decode(f.next()?)?,
                     horizon: f.next()?.parse().ok()?,
                 })
             })
@@ -583,15 +671,15 @@ impl Covered {
 /// more than one window unacked, so with two windows read, everything it
 /// published before the oldest was acked; a message without its time (an
 /// undecodable row's dead letter) is left out of both counts.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct RunRead {
     timed: u64,
-    oldest: Option<(time::OffsetDateTime, uuid::Uuid)>,
+    oldest: Option<(time::OffsetDateTime, OrderId)>,
 }
 
 impl RunRead {
     fn proven(&self, horizon: u64, want: u64) -> Option<Covered> {
-        let (at, id) = self.oldest?;
+        let (at, id) = self.oldest.clone()?;
         (self.timed >= want).then_some(Covered { at, id, horizon })
     }
 }
@@ -608,13 +696,15 @@ impl RunRead {
 /// ids say what they stored. The newest run also passes on what the runs
 /// before it proved ([`wire::BACKFILL_COVERED`]): a run interrupted before
 /// it stored two windows proves nothing itself and must not make the next
-/// one forget.
+/// one forget. `ids`: the kind of the table's ids, where a bound can be
+/// put on them (none: the ids read back alone say what is stored).
 pub async fn backfill_resume(
     js: &Context,
     stream_name: &str,
     database: (&str, &str),
     header: &str,
     window: usize,
+    ids: Option<IdKind>,
 ) -> Result<BackfillResume> {
     let context = "reading back the interrupted backfill";
     let mut resume = BackfillResume::default();
@@ -660,8 +750,8 @@ pub async fn backfill_resume(
             };
             resume.stored.insert(wire::IdKey::of(msg_id));
             // A bound is a place in (occurred_at, id) order, which the SQL
-            // and this process agree on for uuid ids only.
-            let Ok(id) = msg_id.parse::<uuid::Uuid>() else {
+            // and this process agree on for some kinds of ids only.
+            let Some(id) = ids.and_then(|kind| OrderId::parse(kind, msg_id)) else {
                 return;
             };
             if inherited.as_ref().is_none_or(|(i, _)| *i == n) {
@@ -676,7 +766,9 @@ pub async fn backfill_resume(
             if let Some(at) = at {
                 let run = runs.entry(horizon).or_default();
                 run.timed += 1;
-                run.oldest = Some(run.oldest.map_or((at, id), |o| o.min((at, id))));
+                if run.oldest.as_ref().is_none_or(|o| (at, &id) < (o.0, &o.1)) {
+                    run.oldest = Some((at, id));
+                }
             }
         })
         .await?;
@@ -1681,7 +1773,7 @@ fn refused(id: String, e: PublishError) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{server_batches, stall, Chains, Covered, RunRead};
+    use super::{server_batches, stall, Chains, Covered, IdKind, OrderId, RunRead};
     use std::sync::Arc;
 
     #[test]
@@ -1717,9 +1809,53 @@ mod tests {
         Covered {
             at: time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339)
                 .unwrap(),
-            id: uuid::Uuid::from_u128(id),
+            id: OrderId::Uuid(uuid::Uuid::from_u128(id)),
             horizon,
         }
+    }
+
+    #[test]
+    fn a_bound_on_any_kind_of_id_survives_its_header() {
+        let at = "2026-01-01T00:00:00Z";
+        let with = |id: OrderId| Covered {
+            id,
+            ..covered(at, 0, 9)
+        };
+        let list = vec![
+            with(OrderId::Int(-42)),
+            with(OrderId::Text("ord 1, \"two\" é".into())),
+            with(OrderId::Text(String::new())),
+            with(OrderId::Uuid(uuid::Uuid::from_u128(7))),
+        ];
+        for c in list {
+            let header = Covered::header(std::slice::from_ref(&c));
+            assert_eq!(Covered::parse_header(&header), vec![c], "{header}");
+        }
+        // A uuid reads as it did before other kinds had bounds.
+        let old = format!("{at} {} 9", uuid::Uuid::from_u128(7));
+        assert_eq!(
+            Covered::parse_header(&old)[0].id,
+            OrderId::Uuid(uuid::Uuid::from_u128(7))
+        );
+        assert!(Covered::parse_header(&format!("{at} t:4 9")).is_empty());
+        assert!(Covered::parse_header(&format!("{at} i:x 9")).is_empty());
+    }
+
+    #[test]
+    fn ids_order_as_the_backfill_sql_orders_them() {
+        let int = |s| OrderId::parse(IdKind::Int, s).unwrap();
+        assert!(int("9") < int("10"), "numbers, not their text");
+        let text = |s| OrderId::parse(IdKind::Text, s).unwrap();
+        // By UTF-8 bytes (convert_to(id, 'UTF8')), not by a collation.
+        assert!(text("ord-10") < text("ord-9"));
+        assert!(text("Z") < text("a"));
+        assert!(text("z") < text("é"));
+        assert_eq!(OrderId::parse(IdKind::Uuid, "not a uuid"), None);
+        assert_eq!(
+            text("it's").sql(),
+            "'\\x69742773'::bytea",
+            "text goes as its bytes, never quoted"
+        );
     }
 
     #[test]
@@ -1727,14 +1863,17 @@ mod tests {
         let a = covered("2026-01-01T00:00:00Z", 1, 100);
         let b = covered("2026-01-02T00:00:00Z", 2, 200);
         // Later and with a newer horizon: b covers a.
-        assert_eq!(Covered::merge(vec![a, b]), vec![b]);
+        assert_eq!(Covered::merge(vec![a.clone(), b.clone()]), vec![b.clone()]);
         // Earlier but newer horizon: neither covers the other.
         let c = covered("2025-12-31T00:00:00Z", 3, 300);
-        assert_eq!(Covered::merge(vec![a, b, c]), vec![c, b]);
-        let list = Covered::merge(vec![a, b, c]);
+        assert_eq!(
+            Covered::merge(vec![a.clone(), b.clone(), c.clone()]),
+            vec![c.clone(), b.clone()]
+        );
+        let list = Covered::merge(vec![a, b.clone(), c]);
         assert_eq!(Covered::parse_header(&Covered::header(&list)), list);
         // An item it cannot read is left out, not the rest.
-        let text = format!("nonsense, {}", Covered::header(&[b]));
+        let text = format!("nonsense, {}", Covered::header(std::slice::from_ref(&b)));
         assert_eq!(Covered::parse_header(&text), vec![b]);
         // Bounded: the newest horizons stay.
         let many: Vec<Covered> = (0..10)
@@ -1754,10 +1893,10 @@ mod tests {
     #[test]
     fn a_run_proves_its_bound_only_with_two_windows_of_timed_messages() {
         let at = time::OffsetDateTime::UNIX_EPOCH;
-        let id = uuid::Uuid::nil();
+        let id = OrderId::Uuid(uuid::Uuid::nil());
         let run = |timed| RunRead {
             timed,
-            oldest: Some((at, id)),
+            oldest: Some((at, id.clone())),
         };
         assert_eq!(run(9).proven(7, 10), None);
         assert_eq!(run(10).proven(7, 10), Some(Covered { at, id, horizon: 7 }));
