@@ -746,27 +746,73 @@ async fn relay_behind_a_full_outage(
 /// rest again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_of_text_ids_resumed_over_a_slow_path_publishes_each_row_once() {
-    backfill_resumed_over_a_slow_path("bftext", "text", "'ord-' || g").await;
+    backfill_resumed_over_a_slow_path("bftext", "text", "'ord-' || g", None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_of_bigint_ids_resumed_over_a_slow_path_publishes_each_row_once() {
-    backfill_resumed_over_a_slow_path("bfbigint", "bigint", "g * 7919 % 100003").await;
+    backfill_resumed_over_a_slow_path("bfbigint", "bigint", "g * 7919 % 100003", None).await;
 }
 
-/// 100,000 rows of ids `id_sql` (of `g`), their times in 100 ties (so the
-/// id's order decides), backfilled; the relay killed with a fifth stored,
-/// then restarted over a path 250 ms slow once the duplicate window has
-/// passed.
-async fn backfill_resumed_over_a_slow_path(ctx: &str, id_type: &str, id_sql: &str) {
+/// The same with rows routed to two streams (`--streams`): no run's bound
+/// was trusted there (rows before it may have gone to the other stream and
+/// been lost in flight), so each stream was read back whole within ten
+/// seconds, and the rest published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_routed_to_two_streams_resumed_over_a_slow_path_publishes_each_row_once() {
+    backfill_resumed_over_a_slow_path("bfrouted", "uuid", "gen_random_uuid()", Some("BFROUTED_B"))
+        .await;
+}
+
+/// 100,000 rows of ids `id_sql` (of `g`; 250,000 routed), their times in
+/// 100 ties (so the id's order decides), backfilled (with `routed`, every
+/// third row to that stream); the relay killed with a fifth stored, then restarted over a
+/// path 250 ms slow once the duplicate window has passed.
+async fn backfill_resumed_over_a_slow_path(
+    ctx: &str,
+    id_type: &str,
+    id_sql: &str,
+    routed: Option<&str>,
+) {
     let stack = stack();
+    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let own = wire::stream_name(ctx);
+    let mut streams = vec![own.clone()];
+    if let Some(b) = routed {
+        let _ = js.delete_stream(b).await;
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: b.into(),
+            subjects: vec![format!("{}.>", b.to_lowercase())],
+            duplicate_window: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        streams.push(b.to_owned());
+    }
     let (url, pool) = empty_db(&stack, &format!("h_{ctx}")).await;
+    // Enough stored for a read of ten seconds over the slow path not to
+    // reach it all, in every stream.
+    let rows: u64 = if routed.is_some() { 250_000 } else { 100_000 };
+    // Routed: every third row to the other stream, the rest to the
+    // relay's own, named in a `stream` column.
+    let (stream_column, stream_value, topic) = match routed {
+        Some(b) => (
+            ", stream text",
+            format!(", CASE WHEN g % 3 = 0 THEN '{b}' ELSE '{own}' END"),
+            format!(
+                "CASE WHEN g % 3 = 0 THEN '{}.placed' ELSE '{ctx}.placed' END",
+                b.to_lowercase()
+            ),
+        ),
+        None => ("", String::new(), format!("'{ctx}.placed'")),
+    };
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE outbox_events (id {id_type} primary key, topic text not null, \
-         payload jsonb not null, created_at timestamptz not null); \
-         INSERT INTO outbox_events SELECT {id_sql}, 'orders.placed', jsonb_build_object('g', g), \
-         now() - interval '1 hour' + (g % 100) * interval '1 millisecond' \
-         FROM generate_series(1, 100000) g"
+         payload jsonb not null, created_at timestamptz not null{stream_column}); \
+         INSERT INTO outbox_events SELECT {id_sql}, {topic}, jsonb_build_object('g', g), \
+         now() - interval '1 hour' + (g % 100) * interval '1 millisecond'{stream_value} \
+         FROM generate_series(1, {rows}) g"
     )))
     .execute(&pool)
     .await
@@ -778,8 +824,8 @@ async fn backfill_resumed_over_a_slow_path(ctx: &str, id_type: &str, id_sql: &st
         .into_iter()
         .collect();
     let proxy = Proxy::start(stack.nats_url.trim_start_matches("nats://")).await;
-    let stream = wire::stream_name(ctx);
-    let flags = [
+    let listed = streams.join(",");
+    let mut flags = vec![
         "--columns",
         "subject=topic,occurred_at=created_at",
         "--duplicate-window",
@@ -787,16 +833,21 @@ async fn backfill_resumed_over_a_slow_path(ctx: &str, id_type: &str, id_sql: &st
         "--max-inflight",
         "256",
     ];
+    if routed.is_some() {
+        flags.extend(["--streams", listed.as_str()]);
+    }
     let mut relay = Service::relay_starting(&url, &proxy.nats_url(), ctx, &flags);
-    let js = async_nats::jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
     let count = || async {
-        match js.get_stream(&stream).await {
-            Ok(mut s) => s.info().await.map_or(0, |i| i.state.messages),
-            Err(_) => 0,
+        let mut n = 0;
+        for name in &streams {
+            if let Ok(mut s) = js.get_stream(name).await {
+                n += s.info().await.map_or(0, |i| i.state.messages);
+            }
         }
+        n
     };
     eventually(T, "a fifth of the backfill stored", || async {
-        count().await >= 20_000
+        count().await >= rows / 5
     })
     .await;
     relay.kill9();
@@ -806,7 +857,7 @@ async fn backfill_resumed_over_a_slow_path(ctx: &str, id_type: &str, id_sql: &st
         "the backfill ended before the kill"
     );
     // Past the duplicate window, over a slow path: only what the restart
-    // knows of the stream keeps the rows stored from going again.
+    // knows of the streams keeps the rows stored from going again.
     proxy.delay(Duration::from_millis(250));
     tokio::time::sleep(Duration::from_secs(2)).await;
     relay.restart();
@@ -818,7 +869,20 @@ async fn backfill_resumed_over_a_slow_path(ctx: &str, id_type: &str, id_sql: &st
     .await;
     proxy.delay(Duration::ZERO);
     relay.wait_ready();
-    let got = read_stream(&stack.nats_url, &stream, sent.len() as u64, T).await;
+    eventually(T, "every row stored", || async {
+        count().await >= sent.len() as u64
+    })
+    .await;
+    let mut got = Vec::new();
+    for name in &streams {
+        let held = stream_messages(&stack.nats_url, name).await;
+        got.extend(read_stream(&stack.nats_url, name, held, T).await);
+    }
+    let letters = got
+        .iter()
+        .filter(|g| g.h(wire::DLQ_REASON).is_some())
+        .count();
+    assert_eq!(letters, 0, "rows dead-lettered: {}", relay.log_text());
     let mut seen = HashSet::new();
     let dups = got
         .iter()

@@ -135,35 +135,22 @@ pub(super) async fn first_start(
             backfill_end: false,
             ..
         }) if export => {
-            let mut resume = publish::BackfillResume::default();
             let ids = outbox_id_kind(pool, cfg).await?;
-            // With several streams no run's bound holds (see below): each
-            // is read back whole, within the scan budget, so the ids say
-            // what is stored.
-            let window = if streams.len() > 1 {
-                usize::MAX / 4
-            } else {
-                cfg.max_inflight
-            };
+            let mut reads = Vec::new();
             for stream in &streams {
-                let one = publish::backfill_resume(
-                    js,
-                    stream,
-                    (&system.system_id, &dsn.database),
-                    header,
-                    window,
-                    ids,
-                )
-                .await?;
-                resume.stored.extend(one.stored);
-                resume.covered.extend(one.covered);
+                reads.push(
+                    publish::backfill_resume(
+                        js,
+                        stream,
+                        (&system.system_id, &dsn.database),
+                        header,
+                        cfg.max_inflight,
+                        ids,
+                    )
+                    .await?,
+                );
             }
-            // A run's bounds were proved in one stream; with several, rows
-            // before them may have gone to another and been lost in flight:
-            // ids alone decide.
-            if streams.len() > 1 {
-                resume.covered.clear();
-            }
+            let mut resume = publish::BackfillResume::of(reads, cfg.max_inflight);
             // What earlier runs proved holds for their own rows only: under
             // another filter (a wider --unpublished or --resync-since) rows
             // before those bounds may never have been published.

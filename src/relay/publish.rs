@@ -500,17 +500,6 @@ async fn read_headers(
     }
 }
 
-/// What an interrupted backfill left in the stream, read back so the next
-/// one resumes instead of publishing every row again (the duplicate window
-/// is long gone after a backfill of hours).
-#[derive(Debug, Default)]
-pub struct BackfillResume {
-    /// Ids of the backfill's messages read back: stored, skip them.
-    pub stored: std::collections::HashSet<wire::IdKey>,
-    /// What the interrupted runs are known to have stored, beyond `stored`.
-    pub covered: Vec<Covered>,
-}
-
 /// The kind of id a bound can be put on: one whose order the SQL and this
 /// process agree on (uuid bytes; integers; text by its UTF-8 bytes, which
 /// the backfill orders by `convert_to(id, 'UTF8')`, whatever the
@@ -666,38 +655,122 @@ impl Covered {
     }
 }
 
-/// What one run proved from its own messages read back: `timed` of them
-/// (with their time) were read, the oldest at `oldest`. A run never had
-/// more than one window unacked, so with two windows read, everything it
-/// published before the oldest was acked; a message without its time (an
-/// undecodable row's dead letter) is left out of both counts.
-#[derive(Debug, Default, Clone)]
-struct RunRead {
-    timed: u64,
-    oldest: Option<(time::OffsetDateTime, OrderId)>,
+/// What an interrupted backfill left in the streams, read back so the next
+/// one resumes instead of publishing every row again (the duplicate window
+/// is long gone after a backfill of hours).
+#[derive(Debug, Default)]
+pub struct BackfillResume {
+    /// Ids of the backfill's messages read back: stored, skip them.
+    pub stored: std::collections::HashSet<wire::IdKey>,
+    /// What the interrupted runs are known to have stored, beyond `stored`.
+    pub covered: Vec<Covered>,
 }
 
-impl RunRead {
-    fn proven(&self, horizon: u64, want: u64) -> Option<Covered> {
-        let (at, id) = self.oldest.clone()?;
-        (self.timed >= want).then_some(Covered { at, id, horizon })
+impl BackfillResume {
+    /// What every listed stream showed, together. `window`: the
+    /// publisher's in-flight limit.
+    pub fn of(reads: Vec<StreamRead>, window: usize) -> Self {
+        let want = window.saturating_mul(2) as u64;
+        let mut covered: Vec<Covered> = reads.iter().flat_map(|r| r.inherited.clone()).collect();
+        covered.extend(prove(&reads, want));
+        BackfillResume {
+            stored: reads.into_iter().flat_map(|r| r.stored).collect(),
+            covered: Covered::merge(covered),
+        }
     }
 }
 
+/// What one stream showed of an interrupted backfill, read back from its
+/// end.
+#[derive(Debug, Default)]
+pub struct StreamRead {
+    /// Ids of the backfill's messages read.
+    pub stored: std::collections::HashSet<wire::IdKey>,
+    /// What the newest message read said the runs before it proved.
+    pub inherited: Vec<Covered>,
+    /// Per run (its snapshot horizon): the (time, id) of each of its
+    /// messages read that has both.
+    runs: HashMap<u64, Vec<(time::OffsetDateTime, OrderId)>>,
+    /// The oldest run read (the smallest horizon), and whether a message of
+    /// the database's older history was (another backfill, streamed
+    /// events): past it, a run's messages in this stream are all read.
+    oldest_run: Option<u64>,
+    history: bool,
+    /// Read from the stream's first message.
+    whole: bool,
+    /// Stopped by the time budget: the newest part of its last chunk may be
+    /// unread, so it proves nothing.
+    cut: bool,
+}
+
+impl StreamRead {
+    /// Whether every message run `horizon` has in this stream was read.
+    fn passed(&self, horizon: u64) -> bool {
+        self.whole || self.history || self.oldest_run.is_some_and(|o| o < horizon)
+    }
+}
+
+/// The bounds the runs read back prove. A run published in its rows'
+/// order and never had more than one window unacked: with the newest two
+/// windows of its messages read, in every stream, everything it published
+/// before the oldest of them was acked. Those messages are the `want`
+/// newest of the run across the streams (each stream keeps its own order,
+/// and the window is shared), so the bound holds only where every stream
+/// was read back that far, or past the run's start. A message without its
+/// time (an undecodable row's dead letter) counts for nothing.
+fn prove(reads: &[StreamRead], want: u64) -> Vec<Covered> {
+    if want == 0 || reads.iter().any(|r| r.cut) || reads.iter().all(|r| r.whole) {
+        // Read whole, the ids alone say what is stored.
+        return Vec::new();
+    }
+    let horizons: std::collections::BTreeSet<u64> =
+        reads.iter().flat_map(|r| r.runs.keys().copied()).collect();
+    horizons
+        .into_iter()
+        .filter_map(|h| {
+            let mut keys: Vec<&(time::OffsetDateTime, OrderId)> = reads
+                .iter()
+                .filter_map(|r| r.runs.get(&h))
+                .flatten()
+                .collect();
+            let nth = usize::try_from(want).ok()?.checked_sub(1)?;
+            if keys.len() <= nth {
+                return None;
+            }
+            keys.sort_unstable_by(|a, b| b.cmp(a));
+            let bound = keys[nth];
+            let reached = reads.iter().all(|r| {
+                r.passed(h)
+                    || r.runs
+                        .get(&h)
+                        .and_then(|ks| ks.iter().min())
+                        .is_some_and(|oldest| oldest <= bound)
+            });
+            reached.then(|| Covered {
+                at: bound.0,
+                id: bound.1.clone(),
+                horizon: h,
+            })
+        })
+        .collect()
+}
+
 /// Read back, headers only, the newest messages of this database's
-/// interrupted backfill (`header` is its `Outbox-Backfill`). `window`: the
-/// publisher's in-flight limit. Bounded by [`TAIL_SCAN_BUDGET`]; what is
-/// not read is published again (repeats, never a loss).
+/// interrupted backfill (`header` is its `Outbox-Backfill`) in one stream.
+/// `window`: the publisher's in-flight limit. Bounded by
+/// [`TAIL_SCAN_BUDGET`]; what is not read is published again (repeats,
+/// never a loss).
 ///
 /// Runs are told apart by their snapshot's horizon (`Outbox-Xid-Horizon`).
 /// The stream is read back from its end, four windows at a time, until a
-/// run shows two windows of its own (its bound, [`RunRead`]) or the start
-/// is reached: every message of the runs after that one is read, so their
-/// ids say what they stored. The newest run also passes on what the runs
-/// before it proved ([`wire::BACKFILL_COVERED`]): a run interrupted before
-/// it stored two windows proves nothing itself and must not make the next
-/// one forget. `ids`: the kind of the table's ids, where a bound can be
-/// put on them (none: the ids read back alone say what is stored).
+/// run shows two windows of its own, the start is reached, or a message of
+/// the database's older history is: every message of the runs after that
+/// one is read, so their ids say what they stored, and [`prove`] finds
+/// their bounds. The newest run also passes on what the runs before it
+/// proved ([`wire::BACKFILL_COVERED`]): a run interrupted before it stored
+/// two windows proves nothing itself and must not make the next one
+/// forget. `ids`: the kind of the table's ids, where a bound can be put on
+/// them (none: the ids read back alone say what is stored).
 pub async fn backfill_resume(
     js: &Context,
     stream_name: &str,
@@ -705,13 +778,16 @@ pub async fn backfill_resume(
     header: &str,
     window: usize,
     ids: Option<IdKind>,
-) -> Result<BackfillResume> {
+) -> Result<StreamRead> {
     let context = "reading back the interrupted backfill";
-    let mut resume = BackfillResume::default();
+    let mut read = StreamRead::default();
     let mut stream = match js.get_stream(stream_name).await {
         Ok(s) => s,
         // A listed stream not created yet holds nothing of it.
-        Err(e) if stream_not_found(&e) => return Ok(resume),
+        Err(e) if stream_not_found(&e) => {
+            read.whole = true;
+            return Ok(read);
+        }
         Err(e) => return Err(Error::nats(context)(e)),
     };
     let state = stream
@@ -721,34 +797,39 @@ pub async fn backfill_resume(
         .state
         .clone();
     if state.messages == 0 {
-        return Ok(resume);
+        read.whole = true;
+        return Ok(read);
     }
     let want = window.saturating_mul(2) as u64;
     // Other sources may interleave: four windows at a time for two of ours.
     let chunk = want.saturating_mul(2).max(1);
     let deadline = Instant::now() + TAIL_SCAN_BUDGET;
-    let mut runs: HashMap<u64, RunRead> = HashMap::new();
     // The newest message's of this backfill, and the chunk it was read in.
     let mut inherited: Option<(usize, String)> = None;
     let mut end = state.last_sequence;
-    let mut whole = false;
-    let mut complete = true;
     for n in 0.. {
         let start = end
             .saturating_sub(chunk - 1)
             .max(state.first_sequence)
             .max(1);
-        whole = start <= state.first_sequence;
-        complete = read_headers(&stream, start, end, deadline, context, |h| {
+        read.whole = start <= state.first_sequence;
+        let complete = read_headers(&stream, start, end, deadline, context, |h| {
             let get = |name: &str| h.get(name).map(|v| v.as_str());
-            let ours = get(wire::SOURCE)
+            let database_ours = get(wire::SOURCE)
                 .is_some_and(|s| wire::same_database(s, database.0, database.1))
-                && get(wire::DLQ_CONSUMER).is_none()
-                && get(wire::BACKFILL) == Some(header);
-            let Some(msg_id) = get(wire::MSG_ID).filter(|_| ours) else {
+                && get(wire::DLQ_CONSUMER).is_none();
+            if !database_ours {
+                return;
+            }
+            if get(wire::BACKFILL) != Some(header) {
+                // Older than every run of this backfill.
+                read.history = true;
+                return;
+            }
+            let Some(msg_id) = get(wire::MSG_ID) else {
                 return;
             };
-            resume.stored.insert(wire::IdKey::of(msg_id));
+            read.stored.insert(wire::IdKey::of(msg_id));
             // A bound is a place in (occurred_at, id) order, which the SQL
             // and this process agree on for some kinds of ids only.
             let Some(id) = ids.and_then(|kind| OrderId::parse(kind, msg_id)) else {
@@ -760,39 +841,34 @@ pub async fn backfill_resume(
             let Some(horizon) = get(wire::XID_HORIZON).and_then(|x| x.parse().ok()) else {
                 return;
             };
+            read.oldest_run = Some(read.oldest_run.map_or(horizon, |o| o.min(horizon)));
             let at = get(wire::OCCURRED_AT).and_then(|t| {
                 time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
             });
             if let Some(at) = at {
-                let run = runs.entry(horizon).or_default();
-                run.timed += 1;
-                if run.oldest.as_ref().is_none_or(|o| (at, &id) < (o.0, &o.1)) {
-                    run.oldest = Some((at, id));
-                }
+                read.runs.entry(horizon).or_default().push((at, id));
             }
         })
         .await?;
-        if !complete || whole || runs.values().any(|r| r.timed >= want) {
+        read.cut = !complete;
+        let shown = read.runs.values().any(|r| r.len() as u64 >= want);
+        if read.cut || read.whole || read.history || shown {
             break;
         }
         end = start - 1;
     }
     // What the runs before proved holds however little of the last was read.
-    let mut covered = inherited
+    read.inherited = inherited
         .map(|(_, h)| Covered::parse_header(&h))
         .unwrap_or_default();
-    if !complete {
+    if read.cut {
         tracing::warn!(
             stream = stream_name,
-            read = resume.stored.len(),
+            read = read.stored.len(),
             "stopped reading back the interrupted backfill after {TAIL_SCAN_BUDGET:?}: its rows not read back are published again (the inboxes drop repeats)"
         );
-    } else if !whole {
-        // Read from the start, the ids alone say what is stored.
-        covered.extend(runs.iter().filter_map(|(&h, r)| r.proven(h, want)));
     }
-    resume.covered = Covered::merge(covered);
-    Ok(resume)
+    Ok(read)
 }
 
 /// JetStream's answer to one publish.
@@ -1773,7 +1849,7 @@ fn refused(id: String, e: PublishError) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{server_batches, stall, Chains, Covered, IdKind, OrderId, RunRead};
+    use super::{prove, server_batches, stall, Chains, Covered, IdKind, OrderId, StreamRead};
     use std::sync::Arc;
 
     #[test]
@@ -1890,17 +1966,89 @@ mod tests {
         assert_eq!(kept[0].horizon, 109);
     }
 
+    /// A stream read back: run 7's messages keyed 1..=n (time 0, int ids).
+    fn read_of(run: &[(u64, std::ops::RangeInclusive<i64>)]) -> StreamRead {
+        let at = time::OffsetDateTime::UNIX_EPOCH;
+        let mut r = StreamRead::default();
+        for (h, keys) in run {
+            r.runs
+                .entry(*h)
+                .or_default()
+                .extend(keys.clone().map(|k| (at, OrderId::Int(k))));
+            r.oldest_run = Some(r.oldest_run.map_or(*h, |o| o.min(*h)));
+        }
+        r
+    }
+
+    fn bound(c: &[Covered]) -> Vec<(i64, u64)> {
+        c.iter()
+            .map(|c| match c.id {
+                OrderId::Int(k) => (k, c.horizon),
+                _ => unreachable!(),
+            })
+            .collect()
+    }
+
     #[test]
     fn a_run_proves_its_bound_only_with_two_windows_of_timed_messages() {
-        let at = time::OffsetDateTime::UNIX_EPOCH;
-        let id = OrderId::Uuid(uuid::Uuid::nil());
-        let run = |timed| RunRead {
-            timed,
-            oldest: Some((at, id.clone())),
+        assert!(prove(&[read_of(&[(7, 1..=9)])], 10).is_empty());
+        // The tenth newest: every message before it was acked.
+        assert_eq!(bound(&prove(&[read_of(&[(7, 1..=25)])], 10)), [(16, 7)]);
+        let mut whole = read_of(&[(7, 1..=25)]);
+        whole.whole = true;
+        assert!(prove(&[whole], 10).is_empty(), "read whole: ids say it all");
+        let mut cut = read_of(&[(7, 1..=25)]);
+        cut.cut = true;
+        assert!(prove(&[cut], 10).is_empty(), "a cut read proves nothing");
+    }
+
+    #[test]
+    fn a_run_over_several_streams_proves_a_bound_only_where_each_was_read_back_that_far() {
+        // Keys 1..=30, odd ones to stream a, even ones to b; a read back to
+        // 21, b only to 28: the tenth newest overall is 21, but b may hold
+        // unread messages from 22 to 26, lost in flight or not.
+        let odd = |lo: i64| {
+            let mut r = read_of(&[]);
+            let at = time::OffsetDateTime::UNIX_EPOCH;
+            r.runs.insert(
+                7,
+                (lo..=30)
+                    .filter(|k| k % 2 == 1)
+                    .map(|k| (at, OrderId::Int(k)))
+                    .collect(),
+            );
+            r.oldest_run = Some(7);
+            r
         };
-        assert_eq!(run(9).proven(7, 10), None);
-        assert_eq!(run(10).proven(7, 10), Some(Covered { at, id, horizon: 7 }));
-        assert_eq!(RunRead::default().proven(7, 0), None);
+        let even = |lo: i64| {
+            let mut r = read_of(&[]);
+            let at = time::OffsetDateTime::UNIX_EPOCH;
+            r.runs.insert(
+                7,
+                (lo..=30)
+                    .filter(|k| k % 2 == 0)
+                    .map(|k| (at, OrderId::Int(k)))
+                    .collect(),
+            );
+            r.oldest_run = Some(7);
+            r
+        };
+        assert!(prove(&[odd(1), even(28)], 10).is_empty());
+        assert_eq!(bound(&prove(&[odd(1), even(20)], 10)), [(21, 7)]);
+        // A stream read past the run's start (an older run there) holds
+        // nothing more of it: the tenth newest of what both hold.
+        let mut past = even(28);
+        past.oldest_run = Some(6);
+        assert_eq!(bound(&prove(&[odd(1), past], 10)), [(15, 7)]);
+        let mut history = even(28);
+        history.history = true;
+        assert_eq!(bound(&prove(&[odd(1), history], 10)), [(15, 7)]);
+        // A stream none of whose messages of the run was read proves
+        // nothing for it, unless read whole.
+        assert!(prove(&[odd(1), read_of(&[])], 5).is_empty());
+        let mut none = read_of(&[]);
+        none.whole = true;
+        assert_eq!(bound(&prove(&[odd(1), none], 5)), [(21, 7)]);
     }
 
     #[test]
