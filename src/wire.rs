@@ -16,6 +16,11 @@ use pgwire_replication::Lsn;
 /// (`<occurred_at> <id> <xid horizon>`, comma-separated; see
 /// `publish::Covered`).
 pub const BACKFILL_COVERED: &str = "Outbox-Backfill-Covered";
+/// On a backfill's messages: which run published it (a random id) and
+/// that run's publish window (`--max-inflight`), `<run> <window>`. A
+/// resumed backfill proves what a run stored from that run's own messages
+/// alone, under its own window (see `publish::prove`).
+pub const BACKFILL_RUN: &str = "Outbox-Backfill-Run";
 /// On the last message a backfill run published, once its snapshot was
 /// read to the end (`1`): the run finished, so a slot missing after it was
 /// lost, not never made.

@@ -150,7 +150,7 @@ pub(super) async fn first_start(
                     .await?,
                 );
             }
-            let mut resume = publish::BackfillResume::of(reads, cfg.max_inflight);
+            let mut resume = publish::BackfillResume::of(reads);
             // What earlier runs proved holds for their own rows only: under
             // another filter (a wider --unpublished or --resync-since) rows
             // before those bounds may never have been published.
@@ -564,10 +564,16 @@ async fn publish_snapshot(
     // Passed on, so a run interrupted in its turn does not make the next
     // one forget what the runs before it stored.
     let covered = (!resume.covered.is_empty()).then(|| publish::Covered::header(&resume.covered));
+    // This run, and the window it publishes under: what the next one
+    // proves from its messages (see `publish::prove`).
+    let run = format!("{} {}", uuid::Uuid::new_v4().simple(), cfg.max_inflight);
     // The headers added below come on top of what routing checked: a row
     // routed to fit must still fit with them.
     let added = wire::BACKFILL.len()
         + header.len()
+        + wire::BACKFILL_RUN.len()
+        + run.len()
+        + 4
         + covered
             .as_ref()
             .map_or(0, |c| wire::BACKFILL_COVERED.len() + c.len() + 4)
@@ -625,6 +631,8 @@ async fn publish_snapshot(
             };
             msg.headers
                 .push((Cow::Borrowed(wire::BACKFILL), header.clone()));
+            msg.headers
+                .push((Cow::Borrowed(wire::BACKFILL_RUN), run.clone()));
             if let Some(covered) = &covered {
                 msg.headers
                     .push((Cow::Borrowed(wire::BACKFILL_COVERED), covered.clone()));

@@ -526,6 +526,10 @@ impl OrderId {
         match kind {
             IdKind::Uuid => msg_id.parse().ok().map(OrderId::Uuid),
             IdKind::Int => msg_id.parse().ok().map(OrderId::Int),
+            // A text id in a UUID's shape goes out in the UUID's canonical
+            // text, whatever form the column holds (`A5FF…`, braces): its
+            // order here may not be the column's.
+            IdKind::Text if uuid::Uuid::parse_str(msg_id).is_ok() => None,
             IdKind::Text => Some(OrderId::Text(msg_id.to_owned())),
         }
     }
@@ -543,7 +547,8 @@ impl OrderId {
     pub fn sql(&self) -> String {
         match self {
             OrderId::Uuid(u) => format!("'{u}'::uuid"),
-            OrderId::Int(n) => format!("{n}::int8"),
+            // Quoted: `-9223372036854775808::int8` is out of range.
+            OrderId::Int(n) => format!("'{n}'::int8"),
             OrderId::Text(t) => format!("'\\x{}'::bytea", hex(t.as_bytes())),
         }
     }
@@ -667,17 +672,36 @@ pub struct BackfillResume {
 }
 
 impl BackfillResume {
-    /// What every listed stream showed, together. `window`: the
-    /// publisher's in-flight limit.
-    pub fn of(reads: Vec<StreamRead>, window: usize) -> Self {
-        let want = window.saturating_mul(2) as u64;
+    /// What every listed stream showed, together.
+    pub fn of(reads: Vec<StreamRead>) -> Self {
         let mut covered: Vec<Covered> = reads.iter().flat_map(|r| r.inherited.clone()).collect();
-        covered.extend(prove(&reads, want));
+        covered.extend(prove(&reads));
         BackfillResume {
             stored: reads.into_iter().flat_map(|r| r.stored).collect(),
             covered: Covered::merge(covered),
         }
     }
+}
+
+/// One run of a backfill, as its messages name it: its snapshot's horizon
+/// and, from [`wire::BACKFILL_RUN`], its own id (absent on messages of
+/// relays before it: runs are then told apart by their horizon alone,
+/// which two runs may share).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct RunId {
+    horizon: u64,
+    run: Option<String>,
+}
+
+/// What one stream showed of one run.
+#[derive(Debug, Default, Clone)]
+struct RunSeen {
+    /// The (time, id) of each of its messages read that has both; a row
+    /// stored twice counts once.
+    keys: std::collections::BTreeSet<(time::OffsetDateTime, OrderId)>,
+    /// Its publish window: its own, from [`wire::BACKFILL_RUN`], else the
+    /// current `--max-inflight`.
+    window: usize,
 }
 
 /// What one stream showed of an interrupted backfill, read back from its
@@ -688,9 +712,7 @@ pub struct StreamRead {
     pub stored: std::collections::HashSet<wire::IdKey>,
     /// What the newest message read said the runs before it proved.
     pub inherited: Vec<Covered>,
-    /// Per run (its snapshot horizon): the (time, id) of each of its
-    /// messages read that has both.
-    runs: HashMap<u64, Vec<(time::OffsetDateTime, OrderId)>>,
+    runs: HashMap<RunId, RunSeen>,
     /// The oldest run read (the smallest horizon), and whether a message of
     /// the database's older history was (another backfill, streamed
     /// events): past it, a run's messages in this stream are all read.
@@ -708,48 +730,59 @@ impl StreamRead {
     fn passed(&self, horizon: u64) -> bool {
         self.whole || self.history || self.oldest_run.is_some_and(|o| o < horizon)
     }
+
+    /// Whether some run shows two windows of its own here.
+    fn shows_a_run(&self) -> bool {
+        self.runs
+            .values()
+            .any(|r| r.keys.len() as u64 >= (r.window as u64).saturating_mul(2))
+    }
 }
 
 /// The bounds the runs read back prove. A run published in its rows'
-/// order and never had more than one window unacked: with the newest two
-/// windows of its messages read, in every stream, everything it published
-/// before the oldest of them was acked. Those messages are the `want`
-/// newest of the run across the streams (each stream keeps its own order,
-/// and the window is shared), so the bound holds only where every stream
-/// was read back that far, or past the run's start. A message without its
-/// time (an undecodable row's dead letter) counts for nothing.
-fn prove(reads: &[StreamRead], want: u64) -> Vec<Covered> {
-    if want == 0 || reads.iter().any(|r| r.cut) || reads.iter().all(|r| r.whole) {
+/// order, and a message lost in flight had at most a window published
+/// after it (the window is counted from the oldest unanswered message):
+/// with the newest two windows of a run's messages read, in every stream,
+/// everything it published before the oldest of them was acked. Those
+/// messages are the run's newest across the streams (each stream keeps its
+/// own order, the window is shared), so the bound holds only where every
+/// stream was read back that far, or past the run's start. A message
+/// without its time (an undecodable row's dead letter) counts for nothing.
+///
+/// One run's messages alone, under its own window: runs told apart by
+/// their horizon only (an older relay's) prove nothing across several
+/// streams, where a row lost in one stream at each of several runs sharing
+/// a horizon would have other runs' messages counted past it.
+fn prove(reads: &[StreamRead]) -> Vec<Covered> {
+    if reads.iter().any(|r| r.cut) || reads.iter().all(|r| r.whole) {
         // Read whole, the ids alone say what is stored.
         return Vec::new();
     }
-    let horizons: std::collections::BTreeSet<u64> =
-        reads.iter().flat_map(|r| r.runs.keys().copied()).collect();
-    horizons
-        .into_iter()
-        .filter_map(|h| {
-            let mut keys: Vec<&(time::OffsetDateTime, OrderId)> = reads
-                .iter()
-                .filter_map(|r| r.runs.get(&h))
-                .flatten()
-                .collect();
-            let nth = usize::try_from(want).ok()?.checked_sub(1)?;
-            if keys.len() <= nth {
-                return None;
-            }
+    let several = reads.len() > 1;
+    let runs: std::collections::BTreeSet<&RunId> =
+        reads.iter().flat_map(|r| r.runs.keys()).collect();
+    runs.into_iter()
+        .filter(|run| !several || run.run.is_some())
+        .filter_map(|run| {
+            let seen: Vec<&RunSeen> = reads.iter().filter_map(|r| r.runs.get(run)).collect();
+            let window = seen.iter().map(|s| s.window).max()?;
+            let nth = window.checked_mul(2)?.checked_sub(1)?;
+            let mut keys: Vec<&(time::OffsetDateTime, OrderId)> =
+                seen.iter().flat_map(|s| s.keys.iter()).collect();
             keys.sort_unstable_by(|a, b| b.cmp(a));
-            let bound = keys[nth];
+            keys.dedup();
+            let bound = *keys.get(nth)?;
             let reached = reads.iter().all(|r| {
-                r.passed(h)
+                r.passed(run.horizon)
                     || r.runs
-                        .get(&h)
-                        .and_then(|ks| ks.iter().min())
+                        .get(run)
+                        .and_then(|s| s.keys.first())
                         .is_some_and(|oldest| oldest <= bound)
             });
             reached.then(|| Covered {
                 at: bound.0,
                 id: bound.1.clone(),
-                horizon: h,
+                horizon: run.horizon,
             })
         })
         .collect()
@@ -845,14 +878,26 @@ pub async fn backfill_resume(
             let at = get(wire::OCCURRED_AT).and_then(|t| {
                 time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
             });
-            if let Some(at) = at {
-                read.runs.entry(horizon).or_default().push((at, id));
-            }
+            let Some(at) = at else {
+                return;
+            };
+            // `<run> <window>`; without it (an older relay's), the run is
+            // its horizon and the window today's.
+            let named = get(wire::BACKFILL_RUN).and_then(|v| {
+                let (run, w) = v.split_once(' ')?;
+                Some((run.to_owned(), w.parse::<usize>().ok()?))
+            });
+            let (run, run_window) = match named {
+                Some((run, w)) => (Some(run), w),
+                None => (None, window),
+            };
+            let seen = read.runs.entry(RunId { horizon, run }).or_default();
+            seen.window = run_window.max(1);
+            seen.keys.insert((at, id));
         })
         .await?;
         read.cut = !complete;
-        let shown = read.runs.values().any(|r| r.len() as u64 >= want);
-        if read.cut || read.whole || read.history || shown {
+        if read.cut || read.whole || read.history || read.shows_a_run() {
             break;
         }
         end = start - 1;
@@ -1849,7 +1894,9 @@ fn refused(id: String, e: PublishError) -> Error {
 
 #[cfg(test)]
 mod tests {
-    use super::{prove, server_batches, stall, Chains, Covered, IdKind, OrderId, StreamRead};
+    use super::{
+        prove, server_batches, stall, Chains, Covered, IdKind, OrderId, RunId, StreamRead,
+    };
     use std::sync::Arc;
 
     #[test]
@@ -1927,6 +1974,16 @@ mod tests {
         assert!(text("Z") < text("a"));
         assert!(text("z") < text("é"));
         assert_eq!(OrderId::parse(IdKind::Uuid, "not a uuid"), None);
+        // Sent in canonical form whatever the column holds: no place in
+        // the column's order.
+        assert_eq!(
+            OrderId::parse(IdKind::Text, "A5FFFFFF-0000-4000-8000-000000000000"),
+            None
+        );
+        assert_eq!(
+            int(&i64::MIN.to_string()).sql(),
+            "'-9223372036854775808'::int8"
+        );
         assert_eq!(
             text("it's").sql(),
             "'\\x69742773'::bytea",
@@ -1966,16 +2023,23 @@ mod tests {
         assert_eq!(kept[0].horizon, 109);
     }
 
-    /// A stream read back: run 7's messages keyed 1..=n (time 0, int ids).
-    fn read_of(run: &[(u64, std::ops::RangeInclusive<i64>)]) -> StreamRead {
+    /// A stream read back: for each (run, window, keys), that run's
+    /// messages (horizon 7, time 0, int ids).
+    fn read_of(runs: &[(Option<&str>, usize, Vec<i64>)]) -> StreamRead {
         let at = time::OffsetDateTime::UNIX_EPOCH;
         let mut r = StreamRead::default();
-        for (h, keys) in run {
-            r.runs
-                .entry(*h)
-                .or_default()
-                .extend(keys.clone().map(|k| (at, OrderId::Int(k))));
-            r.oldest_run = Some(r.oldest_run.map_or(*h, |o| o.min(*h)));
+        for (run, window, keys) in runs {
+            let seen = r
+                .runs
+                .entry(RunId {
+                    horizon: 7,
+                    run: run.map(str::to_owned),
+                })
+                .or_default();
+            seen.window = *window;
+            seen.keys
+                .extend(keys.iter().map(|&k| (at, OrderId::Int(k))));
+            r.oldest_run = Some(7);
         }
         r
     }
@@ -1989,17 +2053,30 @@ mod tests {
             .collect()
     }
 
+    const A: Option<&str> = Some("a");
+
     #[test]
     fn a_run_proves_its_bound_only_with_two_windows_of_timed_messages() {
-        assert!(prove(&[read_of(&[(7, 1..=9)])], 10).is_empty());
+        assert!(prove(&[read_of(&[(A, 5, (1..=9).collect())])]).is_empty());
         // The tenth newest: every message before it was acked.
-        assert_eq!(bound(&prove(&[read_of(&[(7, 1..=25)])], 10)), [(16, 7)]);
-        let mut whole = read_of(&[(7, 1..=25)]);
+        assert_eq!(
+            bound(&prove(&[read_of(&[(A, 5, (1..=25).collect())])])),
+            [(16, 7)]
+        );
+        // Under its own window, not today's.
+        assert!(prove(&[read_of(&[(A, 20, (1..=25).collect())])]).is_empty());
+        let mut whole = read_of(&[(A, 5, (1..=25).collect())]);
         whole.whole = true;
-        assert!(prove(&[whole], 10).is_empty(), "read whole: ids say it all");
-        let mut cut = read_of(&[(7, 1..=25)]);
+        assert!(prove(&[whole]).is_empty(), "read whole: ids say it all");
+        let mut cut = read_of(&[(A, 5, (1..=25).collect())]);
         cut.cut = true;
-        assert!(prove(&[cut], 10).is_empty(), "a cut read proves nothing");
+        assert!(prove(&[cut]).is_empty(), "a cut read proves nothing");
+        // Runs sharing a horizon are not counted together.
+        let two = read_of(&[
+            (A, 5, (1..=6).collect()),
+            (Some("b"), 5, (7..=12).collect()),
+        ]);
+        assert!(prove(&[two]).is_empty());
     }
 
     #[test]
@@ -2007,48 +2084,30 @@ mod tests {
         // Keys 1..=30, odd ones to stream a, even ones to b; a read back to
         // 21, b only to 28: the tenth newest overall is 21, but b may hold
         // unread messages from 22 to 26, lost in flight or not.
-        let odd = |lo: i64| {
-            let mut r = read_of(&[]);
-            let at = time::OffsetDateTime::UNIX_EPOCH;
-            r.runs.insert(
-                7,
-                (lo..=30)
-                    .filter(|k| k % 2 == 1)
-                    .map(|k| (at, OrderId::Int(k)))
-                    .collect(),
-            );
-            r.oldest_run = Some(7);
-            r
-        };
-        let even = |lo: i64| {
-            let mut r = read_of(&[]);
-            let at = time::OffsetDateTime::UNIX_EPOCH;
-            r.runs.insert(
-                7,
-                (lo..=30)
-                    .filter(|k| k % 2 == 0)
-                    .map(|k| (at, OrderId::Int(k)))
-                    .collect(),
-            );
-            r.oldest_run = Some(7);
-            r
-        };
-        assert!(prove(&[odd(1), even(28)], 10).is_empty());
-        assert_eq!(bound(&prove(&[odd(1), even(20)], 10)), [(21, 7)]);
+        let odd = |lo: i64| read_of(&[(A, 5, (lo..=30).filter(|k| k % 2 == 1).collect())]);
+        let even = |lo: i64| read_of(&[(A, 5, (lo..=30).filter(|k| k % 2 == 0).collect())]);
+        assert!(prove(&[odd(1), even(28)]).is_empty());
+        assert_eq!(bound(&prove(&[odd(1), even(20)])), [(21, 7)]);
         // A stream read past the run's start (an older run there) holds
         // nothing more of it: the tenth newest of what both hold.
         let mut past = even(28);
         past.oldest_run = Some(6);
-        assert_eq!(bound(&prove(&[odd(1), past], 10)), [(15, 7)]);
+        assert_eq!(bound(&prove(&[odd(1), past])), [(15, 7)]);
         let mut history = even(28);
         history.history = true;
-        assert_eq!(bound(&prove(&[odd(1), history], 10)), [(15, 7)]);
+        assert_eq!(bound(&prove(&[odd(1), history])), [(15, 7)]);
         // A stream none of whose messages of the run was read proves
         // nothing for it, unless read whole.
-        assert!(prove(&[odd(1), read_of(&[])], 5).is_empty());
+        let small = |lo: i64| read_of(&[(A, 2, (lo..=30).filter(|k| k % 2 == 1).collect())]);
+        assert!(prove(&[small(1), read_of(&[])]).is_empty());
         let mut none = read_of(&[]);
         none.whole = true;
-        assert_eq!(bound(&prove(&[odd(1), none], 5)), [(21, 7)]);
+        assert_eq!(bound(&prove(&[small(1), none])), [(23, 7)]);
+        // An older relay's runs (no run id) prove nothing across streams.
+        let legacy =
+            |lo: i64, odd: i64| read_of(&[(None, 5, (lo..=30).filter(|k| k % 2 == odd).collect())]);
+        assert!(prove(&[legacy(1, 1), legacy(1, 0)]).is_empty());
+        assert_eq!(bound(&prove(&[legacy(1, 1)])), [(11, 7)]);
     }
 
     #[test]

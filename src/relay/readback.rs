@@ -111,7 +111,31 @@ pub fn settle(resume: &mut Resume, cursors: &[&Cursor]) {
 struct Reader {
     name: String,
     cursor: Cursor,
+    stream: stream::Stream,
+    /// Where its read starts.
+    start: u64,
+    /// Made at the first read, not before: the replay may decode for
+    /// minutes before its first event, and a consumer nobody pulls from is
+    /// forgotten by the server, then made again from the stream's start.
     messages: Option<Ordered>,
+}
+
+impl Reader {
+    async fn open(&mut self) -> std::result::Result<(), String> {
+        let consumer = self
+            .stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                headers_only: true,
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: self.start,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        self.messages = Some(consumer.messages().await.map_err(|e| e.to_string())?);
+        Ok(())
+    }
 }
 
 /// The read-back of every listed stream that holds events of the replay.
@@ -141,22 +165,13 @@ impl ReadBack {
             let context = "reading back what the stream holds since the slot's position";
             let stream = js.get_stream(name).await.map_err(Error::nats(context))?;
             let start = start_of(&stream, lineage, tail, from, context).await?;
-            let consumer = stream
-                .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                    headers_only: true,
-                    deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                        start_sequence: start,
-                    },
-                    ..Default::default()
-                })
-                .await
-                .map_err(Error::nats(context))?;
-            let messages = consumer.messages().await.map_err(Error::nats(context))?;
             tracing::debug!(stream = %name, from = start, through = tail.seq, "reading back at the replay's pace");
             readers.push(Reader {
                 name: name.clone(),
                 cursor: Cursor::new(tail.seq),
-                messages: Some(messages),
+                stream,
+                start,
+                messages: None,
             });
         }
         let mut resume = newest.map(Resume::new);
@@ -176,6 +191,18 @@ impl ReadBack {
     pub async fn advance(&mut self, resume: &mut Resume, want: Position) {
         let (lineage, from) = (&self.lineage, self.from);
         for reader in &mut self.readers {
+            if reader.cursor.short_of(want) && reader.messages.is_none() {
+                let opened = tokio::time::timeout(READ_WAIT, reader.open()).await;
+                if let Err(why) =
+                    opened.unwrap_or_else(|_| Err(format!("no answer within {READ_WAIT:?}")))
+                {
+                    tracing::warn!(
+                        stream = %reader.name,
+                        "cannot read the stream back ({why}): events replayed from here are published again (the duplicate window and the inboxes absorb repeats)"
+                    );
+                    reader.cursor.give_up();
+                }
+            }
             while reader.cursor.short_of(want) {
                 let Some(messages) = reader.messages.as_mut() else {
                     reader.cursor.give_up();
