@@ -1766,6 +1766,53 @@ fn run_cli(args: &[&str]) -> (bool, String) {
     )
 }
 
+/// Review D1 (issue 61, item 8): a consumer's dead-letter stream of
+/// another name (`--dlq-prefix deadletters.cdlqn`: `DEADLETTERS_CDLQN`)
+/// was taken for an events stream by its name, read for the relay's
+/// letters alone, and listed "0 dead letters" while it held one. The
+/// commands now tell a stream by what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_list_reads_a_dead_letter_stream_of_any_name() {
+    let stack = stack();
+    let prefix = "deadletters.cdlqn";
+    let f = fixture(
+        "c_dlq_named",
+        "cdlqn",
+        "cdlqn",
+        DUP,
+        &["--dlq-prefix", prefix],
+    )
+    .await;
+    let bad = Uuid::new_v4();
+    publish(&f.js, "cdlqn.e", Some(bad), "a", br#"{"answers": [422]}"#).await;
+    wait_processed(&f.pool, "cdlqn", 1).await;
+    let dlq = wire::dlq_stream_name(prefix);
+    let (ok, out) = run_cli(&[
+        "dlq",
+        "list",
+        "--nats-url",
+        &stack.nats_url,
+        "--stream",
+        &dlq,
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains(&bad.to_string()) && l.contains("422")),
+        "the letter in {dlq} is listed: {out}"
+    );
+    // The events stream still shows the relay's letters alone: none here.
+    let (ok, out) = run_cli(&[
+        "dlq",
+        "list",
+        "--nats-url",
+        &stack.nats_url,
+        "--stream",
+        &f.stream,
+    ]);
+    assert!(ok && !out.contains(&bad.to_string()), "{out}");
+}
+
 /// SPEC §9 dead letters: `dlq list` shows what the consumer dead-lettered;
 /// `dlq replay --id` calls the handler once more, exactly once, with the
 /// original id; a second replay of it is reported and calls nothing; bad

@@ -84,15 +84,25 @@ pub async fn list(
         .get_stream(stream_name)
         .await
         .map_err(|e| Error::setup(format!("stream {stream_name}: {e} (is --stream right?)")))?;
-    // An events stream holds the relay's dead letters among its events.
-    let filter_subject = if stream
-        .cached_info()
-        .config
-        .subjects
-        .iter()
-        .any(|s| s.ends_with(".>"))
-        && !stream_name.starts_with("DLQ_")
-    {
+    // An events stream holds the relay's dead letters among its events,
+    // under `{context}.dlq.relay`: read those alone. A consumer's
+    // dead-letter stream (any name, any prefix) holds letters only, on
+    // their original subjects: read it all. Told by content, not by name:
+    // whether the stream can hold a relay's letters at all, and whether its
+    // last message is a consumer's letter.
+    let info = stream.cached_info();
+    let relay_letters = info.config.subjects.iter().any(|s| {
+        s.strip_suffix(".>")
+            .is_some_and(|prefix| !prefix.is_empty() && !prefix.contains(['.', '*', '>']))
+    });
+    let consumer_letters = relay_letters
+        && info.state.messages > 0
+        && match stream.get_raw_message(info.state.last_sequence).await {
+            Ok(m) => m.headers.get(wire::DLQ_CONSUMER).is_some(),
+            // Unknown: read it all (slower, never blind).
+            Err(_) => true,
+        };
+    let filter_subject = if relay_letters && !consumer_letters {
         "*.dlq.relay".to_owned()
     } else {
         String::new()
