@@ -406,6 +406,9 @@ fn is_relay_header(name: &str) -> bool {
         XID_HORIZON,
         BACKFILL,
         BACKFILL_COVERED,
+        BACKFILL_RUN,
+        BACKFILL_END,
+        EMITTED,
         TXN_BATCH,
         TXN_BATCHES,
         SCHEMA,
@@ -664,6 +667,19 @@ mod tests {
             )
             .unwrap_err();
         assert!(e.contains("Outbox-Source"), "{e}");
+        // Nor for what a resumed backfill reads back (a fake run id and
+        // window would prove a bound past a row lost in flight).
+        for (column, header) in [
+            ("backfill_run", "Outbox-Backfill-Run"),
+            ("backfill_end", "Outbox-Backfill-End"),
+        ] {
+            let mut with = envelope();
+            with.push((column.into(), oid::TEXT));
+            let e = map
+                .check("public.outbox", &with, &[], &[], &[column.into()], &[])
+                .unwrap_err();
+            assert!(e.contains(header), "{e}");
+        }
         // A payload from a key would not be the producer's bytes.
         let e = ColumnMap::parse("payload=envelope.payload")
             .unwrap()

@@ -569,7 +569,12 @@ impl OrderId {
             return n.parse().ok().map(OrderId::Int);
         }
         if let Some(h) = s.strip_prefix("t:") {
-            return String::from_utf8(unhex(h)?).ok().map(OrderId::Text);
+            // As `parse`: a text id in a UUID's shape has no place in the
+            // column's order (an older relay may have passed one on).
+            let text = String::from_utf8(unhex(h)?).ok()?;
+            return uuid::Uuid::parse_str(&text)
+                .is_err()
+                .then_some(OrderId::Text(text));
         }
         s.parse().ok().map(OrderId::Uuid)
     }
@@ -749,20 +754,21 @@ impl StreamRead {
 /// stream was read back that far, or past the run's start. A message
 /// without its time (an undecodable row's dead letter) counts for nothing.
 ///
-/// One run's messages alone, under its own window: runs told apart by
-/// their horizon only (an older relay's) prove nothing across several
-/// streams, where a row lost in one stream at each of several runs sharing
-/// a horizon would have other runs' messages counted past it.
+/// One run's messages alone, under its own window: an older relay's runs
+/// (no [`wire::BACKFILL_RUN`]) prove nothing, since runs sharing a horizon
+/// cannot be told apart (across several streams, a row lost in one at
+/// each of them would have other runs' messages counted past it) and
+/// their window is not known (a restart with a smaller one would count
+/// too few).
 fn prove(reads: &[StreamRead]) -> Vec<Covered> {
     if reads.iter().any(|r| r.cut) || reads.iter().all(|r| r.whole) {
         // Read whole, the ids alone say what is stored.
         return Vec::new();
     }
-    let several = reads.len() > 1;
     let runs: std::collections::BTreeSet<&RunId> =
         reads.iter().flat_map(|r| r.runs.keys()).collect();
     runs.into_iter()
-        .filter(|run| !several || run.run.is_some())
+        .filter(|run| run.run.is_some())
         .filter_map(|run| {
             let seen: Vec<&RunSeen> = reads.iter().filter_map(|r| r.runs.get(run)).collect();
             let window = seen.iter().map(|s| s.window).max()?;
@@ -863,14 +869,14 @@ pub async fn backfill_resume(
                 return;
             };
             read.stored.insert(wire::IdKey::of(msg_id));
+            if inherited.as_ref().is_none_or(|(i, _)| *i == n) {
+                inherited = Some((n, get(wire::BACKFILL_COVERED).unwrap_or("").to_owned()));
+            }
             // A bound is a place in (occurred_at, id) order, which the SQL
             // and this process agree on for some kinds of ids only.
             let Some(id) = ids.and_then(|kind| OrderId::parse(kind, msg_id)) else {
                 return;
             };
-            if inherited.as_ref().is_none_or(|(i, _)| *i == n) {
-                inherited = Some((n, get(wire::BACKFILL_COVERED).unwrap_or("").to_owned()));
-            }
             let Some(horizon) = get(wire::XID_HORIZON).and_then(|x| x.parse().ok()) else {
                 return;
             };
@@ -1895,7 +1901,7 @@ fn refused(id: String, e: PublishError) -> Error {
 #[cfg(test)]
 mod tests {
     use super::{
-        prove, server_batches, stall, Chains, Covered, IdKind, OrderId, RunId, StreamRead,
+        hex, prove, server_batches, stall, Chains, Covered, IdKind, OrderId, RunId, StreamRead,
     };
     use std::sync::Arc;
 
@@ -1961,6 +1967,11 @@ mod tests {
             OrderId::Uuid(uuid::Uuid::from_u128(7))
         );
         assert!(Covered::parse_header(&format!("{at} t:4 9")).is_empty());
+        let shaped = hex(b"A5FFFFFF-0000-4000-8000-000000000000");
+        assert!(
+            Covered::parse_header(&format!("{at} t:{shaped} 9")).is_empty(),
+            "a UUID-shaped text id passed on by an older relay"
+        );
         assert!(Covered::parse_header(&format!("{at} i:x 9")).is_empty());
     }
 
@@ -2103,11 +2114,11 @@ mod tests {
         let mut none = read_of(&[]);
         none.whole = true;
         assert_eq!(bound(&prove(&[small(1), none])), [(23, 7)]);
-        // An older relay's runs (no run id) prove nothing across streams.
+        // An older relay's runs (no run id, no window) prove nothing.
         let legacy =
             |lo: i64, odd: i64| read_of(&[(None, 5, (lo..=30).filter(|k| k % 2 == odd).collect())]);
         assert!(prove(&[legacy(1, 1), legacy(1, 0)]).is_empty());
-        assert_eq!(bound(&prove(&[legacy(1, 1)])), [(11, 7)]);
+        assert!(prove(&[legacy(1, 1)]).is_empty());
     }
 
     #[test]
