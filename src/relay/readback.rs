@@ -121,8 +121,7 @@ struct Reader {
 }
 
 impl Reader {
-    async fn open(&mut self) -> Result<()> {
-        let context = "reading back what the stream holds since the slot's position";
+    async fn open(&mut self) -> std::result::Result<(), String> {
         let consumer = self
             .stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
@@ -133,8 +132,8 @@ impl Reader {
                 ..Default::default()
             })
             .await
-            .map_err(Error::nats(context))?;
-        self.messages = Some(consumer.messages().await.map_err(Error::nats(context))?);
+            .map_err(|e| e.to_string())?;
+        self.messages = Some(consumer.messages().await.map_err(|e| e.to_string())?);
         Ok(())
     }
 }
@@ -189,20 +188,19 @@ impl ReadBack {
 
     /// Read every stream short of `want` until it is read past it, or to
     /// this source's last message in it.
-    pub async fn advance(&mut self, resume: &mut Resume, want: Position) -> Result<()> {
+    pub async fn advance(&mut self, resume: &mut Resume, want: Position) {
         let (lineage, from) = (&self.lineage, self.from);
         for reader in &mut self.readers {
             if reader.cursor.short_of(want) && reader.messages.is_none() {
-                // Not read at all yet: the session starts over rather than
-                // publish again everything the stream holds.
-                match tokio::time::timeout(READ_WAIT, reader.open()).await {
-                    Ok(opened) => opened?,
-                    Err(_) => {
-                        return Err(Error::StartOver(format!(
-                            "reading back stream {}: no answer within {READ_WAIT:?}; starting the session over",
-                            reader.name
-                        )))
-                    }
+                let opened = tokio::time::timeout(READ_WAIT, reader.open()).await;
+                if let Err(why) =
+                    opened.unwrap_or_else(|_| Err(format!("no answer within {READ_WAIT:?}")))
+                {
+                    tracing::warn!(
+                        stream = %reader.name,
+                        "cannot read the stream back ({why}): events replayed from here are published again (the duplicate window and the inboxes absorb repeats)"
+                    );
+                    reader.cursor.give_up();
                 }
             }
             while reader.cursor.short_of(want) {
@@ -243,7 +241,6 @@ impl ReadBack {
             }
         }
         self.settle(resume);
-        Ok(())
     }
 
     fn settle(&self, resume: &mut Resume) {
