@@ -422,23 +422,10 @@ async fn publish_snapshot(
     .await
     .map_err(Error::pg("importing the slot's snapshot"))?;
 
-    let columns: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT a.attname::text, a.atttypid::int8 FROM pg_attribute a \
-         JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
-         WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped \
-         ORDER BY a.attnum",
-    )
-    .bind(&cfg.schema)
-    .bind(&cfg.table)
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(Error::pg("reading the outbox's columns"))?;
     // The table as pgoutput would describe it: every value read as text, so
     // the stream's row decoding serves the backfill too.
-    let typed: Vec<(String, u32)> = columns
-        .iter()
-        .map(|(name, oid)| (name.clone(), u32::try_from(*oid).unwrap_or_default()))
-        .collect();
+    let typed = outbox_columns(&mut *tx, cfg).await?;
+    let columns = &typed;
     let relation = text_relation(&cfg.schema, &cfg.table, &typed);
     let layout = OutboxLayout::new(&relation, &cfg.columns, router.columns());
     let has = |name: &str| columns.iter().any(|(n, _)| n == name);
@@ -768,9 +755,12 @@ fn id_kind(resolved: &Resolved, typed: &[(String, u32)]) -> Option<publish::IdKi
     }
 }
 
-/// [`id_kind`], read from the catalog.
-async fn outbox_id_kind(pool: &sqlx::PgPool, cfg: &RelayConfig) -> Result<Option<publish::IdKind>> {
-    let typed: Vec<(String, i64)> = sqlx::query_as(
+/// The outbox's columns and their type oids, in the table's order.
+async fn outbox_columns<'e>(
+    ex: impl sqlx::PgExecutor<'e>,
+    cfg: &RelayConfig,
+) -> Result<Vec<(String, u32)>> {
+    let columns: Vec<(String, i64)> = sqlx::query_as(
         "SELECT a.attname::text, a.atttypid::int8 FROM pg_attribute a \
          JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace \
          WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped \
@@ -778,13 +768,18 @@ async fn outbox_id_kind(pool: &sqlx::PgPool, cfg: &RelayConfig) -> Result<Option
     )
     .bind(&cfg.schema)
     .bind(&cfg.table)
-    .fetch_all(pool)
+    .fetch_all(ex)
     .await
     .map_err(Error::pg("reading the outbox's columns"))?;
-    let typed: Vec<(String, u32)> = typed
+    Ok(columns
         .into_iter()
         .map(|(name, oid)| (name, u32::try_from(oid).unwrap_or_default()))
-        .collect();
+        .collect())
+}
+
+/// [`id_kind`], read from the catalog.
+async fn outbox_id_kind(pool: &sqlx::PgPool, cfg: &RelayConfig) -> Result<Option<publish::IdKind>> {
+    let typed = outbox_columns(pool, cfg).await?;
     let table = format!("{}.{}", cfg.schema, cfg.table);
     Ok(cfg
         .columns
