@@ -91,7 +91,8 @@ pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;
 use rule::{
-    Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, OVERHEARD, PING,
+    Answer, Heard, JobReply, Ledger, Lost, Refusal, Standing, FENCE, LIVENESS, LIVENESS_WAIT,
+    OVERHEARD, PING,
 };
 
 mod rule;
@@ -300,7 +301,7 @@ async fn poll_liveness(
     pool: PgPool,
     stream: String,
     durable: String,
-    answers: tokio::sync::mpsc::Sender<(Option<HashSet<i32>>, Instant)>,
+    answers: tokio::sync::mpsc::Sender<(Option<HashSet<i32>>, Instant, Instant)>,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(LIVENESS);
@@ -310,11 +311,12 @@ async fn poll_liveness(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let alive = tokio::time::timeout(LIVENESS, alive(&pool, &stream, &durable))
+        let asked = Instant::now();
+        let alive = tokio::time::timeout(LIVENESS_WAIT, alive(&pool, &stream, &durable))
             .await
             .ok()
             .and_then(Result::ok);
-        if answers.send((alive, Instant::now())).await.is_err() {
+        if answers.send((alive, asked, Instant::now())).await.is_err() {
             return;
         }
     }
@@ -653,8 +655,8 @@ impl Crew {
                         }
                     }
                 }
-                Some((alive, at)) = polls.recv() => {
-                    let lost = self.state().liveness(alive, at);
+                Some((alive, asked, at)) = polls.recv() => {
+                    let lost = self.state().liveness(alive, asked, at);
                     let own = self.inner.worker.member.load(Ordering::Relaxed);
                     let fenced: HashSet<i32> = lost.iter().map(|(_, w)| w.member).filter(|m| *m != own).collect();
                     if fenced.is_empty() {
@@ -917,7 +919,7 @@ impl Crew {
         let mut adopted = Vec::new();
         let mut told = false;
         loop {
-            let live = tokio::time::timeout(LIVENESS, alive(pool, stream, durable))
+            let live = tokio::time::timeout(LIVENESS_WAIT, alive(pool, stream, durable))
                 .await
                 .ok()
                 .and_then(|r| r.ok());
@@ -1164,7 +1166,7 @@ pub(super) struct Worker {
 /// Alive and heard, it answers
 /// and its calls are adopted; silent past this, it is dead or cut off from
 /// NATS, and a takeover does not wait for it: its calls are its lease's,
-/// and waiting the rule's 4 s for a process it cannot tell from a dead one
+/// and waiting the rule's 5.5 s for a process it cannot tell from a dead one
 /// would cost every kill -9 of a dispatcher as much (the one gap left: a
 /// dispatcher cut off from both may still be in a call after the reset).
 const DISPATCHER_HEARD: Duration = BEAT.saturating_mul(2).saturating_add(PING);

@@ -46,14 +46,18 @@ pub(crate) const BEAT: Duration = Duration::from_millis(250);
 /// A helper whose beats go unacknowledged this long stops its jobs, once
 /// it cannot prove its member lock either ([`MEMBER_PROOF`]). Longer than
 /// the stalls production has every day (a GC or VM pause, a dispatcher
-/// throttled for 2 s), which must not cost a call.
-pub(super) const FENCE: Duration = Duration::from_secs(3);
+/// throttled for 2 s), which must not cost a call; and, since a Postgres
+/// outage that reaches every process ends the dispatcher's period and its
+/// acknowledgements with it, the longest call such an outage does not cut
+/// (one started at the outage ends within it, with room for a loaded host:
+/// at 3 s, a 3 s call on a busy box was cut and made again).
+pub(super) const FENCE: Duration = Duration::from_millis(4500);
 /// A helper whose beats go unacknowledged this long stops its jobs, its
 /// member lock held or not (NATS alone is gone, or the dispatcher).
 pub(super) const FENCE_LOCKED: Duration = Duration::from_secs(5);
 /// A helper whose lock went and that the dispatcher has not heard for this
 /// long has stopped its jobs (it could not hear itself for [`FENCE`]).
-pub(super) const SILENT: Duration = Duration::from_secs(4);
+pub(super) const SILENT: Duration = Duration::from_millis(5500);
 /// A helper the dispatcher has not heard for this long has stopped its
 /// jobs, lock or not (it could not hear itself for [`FENCE_LOCKED`]).
 pub(super) const SILENT_LOCKED: Duration = Duration::from_secs(6);
@@ -65,6 +69,14 @@ pub(super) const SILENT_LOCKED: Duration = Duration::from_secs(6);
 pub(crate) const GRACE: Duration = super::super::lease::LEASE_TTL;
 /// How often the dispatcher asks Postgres who is alive.
 pub(super) const LIVENESS: Duration = Duration::from_millis(500);
+/// How long one such question is waited for. Off the loop that reads the
+/// beats, so it may take longer than [`LIVENESS`]: on a slow path (400 ms
+/// a round trip) the pool's check of an idle connection and the query
+/// take two, and an answer never in time left the crew as it stood, a
+/// helper that joined since never picked. A lock seen gone ages from when
+/// the answer came, and stays gone only up to when the last poll that
+/// still found it gone was asked ([`Ledger::liveness`]).
+pub(super) const LIVENESS_WAIT: Duration = Duration::from_secs(2);
 /// A member-lock check that takes longer has failed.
 pub(super) const PING: Duration = Duration::from_millis(500);
 /// A helper's proof runs this long from its last good member-lock check:
@@ -533,10 +545,19 @@ impl<T> Ledger<T> {
         self.syncing.remove(&member);
     }
 
-    /// Postgres's word on who is alive at `now` (`None`: no answer, so
-    /// only silence counts, and no lock ages as gone: a lock is gone only
-    /// for as long as every poll said so).
-    pub fn liveness(&mut self, alive: Option<HashSet<i32>>, now: Instant) -> Lost<T> {
+    /// Postgres's word on who is alive, asked at `asked` and answered at
+    /// `now` (`None`: no answer, so only silence counts, and no lock ages
+    /// as gone: a lock is gone only for as long as every poll said so).
+    /// A lock first found gone counts as gone from `now` (it went before
+    /// the answer, maybe just before); and as still gone only at `asked`
+    /// (it was gone when Postgres answered, maybe just after the question),
+    /// so however slow the answers, [`GRACE`] of gone is never less.
+    pub fn liveness(
+        &mut self,
+        alive: Option<HashSet<i32>>,
+        asked: Instant,
+        now: Instant,
+    ) -> Lost<T> {
         if alive.is_none() {
             self.gone.clear();
         }
@@ -551,7 +572,8 @@ impl<T> Ledger<T> {
                 if alive.contains(&id) {
                     self.gone.remove(&id);
                 } else {
-                    self.gone.entry(id).or_insert((now, now)).1 = now;
+                    let (first, last) = self.gone.entry(id).or_insert((now, now));
+                    *last = (*last).max(asked).max(*first);
                 }
             }
             self.alive = alive;
@@ -1105,7 +1127,7 @@ mod tests {
         let mut l: Ledger<()> = Ledger::new(D, PERIOD);
         l.heard(heard(D, 1, &[]), D, t0);
         l.heard(heard(1, 1, &[]), D, t0);
-        l.liveness(Some([D, 1].into()), t0);
+        l.liveness(Some([D, 1].into()), t0, t0);
         let until = l.expect(7, 1, ());
         l.accepted(7, until);
         // Its lock gone for a minute, its beats still heard listing job 7.
@@ -1115,7 +1137,7 @@ mod tests {
             let (_, lost) = l.heard(heard(1, t, &[7]), D, now);
             assert!(lost.is_empty());
             assert!(
-                l.liveness(Some([D].into()), now).is_empty(),
+                l.liveness(Some([D].into()), now, now).is_empty(),
                 "lost at {t} ms while heard"
             );
         }
@@ -1125,7 +1147,7 @@ mod tests {
         for t in (60_000..70_000).step_by(250) {
             let now = t0 + ms(t);
             l.heard(heard(D, t, &[]), D, now);
-            if !l.liveness(Some([D].into()), now).is_empty() {
+            if !l.liveness(Some([D].into()), now, now).is_empty() {
                 at = Some(now);
                 break;
             }
@@ -1145,7 +1167,7 @@ mod tests {
         for t in (250..10_000).step_by(250) {
             let now = t0 + ms(t);
             l.heard(heard(D, t, &[]), D, now);
-            if !l.liveness(Some([D, 1].into()), now).is_empty() {
+            if !l.liveness(Some([D, 1].into()), now, now).is_empty() {
                 at = Some(now);
                 break;
             }
@@ -1804,7 +1826,7 @@ mod tests {
                         .chain([D])
                         .collect()
                 });
-                let lost = self.ledger.liveness(alive, self.at(now));
+                let lost = self.ledger.liveness(alive, self.at(now), self.at(now));
                 self.declare_lost(lost);
             }
             self.take_over();
