@@ -25,6 +25,7 @@ pub mod relay;
 pub mod schema;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod triage;
 pub mod wire;
 
 pub use consumer::{ConsumeConfig, Delivery, Handler, Outcome};

@@ -150,6 +150,12 @@ pub const DLQ_ORIGINAL_SUBJECT: &str = "Outbox-Dlq-Original-Subject";
 /// The relay's explanation of a row it could not decode.
 pub const DLQ_DETAIL: &str = "Outbox-Dlq-Detail";
 pub const DLQ_ATTEMPTS: &str = "Outbox-Dlq-Attempts";
+/// The dead letter's class, as the playbook triages it (`triage::Class`):
+/// `schema_invalid`, `handler_rejected`, `transient_exhausted`, ….
+pub const DLQ_CLASS: &str = "Outbox-Dlq-Class";
+/// A short digest of the letter's cause: letters of one cause share it
+/// (`triage::fingerprint`).
+pub const DLQ_FINGERPRINT: &str = "Outbox-Dlq-Fingerprint";
 /// Set by consumers on their dead letters; the relay's restart scan skips
 /// such messages.
 pub const DLQ_CONSUMER: &str = "Outbox-Dlq-Consumer";

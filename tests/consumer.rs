@@ -1813,6 +1813,98 @@ async fn dlq_list_reads_a_dead_letter_stream_of_any_name() {
     assert!(ok && !out.contains(&bad.to_string()), "{out}");
 }
 
+/// SPEC §16 (issue 61, item 3): every new dead letter says its class, as
+/// the playbook triages it, and a fingerprint of its cause that letters of
+/// one cause share; `dlq list` shows both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_carry_their_class_and_a_fingerprint_of_their_cause() {
+    let stack = stack();
+    let f = fixture(
+        "c_dlq_class",
+        "cdlqc",
+        "cdlqc",
+        DUP,
+        &["--max-deliver", "2", "--backoff", "100ms"],
+    )
+    .await;
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    let bodies: [&[u8]; 5] = [
+        br#"{"answers": [422]}"#,
+        br#"{"answers": [500], "order": 1}"#,
+        br#"{"answers": [503]}"#,
+        br#"{"answers": [500], "order": 2}"#,
+        b"not json",
+    ];
+    for (i, (id, body)) in ids.iter().zip(bodies).enumerate() {
+        publish(&f.js, "cdlqc.e", Some(*id), &format!("k{i}"), body).await;
+    }
+    let dlq = wire::dlq_stream_name(&wire::consumer_dlq_prefix("cdlqc"));
+    let listed = |dlq: &str| {
+        let (ok, out) = run_cli(&[
+            "dlq",
+            "list",
+            "--nats-url",
+            &stack.nats_url,
+            "--stream",
+            dlq,
+            "--json",
+        ]);
+        assert!(ok, "{out}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    eventually(T, "five dead letters", || async {
+        listed(&dlq).as_array().is_some_and(|a| a.len() == 5)
+    })
+    .await;
+    let letters = listed(&dlq);
+    let of = |id: &Uuid| {
+        letters
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["id"] == id.to_string())
+            .unwrap_or_else(|| panic!("no letter for {id}: {letters}"))
+            .clone()
+    };
+    let classes: Vec<String> = ids
+        .iter()
+        .map(|id| of(id)["class"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        classes,
+        [
+            "handler_rejected",
+            "handler_failed",
+            "transient_exhausted",
+            "handler_failed",
+            "bad_message"
+        ],
+        "{letters}"
+    );
+    let fp = |i: usize| of(&ids[i])["fingerprint"].as_str().unwrap().to_owned();
+    assert_eq!(fp(1), fp(3), "one cause, one fingerprint: {letters}");
+    assert_ne!(fp(1), fp(2), "{letters}");
+    // In the letter itself, for any reader of the stream.
+    let seq = of(&ids[0])["seq"].as_u64().unwrap();
+    let raw =
+        f.js.get_stream(&dlq)
+            .await
+            .unwrap()
+            .get_raw_message(seq)
+            .await
+            .unwrap();
+    assert_eq!(
+        raw.headers.get(wire::DLQ_CLASS).map(|v| v.as_str()),
+        Some("handler_rejected")
+    );
+    assert_eq!(
+        raw.headers
+            .get(wire::DLQ_FINGERPRINT)
+            .map(|v| v.as_str().to_owned()),
+        Some(fp(0))
+    );
+}
+
 /// SPEC §9 dead letters: `dlq list` shows what the consumer dead-lettered;
 /// `dlq replay --id` calls the handler once more, exactly once, with the
 /// original id; a second replay of it is reported and calls nothing; bad

@@ -275,6 +275,12 @@ async fn an_emitted_event_with_a_bad_subject_or_failing_its_schema_is_dead_lette
     assert_eq!(got[0].h(wire::DLQ_REASON), Some("invalid_subject"));
     assert_eq!(got[1].subject, dlq);
     assert_eq!(got[1].h(wire::DLQ_REASON), Some("schema_invalid"));
+    // Their classes, as the playbook triages them (SPEC §16).
+    assert_eq!(got[0].h(wire::DLQ_CLASS), Some("bad_row"));
+    assert_eq!(got[1].h(wire::DLQ_CLASS), Some("schema_invalid"));
+    assert!(got[1]
+        .h(wire::DLQ_FINGERPRINT)
+        .is_some_and(|f| f.len() == 16));
     assert_eq!(
         got[1].payload, br#"{"amount": -1}"#,
         "the payload, as it was"

@@ -125,6 +125,10 @@ impl DeadLetters {
         headers.insert(wire::MSG_ID, msg_id.as_str());
         headers.insert(wire::DLQ_ORIGINAL_ID, original_id);
         headers.insert(wire::DLQ_REASON, one_line(reason).as_str());
+        let class = crate::triage::Class::of_consumer(reason);
+        for (k, v) in crate::triage::headers(class, reason, None) {
+            headers.insert(k, v.as_str());
+        }
         headers.insert(wire::DLQ_ATTEMPTS, attempts.to_string().as_str());
         headers.insert(wire::DLQ_ORIGINAL_SUBJECT, msg.subject);
         headers.insert(wire::DLQ_CONSUMER, self.consumer.as_str());

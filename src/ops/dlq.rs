@@ -46,6 +46,11 @@ pub struct DeadLetter {
     /// The durable that dead-lettered it; none for the relay's own.
     pub consumer: Option<String>,
     pub reason: String,
+    /// Its cause as the playbook triages it (`Outbox-Dlq-Class`, or from
+    /// the reason for a letter written before that header).
+    pub class: &'static str,
+    /// A digest of its cause: letters of one cause share it.
+    pub fingerprint: String,
     pub attempts: Option<i64>,
     /// When the dead letter was stored (RFC 3339).
     pub time: String,
@@ -139,14 +144,24 @@ pub async fn list(
             let Some(reason) = get(wire::DLQ_REASON) else {
                 continue;
             };
+            let consumer = get(wire::DLQ_CONSUMER);
+            let (class, fingerprint) = crate::triage::of_letter(
+                h.get(wire::DLQ_CLASS).map(|v| v.as_str()),
+                h.get(wire::DLQ_FINGERPRINT).map(|v| v.as_str()),
+                &reason,
+                h.get(wire::DLQ_DETAIL).map(|v| v.as_str()),
+                consumer.is_some(),
+            );
             let d = DeadLetter {
                 seq,
                 id: get(wire::DLQ_ORIGINAL_ID)
                     .or_else(|| get(wire::MSG_ID))
                     .unwrap_or_default(),
                 subject: get(wire::DLQ_ORIGINAL_SUBJECT).unwrap_or_else(|| m.subject.to_string()),
-                consumer: get(wire::DLQ_CONSUMER),
+                consumer,
                 reason,
+                class: class.as_str(),
+                fingerprint,
                 attempts: get(wire::DLQ_ATTEMPTS).and_then(|a| a.parse().ok()),
                 time: stored
                     .format(&time::format_description::well_known::Rfc3339)
@@ -558,13 +573,14 @@ async fn body(js: &jetstream::Context, d: &DeadLetter) -> Result<bytes::Bytes> {
 /// `dlq list`'s line for one dead letter.
 pub fn line(d: &DeadLetter) -> String {
     format!(
-        "{}  {}  {}  {}  consumer={}  attempts={}  reason={}",
+        "{}  {}  {}  {}  consumer={}  attempts={}  class={}  reason={}",
         d.seq,
         d.time,
         d.id,
         d.subject,
         d.consumer.as_deref().unwrap_or("relay"),
         d.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
+        d.class,
         d.reason
     )
 }

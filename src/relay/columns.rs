@@ -417,6 +417,8 @@ fn is_relay_header(name: &str) -> bool {
         DLQ_ORIGINAL_SUBJECT,
         DLQ_DETAIL,
         DLQ_ATTEMPTS,
+        DLQ_CLASS,
+        DLQ_FINGERPRINT,
         DLQ_CONSUMER,
         DLQ_ORIGINAL_ID,
         DLQ_ORIGINAL_STREAM,

@@ -493,6 +493,10 @@ impl Router {
             Cow::Borrowed(wire::DLQ_REASON),
             DlqReason::BadRow.as_str().to_owned(),
         ));
+        let class = crate::triage::Class::of_relay(DlqReason::BadRow);
+        for (k, v) in crate::triage::headers(class, DlqReason::BadRow.as_str(), Some(detail)) {
+            headers.push((Cow::Borrowed(k), v));
+        }
         OutMessage {
             subject: self.dlq_subject.clone(),
             msg_id,
@@ -614,6 +618,10 @@ pub fn dead_letter(
     if let Some(d) = detail {
         msg.headers
             .push((Cow::Borrowed(wire::DLQ_DETAIL), one_line(d)));
+    }
+    let class = crate::triage::Class::of_relay(reason);
+    for (k, v) in crate::triage::headers(class, reason.as_str(), detail) {
+        msg.headers.push((Cow::Borrowed(k), v));
     }
     msg.subject = dlq_subject.to_owned();
     msg.dlq_reason = Some(reason);
