@@ -7,9 +7,10 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{
-    AdminCommand, AdminLogCommand, Cli, Command, ConsumerCommand, DlqCommand, DlqReplayArgs,
-    SlotCommand,
+    AdminCommand, AdminLogCommand, AdminTokenCommand, Cli, Command, ConsumerCommand, DlqCommand,
+    DlqReplayArgs, SlotCommand,
 };
+use crate::console::tokens::{self, Role};
 use crate::consumer::HttpHandler;
 use crate::error::Error;
 use crate::ops::admin_log;
@@ -151,6 +152,10 @@ async fn run(command: Command) -> Result<(), Error> {
                     .execute(&mut *tx)
                     .await
                     .map_err(Error::pg("creating outbox_admin_log"))?;
+                sqlx::raw_sql(tokens::TABLE)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(Error::pg("creating outbox_admin_tokens"))?;
                 tx.commit()
                     .await
                     .map_err(Error::pg("creating outbox_admin_log"))?;
@@ -411,6 +416,36 @@ async fn run(command: Command) -> Result<(), Error> {
                 ))),
             }
         }
+        Command::Admin {
+            command: AdminCommand::Token { command },
+        } => admin_token(command).await,
+        Command::Console(args) => {
+            let dsn = postgres::Dsn::parse(&args.db.database_url)?;
+            if args.check_config {
+                println!("configuration ok");
+                return Ok(());
+            }
+            let handle = crate::ops::metrics::install()?;
+            let ready = Readiness::new("not serving yet: starting");
+            let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
+            let pool = dsn.pool(8).await?;
+            // The tables it reads and writes, before it serves anything.
+            tokens::list(&pool).await?;
+            admin_log::ensure(&pool, "the console").await?;
+            ready.watch_postgres(pool.clone());
+            let nats = crate::nats::connect(&args.nats, "outbox-console".into()).await?;
+            ready.watch_nats(nats.clone());
+            let js = async_nats::jetstream::new(nats);
+            let shutdown = CancellationToken::new();
+            tokio::spawn(on_signal(shutdown.clone()));
+            let server =
+                crate::console::serve(args.admin_addr, pool, js, args.streams.clone(), shutdown)
+                    .await?;
+            ready.ready();
+            let _ = server.done.await;
+            endpoint.stop();
+            Ok(())
+        }
         Command::Slot { command } => match command {
             SlotCommand::Status(args) => {
                 let slot = args.names.slot_name()?;
@@ -465,6 +500,78 @@ async fn run(command: Command) -> Result<(), Error> {
                 Ok(())
             }
         },
+    }
+}
+
+/// `admin token create|list|revoke`: each change recorded in the admin
+/// log under the database role that made it.
+async fn admin_token(command: AdminTokenCommand) -> Result<(), Error> {
+    match command {
+        AdminTokenCommand::Create(args) => {
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(2).await?;
+            let role = Role::parse(&args.role).ok_or_else(|| {
+                Error::Config(format!("--role {}: viewer, operator or admin", args.role))
+            })?;
+            let entry = admin_log::Entry {
+                action: "token.create",
+                target: args.name.clone(),
+                selection: serde_json::json!({
+                    "role": role.as_str(),
+                    "expires_in": humantime::format_duration(args.expires_in).to_string(),
+                }),
+                reason: args.reason.clone(),
+            };
+            let (token, secret) = admin_log::recorded(
+                &pool,
+                entry,
+                tokens::create(&pool, &args.name, role, args.expires_in),
+            )
+            .await?;
+            println!("{secret}");
+            eprintln!(
+                "token {} ({}), valid until {}: the line above is its secret, shown once; keep it in a secret store",
+                token.name, token.role, token.expires_at
+            );
+            Ok(())
+        }
+        AdminTokenCommand::List(args) => {
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
+            let all = tokens::list(&pool).await?;
+            if args.json {
+                println!("{}", to_json(&all)?);
+            } else {
+                for t in &all {
+                    println!(
+                        "{}  {}  {}  created {} by {}  expires {}",
+                        t.name, t.role, t.state, t.created_at, t.created_by, t.expires_at
+                    );
+                }
+                println!("{} tokens", all.len());
+            }
+            Ok(())
+        }
+        AdminTokenCommand::Revoke(args) => {
+            let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(2).await?;
+            let entry = admin_log::Entry {
+                action: "token.revoke",
+                target: args.name.clone(),
+                selection: serde_json::json!({}),
+                reason: args.reason.clone(),
+            };
+            let name = args.name.clone();
+            let revoked = admin_log::recorded(&pool, entry, async {
+                match tokens::revoke(&pool, &name).await? {
+                    true => Ok(()),
+                    false => Err(Error::Config(format!(
+                        "no token {name} to revoke (`outbox-relay admin token list`)"
+                    ))),
+                }
+            })
+            .await;
+            revoked?;
+            println!("token {} revoked", args.name);
+            Ok(())
+        }
     }
 }
 

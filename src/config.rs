@@ -58,11 +58,37 @@ pub enum Command {
         #[command(subcommand)]
         command: ConsumerCommand,
     },
-    /// The admin log (SPEC §16): every admin action, hash-chained.
+    /// The admin log and the console's tokens (SPEC §16).
     Admin {
         #[command(subcommand)]
         command: AdminCommand,
     },
+    /// The operator console (SPEC §16): dead letters by class, one
+    /// letter, the admin log, as an authenticated JSON API under /admin/.
+    Console(Box<ConsoleArgs>),
+}
+
+#[derive(Debug, Args)]
+pub struct ConsoleArgs {
+    /// The database holding outbox_admin_log and the console's tokens.
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Where the console listens (its own address, never the metrics one).
+    #[arg(long, env = "OUTBOX_ADMIN_ADDR", default_value = "127.0.0.1:9190")]
+    pub admin_addr: std::net::SocketAddr,
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9191")]
+    pub metrics_addr: std::net::SocketAddr,
+    /// Streams read for dead letters, comma-separated (a consumer's DLQ
+    /// stream, or an events stream for the relay's own letters); default:
+    /// every stream of the account but key-value and object stores.
+    #[arg(long, env = "OUTBOX_CONSOLE_STREAMS", value_delimiter = ',')]
+    pub streams: Vec<String>,
+    /// Check the flags and exit.
+    #[arg(long)]
+    pub check_config: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -160,6 +186,7 @@ impl DlqSelectArgs {
             filter: self.filter.clone(),
             ids: self.ids.clone(),
             since,
+            limit: None,
         })
     }
 
@@ -187,6 +214,61 @@ pub enum AdminCommand {
         #[command(subcommand)]
         command: AdminLogCommand,
     },
+    /// The console's bearer tokens: named, scoped to a role, expiring.
+    Token {
+        #[command(subcommand)]
+        command: AdminTokenCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminTokenCommand {
+    /// Make a token and print its secret, once (only its digest is kept).
+    Create(TokenCreateArgs),
+    /// Every token: name, role, who made it, expiry, state.
+    List(TokenListArgs),
+    /// Revoke a token: the console refuses it from the next request on.
+    Revoke(TokenRevokeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TokenCreateArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Its name, which the admin log records for every request it makes
+    /// (lowercase letters, digits, '.', '_', '-').
+    #[arg(long)]
+    pub name: String,
+    /// viewer (reads, payloads masked), operator (dry runs, replays the
+    /// playbook allows) or admin (everything).
+    #[arg(long, value_parser = ["viewer", "operator", "admin"])]
+    pub role: String,
+    /// How long it is valid (at most 366 days).
+    #[arg(long, default_value = "30d", value_parser = humantime::parse_duration)]
+    pub expires_in: Duration,
+    /// Why (recorded in outbox_admin_log).
+    #[arg(long, env = "OUTBOX_REASON")]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenListArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Print JSON instead of lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenRevokeArgs {
+    #[command(flatten)]
+    pub db: DbArgs,
+    #[arg(long)]
+    pub name: String,
+    /// Why (recorded in outbox_admin_log).
+    #[arg(long, env = "OUTBOX_REASON")]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -15,6 +15,7 @@
 pub(crate) mod backoff;
 pub mod cli;
 pub mod config;
+pub mod console;
 pub mod consumer;
 pub mod error;
 mod json;

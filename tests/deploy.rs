@@ -210,6 +210,10 @@ fn configuration_reference_covers_every_flag() {
         &["consumer", "reset"],
         &["dlq", "delete"],
         &["admin", "log", "verify"],
+        &["admin", "token", "create"],
+        &["admin", "token", "list"],
+        &["admin", "token", "revoke"],
+        &["console"],
     ] {
         let title = format!("### `outbox-relay {}`", cmd.join(" "));
         let section = doc

@@ -32,6 +32,11 @@ const COMMANDS: &[&[&str]] = &[
     &["admin"],
     &["admin", "log"],
     &["admin", "log", "verify"],
+    &["admin", "token"],
+    &["admin", "token", "create"],
+    &["admin", "token", "list"],
+    &["admin", "token", "revoke"],
+    &["console"],
 ];
 
 /// Flags of the tools the docs drive besides ours: cargo and the test

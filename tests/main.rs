@@ -4,6 +4,7 @@
 
 mod audit;
 mod common;
+mod console;
 mod consumer;
 mod deploy;
 mod docs;

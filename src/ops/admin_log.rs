@@ -19,7 +19,8 @@ pub const TABLE: &str = include_str!("../../migrations/0011_admin_log.sql");
 #[derive(Debug, Clone)]
 pub struct Entry {
     /// `dlq.replay`, `dlq.delete`, `consumer.reset`, `prune`,
-    /// `audit.repair`, `slot.drop`.
+    /// `audit.repair`, `slot.drop`, `token.create`, `token.revoke`; the
+    /// console's requests by route (`dead_letters.read`, …).
     pub action: &'static str,
     /// What it acted on: a stream, a durable, a table, a slot.
     pub target: String,
@@ -68,11 +69,38 @@ pub async fn ensure(pool: &PgPool, action: &str) -> Result<()> {
     Ok(())
 }
 
+/// Who acted, when not a command line (whose actor is its database role,
+/// set by the table's trigger): the console's caller.
+#[derive(Debug, Clone)]
+pub struct Actor {
+    /// `token:<name>`, or `anonymous` for a request without a valid token.
+    pub name: String,
+    /// The token's role (`viewer`, `operator`, `admin`), or `anonymous`.
+    pub role: &'static str,
+    /// The request's id, which the response names too.
+    pub request_id: String,
+}
+
 /// Append `entry` with its `result` (`done`, or `failed: …`).
 pub async fn record(pool: &PgPool, entry: &Entry, result: &str) -> Result<()> {
-    let outcome = if result == "done" { "done" } else { "failed" };
+    record_as(pool, entry, None, result).await
+}
+
+/// Append `entry` with its `result` (`done`, `failed: …`, `denied: …`)
+/// for `actor` (none: the command line).
+pub async fn record_as(
+    pool: &PgPool,
+    entry: &Entry,
+    actor: Option<&Actor>,
+    result: &str,
+) -> Result<()> {
+    let outcome = match result {
+        "done" => "done",
+        r if r.starts_with("denied") => "denied",
+        _ => "failed",
+    };
     metrics::counter!(m::ADMIN_ACTIONS, "action" => entry.action, "result" => outcome).increment(1);
-    insert(pool, entry, result)
+    insert(pool, entry, actor, result)
         .await
         .map_err(Error::pg("recording the action in outbox_admin_log"))
 }
@@ -97,7 +125,12 @@ pub async fn recorded<T>(
     out
 }
 
-async fn insert(pool: &PgPool, entry: &Entry, result: &str) -> sqlx::Result<()> {
+async fn insert(
+    pool: &PgPool,
+    entry: &Entry,
+    actor: Option<&Actor>,
+    result: &str,
+) -> sqlx::Result<()> {
     // Read committed whatever the role's default: the trigger must see the
     // row committed before the one it waited for.
     let mut tx = pool.begin().await?;
@@ -107,14 +140,16 @@ async fn insert(pool: &PgPool, entry: &Entry, result: &str) -> sqlx::Result<()> 
     sqlx::query(
         "INSERT INTO outbox_admin_log \
              (seq, at, db_role, actor, role, action, target, selection, reason, result, request_id, prev_hash, hash) \
-         VALUES (0, now(), '', '', 'cli', $1, $2, $3, $4, $5, $6, '', '')",
+         VALUES (0, now(), '', $7, $8, $1, $2, $3, $4, $5, $6, '', '')",
     )
     .bind(entry.action)
     .bind(&entry.target)
     .bind(&entry.selection)
     .bind(&entry.reason)
     .bind(result)
-    .bind(uuid::Uuid::new_v4().to_string())
+    .bind(actor.map_or_else(|| uuid::Uuid::new_v4().to_string(), |a| a.request_id.clone()))
+    .bind(actor.map_or("", |a| a.name.as_str()))
+    .bind(actor.map_or("cli", |a| a.role))
     .execute(&mut *tx)
     .await?;
     tx.commit().await

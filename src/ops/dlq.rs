@@ -54,6 +54,9 @@ pub struct DeadLetter {
     pub attempts: Option<i64>,
     /// When the dead letter was stored (RFC 3339).
     pub time: String,
+    /// When it was stored, to compare and age.
+    #[serde(skip)]
+    pub(crate) stored: time::OffsetDateTime,
     #[serde(skip)]
     headers: HeaderMap,
     #[serde(skip)]
@@ -67,6 +70,9 @@ pub struct Selection {
     pub filter: Option<String>,
     pub ids: Vec<String>,
     pub since: Option<time::OffsetDateTime>,
+    /// Read no more than this many letters (the console's bound): a list
+    /// this long may have been cut short, and its reader says so.
+    pub limit: Option<usize>,
 }
 
 impl Selection {
@@ -166,11 +172,15 @@ pub async fn list(
                 time: stored
                     .format(&time::format_description::well_known::Rfc3339)
                     .unwrap_or_default(),
+                stored,
                 headers: h,
                 payload: m.payload.clone(),
             };
             if sel.takes(&d, stored) {
                 out.push(d);
+                if sel.limit.is_some_and(|l| out.len() >= l) {
+                    return Ok(out);
+                }
             }
         }
         if got == 0 || pending == 0 {

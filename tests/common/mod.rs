@@ -236,6 +236,27 @@ impl Service {
         service
     }
 
+    /// `outbox-relay console` on `admin_addr`, ready.
+    pub fn console(
+        db_url: &str,
+        nats_url: &str,
+        admin_addr: &str,
+        name: &str,
+        extra: &[&str],
+    ) -> Service {
+        let mut args: Vec<String> = vec![
+            "console".into(),
+            "--database-url".into(),
+            db_url.into(),
+            "--nats-url".into(),
+            nats_url.into(),
+            "--admin-addr".into(),
+            admin_addr.into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::start(args, name)
+    }
+
     fn start(args: Vec<String>, name: &str) -> Service {
         let _ = std::fs::remove_file(log_dir().join(format!("{name}.log")));
         let mut service = Self::spawn(args, name);

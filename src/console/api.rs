@@ -1,0 +1,635 @@
+//! The console's JSON routes (`/admin/…`), each with the least role it
+//! needs. A request without a valid token is answered 401, one whose
+//! token's role is short 403, and both are recorded in `outbox_admin_log`
+//! with the caller's name and the request's id (which the answer names).
+
+use std::collections::{BTreeMap, HashMap};
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use base64::Engine;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+use super::state::Console;
+use super::tokens::{self, Checked, Role};
+use crate::ops::admin_log::{self, Actor, Entry};
+use crate::ops::dlq;
+use crate::triage::{self, Class};
+use crate::wire;
+
+/// Every route, its least role, and what the log calls a request of it.
+/// The OpenAPI document names each (a unit test holds them together).
+pub(super) const ROUTES: &[(&str, Option<Role>, &str)] = &[
+    ("/admin/openapi.json", None, "openapi.read"),
+    ("/admin/whoami", Some(Role::Viewer), "whoami"),
+    (
+        "/admin/dead-letters",
+        Some(Role::Viewer),
+        "dead_letters.read",
+    ),
+    (
+        "/admin/dead-letters/{stream}/{seq}",
+        Some(Role::Viewer),
+        "dead_letter.read",
+    ),
+    ("/admin/log", Some(Role::Viewer), "log.read"),
+    ("/admin/log/verify", Some(Role::Admin), "log.verify"),
+    ("/admin/tokens", Some(Role::Admin), "tokens.read"),
+];
+
+const OPENAPI: &str = include_str!("openapi.json");
+
+/// Letters read for one listing, at most, over every stream: a listing
+/// that reached it says `truncated` (never silently short).
+const LIST_MAX: usize = 100_000;
+/// Log rows in one answer, at most.
+const LOG_PAGE_MAX: i64 = 500;
+
+pub(super) fn router() -> Router<Console> {
+    Router::new()
+        .route(
+            "/admin/openapi.json",
+            get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }),
+        )
+        .route("/admin/whoami", get(whoami))
+        .route("/admin/dead-letters", get(dead_letters))
+        .route("/admin/dead-letters/{stream}/{seq}", get(dead_letter))
+        .route("/admin/log", get(log))
+        .route("/admin/log/verify", get(log_verify))
+        .route("/admin/tokens", get(token_list))
+        .fallback(|| async {
+            problem(
+                StatusCode::NOT_FOUND,
+                "no such route; the routes are in /admin/openapi.json",
+            )
+        })
+}
+
+/// An error answer: `{"error": …}`.
+pub(super) fn problem(status: StatusCode, error: &str) -> (StatusCode, Json<Value>) {
+    (
+        status,
+        Json(json!({ "error": error, "status": status.as_u16() })),
+    )
+}
+
+/// The caller of a request that passed its route's guard.
+pub(super) struct Caller {
+    pub token: tokens::Token,
+    pub request_id: String,
+}
+
+fn least(action: &str) -> Role {
+    ROUTES
+        .iter()
+        .find(|(_, _, a)| *a == action)
+        .and_then(|(_, r, _)| *r)
+        .unwrap_or(Role::Admin)
+}
+
+/// The caller, if its token is valid and its role reaches the route's;
+/// else the 401 or 403 to answer, recorded.
+async fn guard(
+    c: &Console,
+    headers: &HeaderMap,
+    action: &'static str,
+    target: &str,
+) -> Result<Caller, Response> {
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, rest) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+        });
+    let need = least(action);
+    let refused = |status: StatusCode, why: String, who: Option<&tokens::Token>| {
+        let actor = Actor {
+            name: who.map_or_else(|| "anonymous".to_owned(), |t| format!("token:{}", t.name)),
+            role: who.map_or("anonymous", |t| t.role.as_str()),
+            request_id: request_id.clone(),
+        };
+        (status, why, actor)
+    };
+    let (status, why, actor) = match bearer {
+        None => refused(
+            StatusCode::UNAUTHORIZED,
+            "no token: send `Authorization: Bearer <token>` (`outbox-relay admin token create`)"
+                .into(),
+            None,
+        ),
+        Some(secret) => match tokens::check(&c.0.pool, secret).await {
+            Err(e) => {
+                tracing::warn!(error = %e, "console: cannot check a token");
+                return Err(with_id(
+                    problem(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "cannot check the token now (Postgres unreachable?); retry",
+                    )
+                    .into_response(),
+                    &request_id,
+                ));
+            }
+            Ok(Checked::Unknown) => refused(StatusCode::UNAUTHORIZED, "unknown token".into(), None),
+            Ok(Checked::Expired(name)) => refused(
+                StatusCode::UNAUTHORIZED,
+                format!("token {name} has expired: make a new one"),
+                None,
+            ),
+            Ok(Checked::Revoked(name)) => refused(
+                StatusCode::UNAUTHORIZED,
+                format!("token {name} is revoked"),
+                None,
+            ),
+            Ok(Checked::Valid(token)) if token.role >= need => {
+                return Ok(Caller { token, request_id });
+            }
+            Ok(Checked::Valid(token)) => refused(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "token {} is {}; {action} needs {need}",
+                    token.name, token.role
+                ),
+                Some(&token),
+            ),
+        },
+    };
+    record_denial(c, action, target, &actor, status, &why).await;
+    let mut resp = problem(status, &why).into_response();
+    if status == StatusCode::UNAUTHORIZED {
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"outbox-relay\""),
+        );
+    }
+    Err(with_id(resp, &request_id))
+}
+
+async fn record_denial(
+    c: &Console,
+    action: &'static str,
+    target: &str,
+    actor: &Actor,
+    status: StatusCode,
+    why: &str,
+) {
+    let entry = Entry {
+        action,
+        target: target.to_owned(),
+        selection: json!({}),
+        reason: None,
+    };
+    match c.admit_denial() {
+        Some(unrecorded) => {
+            let mut result = format!("denied: {} {why}", status.as_u16());
+            if unrecorded > 0 {
+                result.push_str(&format!(
+                    " ({unrecorded} refusals before this one were counted, not recorded)"
+                ));
+            }
+            if let Err(e) = admin_log::record_as(&c.0.pool, &entry, Some(actor), &result).await {
+                tracing::warn!(error = %e, "console: a refusal is not recorded");
+            }
+        }
+        None => {
+            metrics::counter!(crate::ops::metrics::ADMIN_ACTIONS, "action" => action, "result" => "denied")
+                .increment(1);
+        }
+    }
+}
+
+fn with_id(mut resp: Response, request_id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+fn ok(caller: &Caller, body: Value) -> Response {
+    with_id(Json(body).into_response(), &caller.request_id)
+}
+
+async fn whoami(State(c): State<Console>, headers: HeaderMap) -> Response {
+    match guard(&c, &headers, "whoami", "").await {
+        Ok(caller) => ok(&caller, json!({ "token": caller.token })),
+        Err(resp) => resp,
+    }
+}
+
+/// The dimensions letters group by.
+const DIMENSIONS: [&str; 5] = ["class", "fingerprint", "subject", "durable", "age"];
+
+fn age_bucket(stored: time::OffsetDateTime, now: time::OffsetDateTime) -> &'static str {
+    let age = now - stored;
+    if age < time::Duration::hours(1) {
+        "<1h"
+    } else if age < time::Duration::days(1) {
+        "1h-1d"
+    } else if age < time::Duration::days(7) {
+        "1d-7d"
+    } else {
+        ">7d"
+    }
+}
+
+fn rfc3339(t: time::OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// The streams to read: those given, or every stream of the account but
+/// key-value and object stores.
+async fn streams(c: &Console, only: Option<&str>) -> Result<Vec<String>, Response> {
+    if let Some(s) = only {
+        return Ok(vec![s.to_owned()]);
+    }
+    if !c.0.streams.is_empty() {
+        return Ok(c.0.streams.clone());
+    }
+    let mut names = Vec::new();
+    let mut listing = c.0.js.stream_names();
+    while let Some(name) = listing.next().await {
+        match name {
+            Ok(n) if !n.starts_with("KV_") && !n.starts_with("OBJ_") => names.push(n),
+            Ok(_) => {}
+            Err(e) => {
+                return Err(problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("listing the streams: {e}"),
+                )
+                .into_response())
+            }
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Dead letters grouped: `?group_by=class,fingerprint` (any of class,
+/// fingerprint, subject, durable, age), `?stream=`, `?class=`.
+async fn dead_letters(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let caller = match guard(&c, &headers, "dead_letters.read", "").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let dims: Vec<&str> = q
+        .get("group_by")
+        .map_or("class,fingerprint", String::as_str)
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect();
+    if let Some(bad) = dims.iter().find(|d| !DIMENSIONS.contains(d)) {
+        return with_id(
+            problem(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "group_by {bad:?}: group by any of {}",
+                    DIMENSIONS.join(", ")
+                ),
+            )
+            .into_response(),
+            &caller.request_id,
+        );
+    }
+    let class_filter = match q.get("class").map(|c| (c, Class::parse(c))) {
+        Some((c, None)) => {
+            return with_id(
+                problem(StatusCode::BAD_REQUEST, &format!("class {c:?} is not one"))
+                    .into_response(),
+                &caller.request_id,
+            )
+        }
+        Some((_, Some(class))) => Some(class),
+        None => None,
+    };
+    let names = match streams(&c, q.get("stream").map(String::as_str)).await {
+        Ok(n) => n,
+        Err(resp) => return with_id(resp, &caller.request_id),
+    };
+    let sel = dlq::Selection {
+        limit: Some(LIST_MAX),
+        ..Default::default()
+    };
+    let js = c.0.js.clone();
+    let read: Vec<(String, crate::error::Result<Vec<dlq::DeadLetter>>)> =
+        futures::stream::iter(names)
+            .map(|name| {
+                let (js, sel) = (js.clone(), sel.clone());
+                async move {
+                    let letters = dlq::list(&js, &name, &sel).await;
+                    (name, letters)
+                }
+            })
+            .buffered(8)
+            .collect()
+            .await;
+    let now = time::OffsetDateTime::now_utc();
+    let mut groups: BTreeMap<Vec<String>, Group> = BTreeMap::new();
+    let (mut total, mut truncated, mut unreadable) = (0usize, false, Vec::new());
+    for (stream, letters) in read {
+        let letters = match letters {
+            Ok(l) => l,
+            Err(e) => {
+                unreadable.push(json!({ "stream": stream, "error": e.to_string() }));
+                continue;
+            }
+        };
+        truncated |= letters.len() >= LIST_MAX;
+        for d in letters {
+            let class = Class::parse(d.class).unwrap_or(Class::Other);
+            if class_filter.is_some_and(|f| f != class) {
+                continue;
+            }
+            total += 1;
+            let key: Vec<String> = dims
+                .iter()
+                .map(|dim| match *dim {
+                    "class" => d.class.to_owned(),
+                    "fingerprint" => d.fingerprint.clone(),
+                    "subject" => d.subject.clone(),
+                    "durable" => d.consumer.clone().unwrap_or_else(|| "relay".into()),
+                    _ => age_bucket(d.stored, now).to_owned(),
+                })
+                .collect();
+            let g = groups.entry(key).or_insert_with(|| Group {
+                class,
+                count: 0,
+                first: d.stored,
+                last: d.stored,
+                example: json!({ "stream": stream, "seq": d.seq, "id": d.id, "reason": d.reason }),
+            });
+            g.count += 1;
+            g.first = g.first.min(d.stored);
+            g.last = g.last.max(d.stored);
+        }
+    }
+    let mut out: Vec<Value> = groups
+        .into_iter()
+        .map(|(key, g)| {
+            let mut v = json!({
+                "count": g.count,
+                "first_seen": rfc3339(g.first),
+                "last_seen": rfc3339(g.last),
+                "class": g.class.as_str(),
+                "next_step": g.class.next_step(),
+                "replayable": g.class.replayable(),
+                "example": g.example,
+            });
+            for (dim, value) in dims.iter().zip(key) {
+                v[*dim] = Value::String(value);
+            }
+            v
+        })
+        .collect();
+    out.sort_by(|a, b| b["count"].as_u64().cmp(&a["count"].as_u64()));
+    ok(
+        &caller,
+        json!({
+            "total": total,
+            "truncated": truncated,
+            "group_by": dims,
+            "groups": out,
+            "unreadable": unreadable,
+        }),
+    )
+}
+
+struct Group {
+    class: Class,
+    count: u64,
+    first: time::OffsetDateTime,
+    last: time::OffsetDateTime,
+    example: Value,
+}
+
+/// One letter: its headers, its body (masked below `operator`), its class
+/// and next step, and the commands that act on it.
+async fn dead_letter(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Path((stream, seq)): Path<(String, u64)>,
+) -> Response {
+    let target = format!("{stream}/{seq}");
+    let caller = match guard(&c, &headers, "dead_letter.read", &target).await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let not_found = |why: String| {
+        with_id(
+            problem(StatusCode::NOT_FOUND, &why).into_response(),
+            &caller.request_id,
+        )
+    };
+    let Ok(s) = c.0.js.get_stream(&stream).await else {
+        return not_found(format!("no stream {stream}"));
+    };
+    let m = match s.get_raw_message(seq).await {
+        Ok(m) => m,
+        Err(e) => return not_found(format!("no message {seq} in {stream}: {e}")),
+    };
+    let h = &m.headers;
+    let get = |k: &str| h.get(k).map(|v| v.as_str().to_owned());
+    let Some(reason) = get(wire::DLQ_REASON) else {
+        return not_found(format!("message {seq} of {stream} is not a dead letter"));
+    };
+    let consumer = get(wire::DLQ_CONSUMER);
+    let detail = get(wire::DLQ_DETAIL);
+    let (class, fingerprint) = triage::of_letter(
+        h.get(wire::DLQ_CLASS).map(|v| v.as_str()),
+        h.get(wire::DLQ_FINGERPRINT).map(|v| v.as_str()),
+        &reason,
+        detail.as_deref(),
+        consumer.is_some(),
+    );
+    let masked = caller.token.role < Role::Operator;
+    let mut shown: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (k, vs) in h.iter() {
+        let name = k.to_string();
+        let ours = {
+            let lower = name.to_ascii_lowercase();
+            lower.starts_with("outbox-") || lower.starts_with("nats-")
+        };
+        for v in vs {
+            // A user header column may carry what the body does.
+            let value = if masked && !ours {
+                "•••".to_owned()
+            } else {
+                v.as_str().to_owned()
+            };
+            shown.entry(name.clone()).or_default().push(value);
+        }
+    }
+    let (payload, encoding) = if masked {
+        (Value::Null, "masked")
+    } else {
+        match std::str::from_utf8(&m.payload) {
+            Ok(text) => (Value::String(text.to_owned()), "utf-8"),
+            Err(_) => (
+                Value::String(base64::engine::general_purpose::STANDARD.encode(&m.payload)),
+                "base64",
+            ),
+        }
+    };
+    let id = get(wire::DLQ_ORIGINAL_ID)
+        .or_else(|| get(wire::MSG_ID))
+        .unwrap_or_default();
+    let stored = m.time;
+    let since = rfc3339(stored - time::Duration::minutes(5));
+    ok(
+        &caller,
+        json!({
+            "stream": stream,
+            "seq": seq,
+            "time": rfc3339(stored),
+            "id": id,
+            "subject": get(wire::DLQ_ORIGINAL_SUBJECT).unwrap_or_else(|| m.subject.to_string()),
+            "durable": consumer,
+            "class": class.as_str(),
+            "fingerprint": fingerprint,
+            "next_step": class.next_step(),
+            "replayable": class.replayable() && consumer.is_some(),
+            "reason": reason,
+            "detail": detail,
+            "attempts": get(wire::DLQ_ATTEMPTS).and_then(|a| a.parse::<i64>().ok()),
+            "headers": shown,
+            "payload": payload,
+            "payload_encoding": encoding,
+            "payload_bytes": m.payload.len(),
+            "cli": {
+                "list": format!("outbox-relay dlq list --stream {stream} --id {id}"),
+                "replay": format!("outbox-relay dlq replay --stream {stream} --id {id} --reason '<why>'"),
+                "outbox_row": format!("SELECT * FROM outbox_events WHERE id::text = '{id}'"),
+                "audit": format!("outbox-relay audit --since {since}"),
+            },
+        }),
+    )
+}
+
+/// `outbox_admin_log`, oldest first: `?after=<seq>&limit=<n>`.
+async fn log(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let caller = match guard(&c, &headers, "log.read", "outbox_admin_log").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let bad = |what: &str| {
+        with_id(
+            problem(StatusCode::BAD_REQUEST, &format!("{what}: a whole number")).into_response(),
+            &caller.request_id,
+        )
+    };
+    let after: i64 = match q.get("after").map(|a| a.parse()) {
+        None => 0,
+        Some(Ok(a)) => a,
+        Some(Err(_)) => return bad("after"),
+    };
+    let limit: i64 = match q.get("limit").map(|a| a.parse::<i64>()) {
+        None => 100,
+        Some(Ok(l)) => l.clamp(1, LOG_PAGE_MAX),
+        Some(Err(_)) => return bad("limit"),
+    };
+    let rows: Result<Vec<Value>, _> = sqlx::query_scalar(
+        "SELECT jsonb_build_object('seq', seq, \
+             'at', to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+             'db_role', db_role, 'actor', actor, 'role', role, 'action', action, \
+             'target', target, 'selection', selection, 'reason', reason, 'result', result, \
+             'request_id', request_id, 'hash', hash) \
+         FROM outbox_admin_log WHERE seq > $1 ORDER BY seq LIMIT $2",
+    )
+    .bind(after)
+    .bind(limit)
+    .fetch_all(&c.0.pool)
+    .await;
+    match rows {
+        Ok(rows) => ok(&caller, json!({ "rows": rows })),
+        Err(e) => with_id(
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("reading outbox_admin_log: {e}"),
+            )
+            .into_response(),
+            &caller.request_id,
+        ),
+    }
+}
+
+async fn log_verify(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let caller = match guard(&c, &headers, "log.verify", "outbox_admin_log").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    match admin_log::verify(&c.0.pool, q.get("expect_head").map(String::as_str)).await {
+        Ok(v) => ok(
+            &caller,
+            json!({
+                "rows": v.rows,
+                "head": v.head,
+                "holds": v.broken.is_none(),
+                "broken": v.broken.map(|(seq, why)| json!({ "seq": seq, "why": why })),
+            }),
+        ),
+        Err(e) => with_id(
+            problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()).into_response(),
+            &caller.request_id,
+        ),
+    }
+}
+
+async fn token_list(State(c): State<Console>, headers: HeaderMap) -> Response {
+    let caller = match guard(&c, &headers, "tokens.read", "outbox_admin_tokens").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    match tokens::list(&c.0.pool).await {
+        Ok(t) => ok(&caller, json!({ "tokens": t })),
+        Err(e) => with_id(
+            problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()).into_response(),
+            &caller.request_id,
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_openapi_document_names_every_route_and_only_those() {
+        let doc: Value = serde_json::from_str(OPENAPI).expect("openapi.json is JSON");
+        let paths = doc["paths"].as_object().expect("paths");
+        for (route, _, _) in ROUTES {
+            assert!(paths.contains_key(*route), "{route} is not in openapi.json");
+        }
+        assert_eq!(
+            paths.len(),
+            ROUTES.len(),
+            "openapi.json names a route the router does not serve"
+        );
+    }
+
+    #[test]
+    fn ages_are_bucketed() {
+        let now = time::OffsetDateTime::now_utc();
+        assert_eq!(age_bucket(now - time::Duration::minutes(5), now), "<1h");
+        assert_eq!(age_bucket(now - time::Duration::hours(5), now), "1h-1d");
+        assert_eq!(age_bucket(now - time::Duration::days(3), now), "1d-7d");
+        assert_eq!(age_bucket(now - time::Duration::days(30), now), ">7d");
+    }
+}

@@ -1,0 +1,108 @@
+//! The operator console (SPEC §16): seed 001's dead-letter playbook as an
+//! authenticated, audited JSON API under `/admin/` on an address of its
+//! own (`outbox-relay console --admin-addr`), never the metrics port.
+//!
+//! Above the operations commands: it reads what `dlq list` reads
+//! (`ops::dlq`), classes letters as the relay and the consumer do
+//! (`triage`), and records in `outbox_admin_log` (`ops::admin_log`) every
+//! request refused (401, 403) and every action, under the token's name.
+//!
+//! Every request names a bearer token ([`tokens`]); each route asks for a
+//! least role. The server bounds what a client can hold: request bodies
+//! ([`BODY_MAX`]), a request's time ([`REQUEST_TIME`]), requests at once
+//! ([`REQUESTS_MAX`]), connections ([`CONNECTIONS_MAX`]) and a connection
+//! that sends nothing ([`IDLE_READ`]: a slow client's half-sent headers).
+
+pub mod tokens;
+
+mod api;
+mod listener;
+mod state;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use sqlx::PgPool;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{Error, Result};
+use state::Console;
+
+/// The largest request body read.
+pub const BODY_MAX: usize = 64 * 1024;
+/// A request that takes longer is answered 503.
+pub const REQUEST_TIME: Duration = Duration::from_secs(30);
+/// Requests handled at once; more are answered 503 at once.
+pub const REQUESTS_MAX: usize = 64;
+/// Connections open at once; more wait in the listen backlog.
+pub const CONNECTIONS_MAX: usize = 256;
+/// A connection that sends nothing this long is closed.
+pub const IDLE_READ: Duration = Duration::from_secs(30);
+
+/// A running console.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub done: tokio::task::JoinHandle<()>,
+}
+
+/// Serve the console on `addr` until `stop`.
+pub async fn serve(
+    addr: SocketAddr,
+    pool: PgPool,
+    js: jetstream::Context,
+    streams: Vec<String>,
+    stop: CancellationToken,
+) -> Result<Server> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        Error::Config(format!(
+            "cannot serve the console on {addr}: {e} (choose another --admin-addr)"
+        ))
+    })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::Config(format!("console listener: {e}")))?;
+    let console = Console::new(pool, js, streams, Arc::new(Semaphore::new(REQUESTS_MAX)));
+    let app = api::router()
+        .layer(axum::middleware::from_fn_with_state(
+            console.clone(),
+            bounded,
+        ))
+        .layer(DefaultBodyLimit::max(BODY_MAX))
+        .with_state(console);
+    let listener = listener::Limited::new(listener, CONNECTIONS_MAX, IDLE_READ);
+    let done = tokio::spawn(async move {
+        let serve = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "the console failed");
+        }
+    });
+    tracing::info!(%addr, "serving the operator console: JSON under /admin/");
+    Ok(Server { addr, done })
+}
+
+/// At most [`REQUESTS_MAX`] at once, each at most [`REQUEST_TIME`].
+async fn bounded(State(c): State<Console>, req: Request, next: Next) -> Response {
+    let Ok(_permit) = c.0.busy.clone().try_acquire_owned() else {
+        return api::problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy: too many requests at once; retry",
+        )
+        .into_response();
+    };
+    match tokio::time::timeout(REQUEST_TIME, next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => api::problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the request took too long (NATS or Postgres slow?); retry",
+        )
+        .into_response(),
+    }
+}

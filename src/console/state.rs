@@ -1,0 +1,73 @@
+//! What the console's handlers share: the pools, the streams it reads,
+//! and the bound on refusals recorded.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use sqlx::PgPool;
+use tokio::sync::Semaphore;
+
+/// Refusals recorded in `outbox_admin_log` per second, at most (a flood of
+/// bad tokens must not become a flood of rows, nor wait on the log's
+/// lock): past it they are counted in `outbox_admin_actions_total` alone,
+/// and the next recorded one says how many were not.
+const DENIALS_PER_SECOND: u32 = 100;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub(crate) struct Console(pub(super) Arc<Inner>);
+
+pub(crate) struct Inner {
+    pub pool: PgPool,
+    pub js: jetstream::Context,
+    /// The streams read for dead letters; empty: every stream of the
+    /// account but key-value and object stores.
+    pub streams: Vec<String>,
+    pub busy: Arc<Semaphore>,
+    /// This second's refusals recorded, and those not since the last one.
+    denials: Mutex<Denials>,
+}
+
+#[derive(Default)]
+struct Denials {
+    second: Option<Instant>,
+    recorded: u32,
+    unrecorded: u64,
+}
+
+impl Console {
+    pub fn new(
+        pool: PgPool,
+        js: jetstream::Context,
+        streams: Vec<String>,
+        busy: Arc<Semaphore>,
+    ) -> Console {
+        Console(Arc::new(Inner {
+            pool,
+            js,
+            streams,
+            busy,
+            denials: Mutex::new(Denials::default()),
+        }))
+    }
+
+    /// Whether this refusal is recorded, and how many before it were not.
+    pub fn admit_denial(&self) -> Option<u64> {
+        let mut d = self.0.denials.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if d.second
+            .is_none_or(|s| now.duration_since(s) >= Duration::from_secs(1))
+        {
+            d.second = Some(now);
+            d.recorded = 0;
+        }
+        if d.recorded < DENIALS_PER_SECOND {
+            d.recorded += 1;
+            Some(std::mem::take(&mut d.unrecorded))
+        } else {
+            d.unrecorded += 1;
+            None
+        }
+    }
+}
