@@ -1993,6 +1993,27 @@ async fn dlq_list_shows_dead_letters_and_replay_calls_the_handler_once_more() {
         "--id",
     ];
     let id = bad.to_string();
+    // Review D5: against a database that is not the durable's (migrated,
+    // so the replay records would fit), nothing is sent and it says why.
+    // Before: "replayed", the record landed there, and the durable acked
+    // the copy as a duplicate without a call.
+    let (elsewhere, _) = fresh_db(&stack, "c_dlq_replay_elsewhere").await;
+    let (ok, out) = run_cli(&[
+        "dlq",
+        "replay",
+        "--database-url",
+        &elsewhere,
+        "--nats-url",
+        nats,
+        "--stream",
+        &dlq,
+        "--id",
+        &id,
+    ]);
+    assert!(
+        ok && out.contains("not_replayable") && out.contains("no inbox row of durable cdlqr"),
+        "{out}"
+    );
     let (ok, out) = run_cli(&[&replay[..], &[id.as_str()]].concat());
     assert!(ok && out.contains("replayed"), "{out}");
     eventually(T, "the handler called once more", || async {

@@ -220,6 +220,7 @@ pub async fn replay(
             .unwrap_or_default(),
     };
     let mut out = Vec::new();
+    let mut lives_here: std::collections::HashMap<String, bool> = Default::default();
     for d in letters {
         let Some(durable) = d.consumer.clone() else {
             out.push(Replayed {
@@ -252,6 +253,26 @@ pub async fn replay(
             out.push(entry(
                 "not_replayable",
                 "it left its stream before its retry and no body was kept; publish it again from the outbox table (`audit --repair`)".into(),
+            ));
+            continue;
+        }
+        // Review D5: the record that lets the copy through to the handler
+        // must be in the durable's own database; recorded anywhere else,
+        // the copy is acked as a duplicate and nothing is called, while
+        // this said "replayed". The durable's inbox rows tell: every
+        // message it dead-lettered left one.
+        let here = match lives_here.get(&durable) {
+            Some(h) => *h,
+            None => {
+                let h = inbox_has(pool, &durable).await?;
+                lives_here.insert(durable.clone(), h);
+                h
+            }
+        };
+        if !here {
+            out.push(entry(
+                "not_replayable",
+                format!("this database has no inbox row of durable {durable}: a replay is recorded in the durable's own database (is DATABASE_URL the consumer's?)"),
             ));
             continue;
         }
@@ -309,6 +330,20 @@ pub async fn replay(
         out.push(entry("replayed", detail));
     }
     Ok(out)
+}
+
+/// Whether this database holds inbox rows of `durable`.
+async fn inbox_has(pool: &PgPool, durable: &str) -> Result<bool> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox_messages WHERE consumer = $1)")
+        .bind(durable)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| match crate::postgres::db_code(&e).as_deref() {
+            Some("42P01") => Error::setup(
+                "table inbox_messages does not exist here: DATABASE_URL must be the consumer's database (run `outbox-relay migrate` there)",
+            ),
+            _ => Error::pg("looking up the durable's inbox")(e),
+        })
 }
 
 /// A replay of the same dead letter recorded before, by whom and when.
