@@ -156,6 +156,10 @@ async fn run(command: Command) -> Result<(), Error> {
                     .execute(&mut *tx)
                     .await
                     .map_err(Error::pg("creating outbox_admin_tokens"))?;
+                sqlx::raw_sql(crate::console::replay::TABLE)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(Error::pg("creating outbox_admin_jobs"))?;
                 tx.commit()
                     .await
                     .map_err(Error::pg("creating outbox_admin_log"))?;
@@ -421,6 +425,25 @@ async fn run(command: Command) -> Result<(), Error> {
         } => admin_token(command).await,
         Command::Console(args) => {
             let dsn = postgres::Dsn::parse(&args.db.database_url)?;
+            let mut operator_classes = Vec::new();
+            for c in &args.operator_replay_classes {
+                match crate::triage::Class::parse(c) {
+                    Some(class) if class.replayable() => operator_classes.push(class),
+                    Some(_) => return Err(Error::Config(format!("--operator-replay-classes {c}: letters of that class cannot be replayed"))),
+                    None => return Err(Error::Config(format!("--operator-replay-classes {c}: not a class (schema_invalid, schema_missing, handler_rejected, handler_failed, transient_exhausted)"))),
+                }
+            }
+            if !(args.replay_rate.is_finite() && args.replay_rate > 0.0) {
+                return Err(Error::Config(format!(
+                    "--replay-rate {}: a number of letters a second, above 0",
+                    args.replay_rate
+                )));
+            }
+            let settings = crate::console::Settings {
+                streams: args.streams.clone(),
+                operator_classes,
+                replay_rate: args.replay_rate,
+            };
             if args.check_config {
                 println!("configuration ok");
                 return Ok(());
@@ -439,8 +462,7 @@ async fn run(command: Command) -> Result<(), Error> {
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             let server =
-                crate::console::serve(args.admin_addr, pool, js, args.streams.clone(), shutdown)
-                    .await?;
+                crate::console::serve(args.admin_addr, pool, js, settings, shutdown).await?;
             ready.ready();
             let _ = server.done.await;
             endpoint.stop();

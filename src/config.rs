@@ -86,6 +86,14 @@ pub struct ConsoleArgs {
     /// every stream of the account but key-value and object stores.
     #[arg(long, env = "OUTBOX_CONSOLE_STREAMS", value_delimiter = ',')]
     pub streams: Vec<String>,
+    /// Classes of dead letters an `operator` token may replay,
+    /// comma-separated (e.g. transient_exhausted); otherwise replay is
+    /// `admin`'s, as seed 001's playbook has it.
+    #[arg(long, env = "OUTBOX_CONSOLE_OPERATOR_REPLAY", value_delimiter = ',')]
+    pub operator_replay_classes: Vec<String>,
+    /// Letters a replay job sends a second, at most.
+    #[arg(long, env = "OUTBOX_CONSOLE_REPLAY_RATE", default_value_t = 20.0)]
+    pub replay_rate: f64,
     /// Check the flags and exit.
     #[arg(long)]
     pub check_config: bool,

@@ -11,6 +11,8 @@ use crate::common::*;
 use outbox_relay::wire;
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+/// How long a condition is waited for.
+const T: std::time::Duration = std::time::Duration::from_secs(90);
 
 /// Run the binary; (success, stdout, stderr).
 fn cli(args: &[&str]) -> (bool, String, String) {
@@ -445,4 +447,371 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
         .body;
     assert_eq!(v["holds"], false, "{v}");
     assert_eq!(v["broken"]["seq"], 2, "{v}");
+}
+
+async fn post(
+    http: &reqwest::Client,
+    base: &str,
+    path: &str,
+    bearer: &str,
+    key: Option<&str>,
+    body: Value,
+) -> Answer {
+    let mut req = http
+        .post(format!("{base}{path}"))
+        .header("Authorization", format!("Bearer {bearer}"))
+        .header("Content-Type", "application/json")
+        .body(body.to_string());
+    if let Some(k) = key {
+        req = req.header("Idempotency-Key", k);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let request_id = resp
+        .headers()
+        .get("x-request-id")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let text = resp.text().await.unwrap();
+    Answer {
+        status,
+        body: serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        request_id,
+    }
+}
+
+/// The playbook end to end (issue 61's acceptance): a consumer
+/// dead-letters three classes; the console groups them; an operator
+/// dry-runs and replays the one class it may, each handler called once;
+/// the same key replays nothing again, another key nothing twice; a class
+/// the operator may not replay is refused and an admin's, allowed; a plan
+/// whose selection changed is refused; the log shows every step with its
+/// actor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_triages_by_class_and_replays_one_class_each_handler_once() {
+    use crate::consumer::{assert_all_acked, fixture, publish, DUP};
+    use uuid::Uuid;
+    let stack = stack();
+    let f = fixture(
+        "c_console_e2e",
+        "ccon",
+        "ccon",
+        DUP,
+        &["--max-deliver", "2", "--backoff", "100ms"],
+    )
+    .await;
+    let url = db_url(&stack.admin_url, "c_console_e2e");
+    let dlq = wire::dlq_stream_name(&wire::consumer_dlq_prefix("ccon"));
+    let rejected = Uuid::new_v4();
+    let failed = [Uuid::new_v4(), Uuid::new_v4()];
+    let transient = [Uuid::new_v4(), Uuid::new_v4()];
+    publish(
+        &f.js,
+        "ccon.e",
+        Some(rejected),
+        "a",
+        br#"{"answers": [422, 200]}"#,
+    )
+    .await;
+    for (i, id) in failed.iter().enumerate() {
+        publish(
+            &f.js,
+            "ccon.e",
+            Some(*id),
+            &format!("b{i}"),
+            br#"{"answers": [500, 500, 200]}"#,
+        )
+        .await;
+    }
+    for (i, id) in transient.iter().enumerate() {
+        publish(
+            &f.js,
+            "ccon.e",
+            Some(*id),
+            &format!("c{i}"),
+            br#"{"answers": [503, 503, 200]}"#,
+        )
+        .await;
+    }
+    let operator = token(&url, "olga.oncall", "operator");
+    let admin = token(&url, "pat.platform", "admin");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _console = Service::console(
+        &url,
+        &stack.nats_url,
+        &addr,
+        "console_e2e",
+        &[
+            "--streams",
+            &dlq,
+            "--operator-replay-classes",
+            "transient_exhausted",
+            "--replay-rate",
+            "50",
+        ],
+    );
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::new();
+    let by_class = || async {
+        let g = get(
+            &http,
+            &base,
+            "/admin/dead-letters?group_by=class",
+            Some(&operator),
+        )
+        .await
+        .body;
+        g["groups"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|x| {
+                        (
+                            x["class"].as_str().unwrap_or_default().to_owned(),
+                            x["count"].as_u64().unwrap_or(0),
+                        )
+                    })
+                    .collect::<BTreeMap<String, u64>>()
+            })
+            .unwrap_or_default()
+    };
+    let want: BTreeMap<String, u64> = [
+        ("handler_rejected", 1),
+        ("handler_failed", 2),
+        ("transient_exhausted", 2),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    eventually(T, "three classes of letters", || async {
+        by_class().await == want
+    })
+    .await;
+    assert_all_acked(&f.js, &f.stream, "ccon").await;
+    let calls = |id: &Uuid| f.handler.calls_for(*id).len();
+    assert_eq!(
+        (calls(&rejected), calls(&failed[0]), calls(&transient[0])),
+        (1, 2, 2)
+    );
+
+    // The operator's dry run, then the run under a key.
+    let selection = serde_json::json!({ "class": "transient_exhausted" });
+    let plan = post(&http, &base, "/admin/events/replay", &operator, None,
+        serde_json::json!({ "selection": selection, "reason": "INC-7: the pricing service is back", "dry_run": true })).await;
+    assert_eq!(plan.status, 200, "{}", plan.body);
+    assert_eq!(plan.body["to_replay"], 2, "{}", plan.body);
+    let plan_id = plan.body["plan_id"].as_str().unwrap().to_owned();
+    let run = serde_json::json!({ "selection": selection, "reason": "INC-7: the pricing service is back", "plan_id": plan_id });
+    let no_key = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &operator,
+        None,
+        run.clone(),
+    )
+    .await;
+    assert_eq!(no_key.status, 400, "{}", no_key.body);
+    let started = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &operator,
+        Some("inc-7-a"),
+        run.clone(),
+    )
+    .await;
+    assert_eq!(started.status, 202, "{}", started.body);
+    let job_id = started.body["job"]["id"].as_str().unwrap().to_owned();
+    eventually(T, "the job done", || async {
+        let j = get(
+            &http,
+            &base,
+            &format!("/admin/jobs/{job_id}"),
+            Some(&operator),
+        )
+        .await
+        .body;
+        j["job"]["state"] == "done"
+    })
+    .await;
+    let j = get(
+        &http,
+        &base,
+        &format!("/admin/jobs/{job_id}"),
+        Some(&operator),
+    )
+    .await
+    .body;
+    assert_eq!(j["job"]["progress"]["replayed"], 2, "{j}");
+    eventually(
+        T,
+        "each transient letter's handler called once more",
+        || async { transient.iter().all(|id| calls(id) == 3) },
+    )
+    .await;
+    assert_all_acked(&f.js, &f.stream, "ccon").await;
+
+    // The same key: the same job, nothing sent. Another key: nothing twice.
+    let again = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &operator,
+        Some("inc-7-a"),
+        run.clone(),
+    )
+    .await;
+    assert_eq!(
+        (again.status, again.body["replayed_before"].clone()),
+        (200, Value::Bool(true)),
+        "{}",
+        again.body
+    );
+    assert_eq!(again.body["job"]["id"], job_id.as_str());
+    let other = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &operator,
+        Some("inc-7-b"),
+        run.clone(),
+    )
+    .await;
+    assert_eq!(other.status, 202, "{}", other.body);
+    let other_id = other.body["job"]["id"].as_str().unwrap().to_owned();
+    eventually(T, "the second job done", || async {
+        get(
+            &http,
+            &base,
+            &format!("/admin/jobs/{other_id}"),
+            Some(&operator),
+        )
+        .await
+        .body["job"]["state"]
+            == "done"
+    })
+    .await;
+    let j = get(
+        &http,
+        &base,
+        &format!("/admin/jobs/{other_id}"),
+        Some(&operator),
+    )
+    .await
+    .body;
+    assert_eq!(j["job"]["progress"]["already_replayed"], 2, "{j}");
+    // A key of one plan for another: refused.
+    let wrong = post(&http, &base, "/admin/events/replay", &operator, Some("inc-7-a"),
+        serde_json::json!({ "selection": { "class": "handler_failed" }, "reason": "x", "plan_id": "0000" })).await;
+    assert_eq!(wrong.status, 409, "{}", wrong.body);
+
+    // A class the operator may not replay; an admin may.
+    let failed_sel = serde_json::json!({ "class": "handler_failed" });
+    let plan = post(&http, &base, "/admin/events/replay", &operator, None,
+        serde_json::json!({ "selection": failed_sel, "reason": "fix 1.4.2 deployed", "dry_run": true })).await;
+    let failed_plan = plan.body["plan_id"].as_str().unwrap().to_owned();
+    let run_failed = serde_json::json!({ "selection": failed_sel, "reason": "fix 1.4.2 deployed", "plan_id": failed_plan });
+    let refused = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &operator,
+        Some("fix-142"),
+        run_failed.clone(),
+    )
+    .await;
+    assert_eq!(refused.status, 403, "{}", refused.body);
+    let allowed = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &admin,
+        Some("fix-142"),
+        run_failed.clone(),
+    )
+    .await;
+    assert_eq!(allowed.status, 202, "{}", allowed.body);
+    eventually(
+        T,
+        "each failed letter's handler called once more",
+        || async { failed.iter().all(|id| calls(id) == 3) },
+    )
+    .await;
+
+    // A plan bound to its letters: one more of the class, and it is refused.
+    let rejected_sel = serde_json::json!({ "class": "handler_rejected" });
+    let plan = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &admin,
+        None,
+        serde_json::json!({ "selection": rejected_sel, "reason": "INC-9", "dry_run": true }),
+    )
+    .await;
+    let stale = plan.body["plan_id"].as_str().unwrap().to_owned();
+    publish(
+        &f.js,
+        "ccon.e",
+        Some(Uuid::new_v4()),
+        "d",
+        br#"{"answers": [422]}"#,
+    )
+    .await;
+    eventually(T, "a second rejected letter", || async {
+        by_class().await.get("handler_rejected") == Some(&2)
+    })
+    .await;
+    let changed = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &admin,
+        Some("inc-9"),
+        serde_json::json!({ "selection": rejected_sel, "reason": "INC-9", "plan_id": stale }),
+    )
+    .await;
+    assert_eq!(changed.status, 409, "{}", changed.body);
+    assert_eq!(calls(&rejected), 1, "nothing replayed on a stale plan");
+    assert_eq!(
+        transient.iter().map(calls).collect::<Vec<_>>(),
+        [3, 3],
+        "never a fourth call"
+    );
+
+    // Every step, with its actor.
+    let steps: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT actor, action, result FROM outbox_admin_log WHERE action LIKE 'replay%' ORDER BY seq",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    let has = |actor: &str, action: &str, result: &str| {
+        steps
+            .iter()
+            .any(|(a, b, r)| a == actor && b == action && r.starts_with(result))
+    };
+    for (actor, action, result) in [
+        ("token:olga.oncall", "replay.plan", "done"),
+        ("token:olga.oncall", "replay.start", "done"),
+        ("token:olga.oncall", "replay.finish", "done: done"),
+        ("token:olga.oncall", "replay", "denied: 403"),
+        ("token:pat.platform", "replay.start", "done"),
+        ("token:pat.platform", "replay.finish", "done: done"),
+    ] {
+        assert!(
+            has(actor, action, result),
+            "no {action} {result} by {actor}: {steps:?}"
+        );
+    }
+    let replayed_by: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT replayed_by FROM dlq_replays ORDER BY 1")
+            .fetch_all(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(replayed_by, ["token:olga.oncall", "token:pat.platform"]);
+    let v = get(&http, &base, "/admin/log/verify", Some(&admin))
+        .await
+        .body;
+    assert_eq!(v["holds"], true, "{v}");
 }

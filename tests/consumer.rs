@@ -19,7 +19,7 @@ const T: Duration = Duration::from_secs(90);
 
 /// One call the handler received.
 #[derive(Debug, Clone)]
-struct Call {
+pub(crate) struct Call {
     id: String,
     idempotency_key: Option<String>,
     traceparent: Option<String>,
@@ -32,7 +32,7 @@ struct Call {
 /// the n-th call answers the n-th status (the last one repeats); 0 means
 /// "hang past the consumer's handler timeout". `"sleep_ms"` delays each answer.
 #[derive(Clone, Default)]
-struct Handler {
+pub(crate) struct Handler {
     calls: Arc<Mutex<Vec<Call>>>,
 }
 
@@ -49,7 +49,7 @@ impl Handler {
         self.calls.lock().unwrap().clone()
     }
 
-    fn calls_for(&self, id: Uuid) -> Vec<Call> {
+    pub(crate) fn calls_for(&self, id: Uuid) -> Vec<Call> {
         self.calls()
             .into_iter()
             .filter(|c| c.id == id.to_string())
@@ -121,15 +121,15 @@ pub(crate) async fn fresh_stream(
 
 /// One test's world: a fresh database and stream `{CTX}_EVENTS`, a scripted
 /// handler, and the consumer binary running as durable `durable`.
-struct Fixture {
-    pool: sqlx::PgPool,
-    js: jetstream::Context,
-    stream: String,
-    handler: Handler,
-    consumer: Service,
+pub(crate) struct Fixture {
+    pub(crate) pool: sqlx::PgPool,
+    pub(crate) js: jetstream::Context,
+    pub(crate) stream: String,
+    pub(crate) handler: Handler,
+    pub(crate) consumer: Service,
 }
 
-async fn fixture(
+pub(crate) async fn fixture(
     db: &str,
     ctx: &str,
     durable: &str,
@@ -166,10 +166,10 @@ async fn fixture_on(
     }
 }
 
-const DUP: Duration = Duration::from_secs(120);
+pub(crate) const DUP: Duration = Duration::from_secs(120);
 
 /// Publish as the relay would: id, aggregate and event headers.
-async fn publish(
+pub(crate) async fn publish(
     js: &jetstream::Context,
     subject: &str,
     id: Option<Uuid>,
@@ -245,7 +245,7 @@ async fn wait_processed(pool: &sqlx::PgPool, consumer: &str, n: usize) {
 }
 
 /// Nothing left to deliver or to ack: every message was acked or terminated.
-async fn assert_all_acked(js: &jetstream::Context, stream: &str, durable: &str) {
+pub(crate) async fn assert_all_acked(js: &jetstream::Context, stream: &str, durable: &str) {
     eventually(
         Duration::from_secs(20),
         "consumer has nothing pending or unacked",

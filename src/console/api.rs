@@ -5,15 +5,18 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
 use futures::StreamExt;
+use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::replay::{self, Item, Selection};
 use super::state::Console;
 use super::tokens::{self, Checked, Role};
 use crate::ops::admin_log::{self, Actor, Entry};
@@ -21,24 +24,43 @@ use crate::ops::dlq;
 use crate::triage::{self, Class};
 use crate::wire;
 
-/// Every route, its least role, and what the log calls a request of it.
-/// The OpenAPI document names each (a unit test holds them together).
-pub(super) const ROUTES: &[(&str, Option<Role>, &str)] = &[
-    ("/admin/openapi.json", None, "openapi.read"),
-    ("/admin/whoami", Some(Role::Viewer), "whoami"),
+/// Every route (method, path), its least role, and what the log calls a
+/// request of it. The OpenAPI document names each (a unit test holds them
+/// together).
+pub(super) const ROUTES: &[(&str, &str, Option<Role>, &str)] = &[
+    ("get", "/admin/openapi.json", None, "openapi.read"),
+    ("get", "/admin/whoami", Some(Role::Viewer), "whoami"),
     (
+        "get",
         "/admin/dead-letters",
         Some(Role::Viewer),
         "dead_letters.read",
     ),
     (
+        "get",
         "/admin/dead-letters/{stream}/{seq}",
         Some(Role::Viewer),
         "dead_letter.read",
     ),
-    ("/admin/log", Some(Role::Viewer), "log.read"),
-    ("/admin/log/verify", Some(Role::Admin), "log.verify"),
-    ("/admin/tokens", Some(Role::Admin), "tokens.read"),
+    // A dry run is an operator's; running a plan is an admin's, or an
+    // operator's for the classes --operator-replay-classes names.
+    (
+        "post",
+        "/admin/events/replay",
+        Some(Role::Operator),
+        "replay",
+    ),
+    ("get", "/admin/jobs", Some(Role::Viewer), "jobs.read"),
+    ("get", "/admin/jobs/{id}", Some(Role::Viewer), "job.read"),
+    (
+        "post",
+        "/admin/jobs/{id}/cancel",
+        Some(Role::Operator),
+        "job.cancel",
+    ),
+    ("get", "/admin/log", Some(Role::Viewer), "log.read"),
+    ("get", "/admin/log/verify", Some(Role::Admin), "log.verify"),
+    ("get", "/admin/tokens", Some(Role::Admin), "tokens.read"),
 ];
 
 const OPENAPI: &str = include_str!("openapi.json");
@@ -58,6 +80,10 @@ pub(super) fn router() -> Router<Console> {
         .route("/admin/whoami", get(whoami))
         .route("/admin/dead-letters", get(dead_letters))
         .route("/admin/dead-letters/{stream}/{seq}", get(dead_letter))
+        .route("/admin/events/replay", post(events_replay))
+        .route("/admin/jobs", get(jobs))
+        .route("/admin/jobs/{id}", get(job))
+        .route("/admin/jobs/{id}/cancel", post(job_cancel))
         .route("/admin/log", get(log))
         .route("/admin/log/verify", get(log_verify))
         .route("/admin/tokens", get(token_list))
@@ -86,8 +112,8 @@ pub(super) struct Caller {
 fn least(action: &str) -> Role {
     ROUTES
         .iter()
-        .find(|(_, _, a)| *a == action)
-        .and_then(|(_, r, _)| *r)
+        .find(|(_, _, _, a)| *a == action)
+        .and_then(|(_, _, r, _)| *r)
         .unwrap_or(Role::Admin)
 }
 
@@ -248,8 +274,8 @@ async fn streams(c: &Console, only: Option<&str>) -> Result<Vec<String>, Respons
     if let Some(s) = only {
         return Ok(vec![s.to_owned()]);
     }
-    if !c.0.streams.is_empty() {
-        return Ok(c.0.streams.clone());
+    if !c.0.settings.streams.is_empty() {
+        return Ok(c.0.settings.streams.clone());
     }
     let mut names = Vec::new();
     let mut listing = c.0.js.stream_names();
@@ -606,6 +632,406 @@ async fn token_list(State(c): State<Console>, headers: HeaderMap) -> Response {
     }
 }
 
+/// A replay request (SPEC §16).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplayRequest {
+    selection: Selection,
+    reason: Option<String>,
+    #[serde(default)]
+    dry_run: bool,
+    plan_id: Option<String>,
+}
+
+fn answer(caller: &Caller, status: StatusCode, why: &str) -> Response {
+    with_id(problem(status, why).into_response(), &caller.request_id)
+}
+
+fn caller_actor(caller: &Caller) -> Actor {
+    Actor {
+        name: format!("token:{}", caller.token.name),
+        role: caller.token.role.as_str(),
+        request_id: caller.request_id.clone(),
+    }
+}
+
+/// The letters a selection takes, each with its stream; `Err` with the
+/// answer when they cannot all be read, or are too many for one plan.
+async fn plan_letters(
+    c: &Console,
+    caller: &Caller,
+    sel: &Selection,
+) -> Result<Vec<(String, dlq::DeadLetter)>, Response> {
+    let checked = sel
+        .check()
+        .map_err(|why| answer(caller, StatusCode::BAD_REQUEST, &why))?;
+    let names = streams(c, sel.stream.as_deref())
+        .await
+        .map_err(|resp| with_id(resp, &caller.request_id))?;
+    let reading = sel.reading(&checked);
+    let mut out = Vec::new();
+    for name in names {
+        let letters = dlq::list(&c.0.js, &name, &reading).await.map_err(|e| {
+            answer(
+                caller,
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("reading {name}: {e}; a plan needs every letter it takes"),
+            )
+        })?;
+        out.extend(
+            letters
+                .into_iter()
+                .filter(|d| sel.takes(&checked, d))
+                .map(|d| (name.clone(), d)),
+        );
+        if out.len() > replay::PLAN_MAX {
+            return Err(answer(
+                caller,
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "the selection takes more than {} letters: narrow it",
+                    replay::PLAN_MAX
+                ),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+async fn record(c: &Console, caller: &Caller, entry: Entry, result: &str) {
+    let actor = caller_actor(caller);
+    if let Err(e) = admin_log::record_as(&c.0.pool, &entry, Some(&actor), result).await {
+        tracing::warn!(error = %e, action = entry.action, "console: an action is not recorded");
+    }
+}
+
+/// The job `id` as an answer (`before`: the key's earlier job).
+async fn job_answer(c: &Console, caller: &Caller, id: uuid::Uuid, before: bool) -> Response {
+    match replay::job(&c.0.pool, id).await {
+        Ok(Some(j)) => ok(caller, json!({ "job": j, "replayed_before": before })),
+        Ok(None) => answer(caller, StatusCode::NOT_FOUND, "no such job"),
+        Err(e) => answer(
+            caller,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("reading outbox_admin_jobs: {e}"),
+        ),
+    }
+}
+
+/// `POST /admin/events/replay`: a dry run answers a plan; a plan with an
+/// `Idempotency-Key` starts a job (202), or answers the job that key
+/// started before (200), whatever the letters now.
+async fn events_replay(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    body: Result<Json<ReplayRequest>, JsonRejection>,
+) -> Response {
+    let caller = match guard(&c, &headers, "replay", "").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let req = match body {
+        Ok(Json(req)) => req,
+        Err(e) => {
+            return answer(
+                &caller,
+                StatusCode::BAD_REQUEST,
+                &format!("the body: {}", e.body_text()),
+            )
+        }
+    };
+    let reason = req
+        .reason
+        .as_deref()
+        .map(str::trim)
+        .unwrap_or_default()
+        .to_owned();
+    if reason.is_empty() {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "a replay needs a reason (a ticket, an incident)",
+        );
+    }
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && k.len() <= 200)
+        .map(str::to_owned);
+    if !req.dry_run {
+        let Some(key) = key.as_deref() else {
+            return answer(
+                &caller,
+                StatusCode::BAD_REQUEST,
+                "running a plan needs an Idempotency-Key header (at most 200 characters): the same key never replays twice",
+            );
+        };
+        match replay::by_key(&c.0.pool, key).await {
+            Ok(Some((id, plan))) if req.plan_id.as_deref() == Some(plan.as_str()) => {
+                return job_answer(&c, &caller, id, true).await;
+            }
+            Ok(Some((id, plan))) => {
+                return answer(
+                    &caller,
+                    StatusCode::CONFLICT,
+                    &format!("Idempotency-Key {key:?} ran plan {plan} (job {id}): another plan needs another key"),
+                );
+            }
+            Ok(None) => {}
+            Err(e) => {
+                return answer(
+                    &caller,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("reading outbox_admin_jobs: {e}"),
+                )
+            }
+        }
+    }
+    let letters = match plan_letters(&c, &caller, &req.selection).await {
+        Ok(l) => l,
+        Err(resp) => return resp,
+    };
+    let items: Vec<Item> = letters.iter().map(|(s, d)| Item::of(s, d)).collect();
+    let plan = replay::plan_id(&req.selection, &items);
+    let to_replay = items.iter().filter(|i| i.skipped.is_none()).count();
+    let selection = serde_json::to_value(&req.selection).unwrap_or_default();
+    if req.dry_run {
+        record(
+            &c,
+            &caller,
+            Entry {
+                action: "replay.plan",
+                target: plan.clone(),
+                selection: selection.clone(),
+                reason: Some(reason.clone()),
+            },
+            &format!("done: {} letters, {to_replay} to replay", items.len()),
+        )
+        .await;
+        return ok(
+            &caller,
+            json!({
+                "plan_id": plan,
+                "selection": selection,
+                "letters": items.len(),
+                "to_replay": to_replay,
+                "items": items,
+                "cli": replay::cli(&req.selection, &reason),
+                "run": "POST the same selection with this plan_id, dry_run false and an Idempotency-Key header",
+            }),
+        );
+    }
+    let Some(key) = key else {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "running a plan needs an Idempotency-Key header",
+        );
+    };
+    match req.plan_id.as_deref() {
+        None => {
+            return answer(
+                &caller,
+                StatusCode::BAD_REQUEST,
+                "running needs the plan_id of a dry run of the same selection",
+            )
+        }
+        Some(p) if p != plan => {
+            return answer(
+                &caller,
+                StatusCode::CONFLICT,
+                &format!("the selection takes other letters now than plan {p} did (now {plan}): dry-run it again and check the plan"),
+            )
+        }
+        Some(_) => {}
+    }
+    // Seed 001: replay is an admin's; an operator's only for the classes
+    // the console allows it.
+    let operator_may = &c.0.settings.operator_classes;
+    let allowed = caller.token.role == Role::Admin
+        || items
+            .iter()
+            .filter(|i| i.skipped.is_none())
+            .all(|i| Class::parse(i.class).is_some_and(|k| operator_may.contains(&k)));
+    if !allowed {
+        let may = if operator_may.is_empty() {
+            "none (--operator-replay-classes)".to_owned()
+        } else {
+            operator_may
+                .iter()
+                .map(|k| k.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let why = format!(
+            "token {} is {}; replaying these classes needs admin (an operator may replay {may})",
+            caller.token.name, caller.token.role
+        );
+        record_denial(
+            &c,
+            "replay",
+            &plan,
+            &caller_actor(&caller),
+            StatusCode::FORBIDDEN,
+            &why,
+        )
+        .await;
+        return answer(&caller, StatusCode::FORBIDDEN, &why);
+    }
+    let id = uuid::Uuid::new_v4();
+    let actor = caller_actor(&caller);
+    let made = replay::create(
+        &c.0.pool,
+        replay::NewJob {
+            id,
+            key: &key,
+            plan: &plan,
+            selection: &req.selection,
+            reason: &reason,
+            actor: &actor.name,
+            items: &items,
+        },
+    )
+    .await;
+    match made {
+        Ok(true) => {}
+        // The same key, a moment before: that job.
+        Ok(false) => {
+            return match replay::by_key(&c.0.pool, &key).await {
+                Ok(Some((id, _))) => job_answer(&c, &caller, id, true).await,
+                _ => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, "reading the job"),
+            };
+        }
+        Err(e) => {
+            return answer(
+                &caller,
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("making the job: {e}"),
+            )
+        }
+    }
+    record(
+        &c,
+        &caller,
+        Entry {
+            action: "replay.start",
+            target: id.to_string(),
+            selection: json!({ "plan_id": plan, "selection": selection, "idempotency_key": key }),
+            reason: Some(reason.clone()),
+        },
+        &format!("done: job {id}, {to_replay} letters to replay"),
+    )
+    .await;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    c.0.jobs
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(id, cancel.clone());
+    let run = replay::Run {
+        pool: c.0.pool.clone(),
+        js: c.0.js.clone(),
+        id,
+        letters: letters
+            .into_iter()
+            .zip(&items)
+            .enumerate()
+            .filter(|(_, (_, i))| i.skipped.is_none())
+            .map(|(ord, ((stream, d), _))| (ord, stream, d))
+            .collect(),
+        actor,
+        reason,
+        plan,
+        rate: c.0.settings.replay_rate,
+        cancel,
+    };
+    let console = c.clone();
+    tokio::spawn(async move {
+        replay::run(run).await;
+        console
+            .0
+            .jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+    });
+    let mut resp = job_answer(&c, &caller, id, false).await;
+    if resp.status() == StatusCode::OK {
+        *resp.status_mut() = StatusCode::ACCEPTED;
+    }
+    resp
+}
+
+async fn jobs(State(c): State<Console>, headers: HeaderMap) -> Response {
+    let caller = match guard(&c, &headers, "jobs.read", "outbox_admin_jobs").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    match replay::recent(&c.0.pool, 100).await {
+        Ok(j) => ok(&caller, json!({ "jobs": j })),
+        Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+async fn job(State(c): State<Console>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    let caller = match guard(&c, &headers, "job.read", &id).await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    match uuid::Uuid::parse_str(&id) {
+        Ok(id) => job_answer(&c, &caller, id, false).await,
+        Err(_) => answer(&caller, StatusCode::BAD_REQUEST, "a job id is a UUID"),
+    }
+}
+
+async fn job_cancel(
+    State(c): State<Console>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let caller = match guard(&c, &headers, "job.cancel", &id).await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let Ok(id) = uuid::Uuid::parse_str(&id) else {
+        return answer(&caller, StatusCode::BAD_REQUEST, "a job id is a UUID");
+    };
+    let running =
+        c.0.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned();
+    let Some(cancel) = running else {
+        return answer(
+            &caller,
+            StatusCode::CONFLICT,
+            "this console runs no such job now (done, cancelled, or another console's)",
+        );
+    };
+    cancel.cancel();
+    record(
+        &c,
+        &caller,
+        Entry {
+            action: "replay.cancel",
+            target: id.to_string(),
+            selection: json!({}),
+            reason: None,
+        },
+        "done",
+    )
+    .await;
+    with_id(
+        (
+            StatusCode::ACCEPTED,
+            Json(json!({ "job": id, "cancelling": true })),
+        )
+            .into_response(),
+        &caller.request_id,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -614,14 +1040,23 @@ mod tests {
     fn the_openapi_document_names_every_route_and_only_those() {
         let doc: Value = serde_json::from_str(OPENAPI).expect("openapi.json is JSON");
         let paths = doc["paths"].as_object().expect("paths");
-        for (route, _, _) in ROUTES {
-            assert!(paths.contains_key(*route), "{route} is not in openapi.json");
+        let mut named = 0;
+        for (path, ops) in paths {
+            for method in ops.as_object().expect("operations").keys() {
+                named += 1;
+                assert!(
+                    ROUTES.iter().any(|(m, p, _, _)| m == method && p == path),
+                    "openapi.json names {method} {path}, which the router does not serve"
+                );
+            }
         }
-        assert_eq!(
-            paths.len(),
-            ROUTES.len(),
-            "openapi.json names a route the router does not serve"
-        );
+        for (method, path, _, _) in ROUTES {
+            assert!(
+                paths.get(*path).and_then(|p| p.get(*method)).is_some(),
+                "{method} {path} is not in openapi.json"
+            );
+        }
+        assert_eq!(named, ROUTES.len());
     }
 
     #[test]

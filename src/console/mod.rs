@@ -15,9 +15,13 @@
 
 pub mod tokens;
 
+pub mod replay;
+
 mod api;
 mod listener;
 mod state;
+
+pub use state::Settings;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -57,7 +61,7 @@ pub async fn serve(
     addr: SocketAddr,
     pool: PgPool,
     js: jetstream::Context,
-    streams: Vec<String>,
+    settings: Settings,
     stop: CancellationToken,
 ) -> Result<Server> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
@@ -68,7 +72,12 @@ pub async fn serve(
     let addr = listener
         .local_addr()
         .map_err(|e| Error::Config(format!("console listener: {e}")))?;
-    let console = Console::new(pool, js, streams, Arc::new(Semaphore::new(REQUESTS_MAX)));
+    match replay::interrupted(&pool).await {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(jobs = n, "replay jobs a console left running when it stopped are marked interrupted: each letter's result so far stands; a new job (a new Idempotency-Key) replays the rest, and none twice"),
+        Err(e) => return Err(Error::pg("reading outbox_admin_jobs (run `outbox-relay migrate`)")(e)),
+    }
+    let console = Console::new(pool, js, settings, Arc::new(Semaphore::new(REQUESTS_MAX)));
     let app = api::router()
         .layer(axum::middleware::from_fn_with_state(
             console.clone(),

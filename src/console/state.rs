@@ -1,8 +1,13 @@
 //! What the console's handlers share: the pools, the streams it reads,
 //! and the bound on refusals recorded.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::triage::Class;
 
 use async_nats::jetstream;
 use sqlx::PgPool;
@@ -21,12 +26,24 @@ pub(crate) struct Console(pub(super) Arc<Inner>);
 pub(crate) struct Inner {
     pub pool: PgPool,
     pub js: jetstream::Context,
+    pub busy: Arc<Semaphore>,
+    pub settings: Settings,
+    /// The replay jobs this console runs, to cancel.
+    pub jobs: Mutex<HashMap<uuid::Uuid, CancellationToken>>,
+    /// This second's refusals recorded, and those not since the last one.
+    denials: Mutex<Denials>,
+}
+
+/// What the console is told at start.
+#[derive(Debug, Clone)]
+pub struct Settings {
     /// The streams read for dead letters; empty: every stream of the
     /// account but key-value and object stores.
     pub streams: Vec<String>,
-    pub busy: Arc<Semaphore>,
-    /// This second's refusals recorded, and those not since the last one.
-    denials: Mutex<Denials>,
+    /// Classes an `operator` may replay (seed 001: replay is `admin`'s).
+    pub operator_classes: Vec<Class>,
+    /// Letters a replay job sends a second, at most.
+    pub replay_rate: f64,
 }
 
 #[derive(Default)]
@@ -40,14 +57,15 @@ impl Console {
     pub fn new(
         pool: PgPool,
         js: jetstream::Context,
-        streams: Vec<String>,
+        settings: Settings,
         busy: Arc<Semaphore>,
     ) -> Console {
         Console(Arc::new(Inner {
             pool,
             js,
-            streams,
             busy,
+            settings,
+            jobs: Mutex::new(HashMap::new()),
             denials: Mutex::new(Denials::default()),
         }))
     }

@@ -1,0 +1,522 @@
+//! Replay through the console (SPEC §16): a selection, a dry run that
+//! answers a plan bound to exactly what the selection takes, then a job
+//! under an `Idempotency-Key` that replays each letter through its own
+//! durable's handler once (`ops::dlq::replay`: recorded in `dlq_replays`,
+//! so a letter is replayed once whatever the jobs), at a bounded rate, with
+//! per-letter results and a cancel.
+//!
+//! A plan id is a digest of the selection and of the letters it took: the
+//! plan is not stored, and executing it reads the letters again, so a
+//! selection that takes other letters now is refused (409), never run on
+//! what the operator did not see.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::ops::admin_log::{self, Actor, Entry};
+use crate::ops::dlq::{self, DeadLetter};
+use crate::triage::Class;
+
+/// The letters a selection may take, at most: a larger one is refused
+/// (narrow it), never cut short.
+pub const PLAN_MAX: usize = 10_000;
+
+/// The migration, for `migrate --admin-log-only`.
+pub const TABLE: &str = include_str!("../../migrations/0013_admin_jobs.sql");
+
+/// Which dead letters. Every test given must hold; at least one of `ids`,
+/// `class` or `fingerprint`, or `all`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Selection {
+    /// One stream; default: those the console reads.
+    #[serde(default)]
+    pub stream: Option<String>,
+    #[serde(default)]
+    pub ids: Vec<String>,
+    #[serde(default)]
+    pub class: Option<String>,
+    #[serde(default)]
+    pub fingerprint: Option<String>,
+    /// NATS wildcards, against the original subject.
+    #[serde(default)]
+    pub subject: Option<String>,
+    #[serde(default)]
+    pub durable: Option<String>,
+    /// RFC 3339: stored at or after.
+    #[serde(default)]
+    pub since: Option<String>,
+    /// RFC 3339: stored before.
+    #[serde(default)]
+    pub until: Option<String>,
+    #[serde(default)]
+    pub all: bool,
+}
+
+/// A selection checked: its class and times parsed.
+#[derive(Debug)]
+pub struct Checked {
+    pub class: Option<Class>,
+    pub since: Option<time::OffsetDateTime>,
+    pub until: Option<time::OffsetDateTime>,
+}
+
+impl Selection {
+    pub fn check(&self) -> Result<Checked, String> {
+        if !self.all && self.ids.is_empty() && self.class.is_none() && self.fingerprint.is_none() {
+            return Err(
+                "the selection takes every letter: name ids, a class or a fingerprint, or say \"all\": true".into(),
+            );
+        }
+        let class = match &self.class {
+            None => None,
+            Some(c) => Some(Class::parse(c).ok_or_else(|| format!("class {c:?} is not one"))?),
+        };
+        let time = |what: &str,
+                    t: &Option<String>|
+         -> Result<Option<time::OffsetDateTime>, String> {
+            t.as_deref()
+                .map(|t| {
+                    time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                        .map_err(|e| format!("{what} {t:?}: not an RFC 3339 time ({e})"))
+                })
+                .transpose()
+        };
+        Ok(Checked {
+            class,
+            since: time("since", &self.since)?,
+            until: time("until", &self.until)?,
+        })
+    }
+
+    /// The `ops::dlq` selection that reads the letters (the rest is
+    /// filtered here).
+    pub fn reading(&self, checked: &Checked) -> dlq::Selection {
+        dlq::Selection {
+            filter: self.subject.clone(),
+            ids: self.ids.clone(),
+            since: checked.since,
+            limit: Some(PLAN_MAX + 1),
+        }
+    }
+
+    /// Whether `d` (in any stream) is taken, past what `reading` tested.
+    pub fn takes(&self, checked: &Checked, d: &DeadLetter) -> bool {
+        checked.class.is_none_or(|c| c.as_str() == d.class)
+            && self
+                .fingerprint
+                .as_deref()
+                .is_none_or(|f| f == d.fingerprint)
+            && self
+                .durable
+                .as_deref()
+                .is_none_or(|w| d.consumer.as_deref() == Some(w))
+            && checked.until.is_none_or(|u| d.stored < u)
+    }
+}
+
+/// One letter of a plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct Item {
+    pub stream: String,
+    pub seq: u64,
+    pub id: String,
+    pub durable: Option<String>,
+    pub class: &'static str,
+    pub subject: String,
+    /// Why it would not be replayed (the relay's own letters, a class
+    /// that cannot be: no body, no id).
+    pub skipped: Option<&'static str>,
+}
+
+impl Item {
+    pub fn of(stream: &str, d: &DeadLetter) -> Item {
+        let class = Class::parse(d.class).unwrap_or(Class::Other);
+        let skipped = if d.consumer.is_none() {
+            Some("the relay's own letter: fix the row and insert it again")
+        } else if !class.replayable() {
+            Some("its class cannot be replayed (see its next step)")
+        } else {
+            None
+        };
+        Item {
+            stream: stream.to_owned(),
+            seq: d.seq,
+            id: d.id.clone(),
+            durable: d.consumer.clone(),
+            class: d.class,
+            subject: d.subject.clone(),
+            skipped,
+        }
+    }
+}
+
+/// The plan's id: the selection and every letter it took, in order.
+pub fn plan_id(sel: &Selection, items: &[Item]) -> String {
+    let mut h = Sha256::new();
+    h.update(serde_json::to_vec(sel).unwrap_or_default());
+    for i in items {
+        h.update(format!(
+            "\n{}\u{0}{}\u{0}{}",
+            i.stream,
+            i.seq,
+            i.durable.as_deref().unwrap_or("")
+        ));
+    }
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The CLI command that does what a plan does.
+pub fn cli(sel: &Selection, reason: &str) -> String {
+    let mut cmd = String::from("outbox-relay dlq replay");
+    if let Some(s) = &sel.stream {
+        cmd.push_str(&format!(" --stream {s}"));
+    }
+    for id in &sel.ids {
+        cmd.push_str(&format!(" --id {id}"));
+    }
+    if let Some(f) = &sel.subject {
+        cmd.push_str(&format!(" --filter '{f}'"));
+    }
+    if let Some(s) = &sel.since {
+        cmd.push_str(&format!(" --since {s}"));
+    }
+    if sel.class.is_some()
+        || sel.fingerprint.is_some()
+        || sel.durable.is_some()
+        || sel.until.is_some()
+    {
+        cmd.push_str(
+            " (the CLI selects by stream, id, subject and time only: add the ids the plan lists)",
+        );
+    }
+    cmd.push_str(&format!(" --reason '{}'", reason.replace('\'', "")));
+    cmd
+}
+
+/// A job as it is kept.
+#[derive(Debug, Serialize)]
+pub struct Job {
+    pub id: uuid::Uuid,
+    pub idempotency_key: String,
+    pub plan_id: String,
+    pub selection: Value,
+    pub reason: String,
+    pub actor: String,
+    pub state: String,
+    pub created_at: String,
+    pub finished_at: Option<String>,
+    pub items: Vec<Value>,
+    pub progress: Value,
+}
+
+/// A job's row: id, key, plan, selection, reason, actor, state, made, ended.
+type JobRow = (
+    uuid::Uuid,
+    String,
+    String,
+    Value,
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+);
+
+const AT: &str = "'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'";
+
+/// The job `id`, with its items and progress.
+pub async fn job(pool: &PgPool, id: uuid::Uuid) -> sqlx::Result<Option<Job>> {
+    let row: Option<JobRow> =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT id, idempotency_key, plan_id, selection, reason, actor, state, \
+                    to_char(created_at AT TIME ZONE 'UTC', {AT}), to_char(finished_at AT TIME ZONE 'UTC', {AT}) \
+             FROM outbox_admin_jobs WHERE id = $1"
+        )))
+        .bind(id)
+        .fetch_optional(pool)
+        .await?;
+    let Some((
+        id,
+        idempotency_key,
+        plan_id,
+        selection,
+        reason,
+        actor,
+        state,
+        created_at,
+        finished_at,
+    )) = row
+    else {
+        return Ok(None);
+    };
+    let items: Vec<Value> = sqlx::query_scalar(
+        "SELECT jsonb_build_object('stream', stream, 'seq', seq, 'id', message_id, 'durable', durable, \
+                'result', result, 'detail', detail) \
+         FROM outbox_admin_job_items WHERE job = $1 ORDER BY ord",
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await?;
+    let count = |r: &str| items.iter().filter(|i| i["result"] == r).count();
+    let progress = json!({
+        "total": items.len(),
+        "done": items.iter().filter(|i| !i["result"].is_null()).count(),
+        "replayed": count("replayed"),
+        "already_replayed": count("already_replayed"),
+        "not_replayable": count("not_replayable"),
+        "failed": count("failed"),
+        "cancelled": count("cancelled"),
+    });
+    Ok(Some(Job {
+        id,
+        idempotency_key,
+        plan_id,
+        selection,
+        reason,
+        actor,
+        state,
+        created_at,
+        finished_at,
+        items,
+        progress,
+    }))
+}
+
+/// The job made under `key`, if any, and its plan.
+pub async fn by_key(pool: &PgPool, key: &str) -> sqlx::Result<Option<(uuid::Uuid, String)>> {
+    sqlx::query_as("SELECT id, plan_id FROM outbox_admin_jobs WHERE idempotency_key = $1")
+        .bind(key)
+        .fetch_optional(pool)
+        .await
+}
+
+/// Jobs, newest first.
+pub async fn recent(pool: &PgPool, limit: i64) -> sqlx::Result<Vec<Value>> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT jsonb_build_object('id', j.id, 'plan_id', j.plan_id, 'actor', j.actor, 'reason', j.reason, \
+                'state', j.state, 'created_at', to_char(j.created_at AT TIME ZONE 'UTC', {AT}), \
+                'total', (SELECT count(*) FROM outbox_admin_job_items i WHERE i.job = j.id), \
+                'done', (SELECT count(*) FROM outbox_admin_job_items i WHERE i.job = j.id AND i.result IS NOT NULL)) \
+         FROM outbox_admin_jobs j ORDER BY j.created_at DESC LIMIT $1"
+    )))
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// A job to make.
+pub struct NewJob<'a> {
+    pub id: uuid::Uuid,
+    pub key: &'a str,
+    pub plan: &'a str,
+    pub selection: &'a Selection,
+    pub reason: &'a str,
+    pub actor: &'a str,
+    pub items: &'a [Item],
+}
+
+/// Make the job: false when its key was taken meanwhile (another request
+/// under the same key made it first).
+pub async fn create(pool: &PgPool, job: NewJob<'_>) -> sqlx::Result<bool> {
+    let NewJob {
+        id,
+        key,
+        plan,
+        selection: sel,
+        reason,
+        actor,
+        items,
+    } = job;
+    let mut tx = pool.begin().await?;
+    let made = sqlx::query(
+        "INSERT INTO outbox_admin_jobs (id, idempotency_key, kind, plan_id, selection, reason, actor, state) \
+         VALUES ($1, $2, 'replay', $3, $4, $5, $6, 'running') ON CONFLICT (idempotency_key) DO NOTHING",
+    )
+    .bind(id)
+    .bind(key)
+    .bind(plan)
+    .bind(serde_json::to_value(sel).unwrap_or_default())
+    .bind(reason)
+    .bind(actor)
+    .execute(&mut *tx)
+    .await?;
+    if made.rows_affected() == 0 {
+        return Ok(false);
+    }
+    for (ord, i) in items.iter().enumerate() {
+        sqlx::query(
+            "INSERT INTO outbox_admin_job_items (job, ord, stream, seq, message_id, durable, result, detail, done_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, CASE WHEN $7 IS NULL THEN NULL ELSE now() END)",
+        )
+        .bind(id)
+        .bind(ord as i32)
+        .bind(&i.stream)
+        .bind(i64::try_from(i.seq).unwrap_or(i64::MAX))
+        .bind(&i.id)
+        .bind(&i.durable)
+        .bind(i.skipped.map(|_| "not_replayable"))
+        .bind(i.skipped)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Jobs a console left running when it stopped: said so, once.
+pub async fn interrupted(pool: &PgPool) -> sqlx::Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE outbox_admin_jobs SET state = 'interrupted', finished_at = now() WHERE state = 'running'",
+    )
+    .execute(pool)
+    .await?
+    .rows_affected())
+}
+
+/// What a job needs to run.
+pub struct Run {
+    pub pool: PgPool,
+    pub js: async_nats::jetstream::Context,
+    pub id: uuid::Uuid,
+    pub letters: Vec<(usize, String, DeadLetter)>,
+    pub actor: Actor,
+    pub reason: String,
+    pub plan: String,
+    /// Letters a second, at most.
+    pub rate: f64,
+    pub cancel: CancellationToken,
+}
+
+/// Replay each letter in turn, writing its result as it comes; the job's
+/// end recorded in the admin log with its figures.
+pub async fn run(r: Run) {
+    let gap = Duration::from_secs_f64(1.0 / r.rate.max(0.01));
+    let mut tick = tokio::time::interval(gap);
+    let mut cancelled = false;
+    for (ord, stream, letter) in r.letters {
+        if !cancelled {
+            tokio::select! {
+                _ = r.cancel.cancelled() => cancelled = true,
+                _ = tick.tick() => {}
+            }
+        }
+        let (result, detail) = if cancelled {
+            (
+                "cancelled".to_owned(),
+                "the job was cancelled before this letter".to_owned(),
+            )
+        } else {
+            match dlq::replay(&r.pool, &r.js, &stream, vec![letter], &r.actor.name).await {
+                Ok(mut done) => match done.pop() {
+                    Some(d) => (d.result, d.detail),
+                    None => ("failed".into(), "no result".into()),
+                },
+                Err(e) => ("failed".into(), e.to_string()),
+            }
+        };
+        let wrote = sqlx::query(
+            "UPDATE outbox_admin_job_items SET result = $3, detail = $4, done_at = now() WHERE job = $1 AND ord = $2",
+        )
+        .bind(r.id)
+        .bind(ord as i32)
+        .bind(&result)
+        .bind(&detail)
+        .execute(&r.pool)
+        .await;
+        if let Err(e) = wrote {
+            tracing::warn!(job = %r.id, error = %e, "console: a replay's result is not written");
+        }
+    }
+    let state = if cancelled { "cancelled" } else { "done" };
+    let _ =
+        sqlx::query("UPDATE outbox_admin_jobs SET state = $2, finished_at = now() WHERE id = $1")
+            .bind(r.id)
+            .bind(state)
+            .execute(&r.pool)
+            .await;
+    let figures = match job(&r.pool, r.id).await {
+        Ok(Some(j)) => j.progress,
+        _ => Value::Null,
+    };
+    let entry = Entry {
+        action: "replay.finish",
+        target: r.id.to_string(),
+        selection: json!({ "plan_id": r.plan, "progress": figures }),
+        reason: Some(r.reason),
+    };
+    if let Err(e) =
+        admin_log::record_as(&r.pool, &entry, Some(&r.actor), &format!("done: {state}")).await
+    {
+        tracing::warn!(job = %r.id, error = %e, "console: a job's end is not recorded");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_selection_must_narrow_or_say_all_and_parses_its_parts() {
+        assert!(Selection::default().check().is_err());
+        let all = Selection {
+            all: true,
+            ..Default::default()
+        };
+        assert!(all.check().is_ok());
+        let bad = Selection {
+            class: Some("nope".into()),
+            ..Default::default()
+        };
+        assert!(bad.check().unwrap_err().contains("nope"));
+        let bad = Selection {
+            ids: vec!["x".into()],
+            since: Some("yesterday".into()),
+            ..Default::default()
+        };
+        assert!(bad.check().unwrap_err().contains("RFC 3339"));
+        let ok = Selection {
+            class: Some("handler_failed".into()),
+            ..Default::default()
+        };
+        assert_eq!(ok.check().unwrap().class, Some(Class::HandlerFailed));
+    }
+
+    #[test]
+    fn a_plan_id_changes_with_the_selection_and_with_what_it_took() {
+        let sel = Selection {
+            class: Some("handler_failed".into()),
+            ..Default::default()
+        };
+        let item = |seq| Item {
+            stream: "DLQ_A".into(),
+            seq,
+            id: "x".into(),
+            durable: Some("billing".into()),
+            class: "handler_failed",
+            subject: "orders.paid".into(),
+            skipped: None,
+        };
+        let a = plan_id(&sel, &[item(1), item(2)]);
+        assert_eq!(a, plan_id(&sel, &[item(1), item(2)]));
+        assert_ne!(
+            a,
+            plan_id(&sel, &[item(1), item(2), item(3)]),
+            "a letter more"
+        );
+        assert_ne!(a, plan_id(&sel, &[item(1)]), "a letter less");
+        let other = Selection {
+            class: Some("handler_rejected".into()),
+            ..Default::default()
+        };
+        assert_ne!(a, plan_id(&other, &[item(1), item(2)]), "another selection");
+    }
+}
