@@ -433,10 +433,12 @@ async fn run(command: Command) -> Result<(), Error> {
                     None => return Err(Error::Config(format!("--operator-replay-classes {c}: not a class (schema_invalid, schema_missing, handler_rejected, handler_failed, transient_exhausted)"))),
                 }
             }
-            if !(args.replay_rate.is_finite() && args.replay_rate > 0.0) {
+            let rates = 0.0..=crate::console::replay::RATE_MAX;
+            if !(rates.contains(&args.replay_rate) && args.replay_rate > 0.0) {
                 return Err(Error::Config(format!(
-                    "--replay-rate {}: a number of letters a second, above 0",
-                    args.replay_rate
+                    "--replay-rate {}: letters a second, above 0 and at most {}",
+                    args.replay_rate,
+                    crate::console::replay::RATE_MAX
                 )));
             }
             let settings = crate::console::Settings {

@@ -195,6 +195,7 @@ impl DlqSelectArgs {
             ids: self.ids.clone(),
             since,
             limit: None,
+            headers_only: false,
         })
     }
 

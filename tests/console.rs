@@ -62,6 +62,8 @@ async fn letter(
     h.insert(wire::DLQ_ORIGINAL_SUBJECT, subject);
     h.insert(wire::DLQ_ATTEMPTS, "5");
     h.insert("X-Customer-Email", "someone@example.com");
+    // A `--header-columns` column: ours by its prefix, the event's by its value.
+    h.insert("Outbox-Customer-Phone", "+1 555 0100");
     if let Some(c) = class {
         h.insert(wire::DLQ_CLASS, c);
         let fp = outbox_relay::triage::fingerprint(
@@ -302,13 +304,23 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
             result.starts_with(&format!("denied: {status}")),
             "{route} as {who}: {result}"
         );
-        if *status == 403 {
-            assert!(
-                actor.starts_with("token:") && role == *who,
-                "{actor} {role}"
-            );
-        } else {
-            assert_eq!((actor.as_str(), role.as_str()), ("anonymous", "anonymous"));
+        match *who {
+            "viewer" | "operator" => {
+                assert!(
+                    actor.starts_with("token:") && role == *who,
+                    "{actor} {role}"
+                )
+            }
+            // A token known but no longer valid is named.
+            "expired" => assert_eq!(
+                (actor.as_str(), role.as_str()),
+                ("token:old.admin", "admin")
+            ),
+            "revoked" => assert_eq!(
+                (actor.as_str(), role.as_str()),
+                ("token:gone.admin", "admin")
+            ),
+            _ => assert_eq!((actor.as_str(), role.as_str()), ("anonymous", "anonymous")),
         }
     }
     // The CLI's changes are recorded under the database role, never $USER.
@@ -329,6 +341,17 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
     assert_eq!(seen["payload"], Value::Null, "{seen}");
     assert_eq!(seen["payload_encoding"], "masked");
     assert_eq!(seen["headers"]["X-Customer-Email"][0], "•••", "{seen}");
+    assert_eq!(seen["headers"]["Outbox-Customer-Phone"][0], "•••", "{seen}");
+    assert_eq!(
+        seen["reason"],
+        Value::Null,
+        "a 422's body may quote the payload: {seen}"
+    );
+    assert_eq!(
+        seen["headers"][wire::DLQ_CLASS][0],
+        "handler_rejected",
+        "{seen}"
+    );
     assert_eq!(seen["class"], "handler_rejected");
     assert_eq!(seen["durable"], "billing");
     assert!(
@@ -340,6 +363,10 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
     assert_eq!(
         seen["headers"]["X-Customer-Email"][0],
         "someone@example.com"
+    );
+    assert!(
+        seen["reason"].as_str().unwrap().contains("unknown sku"),
+        "{seen}"
     );
     assert_eq!(
         get(
@@ -363,6 +390,38 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
         .status,
         404
     );
+    assert_eq!(
+        get(
+            &http,
+            &base,
+            "/admin/dead-letters/DLQ_CONSOLE/one",
+            Some(&tokens["viewer"])
+        )
+        .await
+        .status,
+        400
+    );
+    // Bodies: one past the limit is 413 for a caller with a token; without
+    // one it is refused before it is read.
+    let big = serde_json::json!({ "selection": { "all": true }, "reason": "x".repeat(70 * 1024), "dry_run": true });
+    let a = post(
+        &http,
+        &base,
+        "/admin/events/replay",
+        &tokens["admin"],
+        None,
+        big.clone(),
+    )
+    .await;
+    assert_eq!(a.status, 413, "{}", a.body);
+    let a = http
+        .post(format!("{base}/admin/events/replay"))
+        .header("Content-Type", "application/json")
+        .body(big.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(a.status().as_u16(), 401);
 
     // Grouped by class: the old letter classed from its reason.
     let g = get(

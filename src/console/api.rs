@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -109,6 +109,13 @@ pub(super) struct Caller {
     pub request_id: String,
 }
 
+/// A request whose token [`authenticate`] found valid.
+#[derive(Clone)]
+pub(super) struct Authenticated {
+    token: tokens::Token,
+    request_id: String,
+}
+
 fn least(action: &str) -> Role {
     ROUTES
         .iter()
@@ -117,83 +124,152 @@ fn least(action: &str) -> Role {
         .unwrap_or(Role::Admin)
 }
 
-/// The caller, if its token is valid and its role reaches the route's;
-/// else the 401 or 403 to answer, recorded.
-async fn guard(
-    c: &Console,
-    headers: &HeaderMap,
-    action: &'static str,
-    target: &str,
-) -> Result<Caller, Response> {
+fn unauthorized(why: &str, request_id: &str) -> Response {
+    let mut resp = problem(StatusCode::UNAUTHORIZED, why).into_response();
+    resp.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"outbox-relay\""),
+    );
+    with_id(resp, request_id)
+}
+
+/// Every `/admin/` request but the OpenAPI document names a valid token,
+/// checked before anything else of it is read (its body, a place among
+/// the requests at once): a client without one holds nothing. A refusal
+/// is a 401, recorded.
+pub(super) async fn authenticate(
+    State(c): State<Console>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let path = req.uri().path().to_owned();
+    if !path.starts_with("/admin/") || path == "/admin/openapi.json" {
+        return next.run(req).await;
+    }
     let request_id = uuid::Uuid::new_v4().to_string();
-    let bearer = headers
+    let target = format!("{} {path}", req.method());
+    let bearer = req
+        .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
             let (scheme, rest) = v.split_once(' ')?;
-            scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then(|| rest.trim().to_owned())
         });
-    let need = least(action);
-    let refused = |status: StatusCode, why: String, who: Option<&tokens::Token>| {
-        let actor = Actor {
-            name: who.map_or_else(|| "anonymous".to_owned(), |t| format!("token:{}", t.name)),
-            role: who.map_or("anonymous", |t| t.role.as_str()),
-            request_id: request_id.clone(),
-        };
-        (status, why, actor)
-    };
-    let (status, why, actor) = match bearer {
-        None => refused(
-            StatusCode::UNAUTHORIZED,
+    let anonymous = |why: String| (why, "anonymous".to_owned(), "anonymous");
+    let (why, actor, role) = match bearer {
+        None => anonymous(
             "no token: send `Authorization: Bearer <token>` (`outbox-relay admin token create`)"
                 .into(),
-            None,
         ),
-        Some(secret) => match tokens::check(&c.0.pool, secret).await {
-            Err(e) => {
-                tracing::warn!(error = %e, "console: cannot check a token");
-                return Err(with_id(
+        Some(secret) => {
+            // A flood of made-up tokens waits on these few checks, not on
+            // the pool the jobs write through.
+            let Ok(_check) = c.0.checks.try_acquire() else {
+                return with_id(
                     problem(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        "cannot check the token now (Postgres unreachable?); retry",
+                        "busy: too many token checks at once; retry",
                     )
                     .into_response(),
                     &request_id,
-                ));
-            }
-            Ok(Checked::Unknown) => refused(StatusCode::UNAUTHORIZED, "unknown token".into(), None),
-            Ok(Checked::Expired(name)) => refused(
-                StatusCode::UNAUTHORIZED,
-                format!("token {name} has expired: make a new one"),
-                None,
-            ),
-            Ok(Checked::Revoked(name)) => refused(
-                StatusCode::UNAUTHORIZED,
-                format!("token {name} is revoked"),
-                None,
-            ),
-            Ok(Checked::Valid(token)) if token.role >= need => {
-                return Ok(Caller { token, request_id });
-            }
-            Ok(Checked::Valid(token)) => refused(
-                StatusCode::FORBIDDEN,
-                format!(
-                    "token {} is {}; {action} needs {need}",
-                    token.name, token.role
+                );
+            };
+            match tokio::time::timeout(CHECK_TIME, tokens::check(&c.0.pool, &secret)).await {
+                Ok(Ok(Checked::Valid(token))) => {
+                    req.extensions_mut()
+                        .insert(Authenticated { token, request_id });
+                    return next.run(req).await;
+                }
+                Ok(Ok(Checked::Unknown)) => anonymous("unknown token".into()),
+                Ok(Ok(Checked::Expired(t))) => (
+                    format!("token {} has expired: make a new one", t.name),
+                    format!("token:{}", t.name),
+                    t.role.as_str(),
                 ),
-                Some(&token),
-            ),
-        },
+                Ok(Ok(Checked::Revoked(t))) => (
+                    format!("token {} is revoked", t.name),
+                    format!("token:{}", t.name),
+                    t.role.as_str(),
+                ),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "console: cannot check a token");
+                    return with_id(
+                        problem(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "cannot check the token now (Postgres unreachable?); retry",
+                        )
+                        .into_response(),
+                        &request_id,
+                    );
+                }
+                Err(_) => {
+                    return with_id(
+                        problem(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "checking the token took too long; retry",
+                        )
+                        .into_response(),
+                        &request_id,
+                    );
+                }
+            }
+        }
     };
-    record_denial(c, action, target, &actor, status, &why).await;
-    let mut resp = problem(status, &why).into_response();
-    if status == StatusCode::UNAUTHORIZED {
-        resp.headers_mut().insert(
-            header::WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer realm=\"outbox-relay\""),
-        );
+    let actor = Actor {
+        name: actor,
+        role,
+        request_id: request_id.clone(),
+    };
+    record_denial(
+        &c,
+        "request",
+        &target,
+        &actor,
+        StatusCode::UNAUTHORIZED,
+        &why,
+        false,
+    )
+    .await;
+    unauthorized(&why, &request_id)
+}
+
+/// How long a token check may take.
+const CHECK_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The caller, if its token's role reaches the route's; else the 403 to
+/// answer, recorded (always: a valid token's refusal is never one of a
+/// flood's).
+async fn guard(
+    c: &Console,
+    auth: &Authenticated,
+    action: &'static str,
+    target: &str,
+) -> Result<Caller, Response> {
+    let need = least(action);
+    let token = auth.token.clone();
+    if token.role >= need {
+        return Ok(Caller {
+            token,
+            request_id: auth.request_id.clone(),
+        });
     }
-    Err(with_id(resp, &request_id))
+    let why = format!(
+        "token {} is {}; {action} needs {need}",
+        token.name, token.role
+    );
+    let actor = Actor {
+        name: format!("token:{}", token.name),
+        role: token.role.as_str(),
+        request_id: auth.request_id.clone(),
+    };
+    record_denial(c, action, target, &actor, StatusCode::FORBIDDEN, &why, true).await;
+    Err(with_id(
+        problem(StatusCode::FORBIDDEN, &why).into_response(),
+        &auth.request_id,
+    ))
 }
 
 async fn record_denial(
@@ -203,6 +279,7 @@ async fn record_denial(
     actor: &Actor,
     status: StatusCode,
     why: &str,
+    always: bool,
 ) {
     let entry = Entry {
         action,
@@ -210,7 +287,8 @@ async fn record_denial(
         selection: json!({}),
         reason: None,
     };
-    match c.admit_denial() {
+    let admitted = if always { Some(0) } else { c.admit_denial() };
+    match admitted {
         Some(unrecorded) => {
             let mut result = format!("denied: {} {why}", status.as_u16());
             if unrecorded > 0 {
@@ -240,8 +318,8 @@ fn ok(caller: &Caller, body: Value) -> Response {
     with_id(Json(body).into_response(), &caller.request_id)
 }
 
-async fn whoami(State(c): State<Console>, headers: HeaderMap) -> Response {
-    match guard(&c, &headers, "whoami", "").await {
+async fn whoami(State(c): State<Console>, Extension(auth): Extension<Authenticated>) -> Response {
+    match guard(&c, &auth, "whoami", "").await {
         Ok(caller) => ok(&caller, json!({ "token": caller.token })),
         Err(resp) => resp,
     }
@@ -272,6 +350,19 @@ fn rfc3339(t: time::OffsetDateTime) -> String {
 /// key-value and object stores.
 async fn streams(c: &Console, only: Option<&str>) -> Result<Vec<String>, Response> {
     if let Some(s) = only {
+        let given = &c.0.settings.streams;
+        let allowed = if given.is_empty() {
+            !s.starts_with("KV_") && !s.starts_with("OBJ_")
+        } else {
+            given.iter().any(|g| g == s)
+        };
+        if !allowed {
+            return Err(problem(
+                StatusCode::NOT_FOUND,
+                &format!("the console does not read stream {s} (--streams)"),
+            )
+            .into_response());
+        }
         return Ok(vec![s.to_owned()]);
     }
     if !c.0.settings.streams.is_empty() {
@@ -300,10 +391,10 @@ async fn streams(c: &Console, only: Option<&str>) -> Result<Vec<String>, Respons
 /// fingerprint, subject, durable, age), `?stream=`, `?class=`.
 async fn dead_letters(
     State(c): State<Console>,
-    headers: HeaderMap,
+    Extension(auth): Extension<Authenticated>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let caller = match guard(&c, &headers, "dead_letters.read", "").await {
+    let caller = match guard(&c, &auth, "dead_letters.read", "").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
@@ -344,8 +435,18 @@ async fn dead_letters(
     };
     let sel = dlq::Selection {
         limit: Some(LIST_MAX),
+        headers_only: true,
         ..Default::default()
     };
+    // Few listings at once: each holds up to LIST_MAX letters' headers.
+    let Ok(_listing) = c.0.listings.try_acquire() else {
+        return answer(
+            &caller,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy: other listings run; retry",
+        );
+    };
+    let masked = caller.token.role < Role::Operator;
     let js = c.0.js.clone();
     let read: Vec<(String, crate::error::Result<Vec<dlq::DeadLetter>>)> =
         futures::stream::iter(names)
@@ -392,7 +493,12 @@ async fn dead_letters(
                 count: 0,
                 first: d.stored,
                 last: d.stored,
-                example: json!({ "stream": stream, "seq": d.seq, "id": d.id, "reason": d.reason }),
+                example: json!({
+                    "stream": stream,
+                    "seq": d.seq,
+                    "id": d.id,
+                    "reason": if masked { Value::Null } else { Value::String(d.reason.clone()) },
+                }),
             });
             g.count += 1;
             g.first = g.first.min(d.stored);
@@ -442,11 +548,11 @@ struct Group {
 /// and next step, and the commands that act on it.
 async fn dead_letter(
     State(c): State<Console>,
-    headers: HeaderMap,
-    Path((stream, seq)): Path<(String, u64)>,
+    Extension(auth): Extension<Authenticated>,
+    Path((stream, seq)): Path<(String, String)>,
 ) -> Response {
     let target = format!("{stream}/{seq}");
-    let caller = match guard(&c, &headers, "dead_letter.read", &target).await {
+    let caller = match guard(&c, &auth, "dead_letter.read", &target).await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
@@ -456,6 +562,16 @@ async fn dead_letter(
             &caller.request_id,
         )
     };
+    let Ok(seq) = seq.parse::<u64>() else {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "a sequence is a whole number",
+        );
+    };
+    if let Err(resp) = streams(&c, Some(&stream)).await {
+        return with_id(resp, &caller.request_id);
+    }
     let Ok(s) = c.0.js.get_stream(&stream).await else {
         return not_found(format!("no stream {stream}"));
     };
@@ -481,13 +597,11 @@ async fn dead_letter(
     let mut shown: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (k, vs) in h.iter() {
         let name = k.to_string();
-        let ours = {
-            let lower = name.to_ascii_lowercase();
-            lower.starts_with("outbox-") || lower.starts_with("nats-")
-        };
+        // Only names whose values carry no event data are shown to a
+        // viewer: `--header-columns` sends columns as `Outbox-<Column>`.
+        let plain = PLAIN_HEADERS.iter().any(|p| p.eq_ignore_ascii_case(&name));
         for v in vs {
-            // A user header column may carry what the body does.
-            let value = if masked && !ours {
+            let value = if masked && !plain {
                 "•••".to_owned()
             } else {
                 v.as_str().to_owned()
@@ -524,30 +638,70 @@ async fn dead_letter(
             "fingerprint": fingerprint,
             "next_step": class.next_step(),
             "replayable": class.replayable() && consumer.is_some(),
-            "reason": reason,
-            "detail": detail,
+            // A 422's body or a schema error quotes the payload.
+            "reason": if masked { Value::Null } else { Value::String(reason) },
+            "detail": if masked { Value::Null } else { json!(detail) },
             "attempts": get(wire::DLQ_ATTEMPTS).and_then(|a| a.parse::<i64>().ok()),
             "headers": shown,
             "payload": payload,
             "payload_encoding": encoding,
             "payload_bytes": m.payload.len(),
-            "cli": {
-                "list": format!("outbox-relay dlq list --stream {stream} --id {id}"),
-                "replay": format!("outbox-relay dlq replay --stream {stream} --id {id} --reason '<why>'"),
-                "outbox_row": format!("SELECT * FROM outbox_events WHERE id::text = '{id}'"),
-                "audit": format!("outbox-relay audit --since {since}"),
-            },
+            "cli": commands(&stream, &id, &since),
         }),
     )
+}
+
+/// Headers shown to a viewer as they are: ours, which carry no event
+/// data. Every other (a user header column) is masked.
+const PLAIN_HEADERS: &[&str] = &[
+    wire::MSG_ID,
+    wire::DLQ_REASON,
+    wire::DLQ_CLASS,
+    wire::DLQ_FINGERPRINT,
+    wire::DLQ_ATTEMPTS,
+    wire::DLQ_CONSUMER,
+    wire::DLQ_ORIGINAL_ID,
+    wire::DLQ_ORIGINAL_SUBJECT,
+    wire::DLQ_ORIGINAL_STREAM,
+    wire::DLQ_ORIGINAL_SEQ,
+    wire::DLQ_PAYLOAD_OMITTED,
+    wire::EVENT_TYPE,
+    wire::EVENT_VERSION,
+    wire::OCCURRED_AT,
+    wire::SOURCE,
+    wire::COMMIT_LSN,
+    wire::TXN_INDEX,
+];
+
+/// The commands that act on a letter, when its id is one to put in a
+/// command (a message id: a UUID); otherwise none (a producer's header
+/// is not pasted into a shell or a query).
+fn commands(stream: &str, id: &str, since: &str) -> Value {
+    let Ok(id) = uuid::Uuid::parse_str(id) else {
+        return Value::Null;
+    };
+    let stream_ok = !stream.is_empty()
+        && stream
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'));
+    if !stream_ok {
+        return Value::Null;
+    }
+    json!({
+        "list": format!("outbox-relay dlq list --stream {stream} --id {id}"),
+        "replay": format!("outbox-relay dlq replay --stream {stream} --id {id} --reason '<why>'"),
+        "outbox_row": format!("SELECT * FROM outbox_events WHERE id::text = '{id}'"),
+        "audit": format!("outbox-relay audit --since {since}"),
+    })
 }
 
 /// `outbox_admin_log`, oldest first: `?after=<seq>&limit=<n>`.
 async fn log(
     State(c): State<Console>,
-    headers: HeaderMap,
+    Extension(auth): Extension<Authenticated>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let caller = match guard(&c, &headers, "log.read", "outbox_admin_log").await {
+    let caller = match guard(&c, &auth, "log.read", "outbox_admin_log").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
@@ -594,10 +748,10 @@ async fn log(
 
 async fn log_verify(
     State(c): State<Console>,
-    headers: HeaderMap,
+    Extension(auth): Extension<Authenticated>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let caller = match guard(&c, &headers, "log.verify", "outbox_admin_log").await {
+    let caller = match guard(&c, &auth, "log.verify", "outbox_admin_log").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
@@ -618,8 +772,11 @@ async fn log_verify(
     }
 }
 
-async fn token_list(State(c): State<Console>, headers: HeaderMap) -> Response {
-    let caller = match guard(&c, &headers, "tokens.read", "outbox_admin_tokens").await {
+async fn token_list(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+) -> Response {
+    let caller = match guard(&c, &auth, "tokens.read", "outbox_admin_tokens").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
@@ -661,7 +818,7 @@ async fn plan_letters(
     c: &Console,
     caller: &Caller,
     sel: &Selection,
-) -> Result<Vec<(String, dlq::DeadLetter)>, Response> {
+) -> Result<Vec<(String, String, dlq::DeadLetter)>, Response> {
     let checked = sel
         .check()
         .map_err(|why| answer(caller, StatusCode::BAD_REQUEST, &why))?;
@@ -671,18 +828,35 @@ async fn plan_letters(
     let reading = sel.reading(&checked);
     let mut out = Vec::new();
     for name in names {
-        let letters = dlq::list(&c.0.js, &name, &reading).await.map_err(|e| {
+        let unreadable = |e: String| {
             answer(
                 caller,
                 StatusCode::SERVICE_UNAVAILABLE,
                 &format!("reading {name}: {e}; a plan needs every letter it takes"),
             )
-        })?;
+        };
+        let created = match c.0.js.get_stream(&name).await {
+            Ok(s) => rfc3339(s.cached_info().created),
+            Err(e) => return Err(unreadable(e.to_string())),
+        };
+        let letters = dlq::list(&c.0.js, &name, &reading)
+            .await
+            .map_err(|e| unreadable(e.to_string()))?;
+        if letters.len() >= replay::READ_MAX {
+            return Err(answer(
+                caller,
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "{name} holds more than {} letters the selection's ids, subject and since take: narrow them, so that a plan reads all it takes",
+                    replay::READ_MAX
+                ),
+            ));
+        }
         out.extend(
             letters
                 .into_iter()
                 .filter(|d| sel.takes(&checked, d))
-                .map(|d| (name.clone(), d)),
+                .map(|d| (name.clone(), created.clone(), d)),
         );
         if out.len() > replay::PLAN_MAX {
             return Err(answer(
@@ -723,21 +897,23 @@ async fn job_answer(c: &Console, caller: &Caller, id: uuid::Uuid, before: bool) 
 /// started before (200), whatever the letters now.
 async fn events_replay(
     State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
     headers: HeaderMap,
     body: Result<Json<ReplayRequest>, JsonRejection>,
 ) -> Response {
-    let caller = match guard(&c, &headers, "replay", "").await {
+    let caller = match guard(&c, &auth, "replay", "").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
     let req = match body {
         Ok(Json(req)) => req,
         Err(e) => {
-            return answer(
-                &caller,
-                StatusCode::BAD_REQUEST,
-                &format!("the body: {}", e.body_text()),
-            )
+            let status = match e.status() {
+                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return answer(&caller, status, &format!("the body: {}", e.body_text()));
         }
     };
     let reason = req
@@ -792,7 +968,12 @@ async fn events_replay(
         Ok(l) => l,
         Err(resp) => return resp,
     };
-    let items: Vec<Item> = letters.iter().map(|(s, d)| Item::of(s, d)).collect();
+    let items: Vec<Item> = letters
+        .iter()
+        .map(|(s, created, d)| Item::of(s, created, d))
+        .collect();
+    let letters: Vec<(String, dlq::DeadLetter)> =
+        letters.into_iter().map(|(s, _, d)| (s, d)).collect();
     let plan = replay::plan_id(&req.selection, &items);
     let to_replay = items.iter().filter(|i| i.skipped.is_none()).count();
     let selection = serde_json::to_value(&req.selection).unwrap_or_default();
@@ -875,95 +1056,155 @@ async fn events_replay(
             &caller_actor(&caller),
             StatusCode::FORBIDDEN,
             &why,
+            true,
         )
         .await;
         return answer(&caller, StatusCode::FORBIDDEN, &why);
     }
+    // Made, recorded and run by a task of its own: a request cut short (its
+    // client gone, its time up) must not leave a job made and never run.
+    let (made_tx, made_rx) = tokio::sync::oneshot::channel();
+    let run = Start {
+        console: c.clone(),
+        key: key.clone(),
+        plan: plan.clone(),
+        selection: req.selection.clone(),
+        reason,
+        actor: caller_actor(&caller),
+        items,
+        letters,
+    };
+    tokio::spawn(start(run, made_tx));
+    match made_rx.await {
+        Ok(Made::Started(id)) => {
+            let mut resp = job_answer(&c, &caller, id, false).await;
+            if resp.status() == StatusCode::OK {
+                *resp.status_mut() = StatusCode::ACCEPTED;
+            }
+            resp
+        }
+        Ok(Made::Before(id, before)) if before == plan => job_answer(&c, &caller, id, true).await,
+        Ok(Made::Before(id, before)) => answer(
+            &caller,
+            StatusCode::CONFLICT,
+            &format!("Idempotency-Key {key:?} ran plan {before} (job {id}): another plan needs another key"),
+        ),
+        Ok(Made::Failed(why)) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &why),
+        Err(_) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, "the job's task ended"),
+    }
+}
+
+/// What making a job came to.
+enum Made {
+    Started(uuid::Uuid),
+    /// The key's job, made a moment before by another request, and its plan.
+    Before(uuid::Uuid, String),
+    Failed(String),
+}
+
+/// A job to make, record and run.
+struct Start {
+    console: Console,
+    key: String,
+    plan: String,
+    selection: Selection,
+    reason: String,
+    actor: Actor,
+    items: Vec<Item>,
+    letters: Vec<(String, dlq::DeadLetter)>,
+}
+
+/// Make the job, record its start (a job that cannot be recorded does not
+/// run, as a command that cannot be does not), say so, then run it.
+async fn start(s: Start, made: tokio::sync::oneshot::Sender<Made>) {
+    let c = &s.console;
     let id = uuid::Uuid::new_v4();
-    let actor = caller_actor(&caller);
-    let made = replay::create(
+    let created = replay::create(
         &c.0.pool,
         replay::NewJob {
             id,
-            key: &key,
-            plan: &plan,
-            selection: &req.selection,
-            reason: &reason,
-            actor: &actor.name,
-            items: &items,
+            key: &s.key,
+            plan: &s.plan,
+            selection: &s.selection,
+            reason: &s.reason,
+            actor: &s.actor.name,
+            items: &s.items,
         },
     )
     .await;
-    match made {
+    match created {
         Ok(true) => {}
-        // The same key, a moment before: that job.
         Ok(false) => {
-            return match replay::by_key(&c.0.pool, &key).await {
-                Ok(Some((id, _))) => job_answer(&c, &caller, id, true).await,
-                _ => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, "reading the job"),
-            };
+            let _ = made.send(match replay::by_key(&c.0.pool, &s.key).await {
+                Ok(Some((id, plan))) => Made::Before(id, plan),
+                _ => Made::Failed("reading the key's job".into()),
+            });
+            return;
         }
         Err(e) => {
-            return answer(
-                &caller,
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("making the job: {e}"),
-            )
+            let _ = made.send(Made::Failed(format!("making the job: {e}")));
+            return;
         }
     }
-    record(
-        &c,
-        &caller,
-        Entry {
-            action: "replay.start",
-            target: id.to_string(),
-            selection: json!({ "plan_id": plan, "selection": selection, "idempotency_key": key }),
-            reason: Some(reason.clone()),
-        },
+    let to_replay = s.items.iter().filter(|i| i.skipped.is_none()).count();
+    let entry = Entry {
+        action: "replay.start",
+        target: id.to_string(),
+        selection: json!({
+            "plan_id": s.plan,
+            "selection": serde_json::to_value(&s.selection).unwrap_or_default(),
+            "idempotency_key": s.key,
+        }),
+        reason: Some(s.reason.clone()),
+    };
+    let recorded = admin_log::record_as(
+        &c.0.pool,
+        &entry,
+        Some(&s.actor),
         &format!("done: job {id}, {to_replay} letters to replay"),
     )
     .await;
+    if let Err(e) = recorded {
+        replay::fail(&c.0.pool, id).await;
+        let _ = made.send(Made::Failed(format!(
+            "the job cannot be recorded in outbox_admin_log ({e}): it does not run"
+        )));
+        return;
+    }
     let cancel = tokio_util::sync::CancellationToken::new();
     c.0.jobs
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .insert(id, cancel.clone());
-    let run = replay::Run {
+    let _ = made.send(Made::Started(id));
+    let letters = s
+        .letters
+        .into_iter()
+        .zip(&s.items)
+        .enumerate()
+        .filter(|(_, (_, i))| i.skipped.is_none())
+        .map(|(ord, ((stream, d), _))| (ord, stream, d))
+        .collect();
+    replay::run(replay::Run {
         pool: c.0.pool.clone(),
         js: c.0.js.clone(),
         id,
-        letters: letters
-            .into_iter()
-            .zip(&items)
-            .enumerate()
-            .filter(|(_, (_, i))| i.skipped.is_none())
-            .map(|(ord, ((stream, d), _))| (ord, stream, d))
-            .collect(),
-        actor,
-        reason,
-        plan,
+        letters,
+        actor: s.actor,
+        reason: s.reason,
+        plan: s.plan,
         rate: c.0.settings.replay_rate,
         cancel,
-    };
-    let console = c.clone();
-    tokio::spawn(async move {
-        replay::run(run).await;
-        console
-            .0
-            .jobs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
-    });
-    let mut resp = job_answer(&c, &caller, id, false).await;
-    if resp.status() == StatusCode::OK {
-        *resp.status_mut() = StatusCode::ACCEPTED;
-    }
-    resp
+    })
+    .await;
+    c.0.jobs
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id);
 }
 
-async fn jobs(State(c): State<Console>, headers: HeaderMap) -> Response {
-    let caller = match guard(&c, &headers, "jobs.read", "outbox_admin_jobs").await {
+async fn jobs(State(c): State<Console>, Extension(auth): Extension<Authenticated>) -> Response {
+    let caller = match guard(&c, &auth, "jobs.read", "outbox_admin_jobs").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
@@ -973,8 +1214,12 @@ async fn jobs(State(c): State<Console>, headers: HeaderMap) -> Response {
     }
 }
 
-async fn job(State(c): State<Console>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let caller = match guard(&c, &headers, "job.read", &id).await {
+async fn job(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+    Path(id): Path<String>,
+) -> Response {
+    let caller = match guard(&c, &auth, "job.read", &id).await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
@@ -986,10 +1231,10 @@ async fn job(State(c): State<Console>, headers: HeaderMap, Path(id): Path<String
 
 async fn job_cancel(
     State(c): State<Console>,
-    headers: HeaderMap,
+    Extension(auth): Extension<Authenticated>,
     Path(id): Path<String>,
 ) -> Response {
-    let caller = match guard(&c, &headers, "job.cancel", &id).await {
+    let caller = match guard(&c, &auth, "job.cancel", &id).await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };

@@ -18,7 +18,6 @@ pub mod tokens;
 pub mod replay;
 
 mod api;
-mod listener;
 mod state;
 
 pub use state::Settings;
@@ -83,9 +82,15 @@ pub async fn serve(
             console.clone(),
             bounded,
         ))
+        // Outside the bound: a request without a valid token takes no
+        // place among the requests at once, and its body is never read.
+        .layer(axum::middleware::from_fn_with_state(
+            console.clone(),
+            api::authenticate,
+        ))
         .layer(DefaultBodyLimit::max(BODY_MAX))
         .with_state(console);
-    let listener = listener::Limited::new(listener, CONNECTIONS_MAX, IDLE_READ);
+    let listener = crate::ops::listener::Limited::new(listener, CONNECTIONS_MAX, IDLE_READ);
     let done = tokio::spawn(async move {
         let serve = axum::serve(listener, app)
             .with_graceful_shutdown(async move { stop.cancelled().await });

@@ -25,6 +25,13 @@ use crate::triage::Class;
 /// The letters a selection may take, at most: a larger one is refused
 /// (narrow it), never cut short.
 pub const PLAN_MAX: usize = 10_000;
+/// The letters of one stream read for a plan, at most, before the class,
+/// fingerprint, durable and time tests: a stream holding more that the
+/// reading's own tests (ids, subject, since) take is refused too, since a
+/// plan of the first ones read would be cut short.
+pub const READ_MAX: usize = 100_000;
+/// A replay job's rate is at most this (letters a second).
+pub const RATE_MAX: f64 = 1_000.0;
 
 /// The migration, for `migrate --admin-log-only`.
 pub const TABLE: &str = include_str!("../../migrations/0013_admin_jobs.sql");
@@ -101,7 +108,8 @@ impl Selection {
             filter: self.subject.clone(),
             ids: self.ids.clone(),
             since: checked.since,
-            limit: Some(PLAN_MAX + 1),
+            limit: Some(READ_MAX),
+            headers_only: false,
         }
     }
 
@@ -124,6 +132,10 @@ impl Selection {
 #[derive(Debug, Clone, Serialize)]
 pub struct Item {
     pub stream: String,
+    /// The stream's creation time: a stream deleted and made again numbers
+    /// its letters from 1 again, and a plan must not take those for its own.
+    #[serde(skip)]
+    pub created: String,
     pub seq: u64,
     pub id: String,
     pub durable: Option<String>,
@@ -135,7 +147,7 @@ pub struct Item {
 }
 
 impl Item {
-    pub fn of(stream: &str, d: &DeadLetter) -> Item {
+    pub fn of(stream: &str, created: &str, d: &DeadLetter) -> Item {
         let class = Class::parse(d.class).unwrap_or(Class::Other);
         let skipped = if d.consumer.is_none() {
             Some("the relay's own letter: fix the row and insert it again")
@@ -146,6 +158,7 @@ impl Item {
         };
         Item {
             stream: stream.to_owned(),
+            created: created.to_owned(),
             seq: d.seq,
             id: d.id.clone(),
             durable: d.consumer.clone(),
@@ -156,17 +169,27 @@ impl Item {
     }
 }
 
-/// The plan's id: the selection and every letter it took, in order.
+/// The plan's id: the selection and every letter it took, in order, each
+/// by its stream (and that stream's making), sequence, id, durable and
+/// class.
 pub fn plan_id(sel: &Selection, items: &[Item]) -> String {
     let mut h = Sha256::new();
     h.update(serde_json::to_vec(sel).unwrap_or_default());
     for i in items {
-        h.update(format!(
-            "\n{}\u{0}{}\u{0}{}",
-            i.stream,
-            i.seq,
-            i.durable.as_deref().unwrap_or("")
-        ));
+        let seq = i.seq.to_string();
+        let fields = [
+            i.stream.as_str(),
+            i.created.as_str(),
+            seq.as_str(),
+            i.id.as_str(),
+            i.durable.as_deref().unwrap_or(""),
+            i.class,
+        ];
+        h.update(b"\n");
+        for f in fields {
+            h.update((f.len() as u64).to_be_bytes());
+            h.update(f.as_bytes());
+        }
     }
     h.finalize()[..16]
         .iter()
@@ -352,24 +375,48 @@ pub async fn create(pool: &PgPool, job: NewJob<'_>) -> sqlx::Result<bool> {
     if made.rows_affected() == 0 {
         return Ok(false);
     }
-    for (ord, i) in items.iter().enumerate() {
-        sqlx::query(
-            "INSERT INTO outbox_admin_job_items (job, ord, stream, seq, message_id, durable, result, detail, done_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, CASE WHEN $7 IS NULL THEN NULL ELSE now() END)",
-        )
-        .bind(id)
-        .bind(ord as i32)
-        .bind(&i.stream)
-        .bind(i64::try_from(i.seq).unwrap_or(i64::MAX))
-        .bind(&i.id)
-        .bind(&i.durable)
-        .bind(i.skipped.map(|_| "not_replayable"))
-        .bind(i.skipped)
-        .execute(&mut *tx)
-        .await?;
-    }
+    // One statement for every item (up to PLAN_MAX).
+    let ords: Vec<i32> = (0..items.len() as i32).collect();
+    let streams: Vec<&str> = items.iter().map(|i| i.stream.as_str()).collect();
+    let seqs: Vec<i64> = items
+        .iter()
+        .map(|i| i64::try_from(i.seq).unwrap_or(i64::MAX))
+        .collect();
+    let ids: Vec<&str> = items.iter().map(|i| i.id.as_str()).collect();
+    let durables: Vec<Option<&str>> = items.iter().map(|i| i.durable.as_deref()).collect();
+    let results: Vec<Option<&str>> = items
+        .iter()
+        .map(|i| i.skipped.map(|_| "not_replayable"))
+        .collect();
+    let details: Vec<Option<&str>> = items.iter().map(|i| i.skipped).collect();
+    sqlx::query(
+        "INSERT INTO outbox_admin_job_items (job, ord, stream, seq, message_id, durable, result, detail, done_at) \
+         SELECT $1, o, s, q, m, d, r, t, CASE WHEN r IS NULL THEN NULL ELSE now() END \
+         FROM unnest($2::int4[], $3::text[], $4::int8[], $5::text[], $6::text[], $7::text[], $8::text[]) \
+             AS u(o, s, q, m, d, r, t)",
+    )
+    .bind(id)
+    .bind(&ords)
+    .bind(&streams)
+    .bind(&seqs)
+    .bind(&ids)
+    .bind(&durables)
+    .bind(&results)
+    .bind(&details)
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(true)
+}
+
+/// A job made but not run (its start could not be recorded).
+pub async fn fail(pool: &PgPool, id: uuid::Uuid) {
+    let _ = sqlx::query(
+        "UPDATE outbox_admin_jobs SET state = 'failed', finished_at = now() WHERE id = $1",
+    )
+    .bind(id)
+    .execute(pool)
+    .await;
 }
 
 /// Jobs a console left running when it stopped: said so, once.
@@ -399,7 +446,7 @@ pub struct Run {
 /// Replay each letter in turn, writing its result as it comes; the job's
 /// end recorded in the admin log with its figures.
 pub async fn run(r: Run) {
-    let gap = Duration::from_secs_f64(1.0 / r.rate.max(0.01));
+    let gap = Duration::from_secs_f64(1.0 / r.rate.clamp(0.01, RATE_MAX));
     let mut tick = tokio::time::interval(gap);
     let mut cancelled = false;
     for (ord, stream, letter) in r.letters {
@@ -498,6 +545,7 @@ mod tests {
         };
         let item = |seq| Item {
             stream: "DLQ_A".into(),
+            created: "2026-11-30T00:00:00Z".into(),
             seq,
             id: "x".into(),
             durable: Some("billing".into()),
@@ -518,5 +566,20 @@ mod tests {
             ..Default::default()
         };
         assert_ne!(a, plan_id(&other, &[item(1), item(2)]), "another selection");
+        // The stream made again: its letters numbered from 1 again.
+        let mut remade = item(1);
+        remade.created = "2026-12-01T00:00:00Z".into();
+        assert_ne!(
+            a,
+            plan_id(&sel, &[remade, item(2)]),
+            "another stream of that name"
+        );
+        let mut other_letter = item(1);
+        other_letter.id = "y".into();
+        assert_ne!(
+            a,
+            plan_id(&sel, &[other_letter, item(2)]),
+            "another letter at that place"
+        );
     }
 }

@@ -27,6 +27,10 @@ pub(crate) struct Inner {
     pub pool: PgPool,
     pub js: jetstream::Context,
     pub busy: Arc<Semaphore>,
+    /// Token checks at once.
+    pub checks: Semaphore,
+    /// Listings of dead letters at once (each holds many letters' headers).
+    pub listings: Semaphore,
     pub settings: Settings,
     /// The replay jobs this console runs, to cancel.
     pub jobs: Mutex<HashMap<uuid::Uuid, CancellationToken>>,
@@ -64,6 +68,8 @@ impl Console {
             pool,
             js,
             busy,
+            checks: Semaphore::new(8),
+            listings: Semaphore::new(2),
             settings,
             jobs: Mutex::new(HashMap::new()),
             denials: Mutex::new(Denials::default()),

@@ -77,8 +77,8 @@ pub enum Checked {
     Valid(Token),
     /// Not one of ours (or not a token at all).
     Unknown,
-    Expired(String),
-    Revoked(String),
+    Expired(Token),
+    Revoked(Token),
 }
 
 /// Whether `name` is a token name: lowercase letters, digits, `.`, `_`,
@@ -221,8 +221,8 @@ pub async fn check(pool: &PgPool, secret: &str) -> Result<Checked> {
     .map_err(table_error("checking a token"))?;
     Ok(match row.map(token) {
         None => Checked::Unknown,
-        Some(t) if t.state == "revoked" => Checked::Revoked(t.name),
-        Some(t) if t.state == "expired" => Checked::Expired(t.name),
+        Some(t) if t.state == "revoked" => Checked::Revoked(t),
+        Some(t) if t.state == "expired" => Checked::Expired(t),
         Some(t) => Checked::Valid(t),
     })
 }

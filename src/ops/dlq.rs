@@ -73,6 +73,8 @@ pub struct Selection {
     /// Read no more than this many letters (the console's bound): a list
     /// this long may have been cut short, and its reader says so.
     pub limit: Option<usize>,
+    /// Headers only, no bodies (the console's grouping).
+    pub headers_only: bool,
 }
 
 impl Selection {
@@ -123,6 +125,7 @@ pub async fn list(
             deliver_policy: consumer::DeliverPolicy::All,
             ack_policy: consumer::AckPolicy::None,
             filter_subject,
+            headers_only: sel.headers_only,
             inactive_threshold: Duration::from_secs(10),
             ..Default::default()
         })
@@ -220,7 +223,6 @@ pub async fn replay(
             .unwrap_or_default(),
     };
     let mut out = Vec::new();
-    let mut lives_here: std::collections::HashMap<String, bool> = Default::default();
     for d in letters {
         let Some(durable) = d.consumer.clone() else {
             out.push(Replayed {
@@ -249,6 +251,7 @@ pub async fn replay(
             ));
             continue;
         };
+        let (uuid, subject) = (uuid, d.subject.clone());
         if d.headers.get(wire::DLQ_PAYLOAD_OMITTED).map(|v| v.as_str()) == Some(wire::EXPIRED) {
             out.push(entry(
                 "not_replayable",
@@ -261,15 +264,7 @@ pub async fn replay(
         // the copy is acked as a duplicate and nothing is called, while
         // this said "replayed". The durable's inbox rows tell: every
         // message it dead-lettered left one.
-        let here = match lives_here.get(&durable) {
-            Some(h) => *h,
-            None => {
-                let h = inbox_has(pool, &durable).await?;
-                lives_here.insert(durable.clone(), h);
-                h
-            }
-        };
-        if !here {
+        if !inbox_has(pool, &durable, uuid, &subject).await? {
             out.push(entry(
                 "not_replayable",
                 format!("this database has no inbox row of durable {durable}: a replay is recorded in the durable's own database (is DATABASE_URL the consumer's?)"),
@@ -332,10 +327,18 @@ pub async fn replay(
     Ok(out)
 }
 
-/// Whether this database holds inbox rows of `durable`.
-async fn inbox_has(pool: &PgPool, durable: &str) -> Result<bool> {
-    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox_messages WHERE consumer = $1)")
-        .bind(durable)
+/// Whether this database is `durable`'s: it holds the letter's own inbox
+/// row (every message a durable dead-letters leaves one), or, that row
+/// pruned since, another of the durable on the letter's subject. A
+/// durable name alone could be another service's in its own database.
+async fn inbox_has(pool: &PgPool, durable: &str, id: uuid::Uuid, subject: &str) -> Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM inbox_messages WHERE consumer = $1 AND message_id = $2) \
+             OR EXISTS (SELECT 1 FROM inbox_messages WHERE consumer = $1 AND subject = $3)",
+    )
+    .bind(durable)
+    .bind(id)
+    .bind(subject)
         .fetch_one(pool)
         .await
         .map_err(|e| match crate::postgres::db_code(&e).as_deref() {

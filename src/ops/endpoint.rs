@@ -1,14 +1,19 @@
 //! The operator endpoint on `--metrics-addr`: `/metrics`, `/healthz`
 //! (the process answers) and `/readyz` (connected and working).
 //!
-//! Readiness is checked when asked, not cached: NATS from the client's own
-//! connection state, Postgres with a bounded `SELECT 1`, and the service's
-//! phase (for the relay: streaming from its slot) from what it last reported.
-//! A 503 body says what is missing, so a failing probe explains itself.
+//! Readiness is checked when asked: NATS from the client's own connection
+//! state, the service's phase (for the relay: streaming from its slot) from
+//! what it last reported, and Postgres with a bounded `SELECT 1` shared by
+//! every probe within [`PG_CHECK_FRESH`] (a probe storm must not take the
+//! working pool's connections: review E1). A 503 body says what is missing,
+//! so a failing probe explains itself. The endpoint bounds its connections
+//! ([`CONNECTIONS_MAX`], closed after [`IDLE_READ`] of silence) and a
+//! request's time ([`REQUEST_TIME`]).
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -23,6 +28,39 @@ use crate::error::{Error, Result};
 
 /// How long `/readyz` waits for Postgres before calling it unreachable.
 const PG_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one Postgres check answers every probe.
+const PG_CHECK_FRESH: Duration = Duration::from_secs(1);
+/// Connections open at once; more wait in the listen backlog.
+const CONNECTIONS_MAX: usize = 64;
+/// A connection that sends nothing this long is closed.
+const IDLE_READ: Duration = Duration::from_secs(30);
+/// A request that takes longer is answered 503.
+const REQUEST_TIME: Duration = Duration::from_secs(10);
+
+/// One check's answer shared by every asker within a freshness: askers
+/// while it runs wait for it rather than start their own.
+#[derive(Default)]
+struct Shared {
+    last: tokio::sync::Mutex<Option<(Instant, Option<String>)>>,
+}
+
+impl Shared {
+    async fn get<F, Fut>(&self, fresh: Duration, check: F) -> Option<String>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Option<String>>,
+    {
+        let mut last = self.last.lock().await;
+        if let Some((at, answer)) = &*last {
+            if at.elapsed() < fresh {
+                return answer.clone();
+            }
+        }
+        let answer = check().await;
+        *last = Some((Instant::now(), answer.clone()));
+        answer
+    }
+}
 
 /// What `/readyz` reports. Cheap to clone; the service updates its phase.
 #[derive(Clone, Default)]
@@ -36,6 +74,7 @@ struct ReadyInner {
     note: Mutex<Option<String>>,
     nats: OnceLock<async_nats::Client>,
     postgres: OnceLock<PgPool>,
+    pg_check: Shared,
 }
 
 impl Readiness {
@@ -92,15 +131,18 @@ impl Readiness {
             }
         }
         if let Some(pool) = self.0.postgres.get() {
-            let ping = sqlx::query("SELECT 1").execute(pool);
-            match tokio::time::timeout(PG_CHECK_TIMEOUT, ping).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => out.push(format!("Postgres: {e}")),
-                Err(_) => out.push(format!(
-                    "Postgres: no answer within {}s",
-                    PG_CHECK_TIMEOUT.as_secs()
-                )),
-            }
+            let check = || async {
+                let ping = sqlx::query("SELECT 1").execute(pool);
+                match tokio::time::timeout(PG_CHECK_TIMEOUT, ping).await {
+                    Ok(Ok(_)) => None,
+                    Ok(Err(e)) => Some(format!("Postgres: {e}")),
+                    Err(_) => Some(format!(
+                        "Postgres: no answer within {}s",
+                        PG_CHECK_TIMEOUT.as_secs()
+                    )),
+                }
+            };
+            out.extend(self.0.pg_check.get(PG_CHECK_FRESH, check).await);
         }
         out
     }
@@ -152,7 +194,9 @@ impl Endpoint {
                 metrics,
                 slots,
                 ready,
-            });
+            })
+            .layer(axum::middleware::from_fn(bounded));
+        let listener = super::listener::Limited::new(listener, CONNECTIONS_MAX, IDLE_READ);
         let stopped = stop.clone();
         tokio::spawn(async move {
             let serve = axum::serve(listener, app)
@@ -173,6 +217,21 @@ impl Endpoint {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.stop.cancel();
+    }
+}
+
+/// At most [`REQUEST_TIME`] a request.
+async fn bounded(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    match tokio::time::timeout(REQUEST_TIME, next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the request took too long\n",
+        )
+            .into_response(),
     }
 }
 
@@ -202,5 +261,42 @@ async fn readyz(State(s): State<Served>) -> impl IntoResponse {
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: {}\n", problems.join("; ")),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Review E1: every probe ran its own `SELECT 1` on the working pool.
+    #[tokio::test]
+    async fn a_probe_storm_makes_one_check_a_freshness() {
+        let shared = Arc::new(Shared::default());
+        let checks = Arc::new(AtomicUsize::new(0));
+        let probes = (0..200).map(|_| {
+            let (shared, checks) = (shared.clone(), checks.clone());
+            tokio::spawn(async move {
+                shared
+                    .get(Duration::from_secs(60), || async {
+                        checks.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Some("Postgres: down".to_owned())
+                    })
+                    .await
+            })
+        });
+        for p in probes {
+            assert_eq!(p.await.unwrap().as_deref(), Some("Postgres: down"));
+        }
+        assert_eq!(checks.load(Ordering::Relaxed), 1);
+        // Past its freshness, the next probe checks again.
+        let again = shared
+            .get(Duration::ZERO, || async {
+                checks.fetch_add(1, Ordering::Relaxed);
+                None
+            })
+            .await;
+        assert_eq!((again, checks.load(Ordering::Relaxed)), (None, 2));
     }
 }

@@ -7,6 +7,7 @@ pub mod audit;
 pub mod dlq;
 pub mod durability;
 pub mod endpoint;
+pub(crate) mod listener;
 pub mod metrics;
 pub mod prune;
 pub mod reset;

@@ -1,8 +1,9 @@
-//! The console's listener: at most so many connections at once (more wait
-//! in the kernel's backlog), and a connection that sends nothing for a
-//! while is closed. axum's own serves every connection it accepts, for as
-//! long as the client likes (a client that sends half a request line and
-//! waits holds its task for ever).
+//! The listener of our HTTP endpoints (the metrics endpoint, the console):
+//! at most so many connections at once (more wait in the kernel's
+//! backlog), and a connection that sends nothing for a while is closed.
+//! axum's own serves every connection it accepts, for as long as the
+//! client likes (a client that sends half a request line and waits holds
+//! its task for ever: review E1).
 
 use std::future::Future;
 use std::io;
@@ -60,7 +61,7 @@ impl axum::serve::Listener for Limited {
                 }
                 Err(e) => {
                     // Out of descriptors, say: not a reason to stop serving.
-                    tracing::warn!(error = %e, "console: accepting a connection failed");
+                    tracing::warn!(error = %e, "accepting an HTTP connection failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
