@@ -160,6 +160,10 @@ async fn run(command: Command) -> Result<(), Error> {
                     .execute(&mut *tx)
                     .await
                     .map_err(Error::pg("creating outbox_admin_jobs"))?;
+                sqlx::raw_sql(crate::console::delete::TABLE)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(Error::pg("creating outbox_admin_deletions"))?;
                 tx.commit()
                     .await
                     .map_err(Error::pg("creating outbox_admin_log"))?;
@@ -445,6 +449,7 @@ async fn run(command: Command) -> Result<(), Error> {
                 streams: args.streams.clone(),
                 operator_classes,
                 replay_rate: args.replay_rate,
+                delete_approvals: args.delete_approvals,
             };
             if args.check_config {
                 println!("configuration ok");

@@ -94,6 +94,11 @@ pub struct ConsoleArgs {
     /// Letters a replay job sends a second, at most.
     #[arg(long, env = "OUTBOX_CONSOLE_REPLAY_RATE", default_value_t = 20.0)]
     pub replay_rate: f64,
+    /// Admins who sign a deletion of dead letters off: 2 (one asks,
+    /// another approves; the letters stay until then), or 1 for a team of
+    /// one.
+    #[arg(long, env = "OUTBOX_CONSOLE_DELETE_APPROVALS", default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub delete_approvals: u8,
     /// Check the flags and exit.
     #[arg(long)]
     pub check_config: bool,

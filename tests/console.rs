@@ -49,6 +49,7 @@ fn token(url: &str, name: &str, role: &str) -> String {
 /// before the class header.
 async fn letter(
     js: &jetstream::Context,
+    prefix: &str,
     subject: &str,
     id: &str,
     reason: &str,
@@ -74,7 +75,7 @@ async fn letter(
         h.insert(wire::DLQ_FINGERPRINT, fp.as_str());
     }
     js.publish_with_headers(
-        format!("dlq.console.{subject}"),
+        format!("{prefix}.{subject}"),
         h,
         br#"{"card":"4111 1111 1111 1111"}"#.as_ref().into(),
     )
@@ -128,6 +129,7 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
     .unwrap();
     letter(
         &js,
+        "dlq.console",
         "orders.placed",
         "0b5d6c1e-0000-4000-8000-000000000001",
         "handler answered 422: unknown sku \"A-1\"",
@@ -136,6 +138,7 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
     .await;
     letter(
         &js,
+        "dlq.console",
         "orders.placed",
         "0b5d6c1e-0000-4000-8000-000000000002",
         "handler answered 422: unknown sku \"B-7\"",
@@ -144,6 +147,7 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
     .await;
     letter(
         &js,
+        "dlq.console",
         "orders.paid",
         "0b5d6c1e-0000-4000-8000-000000000003",
         "last delivery (5) failed: handler timed out",
@@ -153,6 +157,7 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
     // Written before the class header: classed from its reason.
     letter(
         &js,
+        "dlq.console",
         "orders.paid",
         "0b5d6c1e-0000-4000-8000-000000000004",
         "last delivery (5) failed: handler answered 500: boom",
@@ -873,4 +878,271 @@ async fn an_operator_triages_by_class_and_replays_one_class_each_handler_once() 
         .await
         .body;
     assert_eq!(v["holds"], true, "{v}");
+}
+
+/// Delete with sign-off (SPEC §16, issue 61 item 5): an admin asks with a
+/// reason and a plan; the letters stay; the admin who asked cannot approve
+/// (403, recorded); a second admin's approval deletes exactly the plan's
+/// letters; a request whose letters changed is refused; a rejection
+/// deletes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_waits_for_a_second_admin_and_deletes_only_what_was_asked() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "console_delete").await;
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream("DLQ_CONSOLE_DEL").await;
+    js.create_stream(jetstream::stream::Config {
+        name: "DLQ_CONSOLE_DEL".into(),
+        subjects: vec!["dlq.consoledel.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let poison = [
+        "0b5d6c1e-0000-4000-8000-0000000000a1",
+        "0b5d6c1e-0000-4000-8000-0000000000a2",
+    ];
+    for id in poison {
+        letter(
+            &js,
+            "dlq.consoledel",
+            "orders.placed",
+            id,
+            "handler answered 422: unknown sku \"Z\"",
+            Some("handler_rejected"),
+        )
+        .await;
+    }
+    letter(
+        &js,
+        "dlq.consoledel",
+        "orders.paid",
+        "0b5d6c1e-0000-4000-8000-0000000000b1",
+        "last delivery (5) failed: handler timed out",
+        Some("transient_exhausted"),
+    )
+    .await;
+    let (ann, bob) = (
+        token(&url, "ann.admin", "admin"),
+        token(&url, "bob.admin", "admin"),
+    );
+    let viewer = token(&url, "val.viewer", "viewer");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _console = Service::console(
+        &url,
+        &stack.nats_url,
+        &addr,
+        "console_delete",
+        &["--streams", "DLQ_CONSOLE_DEL"],
+    );
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::new();
+    let held = || async {
+        js.get_stream("DLQ_CONSOLE_DEL")
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .state
+            .messages
+    };
+
+    let sel = serde_json::json!({ "class": "handler_rejected" });
+    let viewer_asks = post(
+        &http,
+        &base,
+        "/admin/dead-letters/delete",
+        &viewer,
+        None,
+        serde_json::json!({ "selection": sel, "reason": "poison", "dry_run": true }),
+    )
+    .await;
+    assert_eq!(viewer_asks.status, 403, "{}", viewer_asks.body);
+    let plan = post(&http, &base, "/admin/dead-letters/delete", &ann, None,
+        serde_json::json!({ "selection": sel, "reason": "INC-11: poison, producer fixed", "dry_run": true })).await;
+    assert_eq!(
+        (plan.status, plan.body["letters"].clone()),
+        (200, Value::from(2)),
+        "{}",
+        plan.body
+    );
+    let ask = serde_json::json!({ "selection": sel, "reason": "INC-11: poison, producer fixed", "plan_id": plan.body["plan_id"] });
+    let asked = post(
+        &http,
+        &base,
+        "/admin/dead-letters/delete",
+        &ann,
+        Some("inc-11"),
+        ask.clone(),
+    )
+    .await;
+    assert_eq!(asked.status, 202, "{}", asked.body);
+    assert_eq!(asked.body["request"]["state"], "pending");
+    let id = asked.body["request"]["id"].as_str().unwrap().to_owned();
+    assert_eq!(held().await, 3, "kept until approved");
+    // The same key: the same request.
+    let again = post(
+        &http,
+        &base,
+        "/admin/dead-letters/delete",
+        &ann,
+        Some("inc-11"),
+        ask,
+    )
+    .await;
+    assert_eq!(
+        (again.status, again.body["request"]["id"].as_str()),
+        (200, Some(id.as_str())),
+        "{}",
+        again.body
+    );
+
+    let own = post(
+        &http,
+        &base,
+        &format!("/admin/approvals/{id}/approve"),
+        &ann,
+        None,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(own.status, 403, "{}", own.body);
+    assert_eq!(held().await, 3);
+    let approved = post(
+        &http,
+        &base,
+        &format!("/admin/approvals/{id}/approve"),
+        &bob,
+        None,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(approved.status, 200, "{}", approved.body);
+    assert_eq!(
+        approved.body["request"]["state"], "deleted",
+        "{}",
+        approved.body
+    );
+    assert_eq!(held().await, 1, "the two poison letters, and only they");
+    let twice = post(
+        &http,
+        &base,
+        &format!("/admin/approvals/{id}/approve"),
+        &bob,
+        None,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(twice.status, 409, "{}", twice.body);
+
+    // Asked, then the letters change: the approval deletes nothing.
+    let sel = serde_json::json!({ "class": "transient_exhausted" });
+    let plan = post(
+        &http,
+        &base,
+        "/admin/dead-letters/delete",
+        &bob,
+        None,
+        serde_json::json!({ "selection": sel, "reason": "INC-12", "dry_run": true }),
+    )
+    .await;
+    let asked = post(&http, &base, "/admin/dead-letters/delete", &bob, Some("inc-12"),
+        serde_json::json!({ "selection": sel, "reason": "INC-12", "plan_id": plan.body["plan_id"] })).await;
+    let stale = asked.body["request"]["id"].as_str().unwrap().to_owned();
+    letter(
+        &js,
+        "dlq.consoledel",
+        "orders.paid",
+        "0b5d6c1e-0000-4000-8000-0000000000b2",
+        "last delivery (5) failed: handler timed out",
+        Some("transient_exhausted"),
+    )
+    .await;
+    let refused = post(
+        &http,
+        &base,
+        &format!("/admin/approvals/{stale}/approve"),
+        &ann,
+        None,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert_eq!(held().await, 2, "nothing deleted");
+    // A rejection deletes nothing either.
+    let plan = post(
+        &http,
+        &base,
+        "/admin/dead-letters/delete",
+        &bob,
+        None,
+        serde_json::json!({ "selection": sel, "reason": "INC-13", "dry_run": true }),
+    )
+    .await;
+    let asked = post(&http, &base, "/admin/dead-letters/delete", &bob, Some("inc-13"),
+        serde_json::json!({ "selection": sel, "reason": "INC-13", "plan_id": plan.body["plan_id"] })).await;
+    let rejected = asked.body["request"]["id"].as_str().unwrap().to_owned();
+    let r = post(
+        &http,
+        &base,
+        &format!("/admin/approvals/{rejected}/reject"),
+        &ann,
+        None,
+        Value::Null,
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.body["request"]["state"].as_str()),
+        (200, Some("rejected")),
+        "{}",
+        r.body
+    );
+    assert_eq!(held().await, 2);
+    let list = get(&http, &base, "/admin/approvals", Some(&viewer))
+        .await
+        .body;
+    let states: Vec<&str> = list["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states.len(), 3, "{list}");
+    assert!(
+        states.contains(&"deleted") && states.contains(&"stale") && states.contains(&"rejected"),
+        "{list}"
+    );
+
+    // The sign-off in the log: who asked, who was refused, who approved.
+    let steps: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT actor, action, result FROM outbox_admin_log WHERE action LIKE 'delete%' ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    for (actor, action, result) in [
+        ("token:val.viewer", "delete", "denied: 403"),
+        ("token:ann.admin", "delete.plan", "done"),
+        ("token:ann.admin", "delete.request", "done"),
+        ("token:ann.admin", "delete.approve", "denied: 403"),
+        (
+            "token:bob.admin",
+            "delete.approve",
+            "done: 2 letters deleted",
+        ),
+        (
+            "token:ann.admin",
+            "delete.approve",
+            "failed: the letters changed",
+        ),
+        ("token:ann.admin", "delete.reject", "done"),
+    ] {
+        assert!(
+            steps
+                .iter()
+                .any(|(a, b, r)| a == actor && b == action && r.starts_with(result)),
+            "no {action} {result} by {actor}: {steps:?}"
+        );
+    }
 }

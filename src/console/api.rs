@@ -16,6 +16,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::delete;
 use super::replay::{self, Item, Selection};
 use super::state::Console;
 use super::tokens::{self, Checked, Role};
@@ -50,6 +51,32 @@ pub(super) const ROUTES: &[(&str, &str, Option<Role>, &str)] = &[
         Some(Role::Operator),
         "replay",
     ),
+    // Deletion: an admin asks (a dry run, then a request); another admin
+    // approves, and only then are the letters deleted.
+    (
+        "post",
+        "/admin/dead-letters/delete",
+        Some(Role::Admin),
+        "delete",
+    ),
+    (
+        "get",
+        "/admin/approvals",
+        Some(Role::Viewer),
+        "approvals.read",
+    ),
+    (
+        "post",
+        "/admin/approvals/{id}/approve",
+        Some(Role::Admin),
+        "delete.approve",
+    ),
+    (
+        "post",
+        "/admin/approvals/{id}/reject",
+        Some(Role::Admin),
+        "delete.reject",
+    ),
     ("get", "/admin/jobs", Some(Role::Viewer), "jobs.read"),
     ("get", "/admin/jobs/{id}", Some(Role::Viewer), "job.read"),
     (
@@ -81,6 +108,10 @@ pub(super) fn router() -> Router<Console> {
         .route("/admin/dead-letters", get(dead_letters))
         .route("/admin/dead-letters/{stream}/{seq}", get(dead_letter))
         .route("/admin/events/replay", post(events_replay))
+        .route("/admin/dead-letters/delete", post(dead_letters_delete))
+        .route("/admin/approvals", get(approvals))
+        .route("/admin/approvals/{id}/approve", post(approve))
+        .route("/admin/approvals/{id}/reject", post(reject))
         .route("/admin/jobs", get(jobs))
         .route("/admin/jobs/{id}", get(job))
         .route("/admin/jobs/{id}/cancel", post(job_cancel))
@@ -1275,6 +1306,424 @@ async fn job_cancel(
             .into_response(),
         &caller.request_id,
     )
+}
+
+/// A deletion request (SPEC §16).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeleteRequest {
+    selection: Selection,
+    reason: Option<String>,
+    #[serde(default)]
+    dry_run: bool,
+    plan_id: Option<String>,
+}
+
+/// Delete the letters, stream by stream: each one's result.
+async fn delete_letters(
+    c: &Console,
+    letters: Vec<(String, dlq::DeadLetter)>,
+) -> Result<Value, String> {
+    let mut by_stream: BTreeMap<String, Vec<dlq::DeadLetter>> = BTreeMap::new();
+    for (s, d) in letters {
+        by_stream.entry(s).or_default().push(d);
+    }
+    let mut out = Vec::new();
+    for (stream, letters) in by_stream {
+        let done = dlq::delete(&c.0.js, &stream, letters)
+            .await
+            .map_err(|e| e.to_string())?;
+        out.extend(
+            done.into_iter()
+                .map(|d| json!({ "stream": stream, "seq": d.seq, "id": d.id, "result": d.result })),
+        );
+    }
+    Ok(Value::Array(out))
+}
+
+/// `POST /admin/dead-letters/delete`: a dry run answers a plan; a plan
+/// with an `Idempotency-Key` makes a request a second admin approves (the
+/// letters stay until then), or, with `--delete-approvals 1`, deletes.
+async fn dead_letters_delete(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+    headers: HeaderMap,
+    body: Result<Json<DeleteRequest>, JsonRejection>,
+) -> Response {
+    let caller = match guard(&c, &auth, "delete", "").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let req = match body {
+        Ok(Json(req)) => req,
+        Err(e) => {
+            let status = match e.status() {
+                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return answer(&caller, status, &format!("the body: {}", e.body_text()));
+        }
+    };
+    let reason = req
+        .reason
+        .as_deref()
+        .map(str::trim)
+        .unwrap_or_default()
+        .to_owned();
+    if reason.is_empty() {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "a deletion needs a reason (the sign-off's why)",
+        );
+    }
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && k.len() <= 200)
+        .map(str::to_owned);
+    if !req.dry_run {
+        let Some(key) = key.as_deref() else {
+            return answer(
+                &caller,
+                StatusCode::BAD_REQUEST,
+                "asking to delete needs an Idempotency-Key header (at most 200 characters)",
+            );
+        };
+        match delete::by_key(&c.0.pool, key).await {
+            Ok(Some(r)) if req.plan_id.as_deref() == r["plan_id"].as_str() => {
+                return ok(&caller, json!({ "request": r, "made_before": true }));
+            }
+            Ok(Some(r)) => {
+                return answer(
+                    &caller,
+                    StatusCode::CONFLICT,
+                    &format!(
+                        "Idempotency-Key {key:?} asked for plan {}: another plan needs another key",
+                        r["plan_id"]
+                    ),
+                );
+            }
+            Ok(None) => {}
+            Err(e) => {
+                return answer(
+                    &caller,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("reading outbox_admin_deletions: {e}"),
+                )
+            }
+        }
+    }
+    let letters = match plan_letters(&c, &caller, &req.selection).await {
+        Ok(l) => l,
+        Err(resp) => return resp,
+    };
+    let items: Vec<Item> = letters
+        .iter()
+        .map(|(s, created, d)| Item::of(s, created, d))
+        .collect();
+    let plan = replay::plan_id(&req.selection, &items);
+    let selection = serde_json::to_value(&req.selection).unwrap_or_default();
+    if req.dry_run {
+        record(
+            &c,
+            &caller,
+            Entry {
+                action: "delete.plan",
+                target: plan.clone(),
+                selection: selection.clone(),
+                reason: Some(reason),
+            },
+            &format!("done: {} letters", items.len()),
+        )
+        .await;
+        return ok(
+            &caller,
+            json!({
+                "plan_id": plan,
+                "selection": selection,
+                "letters": items.len(),
+                "items": items,
+                "approvals": c.0.settings.delete_approvals,
+                "cli": "outbox-relay dlq delete --stream <stream> --id <id> … --reason '<why>' (the CLI deletes at once: its sign-off is the database role and the log)",
+            }),
+        );
+    }
+    let Some(key) = key else {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "asking to delete needs an Idempotency-Key header",
+        );
+    };
+    match req.plan_id.as_deref() {
+        None => {
+            return answer(
+                &caller,
+                StatusCode::BAD_REQUEST,
+                "asking needs the plan_id of a dry run of the same selection",
+            )
+        }
+        Some(p) if p != plan => {
+            return answer(&caller, StatusCode::CONFLICT, &format!("the selection takes other letters now than plan {p} did (now {plan}): dry-run it again"));
+        }
+        Some(_) => {}
+    }
+    let id = uuid::Uuid::new_v4();
+    let by = format!("token:{}", caller.token.name);
+    match delete::create(&c.0.pool, id, &key, &plan, &req.selection, &reason, &by).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return match delete::by_key(&c.0.pool, &key).await {
+                Ok(Some(r)) if r["plan_id"].as_str() == Some(plan.as_str()) => {
+                    ok(&caller, json!({ "request": r, "made_before": true }))
+                }
+                Ok(Some(_)) => answer(
+                    &caller,
+                    StatusCode::CONFLICT,
+                    "this Idempotency-Key asked for another plan",
+                ),
+                _ => answer(
+                    &caller,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "reading the request",
+                ),
+            };
+        }
+        Err(e) => {
+            return answer(
+                &caller,
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("making the request: {e}"),
+            )
+        }
+    }
+    record(&c, &caller, Entry {
+        action: "delete.request",
+        target: id.to_string(),
+        selection: json!({ "plan_id": plan, "selection": selection, "idempotency_key": key, "letters": items.len() }),
+        reason: Some(reason.clone()),
+    }, &format!("done: request {id}, {} letters kept until approved", items.len())).await;
+    if c.0.settings.delete_approvals <= 1 {
+        // A small team's console: the asking admin's sign-off is the one.
+        return approve_and_delete(
+            &c,
+            &caller,
+            id,
+            letters.into_iter().map(|(s, _, d)| (s, d)).collect(),
+            &plan,
+        )
+        .await;
+    }
+    let resp = match delete::get(&c.0.pool, id).await {
+        Ok(Some(r)) => json!({ "request": r, "made_before": false }),
+        _ => json!({ "request": { "id": id } }),
+    };
+    with_id(
+        (StatusCode::ACCEPTED, Json(resp)).into_response(),
+        &caller.request_id,
+    )
+}
+
+/// Take request `id` and delete its letters, which are `letters` (read
+/// again for this approval and found still the plan's).
+async fn approve_and_delete(
+    c: &Console,
+    caller: &Caller,
+    id: uuid::Uuid,
+    letters: Vec<(String, dlq::DeadLetter)>,
+    plan: &str,
+) -> Response {
+    let by = format!("token:{}", caller.token.name);
+    match delete::decide(&c.0.pool, id, "deleting", &by, None).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return answer(
+                caller,
+                StatusCode::CONFLICT,
+                "the request is no longer pending (decided meanwhile)",
+            )
+        }
+        Err(e) => {
+            return answer(
+                caller,
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("taking the request: {e}"),
+            )
+        }
+    }
+    let (state, result, outcome) = match delete_letters(c, letters).await {
+        Ok(done) => {
+            let n = done.as_array().map_or(0, Vec::len);
+            ("deleted", done, format!("done: {n} letters deleted"))
+        }
+        Err(e) => ("failed", json!({ "error": e }), format!("failed: {e}")),
+    };
+    if let Err(e) = delete::finish(&c.0.pool, id, state, &result).await {
+        tracing::warn!(request = %id, error = %e, "console: a deletion's result is not written");
+    }
+    record(
+        c,
+        caller,
+        Entry {
+            action: "delete.approve",
+            target: id.to_string(),
+            selection: json!({ "plan_id": plan }),
+            reason: None,
+        },
+        &outcome,
+    )
+    .await;
+    match delete::get(&c.0.pool, id).await {
+        Ok(Some(r)) => ok(caller, json!({ "request": r })),
+        _ => ok(caller, json!({ "request": { "id": id, "state": state } })),
+    }
+}
+
+async fn approvals(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+) -> Response {
+    let caller = match guard(&c, &auth, "approvals.read", "outbox_admin_deletions").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    match delete::recent(&c.0.pool, 100).await {
+        Ok(r) => ok(
+            &caller,
+            json!({ "requests": r, "approvals": c.0.settings.delete_approvals }),
+        ),
+        Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+/// `POST /admin/approvals/{id}/approve`: a second admin's sign-off; the
+/// letters are read again and deleted only if they are still the plan's.
+async fn approve(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+    Path(id): Path<String>,
+) -> Response {
+    let caller = match guard(&c, &auth, "delete.approve", &id).await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let Ok(id) = uuid::Uuid::parse_str(&id) else {
+        return answer(&caller, StatusCode::BAD_REQUEST, "a request id is a UUID");
+    };
+    let request = match delete::get(&c.0.pool, id).await {
+        Ok(Some(r)) => r,
+        Ok(None) => return answer(&caller, StatusCode::NOT_FOUND, "no such request"),
+        Err(e) => return answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    };
+    if request["state"] != "pending" {
+        return answer(
+            &caller,
+            StatusCode::CONFLICT,
+            &format!("the request is {}, not pending", request["state"]),
+        );
+    }
+    let me = format!("token:{}", caller.token.name);
+    if request["requested_by"].as_str() == Some(me.as_str()) {
+        let why = "a deletion needs a second admin's approval: the one who asked cannot approve it (--delete-approvals 1 for a team of one)";
+        record_denial(
+            &c,
+            "delete.approve",
+            &id.to_string(),
+            &caller_actor(&caller),
+            StatusCode::FORBIDDEN,
+            why,
+            true,
+        )
+        .await;
+        return answer(&caller, StatusCode::FORBIDDEN, why);
+    }
+    let Ok(selection) = serde_json::from_value::<Selection>(request["selection"].clone()) else {
+        return answer(
+            &caller,
+            StatusCode::CONFLICT,
+            "the request's selection cannot be read",
+        );
+    };
+    let letters = match plan_letters(&c, &caller, &selection).await {
+        Ok(l) => l,
+        Err(resp) => return resp,
+    };
+    let items: Vec<Item> = letters
+        .iter()
+        .map(|(s, created, d)| Item::of(s, created, d))
+        .collect();
+    let plan = replay::plan_id(&selection, &items);
+    if Some(plan.as_str()) != request["plan_id"].as_str() {
+        let _ = delete::decide(
+            &c.0.pool,
+            id,
+            "stale",
+            &me,
+            Some(&json!({ "why": "the letters changed since the request" })),
+        )
+        .await;
+        record(
+            &c,
+            &caller,
+            Entry {
+                action: "delete.approve",
+                target: id.to_string(),
+                selection: json!({ "plan_id": request["plan_id"], "now": plan }),
+                reason: None,
+            },
+            "failed: the letters changed since the request; nothing deleted",
+        )
+        .await;
+        return answer(&caller, StatusCode::CONFLICT, "the selection takes other letters now than when it was asked: nothing deleted; ask again");
+    }
+    approve_and_delete(
+        &c,
+        &caller,
+        id,
+        letters.into_iter().map(|(s, _, d)| (s, d)).collect(),
+        &plan,
+    )
+    .await
+}
+
+async fn reject(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+    Path(id): Path<String>,
+) -> Response {
+    let caller = match guard(&c, &auth, "delete.reject", &id).await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let Ok(id) = uuid::Uuid::parse_str(&id) else {
+        return answer(&caller, StatusCode::BAD_REQUEST, "a request id is a UUID");
+    };
+    let me = format!("token:{}", caller.token.name);
+    match delete::decide(&c.0.pool, id, "rejected", &me, None).await {
+        Ok(true) => {
+            record(
+                &c,
+                &caller,
+                Entry {
+                    action: "delete.reject",
+                    target: id.to_string(),
+                    selection: json!({}),
+                    reason: None,
+                },
+                "done",
+            )
+            .await;
+            match delete::get(&c.0.pool, id).await {
+                Ok(Some(r)) => ok(&caller, json!({ "request": r })),
+                _ => ok(&caller, json!({ "request": { "id": id } })),
+            }
+        }
+        Ok(false) => answer(&caller, StatusCode::CONFLICT, "no such pending request"),
+        Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
 }
 
 #[cfg(test)]

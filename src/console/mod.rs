@@ -15,6 +15,7 @@
 
 pub mod tokens;
 
+pub mod delete;
 pub mod replay;
 
 mod api;

@@ -48,6 +48,9 @@ pub struct Settings {
     pub operator_classes: Vec<Class>,
     /// Letters a replay job sends a second, at most.
     pub replay_rate: f64,
+    /// Admins who sign a deletion off: 2 (one asks, another approves), or
+    /// 1 for a team of one.
+    pub delete_approvals: u8,
 }
 
 #[derive(Default)]
