@@ -196,6 +196,12 @@ async fn run(command: Command) -> Result<(), Error> {
             let _monitor_stop = monitor_stop.drop_guard();
             let endpoint =
                 Endpoint::start(args.metrics_addr, handle, Some(slots), ready.clone()).await?;
+            if let Some(addr) = args.admin_addr {
+                let mut streams = vec![cfg.stream.clone()];
+                streams.extend(cfg.streams.iter().cloned());
+                let settings = crate::console::Settings::beside(streams);
+                crate::console::beside(addr, dsn.clone(), args.nats.clone(), settings).await?;
+            }
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
@@ -224,6 +230,16 @@ async fn run(command: Command) -> Result<(), Error> {
                 crate::nats::connect(&args.nats, format!("outbox-consume:{}", cfg.durable)).await?;
             ready.watch_nats(nats.clone());
             let js = async_nats::jetstream::new(nats.clone());
+            if let Some(addr) = args.admin_addr {
+                // Its dead letters: the stream that captures them, or the
+                // one `consume` is about to make.
+                let dlq = js
+                    .stream_by_subject(format!("{}.probe", cfg.dlq_prefix))
+                    .await
+                    .unwrap_or_else(|_| crate::wire::dlq_stream_name(&cfg.dlq_prefix));
+                let settings = crate::console::Settings::beside(vec![dlq]);
+                crate::console::beside(addr, dsn.clone(), args.nats.clone(), settings).await?;
+            }
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));

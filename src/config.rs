@@ -732,6 +732,12 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
     pub metrics_addr: std::net::SocketAddr,
 
+    /// Serve the operator console (SPEC §16) on this address too, on a
+    /// thread of its own; off unless given. Its tokens and log are in
+    /// DATABASE_URL's database.
+    #[arg(long, env = "OUTBOX_ADMIN_ADDR")]
+    pub admin_addr: Option<std::net::SocketAddr>,
+
     /// How often to read `pg_replication_slots` for the slot metrics.
     #[arg(long, env = "OUTBOX_SLOT_METRICS_INTERVAL", default_value = "10s", value_parser = parse_interval)]
     pub slot_metrics_interval: Duration,
@@ -831,6 +837,12 @@ pub struct ConsumeArgs {
     /// Address of `/metrics`, `/healthz` and `/readyz`.
     #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
     pub metrics_addr: std::net::SocketAddr,
+
+    /// Serve the operator console (SPEC §16) on this address too, on a
+    /// thread of its own; off unless given. Its tokens and log are in
+    /// DATABASE_URL's database.
+    #[arg(long, env = "OUTBOX_ADMIN_ADDR")]
+    pub admin_addr: Option<std::net::SocketAddr>,
 
     /// Check the configuration and exit without connecting.
     #[arg(long)]

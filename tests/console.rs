@@ -91,11 +91,8 @@ struct Answer {
     request_id: Option<String>,
 }
 
-async fn get(http: &reqwest::Client, base: &str, path: &str, bearer: Option<&str>) -> Answer {
-    let mut req = http.get(format!("{base}{path}"));
-    if let Some(b) = bearer {
-        req = req.header("Authorization", format!("Bearer {b}"));
-    }
+/// Send `req`: its status, its JSON body (or its text), its request id.
+async fn send(req: reqwest::RequestBuilder) -> Answer {
     let resp = req.send().await.unwrap();
     let status = resp.status().as_u16();
     let request_id = resp
@@ -108,6 +105,14 @@ async fn get(http: &reqwest::Client, base: &str, path: &str, bearer: Option<&str
         body: serde_json::from_str(&text).unwrap_or(Value::String(text)),
         request_id,
     }
+}
+
+async fn get(http: &reqwest::Client, base: &str, path: &str, bearer: Option<&str>) -> Answer {
+    let mut req = http.get(format!("{base}{path}"));
+    if let Some(b) = bearer {
+        req = req.header("Authorization", format!("Bearer {b}"));
+    }
+    send(req).await
 }
 
 /// Every route × every kind of caller: the status the router answers,
@@ -529,18 +534,7 @@ async fn post(
     if let Some(k) = key {
         req = req.header("Idempotency-Key", k);
     }
-    let resp = req.send().await.unwrap();
-    let status = resp.status().as_u16();
-    let request_id = resp
-        .headers()
-        .get("x-request-id")
-        .map(|v| v.to_str().unwrap().to_owned());
-    let text = resp.text().await.unwrap();
-    Answer {
-        status,
-        body: serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        request_id,
-    }
+    send(req).await
 }
 
 /// The playbook end to end (issue 61's acceptance): a consumer
@@ -1145,4 +1139,49 @@ async fn a_deletion_waits_for_a_second_admin_and_deletes_only_what_was_asked() {
             "no {action} {result} by {actor}: {steps:?}"
         );
     }
+}
+
+/// `--admin-addr` on `consume` (SPEC §16): the console beside the
+/// consumer, reading its dead-letter stream, under the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_serves_the_console_beside_itself() {
+    use crate::consumer::{fixture, publish, DUP};
+    let stack = stack();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let f = fixture(
+        "c_console_beside",
+        "cbes",
+        "cbes",
+        DUP,
+        &["--admin-addr", &addr],
+    )
+    .await;
+    let url = db_url(&stack.admin_url, "c_console_beside");
+    let viewer = token(&url, "vic.viewer", "viewer");
+    publish(
+        &f.js,
+        "cbes.e",
+        Some(uuid::Uuid::new_v4()),
+        "a",
+        br#"{"answers": [422]}"#,
+    )
+    .await;
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::new();
+    assert_eq!(get(&http, &base, "/admin/whoami", None).await.status, 401);
+    eventually(
+        T,
+        "the consumer's letter, grouped, through its own console",
+        || async {
+            let g = get(
+                &http,
+                &base,
+                "/admin/dead-letters?group_by=class",
+                Some(&viewer),
+            )
+            .await;
+            g.status == 200 && g.body["groups"][0]["class"] == "handler_rejected"
+        },
+    )
+    .await;
 }

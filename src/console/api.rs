@@ -820,15 +820,94 @@ async fn token_list(
     }
 }
 
-/// A replay request (SPEC §16).
+/// A replay or deletion request (SPEC §16): a selection, a reason, and a
+/// dry run, or the plan id of one to act on.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ReplayRequest {
+struct PlanRequest {
     selection: Selection,
     reason: Option<String>,
     #[serde(default)]
     dry_run: bool,
     plan_id: Option<String>,
+}
+
+/// A plan request read: its body, its reason (required), its
+/// `Idempotency-Key` (required unless a dry run).
+struct Asked {
+    req: PlanRequest,
+    reason: String,
+    key: Option<String>,
+}
+
+/// Read a plan request for `what` (`a replay`, `a deletion`): a body that
+/// is not one is 400 (413 past the limit, 415 not JSON).
+fn asked(
+    caller: &Caller,
+    headers: &HeaderMap,
+    body: Result<Json<PlanRequest>, JsonRejection>,
+    what: &str,
+) -> Result<Asked, Box<Response>> {
+    let req = match body {
+        Ok(Json(req)) => req,
+        Err(e) => {
+            let status = match e.status() {
+                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return Err(Box::new(answer(
+                caller,
+                status,
+                &format!("the body: {}", e.body_text()),
+            )));
+        }
+    };
+    let reason = req
+        .reason
+        .as_deref()
+        .map(str::trim)
+        .unwrap_or_default()
+        .to_owned();
+    if reason.is_empty() {
+        return Err(Box::new(answer(
+            caller,
+            StatusCode::BAD_REQUEST,
+            &format!("{what} needs a reason (a ticket, an incident: the sign-off's why)"),
+        )));
+    }
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && k.len() <= 200)
+        .map(str::to_owned);
+    if !req.dry_run && key.is_none() {
+        return Err(Box::new(answer(
+            caller,
+            StatusCode::BAD_REQUEST,
+            &format!("acting on a plan for {what} needs an Idempotency-Key header (at most 200 characters): the same key never acts twice"),
+        )));
+    }
+    Ok(Asked { req, reason, key })
+}
+
+/// The plan acted on is the one the selection takes now: else the 400
+/// (none given) or 409 to answer.
+fn other_plan(caller: &Caller, given: Option<&str>, now: &str) -> Option<Response> {
+    match given {
+        None => Some(answer(
+            caller,
+            StatusCode::BAD_REQUEST,
+            "acting needs the plan_id of a dry run of the same selection",
+        )),
+        Some(p) if p != now => Some(answer(
+            caller,
+            StatusCode::CONFLICT,
+            &format!("the selection takes other letters now than plan {p} did (now {now}): dry-run it again and check the plan"),
+        )),
+        Some(_) => None,
+    }
 }
 
 fn answer(caller: &Caller, status: StatusCode, why: &str) -> Response {
@@ -930,50 +1009,17 @@ async fn events_replay(
     State(c): State<Console>,
     Extension(auth): Extension<Authenticated>,
     headers: HeaderMap,
-    body: Result<Json<ReplayRequest>, JsonRejection>,
+    body: Result<Json<PlanRequest>, JsonRejection>,
 ) -> Response {
     let caller = match guard(&c, &auth, "replay", "").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
-    let req = match body {
-        Ok(Json(req)) => req,
-        Err(e) => {
-            let status = match e.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
-                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                _ => StatusCode::BAD_REQUEST,
-            };
-            return answer(&caller, status, &format!("the body: {}", e.body_text()));
-        }
+    let Asked { req, reason, key } = match asked(&caller, &headers, body, "a replay") {
+        Ok(a) => a,
+        Err(resp) => return *resp,
     };
-    let reason = req
-        .reason
-        .as_deref()
-        .map(str::trim)
-        .unwrap_or_default()
-        .to_owned();
-    if reason.is_empty() {
-        return answer(
-            &caller,
-            StatusCode::BAD_REQUEST,
-            "a replay needs a reason (a ticket, an incident)",
-        );
-    }
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|k| !k.is_empty() && k.len() <= 200)
-        .map(str::to_owned);
-    if !req.dry_run {
-        let Some(key) = key.as_deref() else {
-            return answer(
-                &caller,
-                StatusCode::BAD_REQUEST,
-                "running a plan needs an Idempotency-Key header (at most 200 characters): the same key never replays twice",
-            );
-        };
+    if let (false, Some(key)) = (req.dry_run, key.as_deref()) {
         match replay::by_key(&c.0.pool, key).await {
             Ok(Some((id, plan))) if req.plan_id.as_deref() == Some(plan.as_str()) => {
                 return job_answer(&c, &caller, id, true).await;
@@ -1038,25 +1084,11 @@ async fn events_replay(
         return answer(
             &caller,
             StatusCode::BAD_REQUEST,
-            "running a plan needs an Idempotency-Key header",
+            "acting needs an Idempotency-Key header",
         );
     };
-    match req.plan_id.as_deref() {
-        None => {
-            return answer(
-                &caller,
-                StatusCode::BAD_REQUEST,
-                "running needs the plan_id of a dry run of the same selection",
-            )
-        }
-        Some(p) if p != plan => {
-            return answer(
-                &caller,
-                StatusCode::CONFLICT,
-                &format!("the selection takes other letters now than plan {p} did (now {plan}): dry-run it again and check the plan"),
-            )
-        }
-        Some(_) => {}
+    if let Some(resp) = other_plan(&caller, req.plan_id.as_deref(), &plan) {
+        return resp;
     }
     // Seed 001: replay is an admin's; an operator's only for the classes
     // the console allows it.
@@ -1308,17 +1340,6 @@ async fn job_cancel(
     )
 }
 
-/// A deletion request (SPEC §16).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeleteRequest {
-    selection: Selection,
-    reason: Option<String>,
-    #[serde(default)]
-    dry_run: bool,
-    plan_id: Option<String>,
-}
-
 /// Delete the letters, stream by stream: each one's result.
 async fn delete_letters(
     c: &Console,
@@ -1348,50 +1369,17 @@ async fn dead_letters_delete(
     State(c): State<Console>,
     Extension(auth): Extension<Authenticated>,
     headers: HeaderMap,
-    body: Result<Json<DeleteRequest>, JsonRejection>,
+    body: Result<Json<PlanRequest>, JsonRejection>,
 ) -> Response {
     let caller = match guard(&c, &auth, "delete", "").await {
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
-    let req = match body {
-        Ok(Json(req)) => req,
-        Err(e) => {
-            let status = match e.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
-                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                _ => StatusCode::BAD_REQUEST,
-            };
-            return answer(&caller, status, &format!("the body: {}", e.body_text()));
-        }
+    let Asked { req, reason, key } = match asked(&caller, &headers, body, "a deletion") {
+        Ok(a) => a,
+        Err(resp) => return *resp,
     };
-    let reason = req
-        .reason
-        .as_deref()
-        .map(str::trim)
-        .unwrap_or_default()
-        .to_owned();
-    if reason.is_empty() {
-        return answer(
-            &caller,
-            StatusCode::BAD_REQUEST,
-            "a deletion needs a reason (the sign-off's why)",
-        );
-    }
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|k| !k.is_empty() && k.len() <= 200)
-        .map(str::to_owned);
-    if !req.dry_run {
-        let Some(key) = key.as_deref() else {
-            return answer(
-                &caller,
-                StatusCode::BAD_REQUEST,
-                "asking to delete needs an Idempotency-Key header (at most 200 characters)",
-            );
-        };
+    if let (false, Some(key)) = (req.dry_run, key.as_deref()) {
         match delete::by_key(&c.0.pool, key).await {
             Ok(Some(r)) if req.plan_id.as_deref() == r["plan_id"].as_str() => {
                 return ok(&caller, json!({ "request": r, "made_before": true }));
@@ -1455,21 +1443,11 @@ async fn dead_letters_delete(
         return answer(
             &caller,
             StatusCode::BAD_REQUEST,
-            "asking to delete needs an Idempotency-Key header",
+            "acting needs an Idempotency-Key header",
         );
     };
-    match req.plan_id.as_deref() {
-        None => {
-            return answer(
-                &caller,
-                StatusCode::BAD_REQUEST,
-                "asking needs the plan_id of a dry run of the same selection",
-            )
-        }
-        Some(p) if p != plan => {
-            return answer(&caller, StatusCode::CONFLICT, &format!("the selection takes other letters now than plan {p} did (now {plan}): dry-run it again"));
-        }
-        Some(_) => {}
+    if let Some(resp) = other_plan(&caller, req.plan_id.as_deref(), &plan) {
+        return resp;
     }
     let id = uuid::Uuid::new_v4();
     let by = format!("token:{}", caller.token.name);

@@ -121,3 +121,69 @@ async fn bounded(State(c): State<Console>, req: Request, next: Next) -> Response
         .into_response(),
     }
 }
+
+/// The console beside a relay or a consumer (`--admin-addr`), on a thread
+/// and a runtime of its own, with its own pool and NATS connection: a
+/// listing of many letters or a replay job never waits behind the
+/// process's own work (the relay's publish path is one thread), nor holds
+/// it up. Returns once it serves, or with why it cannot.
+pub async fn beside(
+    addr: SocketAddr,
+    dsn: crate::postgres::Dsn,
+    nats: crate::nats::NatsArgs,
+    settings: Settings,
+) -> Result<SocketAddr> {
+    let (told, started) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("console".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = told.send(Err(Error::Config(format!(
+                        "cannot start the console's runtime: {e}"
+                    ))));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let up = async {
+                    let pool = dsn.pool(4).await?;
+                    tokens::list(&pool).await?;
+                    crate::ops::admin_log::ensure(&pool, "the console").await?;
+                    let client = crate::nats::connect(&nats, "outbox-console".into()).await?;
+                    let js = async_nats::jetstream::new(client);
+                    serve(addr, pool, js, settings, CancellationToken::new()).await
+                };
+                match up.await {
+                    Ok(server) => {
+                        let _ = told.send(Ok(server.addr));
+                        let _ = server.done.await;
+                    }
+                    Err(e) => {
+                        let _ = told.send(Err(e));
+                    }
+                }
+            });
+        })
+        .map_err(|e| Error::Config(format!("cannot start the console's thread: {e}")))?;
+    started
+        .await
+        .map_err(|_| Error::Config("the console's thread ended before it served".into()))?
+}
+
+impl Settings {
+    /// A relay's or a consumer's console: the defaults of `outbox-relay
+    /// console`, reading `streams`.
+    pub fn beside(streams: Vec<String>) -> Settings {
+        Settings {
+            streams,
+            operator_classes: Vec::new(),
+            replay_rate: 20.0,
+            delete_approvals: 2,
+        }
+    }
+}
