@@ -1123,6 +1123,11 @@ async fn a_deletion_waits_for_a_second_admin_and_deletes_only_what_was_asked() {
         (
             "token:bob.admin",
             "delete.approve",
+            "done: approved; deleting 2 letters",
+        ),
+        (
+            "token:bob.admin",
+            "delete.finish",
             "done: 2 letters deleted",
         ),
         (

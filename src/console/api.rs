@@ -1340,26 +1340,24 @@ async fn job_cancel(
     )
 }
 
-/// Delete the letters, stream by stream: each one's result.
-async fn delete_letters(
-    c: &Console,
-    letters: Vec<(String, dlq::DeadLetter)>,
-) -> Result<Value, String> {
-    let mut by_stream: BTreeMap<String, Vec<dlq::DeadLetter>> = BTreeMap::new();
-    for (s, d) in letters {
-        by_stream.entry(s).or_default().push(d);
-    }
+/// Delete the letters one by one, each one's result (a failure is that
+/// letter's, and the rest go on): the results and how many failed.
+async fn delete_letters(c: &Console, letters: Vec<(String, dlq::DeadLetter)>) -> (Value, usize) {
     let mut out = Vec::new();
-    for (stream, letters) in by_stream {
-        let done = dlq::delete(&c.0.js, &stream, letters)
-            .await
-            .map_err(|e| e.to_string())?;
-        out.extend(
-            done.into_iter()
-                .map(|d| json!({ "stream": stream, "seq": d.seq, "id": d.id, "result": d.result })),
-        );
+    let mut failed = 0;
+    for (stream, d) in letters {
+        let (seq, id) = (d.seq, d.id.clone());
+        match dlq::delete(&c.0.js, &stream, vec![d]).await {
+            Ok(done) => out.extend(done.into_iter().map(
+                |d| json!({ "stream": stream, "seq": d.seq, "id": d.id, "result": d.result }),
+            )),
+            Err(e) => {
+                failed += 1;
+                out.push(json!({ "stream": stream, "seq": seq, "id": id, "result": "failed", "error": e.to_string() }));
+            }
+        }
     }
-    Ok(Value::Array(out))
+    (Value::Array(out), failed)
 }
 
 /// `POST /admin/dead-letters/delete`: a dry run answers a plan; a plan
@@ -1506,7 +1504,11 @@ async fn dead_letters_delete(
 }
 
 /// Take request `id` and delete its letters, which are `letters` (read
-/// again for this approval and found still the plan's).
+/// again for this approval and found still the plan's). The sign-off is
+/// recorded first (a deletion that cannot be recorded does not run); the
+/// letters are deleted by a task of its own (a request cut short, its
+/// time or its client gone, must not leave a deletion half done and
+/// unsaid), its end recorded as `delete.finish`.
 async fn approve_and_delete(
     c: &Console,
     caller: &Caller,
@@ -1532,31 +1534,50 @@ async fn approve_and_delete(
             )
         }
     }
-    let (state, result, outcome) = match delete_letters(c, letters).await {
-        Ok(done) => {
-            let n = done.as_array().map_or(0, Vec::len);
-            ("deleted", done, format!("done: {n} letters deleted"))
-        }
-        Err(e) => ("failed", json!({ "error": e }), format!("failed: {e}")),
+    let actor = caller_actor(caller);
+    let approval = Entry {
+        action: "delete.approve",
+        target: id.to_string(),
+        selection: json!({ "plan_id": plan, "letters": letters.len() }),
+        reason: None,
     };
-    if let Err(e) = delete::finish(&c.0.pool, id, state, &result).await {
-        tracing::warn!(request = %id, error = %e, "console: a deletion's result is not written");
+    let signed = format!("done: approved; deleting {} letters", letters.len());
+    if let Err(e) = admin_log::record_as(&c.0.pool, &approval, Some(&actor), &signed).await {
+        let why =
+            format!("the approval cannot be recorded in outbox_admin_log ({e}): nothing deleted");
+        let _ = delete::finish(&c.0.pool, id, "failed", &json!({ "error": why })).await;
+        return answer(caller, StatusCode::SERVICE_UNAVAILABLE, &why);
     }
-    record(
-        c,
-        caller,
-        Entry {
-            action: "delete.approve",
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let (console, plan) = (c.clone(), plan.to_owned());
+    tokio::spawn(async move {
+        let (result, failed) = delete_letters(&console, letters).await;
+        let n = result.as_array().map_or(0, Vec::len);
+        let (state, outcome) = match failed {
+            0 => ("deleted", format!("done: {n} letters deleted")),
+            f => (
+                "failed",
+                format!("failed: {f} of {n} letters not deleted (each one's error in the request)"),
+            ),
+        };
+        if let Err(e) = delete::finish(&console.0.pool, id, state, &result).await {
+            tracing::warn!(request = %id, error = %e, "console: a deletion's result is not written");
+        }
+        let end = Entry {
+            action: "delete.finish",
             target: id.to_string(),
             selection: json!({ "plan_id": plan }),
             reason: None,
-        },
-        &outcome,
-    )
-    .await;
+        };
+        if let Err(e) = admin_log::record_as(&console.0.pool, &end, Some(&actor), &outcome).await {
+            tracing::warn!(request = %id, error = %e, "console: a deletion's end is not recorded");
+        }
+        let _ = done_tx.send(());
+    });
+    let _ = done_rx.await;
     match delete::get(&c.0.pool, id).await {
         Ok(Some(r)) => ok(caller, json!({ "request": r })),
-        _ => ok(caller, json!({ "request": { "id": id, "state": state } })),
+        _ => ok(caller, json!({ "request": { "id": id } })),
     }
 }
 

@@ -122,3 +122,15 @@ pub async fn finish(
         .await?;
     Ok(())
 }
+
+/// Requests a console left `deleting` when it stopped (none of the running
+/// consoles has touched them for 10 minutes): said so.
+pub async fn interrupted(pool: &PgPool) -> sqlx::Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE outbox_admin_deletions SET state = 'interrupted' \
+         WHERE state = 'deleting' AND decided_at < now() - interval '10 minutes'",
+    )
+    .execute(pool)
+    .await?
+    .rows_affected())
+}

@@ -77,6 +77,11 @@ pub async fn serve(
         Ok(n) => tracing::warn!(jobs = n, "replay jobs a console left running when it stopped are marked interrupted: each letter's result so far stands; a new job (a new Idempotency-Key) replays the rest, and none twice"),
         Err(e) => return Err(Error::pg("reading outbox_admin_jobs (run `outbox-relay migrate`)")(e)),
     }
+    match delete::interrupted(&pool).await {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(requests = n, "deletions a console left half done are marked interrupted: see each request's letters in GET /admin/approvals and dlq list"),
+        Err(e) => return Err(Error::pg("reading outbox_admin_deletions (run `outbox-relay migrate`)")(e)),
+    }
     let console = Console::new(pool, js, settings, Arc::new(Semaphore::new(REQUESTS_MAX)));
     let app = api::router()
         .layer(axum::middleware::from_fn_with_state(

@@ -419,10 +419,16 @@ pub async fn fail(pool: &PgPool, id: uuid::Uuid) {
     .await;
 }
 
-/// Jobs a console left running when it stopped: said so, once.
+/// Jobs a console left running when it stopped: said so. Another console
+/// on the database (a relay's, a consumer's) may be running its own: only
+/// a job that has written no letter's result for 10 minutes is taken for
+/// one left (a job writes one a letter, at least one every 100 s).
 pub async fn interrupted(pool: &PgPool) -> sqlx::Result<u64> {
     Ok(sqlx::query(
-        "UPDATE outbox_admin_jobs SET state = 'interrupted', finished_at = now() WHERE state = 'running'",
+        "UPDATE outbox_admin_jobs j SET state = 'interrupted', finished_at = now() \
+         WHERE j.state = 'running' AND j.created_at < now() - interval '10 minutes' \
+           AND NOT EXISTS (SELECT 1 FROM outbox_admin_job_items i \
+                           WHERE i.job = j.id AND i.done_at > now() - interval '10 minutes')",
     )
     .execute(pool)
     .await?

@@ -30,8 +30,11 @@ use crate::error::{Error, Result};
 const PG_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long one Postgres check answers every probe.
 const PG_CHECK_FRESH: Duration = Duration::from_secs(1);
-/// Connections open at once; more wait in the listen backlog.
-const CONNECTIONS_MAX: usize = 64;
+/// Connections open at once; more wait in the listen backlog. High: a
+/// client that trickles a byte now and then holds one, and the probes
+/// (`/healthz` restarts the process when it goes unanswered) must find
+/// one free; the bound is against running out of descriptors.
+const CONNECTIONS_MAX: usize = 1024;
 /// A connection that sends nothing this long is closed.
 const IDLE_READ: Duration = Duration::from_secs(30);
 /// A request that takes longer is answered 503.
