@@ -437,24 +437,21 @@ async fn dead_letters(
         .filter(|d| !d.is_empty())
         .collect();
     if let Some(bad) = dims.iter().find(|d| !DIMENSIONS.contains(d)) {
-        return with_id(
-            problem(
-                StatusCode::BAD_REQUEST,
-                &format!(
-                    "group_by {bad:?}: group by any of {}",
-                    DIMENSIONS.join(", ")
-                ),
-            )
-            .into_response(),
-            &caller.request_id,
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "group_by {bad:?}: group by any of {}",
+                DIMENSIONS.join(", ")
+            ),
         );
     }
     let class_filter = match q.get("class").map(|c| (c, Class::parse(c))) {
         Some((c, None)) => {
-            return with_id(
-                problem(StatusCode::BAD_REQUEST, &format!("class {c:?} is not one"))
-                    .into_response(),
-                &caller.request_id,
+            return answer(
+                &caller,
+                StatusCode::BAD_REQUEST,
+                &format!("class {c:?} is not one"),
             )
         }
         Some((_, Some(class))) => Some(class),
@@ -587,12 +584,7 @@ async fn dead_letter(
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
-    let not_found = |why: String| {
-        with_id(
-            problem(StatusCode::NOT_FOUND, &why).into_response(),
-            &caller.request_id,
-        )
-    };
+    let not_found = |why: String| answer(&caller, StatusCode::NOT_FOUND, &why);
     let Ok(seq) = seq.parse::<u64>() else {
         return answer(
             &caller,
@@ -737,9 +729,10 @@ async fn log(
         Err(resp) => return resp,
     };
     let bad = |what: &str| {
-        with_id(
-            problem(StatusCode::BAD_REQUEST, &format!("{what}: a whole number")).into_response(),
-            &caller.request_id,
+        answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            &format!("{what}: a whole number"),
         )
     };
     let after: i64 = match q.get("after").map(|a| a.parse()) {
@@ -766,13 +759,10 @@ async fn log(
     .await;
     match rows {
         Ok(rows) => ok(&caller, json!({ "rows": rows })),
-        Err(e) => with_id(
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("reading outbox_admin_log: {e}"),
-            )
-            .into_response(),
-            &caller.request_id,
+        Err(e) => answer(
+            &caller,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("reading outbox_admin_log: {e}"),
         ),
     }
 }
@@ -796,10 +786,7 @@ async fn log_verify(
                 "broken": v.broken.map(|(seq, why)| json!({ "seq": seq, "why": why })),
             }),
         ),
-        Err(e) => with_id(
-            problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()).into_response(),
-            &caller.request_id,
-        ),
+        Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     }
 }
 
@@ -813,10 +800,7 @@ async fn token_list(
     };
     match tokens::list(&c.0.pool).await {
         Ok(t) => ok(&caller, json!({ "tokens": t })),
-        Err(e) => with_id(
-            problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()).into_response(),
-            &caller.request_id,
-        ),
+        Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     }
 }
 
