@@ -24,6 +24,9 @@
 #   scripts/stack.sh free-port  print a loopback port that is free now
 #   scripts/stack.sh nats-bin   print the nats-server path, installing it if missing
 #   scripts/stack.sh promtool   print the promtool path, fetching it if missing
+#   scripts/stack.sh chromium   print chromedriver's path, installing Debian's chromium
+#                               and chromium-driver (apt-get, as root) if missing: the
+#                               console's browser test drives them
 #   scripts/stack.sh pgbouncer-bin
 #                               print a command that runs Debian 12's PgBouncer,
 #                               unpacked into .tools/ if missing
@@ -130,6 +133,24 @@ promtool_bin() {
   bin="$(debian_bin prometheus prometheus usr/bin/promtool)" || exit 1
   rm -f "$TOOLS/prometheus/usr/bin/prometheus"
   echo "$bin"
+}
+
+# Debian's Chromium and its WebDriver, for the console's browser test.
+# Unlike the other tools they are installed (apt-get install): Chromium
+# needs dozens of libraries that unpacking one package would not bring.
+chromium_driver() {
+  if [ -n "${CHROMEDRIVER_BIN:-}" ] && [ -x "$CHROMEDRIVER_BIN" ]; then echo "$CHROMEDRIVER_BIN"; return; fi
+  if ! command -v chromedriver >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
+    command -v apt-get >/dev/null 2>&1 || die "apt-get not found; cannot install chromium and chromium-driver"
+    [ "$(id -u)" = 0 ] || die "installing chromium and chromium-driver needs root (or install them, or set CHROMEDRIVER_BIN)"
+    echo "stack.sh: installing chromium and chromium-driver (Debian packages)" >&2
+    local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver fonts-dejavu-core)
+    if ! "${apt[@]}" >/dev/null 2>&1; then
+      apt-get update -q >/dev/null 2>&1 || true
+      "${apt[@]}" >/dev/null 2>&1 || die "apt-get install chromium chromium-driver failed"
+    fi
+  fi
+  command -v chromedriver
 }
 
 # PgBouncer (Debian 12's, with the c-ares library it needs beside it), for
@@ -626,6 +647,7 @@ case "${1:-}" in
   nats-bin-debian) nats_debian_bin ;;
   pgbouncer-bin) pgbouncer_bin ;;
   promtool) promtool_bin ;;
+  chromium) chromium_driver ;;
   pg-bin) [ -n "${2:-}" ] || die "usage: stack.sh pg-bin MAJOR"; pg_bin "$2" ;;
   pg17-bin) pg_bin 17 ;;
   pg-pair-up) [ -n "${2:-}" ] || die "usage: stack.sh pg-pair-up DIR"; pg_pair_up "$2" ;;

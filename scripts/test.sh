@@ -39,6 +39,14 @@ else
   echo "test.sh: promtool unavailable; alert rules get the parse-only check" >&2
 fi
 
+# The console's browser test drives Debian's Chromium through chromedriver;
+# without them it fails and says how to get them.
+if CHROMEDRIVER_BIN="$(scripts/stack.sh chromium)"; then
+  export CHROMEDRIVER_BIN
+else
+  echo "test.sh: chromium and chromium-driver unavailable; the browser test will fail" >&2
+fi
+
 # Integration tests are few and heavy; two at a time suit a 2-core machine.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
 MATRIX_ONLY=0

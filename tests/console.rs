@@ -25,7 +25,7 @@ fn cli(args: &[&str]) -> (bool, String, String) {
 }
 
 /// `admin token create`: the secret it prints.
-fn token(url: &str, name: &str, role: &str) -> String {
+pub(crate) fn token(url: &str, name: &str, role: &str) -> String {
     let (ok, out, err) = cli(&[
         "admin",
         "token",
@@ -250,8 +250,10 @@ async fn every_route_answers_each_role_as_the_spec_says_and_refusals_are_recorde
     let http = reqwest::Client::new();
 
     let one = "/admin/dead-letters/DLQ_CONSOLE/1";
-    let routes: [(&str, &str); 6] = [
+    let routes: [(&str, &str); 8] = [
         ("/admin/whoami", "viewer"),
+        ("/admin/consumers", "viewer"),
+        ("/admin/slots", "viewer"),
         ("/admin/dead-letters", "viewer"),
         (one, "viewer"),
         ("/admin/log", "viewer"),
@@ -1189,4 +1191,165 @@ async fn a_consumer_serves_the_console_beside_itself() {
         },
     )
     .await;
+}
+
+/// The pages' forms (SPEC §16: "forms are protected from cross-site
+/// requests"): a sign-in or an action posted from another site or origin,
+/// or without the session's anti-forgery value, is refused 403 and
+/// recorded; the session cookie is HttpOnly and SameSite=Strict, and ends
+/// with a sign-out; a page without a session sends the browser to sign in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_site_forms_are_refused_and_recorded() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "console_csrf").await;
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream("DLQ_CONSOLE_CSRF").await;
+    js.create_stream(jetstream::stream::Config {
+        name: "DLQ_CONSOLE_CSRF".into(),
+        subjects: vec!["dlq.consolecsrf.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let admin = token(&url, "kim.admin", "admin");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _console = Service::console(
+        &url,
+        &stack.nats_url,
+        &addr,
+        "console_csrf",
+        &["--streams", "DLQ_CONSOLE_CSRF"],
+    );
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let form = |path: &str, cookie: Option<&str>, pairs: &[(&str, &str)]| {
+        let mut req = http.post(format!("{base}{path}")).form(pairs);
+        if let Some(c) = cookie {
+            req = req.header("Cookie", c);
+        }
+        req
+    };
+
+    // No session: sign in first.
+    let resp = http.get(format!("{base}/console/")).send().await.unwrap();
+    assert_eq!(resp.status(), 303);
+    assert_eq!(resp.headers()["location"], "/console/login");
+
+    // A sign-in from another site.
+    let resp = form("/console/login", None, &[("token", &admin)])
+        .header("Origin", "http://evil.example")
+        .header("Sec-Fetch-Site", "cross-site")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    assert!(resp.headers().get("set-cookie").is_none());
+
+    // A sign-in of its own: a session cookie, never the token.
+    let resp = form("/console/login", None, &[("token", &admin)])
+        .header("Origin", format!("http://{addr}"))
+        .header("Sec-Fetch-Site", "same-origin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 303);
+    let set = resp.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(
+        set.contains("HttpOnly") && set.contains("SameSite=Strict") && !set.contains(&admin),
+        "{set}"
+    );
+    let cookie = set.split(';').next().unwrap().to_owned();
+    let page = http
+        .get(format!("{base}/console/dead-letters"))
+        .header("Cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("no anti-forgery value on the page: {page}"))
+        .to_owned();
+    assert!(!page.contains(&admin), "the token is never on a page");
+
+    // An action without the session's value, or from another origin.
+    let dry_run = |csrf: &str| {
+        form(
+            "/console/replay",
+            Some(&cookie),
+            &[("csrf", csrf), ("class", "handler_failed"), ("reason", "r")],
+        )
+    };
+    let resp = dry_run("").send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    assert!(resp.text().await.unwrap().contains("anti-forgery"));
+    let resp = dry_run(&"0".repeat(csrf.len())).send().await.unwrap();
+    assert_eq!(resp.status(), 403);
+    let resp = dry_run(&csrf)
+        .header("Origin", "http://127.0.0.1:1")
+        .header("Sec-Fetch-Site", "same-site")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    // Its own page's form: the plan.
+    let resp = dry_run(&csrf)
+        .header("Origin", format!("http://{addr}"))
+        .header("Sec-Fetch-Site", "same-origin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.text().await.unwrap().contains("plan-id"));
+
+    // Signing out takes the value too, and ends the session.
+    let resp = form("/console/logout", Some(&cookie), &[("csrf", "x")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    let resp = form("/console/logout", Some(&cookie), &[("csrf", &csrf)])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 303);
+    let resp = http
+        .get(format!("{base}/console/"))
+        .header("Cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 303, "the session ended");
+
+    // Each refusal is a row.
+    let refused: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT actor, target, result FROM outbox_admin_log WHERE action = 'request' AND result LIKE 'denied: 403%' ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let targets: Vec<(&str, &str)> = refused
+        .iter()
+        .map(|(a, t, _)| (a.as_str(), t.as_str()))
+        .collect();
+    assert_eq!(
+        targets,
+        [
+            ("anonymous", "POST /console/login"),
+            ("token:kim.admin", "POST /console/replay"),
+            ("token:kim.admin", "POST /console/replay"),
+            ("token:kim.admin", "POST /console/replay"),
+            ("token:kim.admin", "POST /console/logout"),
+        ],
+        "{refused:?}"
+    );
+    let (ok, out, err) = cli(&["admin", "log", "verify", "--database-url", &url]);
+    assert!(ok, "{out}{err}");
 }

@@ -3,6 +3,7 @@
 //! and nats-server with JetStream, on loopback).
 
 mod audit;
+mod browser;
 mod common;
 mod console;
 mod consumer;

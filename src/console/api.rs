@@ -88,6 +88,13 @@ pub(super) const ROUTES: &[(&str, &str, Option<Role>, &str)] = &[
     ("get", "/admin/log", Some(Role::Viewer), "log.read"),
     ("get", "/admin/log/verify", Some(Role::Admin), "log.verify"),
     ("get", "/admin/tokens", Some(Role::Admin), "tokens.read"),
+    (
+        "get",
+        "/admin/consumers",
+        Some(Role::Viewer),
+        "consumers.read",
+    ),
+    ("get", "/admin/slots", Some(Role::Viewer), "slots.read"),
 ];
 
 const OPENAPI: &str = include_str!("openapi.json");
@@ -118,6 +125,8 @@ pub(super) fn router() -> Router<Console> {
         .route("/admin/log", get(log))
         .route("/admin/log/verify", get(log_verify))
         .route("/admin/tokens", get(token_list))
+        .route("/admin/consumers", get(consumers))
+        .route("/admin/slots", get(slots))
         .fallback(|| async {
             problem(
                 StatusCode::NOT_FOUND,
@@ -718,7 +727,8 @@ fn commands(stream: &str, id: &str, since: &str) -> Value {
     })
 }
 
-/// `outbox_admin_log`, oldest first: `?after=<seq>&limit=<n>`.
+/// `outbox_admin_log`, oldest first: `?after=<seq>&limit=<n>`; or the
+/// newest, newest first: `?last=<n>`.
 async fn log(
     State(c): State<Console>,
     Extension(auth): Extension<Authenticated>,
@@ -745,14 +755,23 @@ async fn log(
         Some(Ok(l)) => l.clamp(1, LOG_PAGE_MAX),
         Some(Err(_)) => return bad("limit"),
     };
-    let rows: Result<Vec<Value>, _> = sqlx::query_scalar(
+    let last = match q.get("last").map(|a| a.parse::<i64>()) {
+        None => None,
+        Some(Ok(l)) => Some(l.clamp(1, LOG_PAGE_MAX)),
+        Some(Err(_)) => return bad("last"),
+    };
+    let (order, after, limit) = match last {
+        Some(n) => ("seq DESC", 0, n),
+        None => ("seq", after, limit),
+    };
+    let rows: Result<Vec<Value>, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT jsonb_build_object('seq', seq, \
              'at', to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
              'db_role', db_role, 'actor', actor, 'role', role, 'action', action, \
              'target', target, 'selection', selection, 'reason', reason, 'result', result, \
              'request_id', request_id, 'hash', hash) \
-         FROM outbox_admin_log WHERE seq > $1 ORDER BY seq LIMIT $2",
-    )
+         FROM outbox_admin_log WHERE seq > $1 ORDER BY {order} LIMIT $2"
+    )))
     .bind(after)
     .bind(limit)
     .fetch_all(&c.0.pool)
@@ -800,6 +819,96 @@ async fn token_list(
     };
     match tokens::list(&c.0.pool).await {
         Ok(t) => ok(&caller, json!({ "tokens": t })),
+        Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+    }
+}
+
+/// Every durable of every stream (but key-value and object stores), with
+/// what it has yet to take and the command that starts it over.
+async fn consumers(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+) -> Response {
+    let caller = match guard(&c, &auth, "consumers.read", "").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let mut names = Vec::new();
+    let mut listing = c.0.js.stream_names();
+    while let Some(name) = listing.next().await {
+        match name {
+            Ok(n) if !n.starts_with("KV_") && !n.starts_with("OBJ_") => names.push(n),
+            Ok(_) => {}
+            Err(e) => {
+                return answer(
+                    &caller,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("listing the streams: {e}"),
+                )
+            }
+        }
+    }
+    names.sort();
+    let mut out = Vec::new();
+    let mut unreadable = Vec::new();
+    for name in names {
+        let stream = match c.0.js.get_stream(&name).await {
+            Ok(s) => s,
+            Err(e) => {
+                unreadable.push(json!({ "stream": name, "error": e.to_string() }));
+                continue;
+            }
+        };
+        let mut infos = stream.consumers();
+        while let Some(info) = infos.next().await {
+            match info {
+                Ok(i) => {
+                    let durable = i.config.durable_name.clone().unwrap_or(i.name.clone());
+                    let safe = |s: &str| {
+                        !s.is_empty()
+                            && s.chars()
+                                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))
+                    };
+                    let reset = (safe(&name) && safe(&durable)).then(|| {
+                        format!(
+                            "outbox-relay consumer reset --stream {name} --durable {durable} --time <RFC 3339> --reason '<why>'"
+                        )
+                    });
+                    out.push(json!({
+                        "stream": name,
+                        "durable": durable,
+                        "pending": i.num_pending,
+                        "ack_pending": i.num_ack_pending,
+                        "redelivered": i.num_redelivered,
+                        "waiting": i.num_waiting,
+                        "delivered_seq": i.delivered.stream_sequence,
+                        "ack_floor_seq": i.ack_floor.stream_sequence,
+                        "filter": i.config.filter_subject,
+                        "cli": reset,
+                    }));
+                }
+                Err(e) => {
+                    unreadable.push(json!({ "stream": name, "error": e.to_string() }));
+                    break;
+                }
+            }
+        }
+    }
+    ok(
+        &caller,
+        json!({ "consumers": out, "unreadable": unreadable }),
+    )
+}
+
+/// The logical replication slots of the console's database: lag, WAL
+/// kept, and how close each is to being invalidated.
+async fn slots(State(c): State<Console>, Extension(auth): Extension<Authenticated>) -> Response {
+    let caller = match guard(&c, &auth, "slots.read", "pg_replication_slots").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    match crate::ops::slot_monitor::list(&c.0.pool, None).await {
+        Ok(s) => ok(&caller, json!({ "slots": s })),
         Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     }
 }
@@ -1059,7 +1168,7 @@ async fn events_replay(
                 "letters": items.len(),
                 "to_replay": to_replay,
                 "items": items,
-                "cli": replay::cli(&req.selection, &reason),
+                "cli": replay::cli(&req.selection, &items, &reason),
                 "run": "POST the same selection with this plan_id, dry_run false and an Idempotency-Key header",
             }),
         );

@@ -19,6 +19,8 @@ pub mod delete;
 pub mod replay;
 
 mod api;
+mod pages;
+mod session;
 mod state;
 
 pub use state::Settings;
@@ -83,7 +85,7 @@ pub async fn serve(
         Err(e) => return Err(Error::pg("reading outbox_admin_deletions (run `outbox-relay migrate`)")(e)),
     }
     let console = Console::new(pool, js, settings, Arc::new(Semaphore::new(REQUESTS_MAX)));
-    let app = api::router()
+    let api = api::router()
         .layer(axum::middleware::from_fn_with_state(
             console.clone(),
             bounded,
@@ -95,7 +97,13 @@ pub async fn serve(
             api::authenticate,
         ))
         .layer(DefaultBodyLimit::max(BODY_MAX))
-        .with_state(console);
+        .with_state(console.clone());
+    // The pages call the API in-process (each call bounded as a client's
+    // is); a page itself is bounded in time and body as well.
+    let pages = pages::router(console.clone(), api.clone())
+        .layer(axum::middleware::from_fn_with_state(console, timed))
+        .layer(DefaultBodyLimit::max(BODY_MAX));
+    let app = api.merge(pages);
     let listener = crate::ops::listener::Limited::new(listener, CONNECTIONS_MAX, IDLE_READ);
     let done = tokio::spawn(async move {
         let serve = axum::serve(listener, app)
@@ -104,7 +112,7 @@ pub async fn serve(
             tracing::error!(error = %e, "the console failed");
         }
     });
-    tracing::info!(%addr, "serving the operator console: JSON under /admin/");
+    tracing::info!(%addr, "serving the operator console: JSON under /admin/, pages under /console/");
     Ok(Server { addr, done })
 }
 
@@ -124,6 +132,19 @@ async fn bounded(State(c): State<Console>, req: Request, next: Next) -> Response
             "the request took too long (NATS or Postgres slow?); retry",
         )
         .into_response(),
+    }
+}
+
+/// A page takes at most [`REQUEST_TIME`] (its API calls take places among
+/// the requests at once).
+async fn timed(State(_): State<Console>, req: Request, next: Next) -> Response {
+    match tokio::time::timeout(REQUEST_TIME, next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the page took too long (NATS or Postgres slow?); reload it",
+        )
+            .into_response(),
     }
 }
 

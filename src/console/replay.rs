@@ -197,32 +197,75 @@ pub fn plan_id(sel: &Selection, items: &[Item]) -> String {
         .collect()
 }
 
-/// The CLI command that does what a plan does.
-pub fn cli(sel: &Selection, reason: &str) -> String {
-    let mut cmd = String::from("outbox-relay dlq replay");
-    if let Some(s) = &sel.stream {
-        cmd.push_str(&format!(" --stream {s}"));
+/// The CLI commands that do what a plan does: the selection's own
+/// terms when the CLI has them all, else the plan's letters by id, one
+/// command a stream (a letter whose id is not a UUID is not put in a
+/// shell command, and is said to be left out).
+pub fn cli(sel: &Selection, items: &[Item], reason: &str) -> String {
+    let reason = reason.replace('\'', "");
+    let shell_safe = |s: &str| {
+        !s.is_empty()
+            && s.chars().all(|c| {
+                c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '*' | '>' | ':')
+            })
+    };
+    let by_terms = sel.class.is_none()
+        && sel.fingerprint.is_none()
+        && sel.durable.is_none()
+        && sel.until.is_none()
+        && sel.stream.as_deref().is_some_and(shell_safe)
+        && sel.subject.as_deref().is_none_or(shell_safe)
+        && sel.since.as_deref().is_none_or(shell_safe)
+        && sel.ids.iter().all(|i| uuid::Uuid::parse_str(i).is_ok());
+    if by_terms {
+        let mut cmd = String::from("outbox-relay dlq replay");
+        if let Some(s) = &sel.stream {
+            cmd.push_str(&format!(" --stream {s}"));
+        }
+        for id in &sel.ids {
+            cmd.push_str(&format!(" --id {id}"));
+        }
+        if let Some(f) = &sel.subject {
+            cmd.push_str(&format!(" --filter '{f}'"));
+        }
+        if let Some(s) = &sel.since {
+            cmd.push_str(&format!(" --since {s}"));
+        }
+        cmd.push_str(&format!(" --reason '{reason}'"));
+        return cmd;
     }
-    for id in &sel.ids {
-        cmd.push_str(&format!(" --id {id}"));
+    let mut streams: Vec<(&str, Vec<String>)> = Vec::new();
+    let mut left_out = 0;
+    for i in items.iter().filter(|i| i.skipped.is_none()) {
+        let Ok(id) = uuid::Uuid::parse_str(&i.id) else {
+            left_out += 1;
+            continue;
+        };
+        if !shell_safe(&i.stream) {
+            left_out += 1;
+            continue;
+        }
+        match streams.iter_mut().find(|(s, _)| *s == i.stream) {
+            Some((_, ids)) => ids.push(id.to_string()),
+            None => streams.push((&i.stream, vec![id.to_string()])),
+        }
     }
-    if let Some(f) = &sel.subject {
-        cmd.push_str(&format!(" --filter '{f}'"));
+    let mut lines: Vec<String> = streams
+        .into_iter()
+        .map(|(stream, ids)| {
+            let ids: String = ids.iter().map(|id| format!(" --id {id}")).collect();
+            format!("outbox-relay dlq replay --stream {stream}{ids} --reason '{reason}'")
+        })
+        .collect();
+    if left_out > 0 {
+        lines.push(format!(
+            "# {left_out} letters left out: their ids or streams are not put in a shell command"
+        ));
     }
-    if let Some(s) = &sel.since {
-        cmd.push_str(&format!(" --since {s}"));
+    if lines.is_empty() {
+        lines.push("# nothing to replay".into());
     }
-    if sel.class.is_some()
-        || sel.fingerprint.is_some()
-        || sel.durable.is_some()
-        || sel.until.is_some()
-    {
-        cmd.push_str(
-            " (the CLI selects by stream, id, subject and time only: add the ids the plan lists)",
-        );
-    }
-    cmd.push_str(&format!(" --reason '{}'", reason.replace('\'', "")));
-    cmd
+    lines.join("\n")
 }
 
 /// A job as it is kept.
@@ -586,6 +629,54 @@ mod tests {
             a,
             plan_id(&sel, &[other_letter, item(2)]),
             "another letter at that place"
+        );
+    }
+
+    #[test]
+    fn a_plans_cli_is_its_letters_by_id_when_the_cli_cannot_say_its_selection() {
+        let id = "6d9f6051-078b-4923-8568-6b00144ea67f";
+        let item = |stream: &str, id: &str, skipped| Item {
+            stream: stream.into(),
+            created: String::new(),
+            seq: 1,
+            id: id.into(),
+            durable: Some("billing".into()),
+            class: "transient_exhausted",
+            subject: "orders.paid".into(),
+            skipped,
+        };
+        let by_class = Selection {
+            class: Some("transient_exhausted".into()),
+            ..Default::default()
+        };
+        let items = [
+            item("DLQ_A", id, None),
+            item("DLQ_B", id, None),
+            item("DLQ_A", "$(rm -rf /)", None),
+            item("DLQ_A", id, Some("its class cannot be replayed")),
+        ];
+        let cli = cli(&by_class, &items, "INC-7: it's back");
+        assert_eq!(
+            cli.lines().collect::<Vec<_>>(),
+            [
+                format!(
+                    "outbox-relay dlq replay --stream DLQ_A --id {id} --reason 'INC-7: its back'"
+                ),
+                format!(
+                    "outbox-relay dlq replay --stream DLQ_B --id {id} --reason 'INC-7: its back'"
+                ),
+                "# 1 letters left out: their ids or streams are not put in a shell command"
+                    .to_owned(),
+            ]
+        );
+        let by_terms = Selection {
+            stream: Some("DLQ_A".into()),
+            ids: vec![id.into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            super::cli(&by_terms, &items, "r"),
+            format!("outbox-relay dlq replay --stream DLQ_A --id {id} --reason 'r'")
         );
     }
 }
