@@ -1278,6 +1278,29 @@ async fn cross_site_forms_are_refused_and_recorded() {
         .unwrap_or_else(|| panic!("no anti-forgery value on the page: {page}"))
         .to_owned();
     assert!(!page.contains(&admin), "the token is never on a page");
+    // Not framed, not cached; not read by another site's page.
+    let resp = http
+        .get(format!("{base}/console/tokens"))
+        .header("Cookie", &cookie)
+        .send()
+        .await
+        .unwrap();
+    let h = resp.headers();
+    assert_eq!(h["x-frame-options"], "DENY");
+    assert!(h["content-security-policy"]
+        .to_str()
+        .unwrap()
+        .contains("frame-ancestors 'none'"));
+    assert_eq!(h["cache-control"], "no-store");
+    let resp = http
+        .get(format!("{base}/console/tokens"))
+        .header("Cookie", &cookie)
+        .header("Sec-Fetch-Site", "same-site")
+        .header("Sec-Fetch-Dest", "image")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403, "an image of another site's page");
 
     // An action without the session's value, or from another origin.
     let dry_run = |csrf: &str| {
@@ -1327,6 +1350,54 @@ async fn cross_site_forms_are_refused_and_recorded() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 303, "the session ended");
+
+    // A token revoked ends its sessions: the next page sends the browser
+    // to sign in, and forgets the cookie.
+    let again = form("/console/login", None, &[("token", &admin)])
+        .send()
+        .await
+        .unwrap();
+    let cookie2 = again.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_owned();
+    let (ok, out, err) = cli(&[
+        "admin",
+        "token",
+        "revoke",
+        "--database-url",
+        &url,
+        "--name",
+        "kim.admin",
+        "--reason",
+        "left",
+    ]);
+    assert!(ok, "{out}{err}");
+    let resp = http
+        .get(format!("{base}/console/"))
+        .header("Cookie", &cookie2)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 303);
+    assert_eq!(resp.headers()["location"], "/console/login");
+    assert!(resp.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .contains("Max-Age=0"));
+    let sessions: Vec<String> = sqlx::query_scalar(
+        "SELECT action FROM outbox_admin_log WHERE action LIKE 'console.sign%' ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        sessions,
+        ["console.sign_in", "console.sign_out", "console.sign_in"]
+    );
 
     // Each refusal is a row.
     let refused: Vec<(String, String, String)> = sqlx::query_as(

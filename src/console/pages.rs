@@ -60,7 +60,44 @@ pub(super) fn router(console: Console, api: Router) -> Router {
         .route("/console/log", get(log))
         .route("/console/tokens", get(tokens))
         .route("/console/style.css", get(style))
+        .layer(axum::middleware::from_fn(hardened))
         .with_state(pages)
+}
+
+/// Every page: not framed, not cached, no script or outside resource, no
+/// referrer outside the console. A page
+/// fetched by another site's page (an image, a frame, a fetch: not a link
+/// followed) is refused: it would read, and be recorded, under the
+/// signed-in user's name.
+async fn hardened(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let h = req.headers();
+    let get = |k: &str| h.get(k).and_then(|v| v.to_str().ok());
+    let foreign = matches!(get("sec-fetch-site"), Some("cross-site" | "same-site"));
+    let navigation = get("sec-fetch-dest").is_none_or(|d| d == "document");
+    if req.method() == Method::GET && foreign && !navigation {
+        return (
+            StatusCode::FORBIDDEN,
+            "refused: a console page is not read from another site's page",
+        )
+            .into_response();
+    }
+    let mut resp = next.run(req).await;
+    let headers = resp.headers_mut();
+    for (name, value) in [
+        ("x-frame-options", "DENY"),
+        (
+            "content-security-policy",
+            "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+        ("cache-control", "no-store"),
+        // Not no-referrer: a browser then sends a form's Origin as
+        // "null", and the form is refused as another origin's.
+        ("referrer-policy", "same-origin"),
+        ("x-content-type-options", "nosniff"),
+    ] {
+        headers.insert(name, axum::http::HeaderValue::from_static(value));
+    }
+    resp
 }
 
 /// The page's header: who is signed in, and what their forms carry.
@@ -166,9 +203,14 @@ impl Pages {
             Ok(b) => b,
             Err(e) => return broken(format!("reading the API's answer: {e}")),
         };
+        let body = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+            // axum's own refusals (a bad path, a method) are plain text.
+            let text = String::from_utf8_lossy(&bytes);
+            json!({ "error": text.chars().take(500).collect::<String>() })
+        });
         Api {
             status,
-            body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+            body,
             request_id,
         }
     }
@@ -209,6 +251,26 @@ impl Pages {
         ))
     }
 
+    /// A sign-in or sign-out, in the log as every session's start and end.
+    async fn record_session(&self, action: &'static str, name: &str, role: &str, request_id: &str) {
+        let entry = Entry {
+            action,
+            target: "/console/".to_owned(),
+            selection: json!({}),
+            reason: None,
+        };
+        let actor = Actor {
+            name: format!("token:{name}"),
+            role: role_str(role),
+            request_id: request_id.to_owned(),
+        };
+        if let Err(e) =
+            admin_log::record_as(&self.console.0.pool, &entry, Some(&actor), "done").await
+        {
+            tracing::warn!(error = %e, action, "console: a session's start or end is not recorded");
+        }
+    }
+
     async fn refuse(&self, actor: &Actor, target: &str, why: &str) {
         let entry = Entry {
             action: "request",
@@ -216,7 +278,22 @@ impl Pages {
             selection: json!({}),
             reason: None,
         };
-        let result = format!("denied: 403 {why}");
+        // A flood of anonymous refusals must not become a flood of rows
+        // (as the API's 401s); a signed-in session's always is recorded.
+        let mut result = format!("denied: 403 {why}");
+        if actor.name == "anonymous" {
+            match self.console.admit_denial() {
+                None => {
+                    metrics::counter!(crate::ops::metrics::ADMIN_ACTIONS, "action" => "request", "result" => "denied")
+                        .increment(1);
+                    return;
+                }
+                Some(0) => {}
+                Some(n) => result.push_str(&format!(
+                    " ({n} refusals before this one were counted, not recorded)"
+                )),
+            }
+        }
         if let Err(e) =
             admin_log::record_as(&self.console.0.pool, &entry, Some(actor), &result).await
         {
@@ -263,9 +340,21 @@ fn failed(mut nav: Nav, status: StatusCode, error: &str, request_id: &str) -> Re
     resp
 }
 
-/// The page for an API answer that is not a success.
-fn api_failed(nav: Nav, a: &Api) -> Response {
-    failed(nav, a.status, &a.error(), &a.request_id)
+impl Pages {
+    /// The page for an API answer that is not a success. A 401 is the
+    /// session's token refused (revoked, expired): every session of it
+    /// ends, and the browser is sent to sign in again.
+    fn api_failed(&self, s: &Session, nav: Nav, a: &Api) -> Response {
+        if a.status == StatusCode::UNAUTHORIZED {
+            self.sessions.close_token(&s.secret);
+            return (
+                [(header::SET_COOKIE, session::set_cookie(None))],
+                Redirect::to("/console/login"),
+            )
+                .into_response();
+        }
+        failed(nav, a.status, &a.error(), &a.request_id)
+    }
 }
 
 async fn style() -> Response {
@@ -333,6 +422,8 @@ async fn login(State(p): State<Pages>, headers: HeaderMap, Form(f): Form<LoginFo
         .as_str()
         .unwrap_or_default()
         .to_owned();
+    p.record_session("console.sign_in", &name, &role, &a.request_id)
+        .await;
     let id = p.sessions.open(secret, name, role);
     (
         [(header::SET_COOKIE, session::set_cookie(Some(&id)))],
@@ -351,8 +442,15 @@ async fn logout(State(p): State<Pages>, headers: HeaderMap, Form(f): Form<CsrfFo
     if let Err(resp) = p.acting(&headers, &f.csrf, "POST /console/logout").await {
         return resp;
     }
-    if let Some((id, _)) = p.sessions.of(&headers) {
+    if let Some((id, s)) = p.sessions.of(&headers) {
         p.sessions.close(&id);
+        p.record_session(
+            "console.sign_out",
+            &s.name,
+            &s.role,
+            &uuid::Uuid::new_v4().to_string(),
+        )
+        .await;
     }
     (
         [(header::SET_COOKIE, session::set_cookie(None))],
@@ -487,6 +585,8 @@ struct OverviewPage {
     total: u64,
     slots: Vec<Slot>,
     slots_error: String,
+    /// Parts of the page that could not be read (never shown as none).
+    errors: Vec<String>,
     pending_deletions: usize,
     jobs: Vec<JobRow>,
 }
@@ -507,7 +607,7 @@ async fn overview(State(p): State<Pages>, headers: HeaderMap) -> Response {
         )
         .await;
     if letters.status != StatusCode::OK {
-        return api_failed(nav, &letters);
+        return p.api_failed(&s, nav, &letters);
     }
     let slots = p
         .call(&s.secret, Method::GET, "/admin/slots", None, None)
@@ -521,6 +621,11 @@ async fn overview(State(p): State<Pages>, headers: HeaderMap) -> Response {
     let deletions: Vec<DeletionRow> = approvals.field("requests");
     let mut recent: Vec<JobRow> = jobs.field("jobs");
     recent.truncate(5);
+    let errors = [("approvals", &approvals), ("jobs", &jobs)]
+        .iter()
+        .filter(|(_, a)| a.status != StatusCode::OK)
+        .map(|(what, a)| format!("{what}: {}", a.error()))
+        .collect();
     nav.request_id = letters.request_id.clone();
     page(&OverviewPage {
         nav,
@@ -532,6 +637,7 @@ async fn overview(State(p): State<Pages>, headers: HeaderMap) -> Response {
             slots.error()
         },
         slots: slots.field("slots"),
+        errors,
         pending_deletions: deletions.iter().filter(|d| d.state == "pending").count(),
         jobs: recent,
     })
@@ -570,7 +676,7 @@ async fn dead_letters(
     }
     let a = p.call(&s.secret, Method::GET, &path, None, None).await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     page(&DeadLettersPage {
@@ -615,11 +721,13 @@ async fn dead_letter(
         Err(resp) => return *resp,
     };
     let mut nav = Nav::of(&s);
-    let enc = |v: &str| url::form_urlencoded::byte_serialize(v.as_bytes()).collect::<String>();
+    let enc = |v: &str| {
+        percent_encoding::utf8_percent_encode(v, percent_encoding::NON_ALPHANUMERIC).to_string()
+    };
     let path = format!("/admin/dead-letters/{}/{}", enc(&stream), enc(&seq));
     let a = p.call(&s.secret, Method::GET, &path, None, None).await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     let b = &a.body;
@@ -688,6 +796,8 @@ struct PlanForm {
     fingerprint: String,
     durable: String,
     ids: String,
+    /// One letter's id, as it is (a producer's header: never split).
+    id: String,
     plan_id: String,
     idempotency_key: String,
 }
@@ -708,12 +818,15 @@ impl PlanForm {
         put("class", &self.class);
         put("fingerprint", &self.fingerprint);
         put("durable", &self.durable);
-        let ids: Vec<Value> = self
+        let mut ids: Vec<Value> = self
             .ids
             .split([',', ' ', '\n', '\r'])
             .filter(|i| !i.is_empty())
             .map(|i| Value::String(i.to_owned()))
             .collect();
+        if !self.id.is_empty() {
+            ids.push(Value::String(self.id.clone()));
+        }
         if !ids.is_empty() {
             sel.insert("ids".into(), Value::Array(ids));
         }
@@ -787,7 +900,7 @@ async fn plan_or_act(p: Pages, headers: HeaderMap, f: PlanForm, kind: &'static s
     let key = (!dry_run).then_some(f.idempotency_key.trim());
     let a = p.call(&s.secret, Method::POST, path, Some(body), key).await;
     if !a.status.is_success() {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     if !dry_run {
         return match kind {
@@ -838,7 +951,7 @@ async fn jobs(State(p): State<Pages>, headers: HeaderMap) -> Response {
         .call(&s.secret, Method::GET, "/admin/jobs", None, None)
         .await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     page(&JobsPage {
@@ -874,7 +987,7 @@ async fn job(State(p): State<Pages>, headers: HeaderMap, Path(id): Path<String>)
         )
         .await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     let job: JobRow = a.field("job");
@@ -913,7 +1026,7 @@ async fn job_cancel(
         )
         .await;
     if !a.status.is_success() {
-        return api_failed(Nav::of(&s), &a);
+        return p.api_failed(&s, Nav::of(&s), &a);
     }
     Redirect::to(&format!("/console/jobs/{id}")).into_response()
 }
@@ -936,7 +1049,7 @@ async fn approvals(State(p): State<Pages>, headers: HeaderMap) -> Response {
         .call(&s.secret, Method::GET, "/admin/approvals", None, None)
         .await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     page(&ApprovalsPage {
@@ -984,7 +1097,7 @@ async fn decide(
         )
         .await;
     if !a.status.is_success() {
-        return api_failed(Nav::of(&s), &a);
+        return p.api_failed(&s, Nav::of(&s), &a);
     }
     Redirect::to("/console/approvals").into_response()
 }
@@ -1019,7 +1132,7 @@ async fn consumers(State(p): State<Pages>, headers: HeaderMap) -> Response {
         .call(&s.secret, Method::GET, "/admin/consumers", None, None)
         .await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     page(&ConsumersPage {
@@ -1049,6 +1162,8 @@ struct IntegrityPage {
     nav: Nav,
     slots: Vec<Slot>,
     audits: Vec<LogRow>,
+    /// The log could not be read: no "no audit".
+    log_error: String,
     since: String,
 }
 
@@ -1062,19 +1177,25 @@ async fn integrity(State(p): State<Pages>, headers: HeaderMap) -> Response {
         .call(&s.secret, Method::GET, "/admin/slots", None, None)
         .await;
     if slots.status != StatusCode::OK {
-        return api_failed(nav, &slots);
+        return p.api_failed(&s, nav, &slots);
     }
     let log = p
         .call(&s.secret, Method::GET, "/admin/log?last=500", None, None)
         .await;
     let mut audits: Vec<LogRow> = log.field("rows");
     audits.retain(|r| r.action.starts_with("audit"));
+    let log_error = if log.status == StatusCode::OK {
+        String::new()
+    } else {
+        log.error()
+    };
     nav.request_id = slots.request_id.clone();
     let since = time::OffsetDateTime::now_utc() - time::Duration::hours(1);
     page(&IntegrityPage {
         nav,
         slots: slots.field("slots"),
         audits,
+        log_error,
         since: super_rfc3339(since),
     })
 }
@@ -1110,7 +1231,7 @@ async fn log(State(p): State<Pages>, headers: HeaderMap, Query(q): Query<LogQuer
             .call(&s.secret, Method::GET, "/admin/log/verify", None, None)
             .await;
         if v.status != StatusCode::OK {
-            return api_failed(nav, &v);
+            return p.api_failed(&s, nav, &v);
         }
         let holds = v.body["holds"].as_bool().unwrap_or(false);
         let what = if holds {
@@ -1134,7 +1255,7 @@ async fn log(State(p): State<Pages>, headers: HeaderMap, Query(q): Query<LogQuer
         .call(&s.secret, Method::GET, "/admin/log?last=200", None, None)
         .await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     page(&LogPage {
@@ -1172,7 +1293,7 @@ async fn tokens(State(p): State<Pages>, headers: HeaderMap) -> Response {
         .call(&s.secret, Method::GET, "/admin/tokens", None, None)
         .await;
     if a.status != StatusCode::OK {
-        return api_failed(nav, &a);
+        return p.api_failed(&s, nav, &a);
     }
     nav.request_id = a.request_id.clone();
     page(&TokensPage {

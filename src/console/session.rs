@@ -20,6 +20,9 @@ pub const COOKIE: &str = "oxr_console";
 pub const LIFETIME: Duration = Duration::from_secs(8 * 3600);
 /// Sessions kept at once; past it the oldest is ended.
 const SESSIONS_MAX: usize = 1024;
+/// Sessions of one token; past it that token's oldest is ended (one
+/// token's holder cannot sign everyone else out).
+const PER_TOKEN_MAX: usize = 16;
 
 /// A signed-in browser.
 #[derive(Clone)]
@@ -57,14 +60,22 @@ impl Sessions {
         *opened += 1;
         let now = Instant::now();
         all.retain(|_, s| now.duration_since(s.made) < LIFETIME);
-        if all.len() >= SESSIONS_MAX {
-            if let Some(oldest) = all
-                .iter()
+        let oldest = |all: &HashMap<String, Session>, of: Option<&str>| {
+            all.iter()
+                .filter(|(_, s)| of.is_none_or(|t| s.secret == t))
                 .min_by_key(|(_, s)| s.order)
                 .map(|(k, _)| k.clone())
-            {
-                all.remove(&oldest);
-            }
+        };
+        let its = all.values().filter(|s| s.secret == secret).count();
+        let evict = if its >= PER_TOKEN_MAX {
+            oldest(all, Some(&secret))
+        } else if all.len() >= SESSIONS_MAX {
+            oldest(all, None)
+        } else {
+            None
+        };
+        if let Some(k) = evict {
+            all.remove(&k);
         }
         all.insert(
             id.clone(),
@@ -99,6 +110,15 @@ impl Sessions {
             .unwrap_or_else(|e| e.into_inner())
             .1
             .remove(id);
+    }
+
+    /// End every session of a token (the API refused it: revoked, expired).
+    pub fn close_token(&self, secret: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .1
+            .retain(|_, s| s.secret != secret);
     }
 }
 
@@ -217,14 +237,28 @@ mod tests {
     }
 
     #[test]
-    fn sessions_are_bounded() {
+    fn sessions_are_bounded_in_all_and_by_token() {
         let s = Sessions::default();
-        let first = s.open("a".into(), "a".into(), "viewer".into());
+        let admin = s.open("admin".into(), "a".into(), "admin".into());
+        // One token's many sign-ins end its own oldest, not another's.
+        let first = s.open("b".into(), "b".into(), "viewer".into());
         for _ in 0..SESSIONS_MAX {
             s.open("b".into(), "b".into(), "viewer".into());
         }
-        let all = &s.0.lock().unwrap().1;
-        assert_eq!(all.len(), SESSIONS_MAX);
-        assert!(!all.contains_key(&first), "the oldest went first");
+        {
+            let all = &s.0.lock().unwrap().1;
+            assert_eq!(all.len(), PER_TOKEN_MAX + 1);
+            assert!(all.contains_key(&admin) && !all.contains_key(&first));
+        }
+        for i in 0..SESSIONS_MAX {
+            s.open(format!("t{i}"), "t".into(), "viewer".into());
+        }
+        {
+            let all = &s.0.lock().unwrap().1;
+            assert_eq!(all.len(), SESSIONS_MAX);
+            assert!(!all.contains_key(&admin), "the oldest went first");
+        }
+        s.close_token("t5");
+        assert_eq!(s.0.lock().unwrap().1.len(), SESSIONS_MAX - 1);
     }
 }
