@@ -79,6 +79,8 @@ MATRIX_TESTS=(
   lifecycle::first_start_backfills_unpublished_rows_then_streams_under_concurrent_inserts
   emitted::kill_9_under_an_emitting_load_loses_nothing_and_duplicates_nothing
   consumer::unreachable_handler_is_retried_then_dead_lettered
+  consumer::consumer_reset_replays_from_a_sequence_and_only_then
+  consumer::a_reset_reaches_an_aggregate_that_has_a_parked_message
   versions::the_publish_mode_follows_the_servers_release
   tables::a_table_dropped_from_the_publication_while_streaming_loses_no_row
   tables::a_slot_older_than_the_kept_publication_streams_through_it_once_past_its_making

@@ -390,7 +390,11 @@ async fn run(command: Command) -> Result<(), Error> {
             let js = async_nats::jetstream::new(nats.clone());
             let who = admin_log::actor(&pool).await?;
             let entry = admin_log::Entry {
-                action: "consumer.reset",
+                action: if args.dry_run {
+                    "consumer.reset.plan"
+                } else {
+                    "consumer.reset"
+                },
                 target: format!("{}/{}", args.stream, args.durable),
                 selection: serde_json::json!({"seq": args.seq, "time": args.time}),
                 reason: args.reason.clone(),
@@ -398,14 +402,29 @@ async fn run(command: Command) -> Result<(), Error> {
             let done = admin_log::recorded(
                 &pool,
                 entry,
-                crate::ops::reset::run(&pool, &js, &args.stream, &args.durable, &from, &who),
+                crate::ops::reset::run(
+                    &pool,
+                    &js,
+                    &args.stream,
+                    &args.durable,
+                    &from,
+                    &who,
+                    args.dry_run,
+                ),
             )
             .await?;
             crate::nats::flush_on_exit(&nats).await;
-            println!(
-                "durable {} on {} starts over from sequence {}: {} messages go to its handler again",
-                args.durable, args.stream, done.from_seq, done.messages
-            );
+            if done.applied {
+                println!(
+                    "durable {} on {} starts over from sequence {}: {} messages go to its handler again ({})",
+                    args.durable, args.stream, done.from_seq, done.messages, done.how
+                );
+            } else {
+                println!(
+                    "dry run: durable {} on {} would start over from sequence {}: {} messages would go to its handler again; it would be {}. Nothing is changed: run it again without --dry-run, with its consumers stopped",
+                    args.durable, args.stream, done.from_seq, done.messages, done.how
+                );
+            }
             Ok(())
         }
         Command::Admin {

@@ -100,7 +100,7 @@ pub struct ConsoleArgs {
     #[arg(long, env = "OUTBOX_CONSOLE_DELETE_APPROVALS", default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
     pub delete_approvals: u8,
     /// Check the flags and exit.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
     pub check_config: bool,
 }
 
@@ -130,10 +130,10 @@ pub struct DlqChoice {
     pub select: DlqSelectArgs,
     /// Every dead letter in the stream (without --id, --filter or --since,
     /// this must be said).
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_DLQ_ALL")]
     pub all: bool,
     /// Print JSON instead of lines.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
@@ -144,16 +144,16 @@ pub struct DlqChoice {
 pub struct DlqSelectArgs {
     /// The dead-letter stream (a consumer's DLQ_* stream, or an events stream
     /// for the relay's own dead letters).
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_DLQ_STREAM")]
     pub stream: String,
     /// Only dead letters whose original subject matches (NATS wildcards).
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_DLQ_FILTER")]
     pub filter: Option<String>,
     /// Only these original message ids (repeatable).
-    #[arg(long = "id")]
+    #[arg(long = "id", env = "OUTBOX_DLQ_IDS", value_delimiter = ',')]
     pub ids: Vec<String>,
     /// Only dead letters stored at or after this RFC 3339 time.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_DLQ_SINCE")]
     pub since: Option<String>,
 }
 
@@ -164,7 +164,7 @@ pub struct DlqListArgs {
     #[command(flatten)]
     pub select: DlqSelectArgs,
     /// Print JSON instead of lines.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
 }
 
@@ -251,14 +251,14 @@ pub struct TokenCreateArgs {
     pub db: DbArgs,
     /// Its name, which the admin log records for every request it makes
     /// (lowercase letters, digits, '.', '_', '-').
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_TOKEN_NAME")]
     pub name: String,
     /// viewer (reads, payloads masked), operator (dry runs, replays the
     /// playbook allows) or admin (everything).
-    #[arg(long, value_parser = ["viewer", "operator", "admin"])]
+    #[arg(long, env = "OUTBOX_TOKEN_ROLE", value_parser = ["viewer", "operator", "admin"])]
     pub role: String,
     /// How long it is valid (at most 366 days).
-    #[arg(long, default_value = "30d", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "OUTBOX_TOKEN_EXPIRES_IN", default_value = "30d", value_parser = humantime::parse_duration)]
     pub expires_in: Duration,
     /// Why (recorded in outbox_admin_log).
     #[arg(long, env = "OUTBOX_REASON")]
@@ -270,7 +270,7 @@ pub struct TokenListArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// Print JSON instead of lines.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
 }
 
@@ -278,7 +278,7 @@ pub struct TokenListArgs {
 pub struct TokenRevokeArgs {
     #[command(flatten)]
     pub db: DbArgs,
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_TOKEN_NAME")]
     pub name: String,
     /// Why (recorded in outbox_admin_log).
     #[arg(long, env = "OUTBOX_REASON")]
@@ -300,10 +300,10 @@ pub struct AdminLogArgs {
     /// A head an earlier verify printed, kept elsewhere: it must still be
     /// in the chain (a rewrite after a row changed behind the triggers
     /// leaves a chain that holds, without it).
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_ADMIN_LOG_HEAD")]
     pub expect_head: Option<String>,
     /// Print JSON instead of lines.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
 }
 
@@ -328,11 +328,15 @@ pub struct ConsumerResetArgs {
     #[arg(long, env = "OUTBOX_DURABLE")]
     pub durable: String,
     /// Start over from this stream sequence.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_RESET_SEQ")]
     pub seq: Option<u64>,
     /// Start over from the first message stored at or after this RFC 3339 time.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_RESET_TIME")]
     pub time: Option<String>,
+    /// Say where the durable would start over and how many messages its
+    /// handler would see again; change nothing.
+    #[arg(long, env = "OUTBOX_DRY_RUN")]
+    pub dry_run: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
@@ -345,22 +349,22 @@ pub struct AuditArgs {
     #[command(flatten)]
     pub relay: RelayArgs,
     /// Start of the window, RFC 3339 (rows by their occurred_at role).
-    #[arg(long, conflicts_with = "last")]
+    #[arg(long, env = "OUTBOX_AUDIT_SINCE", conflicts_with = "last")]
     pub since: Option<String>,
     /// The window is this long, up to --until (e.g. 2h).
-    #[arg(long, value_parser = humantime::parse_duration)]
+    #[arg(long, env = "OUTBOX_AUDIT_LAST", value_parser = humantime::parse_duration)]
     pub last: Option<Duration>,
     /// End of the window, RFC 3339 [default: now].
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_AUDIT_UNTIL")]
     pub until: Option<String>,
     /// Publish the rows missing from the stream again (never deletes).
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_AUDIT_REPAIR")]
     pub repair: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
     /// Print the report as JSON.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
     /// How long to wait for the relay to confirm the audit's snapshot.
     #[arg(long, env = "OUTBOX_AUDIT_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
@@ -418,6 +422,9 @@ impl AuditArgs {
     }
 }
 
+/// Ages under this are pruned only with `--yes`.
+const PRUNE_FLOOR: Duration = Duration::from_secs(3600);
+
 #[derive(Debug, Args)]
 pub struct PruneArgs {
     #[command(flatten)]
@@ -439,13 +446,16 @@ pub struct PruneArgs {
     #[arg(long, env = "OUTBOX_PRUNE_INBOX_OLDER_THAN", allow_hyphen_values = true, value_parser = humantime::parse_duration)]
     pub inbox_older_than: Option<Duration>,
     /// Count what would be deleted; delete nothing.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_DRY_RUN")]
     pub dry_run: bool,
+    /// Accept an --older-than or --inbox-older-than under an hour.
+    #[arg(long, env = "OUTBOX_PRUNE_YES")]
+    pub yes: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
     /// Print the report as JSON.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
     /// Rows per delete transaction.
     #[arg(long, env = "OUTBOX_PRUNE_BATCH", default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
@@ -462,7 +472,7 @@ pub struct PruneArgs {
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Check the configuration and exit without connecting.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
     pub check_config: bool,
 }
 
@@ -476,6 +486,20 @@ impl PruneArgs {
         validate_pg_name("table", &table)?;
         let columns = ColumnMap::parse(&self.columns)
             .map_err(|e| Error::Config(format!("--columns: {e}")))?;
+        // Review P2: `--older-than 0s` took every confirmed row, with what
+        // an audit, `relay --resync-since` and the inbox's dedupe of a
+        // redelivery still read.
+        for (flag, age) in [
+            ("--older-than", Some(self.older_than)),
+            ("--inbox-older-than", self.inbox_older_than),
+        ] {
+            if let Some(age) = age.filter(|a| *a < PRUNE_FLOOR && !self.yes) {
+                return Err(Error::Config(format!(
+                    "{flag} {}: under an hour, it deletes rows an audit, `relay --resync-since` and the inbox's dedupe of a redelivery still read; add --yes if that is meant",
+                    humantime::format_duration(age)
+                )));
+            }
+        }
         Ok(crate::ops::prune::PruneConfig {
             schema,
             table,
@@ -512,10 +536,10 @@ pub struct MigrateArgs {
     pub db: DbArgs,
     /// Only outbox_admin_log (SPEC §16), for a database with its own outbox
     /// table: the admin commands record there. Run as the database's owner.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_ADMIN_LOG_ONLY")]
     pub admin_log_only: bool,
     /// Check the configuration and exit without connecting.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
     pub check_config: bool,
 }
 
@@ -553,10 +577,10 @@ pub struct SlotArgs {
     #[command(flatten)]
     pub names: SlotNameArgs,
     /// Print JSON instead of a table.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_JSON")]
     pub json: bool,
     /// Every logical slot on the server, not only this context's.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_SLOT_ALL")]
     pub all: bool,
 }
 
@@ -567,7 +591,7 @@ pub struct SlotDropArgs {
     #[command(flatten)]
     pub names: SlotNameArgs,
     /// Confirm: dropping the slot loses the relay's position.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_SLOT_DROP_YES")]
     pub yes: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
@@ -743,7 +767,7 @@ pub struct RelayArgs {
     pub slot_metrics_interval: Duration,
 
     /// Check the configuration and exit without connecting.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
     pub check_config: bool,
 }
 
@@ -835,7 +859,7 @@ pub struct ConsumeArgs {
     pub shutdown_timeout: Duration,
 
     /// Address of `/metrics`, `/healthz` and `/readyz`.
-    #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9187")]
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", default_value = "127.0.0.1:9188")]
     pub metrics_addr: std::net::SocketAddr,
 
     /// Serve the operator console (SPEC §16) on this address too, on a
@@ -845,7 +869,7 @@ pub struct ConsumeArgs {
     pub admin_addr: Option<std::net::SocketAddr>,
 
     /// Check the configuration and exit without connecting.
-    #[arg(long)]
+    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
     pub check_config: bool,
 }
 
@@ -1169,6 +1193,35 @@ pub fn validate_pg_name(what: &str, name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SPEC §2: every flag can also be given as an environment variable
+    /// (review S1: `dlq`, `audit`, `consumer reset`, `prune` and `slot
+    /// drop` had flags without one).
+    #[test]
+    fn every_flag_has_an_environment_variable() {
+        use clap::CommandFactory;
+        fn walk(cmd: &clap::Command, path: String, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if matches!(id, "help" | "version") || arg.is_positional() {
+                    continue;
+                }
+                if arg.get_env().is_none() {
+                    missing.push(format!("{path} --{}", arg.get_long().unwrap_or(id)));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                walk(sub, format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "outbox-relay".into(), &mut missing);
+        assert!(
+            missing.is_empty(),
+            "flags without an environment variable:\n{}",
+            missing.join("\n")
+        );
+    }
 
     /// The subcommand `base` then `args` parse to (`--database-url` given).
     fn parse(base: &[&str], args: &[&str]) -> Command {

@@ -332,6 +332,15 @@ pub fn header_size(headers: &async_nats::HeaderMap) -> usize {
     )
 }
 
+/// Whether the server resets a consumer in place (ADR-60, nats-server
+/// 2.14 and later).
+pub fn resets_consumers(client: &async_nats::Client) -> bool {
+    let version = client.server_info().version;
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (2, 14)
+}
+
 #[cfg(test)]
 mod version_tests {
     use super::check_version;

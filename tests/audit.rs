@@ -455,6 +455,53 @@ async fn the_relay_says_whether_an_acked_event_is_durable() {
     .await;
     let (_, body) = relay.http_get("/readyz").await;
     assert_eq!(body, "ready\n");
+    drop(relay);
+
+    // Review U1: a stream `--streams` names is judged too. One replica in
+    // memory, on the same sync-always server: not durable, and
+    // `--require-durable` refuses to start (before: gauge 1, started).
+    let js = jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+    js.create_stream(jetstream::stream::Config {
+        name: "DURABLE3_MEM".into(),
+        subjects: vec!["durable3mem.>".into()],
+        storage: jetstream::stream::StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (url3, pool3) = empty_db(&stack, "a_durable3").await;
+    sqlx::raw_sql(
+        "CREATE TABLE outbox_events (id text primary key, stream text not null, \
+         topic text not null, payload jsonb not null, created_at timestamptz default now())",
+    )
+    .execute(&pool3)
+    .await
+    .unwrap();
+    let (code, err) = run_relay_bounded(
+        &url3,
+        &nats.url,
+        "durable3",
+        &[
+            "--table",
+            "public.outbox_events",
+            "--columns",
+            "subject=topic,occurred_at=created_at",
+            "--streams",
+            "DURABLE3_MEM",
+            "--nats-monitor-url",
+            &monitor_url,
+            "--require-durable",
+        ],
+    );
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(
+        code == Some(1)
+            && errors.len() == 1
+            && errors[0].contains("--require-durable")
+            && errors[0].contains("DURABLE3_MEM")
+            && errors[0].contains("in memory"),
+        "{err}"
+    );
 }
 
 /// Issue 62 item 1: a row the relay dead-lettered is in the stream, but

@@ -1601,7 +1601,9 @@ async fn the_inbox_finds_a_batch_by_message_id_whatever_the_statistics_say() {
 /// SPEC §9 `consumer reset --seq N`: the handler sees every message from N
 /// once more, in stream order; one before N is not called again; and an
 /// ordinary redelivery of a message processed after the reset stays a
-/// duplicate. Bad input is one line and a non-zero exit, and changes nothing.
+/// duplicate. Bad input is one line and a non-zero exit, and changes
+/// nothing; so does a dry run. Review R1: in the version matrix too, where
+/// nats-server 2.10–2.12 have no in-place reset (the durable is made again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_reset_replays_from_a_sequence_and_only_then() {
     let stack = stack();
@@ -1676,6 +1678,47 @@ async fn consumer_reset_replays_from_a_sequence_and_only_then() {
         .unwrap();
     assert_eq!(resets, 0, "bad input recorded nothing");
 
+    // A dry run says what would happen, and changes nothing.
+    let before =
+        f.js.get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+            "creset", &f.stream,
+        )
+        .await
+        .unwrap()
+        .cached_info()
+        .delivered
+        .stream_sequence;
+    let (ok, out) = reset(&[
+        "--stream",
+        &f.stream,
+        "--durable",
+        "creset",
+        "--seq",
+        "4",
+        "--dry-run",
+    ]);
+    assert!(
+        ok && out.contains("dry run: durable creset")
+            && out.contains("would start over from sequence 4: 7 messages"),
+        "{out}"
+    );
+    let after =
+        f.js.get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+            "creset", &f.stream,
+        )
+        .await
+        .unwrap()
+        .cached_info()
+        .delivered
+        .stream_sequence;
+    assert_eq!((before, after), (10, 10), "a dry run moves nothing");
+    let resets: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_resets")
+        .fetch_one(&f.pool)
+        .await
+        .unwrap();
+    assert_eq!(resets, 0, "a dry run records no reset");
+
+    // On every supported server: in place on 2.14+, made again before.
     let (ok, out) = reset(&["--stream", &f.stream, "--durable", "creset", "--seq", "4"]);
     assert!(
         ok && out.contains("starts over from sequence 4: 7 messages"),
@@ -1764,6 +1807,71 @@ fn run_cli(args: &[&str]) -> (bool, String) {
             String::from_utf8_lossy(&out.stderr)
         ),
     )
+}
+
+/// Review D4 (issue 61, item 8): `dlq list` ended its read on the first
+/// fetch that brought nothing within 500 ms, so a slow link (a leader
+/// election, a WAN, a loaded server) listed fewer letters than the stream
+/// holds, and said nothing; a replay or delete of that listing then acted
+/// on a part. Over a link silent for 7 s partway through, every letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_list_over_a_slow_link_lists_every_letter() {
+    let stack = stack();
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let name = "DLQ_SLOW_LIST";
+    let _ = js.delete_stream(name).await;
+    js.create_stream(jetstream::stream::Config {
+        name: name.into(),
+        subjects: vec!["dlq.slowlist.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // More than one fetch's worth (500).
+    let count = 1_200;
+    let mut acks = Vec::new();
+    for i in 0..count {
+        let mut h = async_nats::HeaderMap::new();
+        let id = Uuid::new_v4().to_string();
+        h.insert(wire::MSG_ID, format!("cons:{id}").as_str());
+        h.insert(wire::DLQ_ORIGINAL_ID, id.as_str());
+        h.insert(wire::DLQ_REASON, "handler answered 422: no");
+        h.insert(wire::DLQ_CONSUMER, "billing");
+        h.insert(wire::DLQ_ORIGINAL_SUBJECT, "orders.paid");
+        acks.push(
+            js.publish_with_headers(format!("dlq.slowlist.orders.paid.{i}"), h, "{}".into())
+                .await
+                .unwrap(),
+        );
+    }
+    for a in acks {
+        a.await.unwrap();
+    }
+    // The link goes silent (both ways, nothing reset) partway through the
+    // first batch, for longer than a fetch waits (5.5 s): a leader
+    // election, a stalled server, a WAN hiccup.
+    let proxy = Proxy::start(stack.nats_url.trim_start_matches("nats://")).await;
+    // Past the connection's and the reader's setup, inside the letters.
+    proxy.pause_after(64 * 1024);
+    let listing = {
+        let url = proxy.nats_url();
+        tokio::task::spawn_blocking(move || {
+            run_cli(&["dlq", "list", "--nats-url", &url, "--stream", name])
+        })
+    };
+    eventually(T, "the link silent mid-listing", || async {
+        proxy.is_paused()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    proxy.resume();
+    let (ok, out) = listing.await.unwrap();
+    assert!(ok, "{out}");
+    assert!(
+        out.lines().any(|l| l == format!("{count} dead letters")),
+        "every letter listed: {}",
+        out.lines().last().unwrap_or_default()
+    );
 }
 
 /// Review D1 (issue 61, item 8): a consumer's dead-letter stream of

@@ -231,6 +231,74 @@ async fn prune_drops_whole_old_partitions_once_published() {
     assert_eq!(ids_in_table(&pool).await, current);
 }
 
+/// Review P1: a partition's DETACH takes ACCESS EXCLUSIVE on the outbox,
+/// and while it waited (2 s) behind a long read of it, every producer's
+/// INSERT queued behind it. Now each try waits 50 ms: with the read open,
+/// producers go on inserting (none waits a second), and once it ends, the
+/// partition goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_drop_never_holds_producers_behind_it() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "o_prune_stall").await;
+    sqlx::raw_sql(crate::lifecycle::PARTITIONED_OUTBOX)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let _relay = Service::relay(&url, &stack.nats_url, "prunestall", &[]);
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+         SELECT gen_random_uuid(), 'order', 'a', 'placed', '{}', '2025-03-01T00:00:00Z' FROM generate_series(1, 10)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    read_stream(&stack.nats_url, &wire::stream_name("prunestall"), 10, T).await;
+    let produce = "BEGIN; SET LOCAL lock_timeout = '1s'; \
+         INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         VALUES (gen_random_uuid(), 'order', 'b', 'placed', '{}'); COMMIT";
+    // A long read of the outbox, open (a report, the audit's SQL phase):
+    // the DETACH must wait for it; producers need not.
+    let mut open = pool.begin().await.unwrap();
+    sqlx::raw_sql("SELECT count(*) FROM outbox_events")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let pruning = {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || {
+            prune(
+                &url,
+                "prunestall",
+                &["--older-than", "30d", "--wait", "60s"],
+            )
+        })
+    };
+    eventually(T, "prune trying to detach", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%DETACH PARTITION%' \
+             AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            > 0
+    })
+    .await;
+    for i in 0..10 {
+        sqlx::raw_sql(produce)
+            .execute(&pool)
+            .await
+            .unwrap_or_else(|e| panic!("producer {i} waited behind the prune: {e}"));
+    }
+    open.commit().await.unwrap();
+    let (ok, out) = pruning.await.unwrap();
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("dropped partition public.outbox_events_old"),
+        "{out}"
+    );
+}
+
 /// Bad input to prune is one line and a non-zero exit, and deletes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prune_refuses_bad_durations() {
@@ -241,6 +309,10 @@ async fn prune_refuses_bad_durations() {
         ["--older-than", "-1d"],
         ["--older-than", "soon"],
         ["--inbox-older-than", "-5m"],
+        // Review P2: every confirmed row, with what an audit and a resync
+        // still read, and no question asked.
+        ["--older-than", "0s"],
+        ["--inbox-older-than", "10m"],
     ] {
         let (ok, out) = prune(&url, "prunebad", &bad);
         assert!(!ok, "{bad:?} accepted: {out}");
@@ -248,6 +320,13 @@ async fn prune_refuses_bad_durations() {
         assert!(out.contains(bad[0]), "{bad:?}: {out}");
     }
     assert_eq!(ids_in_table(&pool).await.len(), 5);
+    // Said, it is taken.
+    let (ok, out) = prune(
+        &url,
+        "prunebad",
+        &["--older-than", "0s", "--yes", "--check-config"],
+    );
+    assert!(ok, "{out}");
 }
 
 /// SPEC §9 retention under writes: rows committed after prune took its

@@ -184,7 +184,7 @@ impl<'a, H: Handler> Active<'a, H> {
         // pull requests waiting at the server: what the reset delivers
         // again would go to them, and its later messages here, out of order.
         old_pulls_gone(&mut consumer).await;
-        let resets = resets_supported(&self.js.client());
+        let resets = crate::nats::resets_consumers(&self.js.client());
         if !resets {
             tracing::warn!("nats-server is older than 2.14 (no consumer reset, ADR-60): what a previous dispatcher pulled and did not finish comes back after --ack-wait, behind later messages of its aggregate");
         }
@@ -674,8 +674,17 @@ impl<H: Handler> Dispatch<'_, H> {
             return;
         }
         let stream = self.active.stream.clone();
-        let config = durable_config(cfg, want);
+        let mut config = durable_config(cfg, want);
+        let durable = cfg.durable.clone();
         self.resize = Some(tokio::spawn(async move {
+            // A durable `consumer reset` made again at a sequence (a server
+            // before ADR-60) keeps that start: a deliver policy cannot be
+            // updated.
+            if let Ok(Ok(info)) =
+                tokio::time::timeout(JS_REQUEST, stream.consumer_info(&durable)).await
+            {
+                config.deliver_policy = info.config.deliver_policy;
+            }
             match tokio::time::timeout(JS_REQUEST, stream.update_consumer(config)).await {
                 Ok(Ok(_)) => {
                     tracing::info!(
@@ -993,15 +1002,6 @@ impl<H: Handler> Finishing<H> {
             }
         }
     }
-}
-
-/// Whether the server resets a consumer to its ack floor (ADR-60,
-/// nats-server 2.14 and later).
-fn resets_supported(client: &async_nats::Client) -> bool {
-    let version = client.server_info().version;
-    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
-    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    (major, minor) >= (2, 14)
 }
 
 /// Wait until no pull request waits at the durable (they expire within

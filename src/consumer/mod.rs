@@ -107,16 +107,24 @@ pub async fn run<H: Handler>(
     // A running crew's dispatcher has sized the window for every process
     // (see `durable_config`): a process that joins keeps it, or the durable
     // would hold back until the dispatcher sized it again.
-    let window = match stream.consumer_info(&cfg.durable).await {
-        Ok(info)
+    let existing = stream.consumer_info(&cfg.durable).await.ok();
+    let window = match &existing {
+        Some(info)
             if cfg.max_ack_pending > 0 && info.config.max_ack_pending > cfg.max_ack_pending =>
         {
             info.config.max_ack_pending
         }
         _ => cfg.max_ack_pending,
     };
+    let mut config = durable_config(&cfg, window);
+    // A durable `consumer reset` made again at a sequence (a server
+    // before ADR-60) keeps that start: the server cannot change a
+    // durable's deliver policy, and where it started is history.
+    if let Some(info) = &existing {
+        config.deliver_policy = info.config.deliver_policy;
+    }
     let consumer = stream
-        .create_consumer(durable_config(&cfg, window))
+        .create_consumer(config)
         .await
         .map_err(Error::nats(format!("creating consumer {}", cfg.durable)))?;
     let dlq = DeadLetters::new(

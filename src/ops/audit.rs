@@ -648,7 +648,7 @@ async fn repair(
     .with_schemas(rc.schemas.clone())
     .with_columns(extra.clone(), &rc.header_columns);
     if !rc.streams.is_empty() {
-        let (streams, _) =
+        let (streams, _, _) =
             crate::relay::publish::routed_streams(js, &rc.streams, &rc.stream).await?;
         router = router.with_streams(std::sync::Arc::new(streams));
     }

@@ -120,18 +120,35 @@ pub async fn list(
     } else {
         String::new()
     };
-    let reader = stream
-        .create_consumer(consumer::pull::Config {
-            deliver_policy: consumer::DeliverPolicy::All,
-            ack_policy: consumer::AckPolicy::None,
-            filter_subject,
-            headers_only: sel.headers_only,
-            inactive_threshold: Duration::from_secs(10),
-            ..Default::default()
-        })
-        .await
-        .map_err(Error::nats("reading the dead-letter stream"))?;
+    // A reader from `start` (a stream sequence; none: the first letter).
+    let read_from = |start: Option<u64>| {
+        let stream = &stream;
+        let filter_subject = filter_subject.clone();
+        async move {
+            stream
+                .create_consumer(consumer::pull::Config {
+                    deliver_policy: match start {
+                        None => consumer::DeliverPolicy::All,
+                        Some(start_sequence) => {
+                            consumer::DeliverPolicy::ByStartSequence { start_sequence }
+                        }
+                    },
+                    ack_policy: consumer::AckPolicy::None,
+                    filter_subject,
+                    headers_only: sel.headers_only,
+                    inactive_threshold: Duration::from_secs(10),
+                    ..Default::default()
+                })
+                .await
+                .map_err(Error::nats("reading the dead-letter stream"))
+        }
+    };
+    let mut reader = read_from(None).await?;
     let mut out = Vec::new();
+    // What this reader delivered to us, and the next letter not seen.
+    let (mut received, mut next) = (0u64, None::<u64>);
+    // Fetches in a row that brought nothing while letters were left.
+    let mut stalls = 0u32;
     loop {
         let mut batch = reader
             .fetch()
@@ -142,11 +159,21 @@ pub async fn list(
             .map_err(Error::nats("reading the dead-letter stream"))?;
         let mut got = 0;
         let mut pending = 0;
+        let mut gap = false;
         while let Some(m) = batch.next().await {
             let m = m.map_err(|e| Error::setup(format!("reading the dead-letter stream: {e}")))?;
             got += 1;
+            received += 1;
             let Ok(info) = m.info() else { continue };
+            // A delivery that never reached us (a fetch our side gave up
+            // on while the server was slow, then answered): no ack policy
+            // means no redelivery, so read again from the first unseen.
+            if info.consumer_sequence != received {
+                gap = true;
+                break;
+            }
             pending = info.pending;
+            next = Some(info.stream_sequence + 1);
             let (seq, stored) = (info.stream_sequence, info.published);
             let h = m.headers.clone().unwrap_or_default();
             let get = |k: &str| h.get(k).map(|v| v.as_str().to_owned());
@@ -186,11 +213,37 @@ pub async fn list(
                 }
             }
         }
-        if got == 0 || pending == 0 {
+        if got > 0 && !gap {
+            stalls = 0;
+            if pending == 0 {
+                return Ok(out);
+            }
+            continue;
+        }
+        // Nothing came, or a delivery was lost: done only if the server
+        // says it delivered everything and we received all of it. A slow
+        // server is waited for, never taken for an empty stream.
+        let done = reader
+            .info()
+            .await
+            .map_err(Error::nats("reading the dead-letter stream's reader"))?;
+        if !gap && done.num_pending == 0 && done.delivered.consumer_sequence == received {
             return Ok(out);
         }
+        stalls += 1;
+        if stalls > LIST_STALLS {
+            return Err(Error::setup(format!(
+                "reading {stream_name}: the server delivered nothing in {LIST_STALLS} fetches in a row with letters left; no listing is given rather than a short one (retry; is the stream's leader being elected?)"
+            )));
+        }
+        reader = read_from(next).await?;
+        received = 0;
     }
 }
+
+/// Fetches in a row that may bring nothing while letters are left, before
+/// a listing gives up (each waits 0.5 s for the server, 5.5 s at most).
+const LIST_STALLS: u32 = 20;
 
 /// What became of one dead letter in a replay.
 #[derive(Debug, Serialize)]

@@ -293,6 +293,12 @@ async fn old_partitions(
     Ok(rows)
 }
 
+/// How long one try of a partition's DETACH waits for the outbox's lock
+/// (producers' INSERTs queue behind it that long at most), and the pause
+/// between tries.
+const DETACH_WAIT: Duration = Duration::from_millis(50);
+const DETACH_PAUSE: Duration = Duration::from_millis(200);
+
 /// Drop one old partition once every row in it is provably published;
 /// `Ok(Err(why))` when it is kept.
 async fn drop_partition(
@@ -331,20 +337,47 @@ async fn drop_partition(
             c.map_or_else(|| "nothing".into(), |l| l.to_string())
         )));
     }
-    let dropped = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "ALTER TABLE {parent} DETACH PARTITION {part}; DROP TABLE {part}"
+    // DETACH takes ACCESS EXCLUSIVE on the parent, and every producer's
+    // INSERT queues behind it while it waits (review P1: 2 s a run). So it
+    // waits at most DETACH_WAIT a try, and tries again until `wait` is up:
+    // a producer waits that long at most, however long the outbox is busy.
+    let deadline = Instant::now() + wait;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '{}ms'",
+        DETACH_WAIT.as_millis()
     )))
     .execute(&mut *tx)
-    .await;
-    match dropped {
-        Ok(_) => {}
-        Err(e) if db_code(&e).as_deref() == Some("55P03") => {
-            return Ok(Err(
-                "the outbox is busy (lock not granted within 2 s)".into()
-            ))
+    .await
+    .map_err(Error::pg("setting the detach's lock wait"))?;
+    loop {
+        let detached = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SAVEPOINT detach; ALTER TABLE {parent} DETACH PARTITION {part}"
+        )))
+        .execute(&mut *tx)
+        .await;
+        match detached {
+            Ok(_) => break,
+            Err(e) if matches!(db_code(&e).as_deref(), Some("55P03" | "40P01")) => {
+                sqlx::raw_sql("ROLLBACK TO SAVEPOINT detach")
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(Error::pg(format!("detaching partition {part}")))?;
+                if Instant::now() >= deadline {
+                    return Ok(Err(format!(
+                        "the outbox stayed busy for {} (a transaction holds it: each try waited {} ms, so producers never waited longer)",
+                        humantime::format_duration(wait),
+                        DETACH_WAIT.as_millis()
+                    )));
+                }
+                tokio::time::sleep(DETACH_PAUSE).await;
+            }
+            Err(e) => return Err(Error::pg(format!("detaching partition {part}"))(e)),
         }
-        Err(e) => return Err(Error::pg(format!("dropping partition {part}"))(e)),
     }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {part}")))
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::pg(format!("dropping partition {part}")))?;
     tx.commit()
         .await
         .map_err(Error::pg(format!("dropping partition {part}")))?;

@@ -6,10 +6,15 @@
 //! `from_seq` whose inbox row was processed before `reset_at` lets it through
 //! to the handler once (`consumer/inbox.rs`, `CLAIM_CONFLICT`); a later
 //! redelivery of it finds it processed after the reset and stays a
-//! duplicate. Then JetStream is told (ADR-60 consumer reset): the next
-//! message it delivers is `from_seq`. The durable's consumers must be
-//! stopped (their lease free): messages in flight in a running one would
-//! otherwise go ahead of the redelivered earlier ones of their aggregate.
+//! duplicate. Then JetStream is told: the next message it delivers is
+//! `from_seq`. nats-server 2.14 and later reset the durable in place
+//! (ADR-60); 2.10 to 2.13 cannot, so the durable is made again, its
+//! configuration kept, starting at `from_seq` (what the reset does there
+//! too: what it had delivered and not yet been acked before `from_seq` is
+//! not delivered again). The durable's consumers must be stopped (their
+//! lease free): messages in flight in a running one would otherwise go
+//! ahead of the redelivered earlier ones of their aggregate. A dry run
+//! says what would happen and changes nothing.
 
 use std::time::Duration;
 
@@ -31,8 +36,31 @@ pub enum StartAt {
 #[derive(Debug)]
 pub struct Done {
     pub from_seq: u64,
-    /// Messages the durable will deliver again, from there to the stream's end.
+    /// Messages the durable will deliver again, from there to the stream's
+    /// end (of those its filter takes).
     pub messages: u64,
+    /// How the server is told: in place (2.14+), or the durable made again.
+    pub how: How,
+    /// False for a dry run: nothing was changed.
+    pub applied: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum How {
+    /// ADR-60's consumer reset (nats-server 2.14 and later).
+    InPlace,
+    /// Deleted and made again at the sequence, its configuration kept
+    /// (nats-server 2.10 to 2.13).
+    MadeAgain,
+}
+
+impl std::fmt::Display for How {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            How::InPlace => "reset in place (ADR-60)",
+            How::MadeAgain => "made again at that sequence, its configuration kept (this server predates ADR-60's reset)",
+        })
+    }
 }
 
 /// `--time`'s value. Whether anything is at or after it is the stream's
@@ -50,6 +78,7 @@ pub async fn run(
     durable: &str,
     from: &StartAt,
     who: &str,
+    dry_run: bool,
 ) -> Result<Done> {
     let mut stream = js
         .get_stream(stream_name)
@@ -89,6 +118,26 @@ pub async fn run(
             ))
         })?,
     };
+    let config = target
+        .info()
+        .await
+        .map_err(Error::nats("reading the durable"))?
+        .config
+        .clone();
+    let messages = to_deliver(&stream, &config, seq).await?;
+    let how = if crate::nats::resets_consumers(&js.client()) {
+        How::InPlace
+    } else {
+        How::MadeAgain
+    };
+    if dry_run {
+        return Ok(Done {
+            from_seq: seq,
+            messages,
+            how,
+            applied: false,
+        });
+    }
     // Order within an aggregate holds only if nothing of the durable is in
     // flight while it starts over: refuse while an instance holds its lease,
     // and hold the lease ourselves meanwhile.
@@ -117,7 +166,15 @@ pub async fn run(
         ),
         _ => Error::pg("recording the reset")(e),
     })?;
-    if let Err(e) = target.reset(Some(seq)).await {
+    let told = match how {
+        How::InPlace => target
+            .reset(Some(seq))
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        How::MadeAgain => make_again(&stream, durable, config, seq).await,
+    };
+    if let Err(e) = told {
         // Nothing was reset: the record must not open any row.
         sqlx::query("DELETE FROM inbox_resets WHERE id = $1")
             .bind(reset_id)
@@ -126,14 +183,63 @@ pub async fn run(
             .map_err(Error::pg("taking back the reset's record"))?;
         drop(lease);
         return Err(Error::setup(format!(
-            "JetStream refused the reset of {durable} (ADR-60 needs nats-server 2.14 or later): {e}"
+            "JetStream refused the reset of {durable}: {e}"
         )));
     }
     drop(lease);
     Ok(Done {
         from_seq: seq,
-        messages: (state.last_sequence + 1).saturating_sub(seq),
+        messages,
+        how,
+        applied: true,
     })
+}
+
+/// Messages from `seq` on that the durable's filter takes: the server
+/// counts them for a reader of that filter starting there.
+async fn to_deliver(stream: &stream::Stream, config: &consumer::Config, seq: u64) -> Result<u64> {
+    let reader = stream
+        .create_consumer(consumer::pull::Config {
+            deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: seq,
+            },
+            ack_policy: consumer::AckPolicy::None,
+            filter_subject: config.filter_subject.clone(),
+            filter_subjects: config.filter_subjects.clone(),
+            inactive_threshold: Duration::from_secs(10),
+            ..Default::default()
+        })
+        .await
+        .map_err(Error::nats("counting the messages to deliver again"))?;
+    Ok(reader.cached_info().num_pending)
+}
+
+/// A server before ADR-60: delete the durable and make it again, with its
+/// configuration, delivering from `seq`. Should the second step fail, the
+/// error says so: `outbox-relay consume` makes a missing durable at start
+/// (from the stream's first message; its inbox drops what it took).
+async fn make_again(
+    stream: &stream::Stream,
+    durable: &str,
+    mut config: consumer::Config,
+    seq: u64,
+) -> std::result::Result<(), String> {
+    config.deliver_policy = consumer::DeliverPolicy::ByStartSequence {
+        start_sequence: seq,
+    };
+    stream
+        .delete_consumer(durable)
+        .await
+        .map_err(|e| format!("deleting the durable to make it again: {e}"))?;
+    stream
+        .create_consumer(config)
+        .await
+        .map(|_| ())
+        .map_err(|e| {
+            format!(
+                "the durable was deleted and could not be made again ({e}): start its consumers, which make it (from the stream's first message; the inbox drops what it took), or run the reset again"
+            )
+        })
 }
 
 /// The stream sequence of the first message stored at or after `at`.

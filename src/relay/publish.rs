@@ -238,16 +238,13 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
 /// routing): each found one's subjects, and the smallest `max_msg_size`
 /// among them. One that does not exist is not an error: its rows are
 /// dead-lettered (`stream_missing`) until it does ([`watch_missing`]).
-pub async fn routed_streams(
-    js: &Context,
-    names: &[String],
-    own: &str,
-) -> Result<(super::route::Streams, Option<usize>)> {
+pub async fn routed_streams(js: &Context, names: &[String], own: &str) -> Result<Routed> {
     let mut streams = super::route::Streams {
         own: own.to_owned(),
         ..Default::default()
     };
     let mut max_msg_size: Option<usize> = None;
+    let mut shapes = Vec::new();
     for name in names {
         match js.get_stream(name).await {
             Ok(mut stream) => {
@@ -263,6 +260,11 @@ pub async fn routed_streams(
                 streams
                     .found
                     .push((Arc::from(name.as_str()), info.config.subjects.clone()));
+                shapes.push((
+                    name.clone(),
+                    info.config.num_replicas,
+                    info.config.storage == async_nats::jetstream::stream::StorageType::File,
+                ));
             }
             Err(e) if stream_not_found(&e) => {
                 tracing::warn!(
@@ -274,8 +276,17 @@ pub async fn routed_streams(
             Err(e) => return Err(Error::nats(format!("looking up stream {name}"))(e)),
         }
     }
-    Ok((streams, max_msg_size))
+    Ok((streams, max_msg_size, shapes))
 }
+
+/// The streams `--streams` names as found: their routing, the smallest
+/// message size of theirs, and each one's replicas and whether it is on
+/// file (for the durability judgement, SPEC §14).
+pub type Routed = (
+    super::route::Streams,
+    Option<usize>,
+    Vec<(String, usize, bool)>,
+);
 
 /// How often streams `--streams` names that were missing are looked up
 /// again: rows naming one are dead-lettered until then, after it exists.

@@ -460,8 +460,27 @@ impl<'a> Session<'a> {
             },
             None => None,
         };
-        let durability =
+        // Multi-stream routing (SPEC §13): the streams rows may name. Each
+        // keeps its own order chain; an atomic batch lands in one stream,
+        // so these rows go event by event.
+        let routed = if cfg.streams.is_empty() {
+            None
+        } else {
+            Some(publish::routed_streams(js, &cfg.streams, &cfg.stream).await?)
+        };
+        // Every stream an event may be acked by is judged (review U1): a
+        // routed stream of one replica in memory loses what it acked as
+        // surely as the relay's own.
+        let mut durability =
             crate::ops::durability::judge(&cfg.stream, shape.replicas, shape.file, sync_always);
+        if let Some((_, _, shapes)) = &routed {
+            for (name, replicas, file) in shapes.iter().filter(|(n, _, _)| *n != cfg.stream) {
+                let d = crate::ops::durability::judge(name, *replicas, *file, sync_always);
+                if durability.durable && !d.durable {
+                    durability = d;
+                }
+            }
+        }
         metrics::gauge!(m::STREAM_DURABLE).set(if durability.durable { 1.0 } else { 0.0 });
         if !durability.durable {
             if cfg.require_durable {
@@ -474,14 +493,6 @@ impl<'a> Session<'a> {
             ready.note(format!("acked events are not durable: {}", durability.why));
         }
 
-        // Multi-stream routing (SPEC §13): the streams rows may name. Each
-        // keeps its own order chain; an atomic batch lands in one stream,
-        // so these rows go event by event.
-        let routed = if cfg.streams.is_empty() {
-            None
-        } else {
-            Some(publish::routed_streams(js, &cfg.streams, &cfg.stream).await?)
-        };
         let batches = shape.batches && routed.is_none();
 
         // Feedback well inside the server's timeout (Materialize's rule:
@@ -522,7 +533,7 @@ impl<'a> Session<'a> {
         // The link knows the account's or user's max_payload (the INFO after
         // CONNECT), which may be below the server's.
         let max_payload = publisher.per_event().max_message();
-        let streams = routed.as_ref().map(|(s, _)| Arc::new(s.clone()));
+        let streams = routed.as_ref().map(|(s, _, _)| Arc::new(s.clone()));
         let router = |source: &str| {
             let router = Router::new(
                 &cfg.context,
@@ -650,7 +661,7 @@ impl<'a> Session<'a> {
             stage.add_horizon(Lsn(0), xid);
         }
         let (horizons, sampler) = sample_horizons(pool.clone());
-        let missing = routed.map(|(s, _)| s.missing).unwrap_or_default();
+        let missing = routed.map(|(s, _, _)| s.missing).unwrap_or_default();
         let (found, finder) = publish::watch_missing(js.clone(), missing);
         let (notify, notices) = tokio::sync::mpsc::channel(4);
         let guarding = guard::watch(

@@ -1471,6 +1471,28 @@ pub struct Proxy {
     /// Black holes made so far: a connection accepted before the latest
     /// is held silent.
     holes: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    trip: Trip,
+}
+
+/// Bytes passed from the server so far, and the count at which the proxy
+/// pauses itself (`u64::MAX`: never): a pause at a point of a transfer,
+/// not of the clock.
+#[derive(Clone)]
+struct Trip {
+    passed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    at: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    pauses: tokio::sync::watch::Sender<bool>,
+}
+
+impl Trip {
+    fn passed(&self, n: usize) {
+        use std::sync::atomic::Ordering;
+        let total = self.passed.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
+        if total >= self.at.load(Ordering::SeqCst) {
+            self.at.store(u64::MAX, Ordering::SeqCst);
+            self.pauses.send_replace(true);
+        }
+    }
 }
 
 /// Wait while the proxy is paused.
@@ -1514,6 +1536,7 @@ async fn delayed_copy<R, W>(
     to: &mut W,
     latency: &std::sync::atomic::AtomicU64,
     mut paused: tokio::sync::watch::Receiver<bool>,
+    trip: &Trip,
 ) where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
@@ -1539,6 +1562,7 @@ async fn delayed_copy<R, W>(
                     if to.write_all(&chunk).await.is_err() {
                         return;
                     }
+                    trip.passed(chunk.len());
                 }
             }
         }
@@ -1568,6 +1592,12 @@ impl Proxy {
         let lag = latency.clone();
         let holes = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let holed = holes.clone();
+        let trip = Trip {
+            passed: std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            at: std::sync::Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX)),
+            pauses: paused.clone(),
+        };
+        let tripping = trip.clone();
         // Frozen connections are kept here, open, until the test ends.
         let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         tokio::spawn(async move {
@@ -1584,12 +1614,13 @@ impl Proxy {
                 // then both seen and newer than the connection.
                 let born = holed.load(Ordering::SeqCst);
                 let mut changed = watch.subscribe();
-                let (target, flag, held, lag, holes) = (
+                let (target, flag, held, lag, holes, trip) = (
                     target.clone(),
                     flag.clone(),
                     held.clone(),
                     lag.clone(),
                     holed.clone(),
+                    tripping.clone(),
                 );
                 let (up_paused, down_paused) = (pauses.subscribe(), pauses.subscribe());
                 tokio::spawn(async move {
@@ -1600,7 +1631,7 @@ impl Proxy {
                         let (mut in_r, mut in_w) = inbound.split();
                         let (mut out_r, mut out_w) = outbound.split();
                         let up = pausable_copy(&mut in_r, &mut out_w, up_paused);
-                        let down = delayed_copy(&mut out_r, &mut in_w, &lag, down_paused);
+                        let down = delayed_copy(&mut out_r, &mut in_w, &lag, down_paused, &trip);
                         tokio::select! {
                             _ = async { tokio::join!(up, down) } => return,
                             _ = changed.changed() => {}
@@ -1622,7 +1653,21 @@ impl Proxy {
             changes,
             latency,
             holes,
+            trip,
         }
+    }
+
+    /// Pause (as [`Proxy::pause`]) once `bytes` more have passed from the
+    /// server.
+    pub fn pause_after(&self, bytes: u64) {
+        use std::sync::atomic::Ordering;
+        let now = self.trip.passed.load(Ordering::SeqCst);
+        self.trip.at.store(now + bytes, Ordering::SeqCst);
+    }
+
+    /// Whether the proxy is paused now.
+    pub fn is_paused(&self) -> bool {
+        *self.paused.borrow()
     }
 
     /// The connections open now go silent for ever (held open, no byte
