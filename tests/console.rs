@@ -1424,3 +1424,70 @@ async fn cross_site_forms_are_refused_and_recorded() {
     let (ok, out, err) = cli(&["admin", "log", "verify", "--database-url", &url]);
     assert!(ok, "{out}{err}");
 }
+
+/// SPEC §16 item 2: a command that changes something records the
+/// database role and, given one, a token's name; a token that may not act
+/// (revoked) stops it before it does anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_run_with_a_token_is_recorded_under_its_name() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "console_cli_actor").await;
+    let secret = token(&url, "lee.runbook", "operator");
+    let prune = |token: &str| {
+        cli(&[
+            "prune",
+            "--database-url",
+            &url,
+            "--context",
+            "cliactor",
+            "--older-than",
+            "7d",
+            "--wait",
+            "1s",
+            "--admin-token",
+            token,
+            "--reason",
+            "RB-7: monthly retention",
+        ])
+    };
+    let (ok, out, err) = prune(&secret);
+    assert!(ok, "{out}{err}");
+    let rows: Vec<(String, String, String, String)> = sqlx::query_as(
+        "SELECT actor, role, db_role, result FROM outbox_admin_log WHERE action = 'prune'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let (actor, role, db_role, result) = &rows[0];
+    assert_eq!(
+        (actor.as_str(), role.as_str(), result.as_str()),
+        ("token:lee.runbook", "operator", "done")
+    );
+    assert!(!db_role.is_empty(), "the database role too");
+    let (ok, out, err) = cli(&[
+        "admin",
+        "token",
+        "revoke",
+        "--database-url",
+        &url,
+        "--name",
+        "lee.runbook",
+        "--reason",
+        "rotated",
+    ]);
+    assert!(ok, "{out}{err}");
+    let (ok, _, err) = prune(&secret);
+    assert!(
+        !ok && err.contains("--admin-token") && err.contains("revoked"),
+        "{err}"
+    );
+    let (ok, _, err) = prune("oxr_nonsense");
+    assert!(!ok && err.contains("unknown token"), "{err}");
+    let after: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_admin_log WHERE action = 'prune'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(after, 1, "a refused token does nothing, so records nothing");
+}

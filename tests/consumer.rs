@@ -1794,6 +1794,27 @@ async fn consumer_reset_replays_from_a_sequence_and_only_then() {
         ok && out.contains("starts over from sequence 7"),
         "{at}: {out}"
     );
+
+    // Forward past what it has not had acked (7 to 10, after the reset):
+    // refused, unless said.
+    let (ok, out) = reset(&["--stream", &f.stream, "--durable", "creset", "--seq", "11"]);
+    assert!(
+        !ok && out.contains("passes over 4 messages") && out.contains("--skip-unacked"),
+        "{out}"
+    );
+    let (ok, out) = reset(&[
+        "--stream",
+        &f.stream,
+        "--durable",
+        "creset",
+        "--seq",
+        "11",
+        "--skip-unacked",
+    ]);
+    assert!(
+        ok && out.contains("starts over from sequence 11") && out.contains("passes over 4"),
+        "{out}"
+    );
 }
 
 /// `outbox-relay …` to its end: (success, stdout + stderr).

@@ -113,13 +113,24 @@ pub async fn recorded<T>(
     entry: Entry,
     act: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
+    recorded_as(pool, entry, None, act).await
+}
+
+/// [`recorded`], naming `actor` (a command run with `--admin-token`) as
+/// well as the database role.
+pub async fn recorded_as<T>(
+    pool: &PgPool,
+    entry: Entry,
+    actor: Option<&Actor>,
+    act: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
     ensure(pool, entry.action).await?;
     let out = act.await;
     let result = match &out {
         Ok(_) => "done".to_owned(),
         Err(e) => format!("failed: {e}"),
     };
-    if let Err(e) = record(pool, &entry, &result).await {
+    if let Err(e) = record_as(pool, &entry, actor, &result).await {
         eprintln!("warning: {} ran but is not recorded: {e}", entry.action);
     }
     out

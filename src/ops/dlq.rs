@@ -147,8 +147,10 @@ pub async fn list(
     let mut out = Vec::new();
     // What this reader delivered to us, and the next letter not seen.
     let (mut received, mut next) = (0u64, None::<u64>);
-    // Fetches in a row that brought nothing while letters were left.
-    let mut stalls = 0u32;
+    // When a fetch last brought a letter, and the pause before the next
+    // try after one that brought none.
+    let mut progress = std::time::Instant::now();
+    let mut pause = STALL_PAUSE_MIN;
     loop {
         let mut batch = reader
             .fetch()
@@ -214,7 +216,8 @@ pub async fn list(
             }
         }
         if got > 0 && !gap {
-            stalls = 0;
+            progress = std::time::Instant::now();
+            pause = STALL_PAUSE_MIN;
             if pending == 0 {
                 return Ok(out);
             }
@@ -230,20 +233,32 @@ pub async fn list(
         if !gap && done.num_pending == 0 && done.delivered.consumer_sequence == received {
             return Ok(out);
         }
-        stalls += 1;
-        if stalls > LIST_STALLS {
-            return Err(Error::setup(format!(
-                "reading {stream_name}: the server delivered nothing in {LIST_STALLS} fetches in a row with letters left; no listing is given rather than a short one (retry; is the stream's leader being elected?)"
-            )));
+        // The letter that showed the gap was not taken: a batch with one
+        // before it made progress.
+        if got > usize::from(gap) {
+            progress = std::time::Instant::now();
+            pause = STALL_PAUSE_MIN;
+        } else {
+            if progress.elapsed() >= LIST_STALL {
+                return Err(Error::setup(format!(
+                    "reading {stream_name}: the server delivered no letter for {} with letters left; no listing is given rather than a short one (retry; is the stream's leader being elected?)",
+                    humantime::format_duration(LIST_STALL)
+                )));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(STALL_PAUSE_MAX);
         }
         reader = read_from(next).await?;
         received = 0;
     }
 }
 
-/// Fetches in a row that may bring nothing while letters are left, before
-/// a listing gives up (each waits 0.5 s for the server, 5.5 s at most).
-const LIST_STALLS: u32 = 20;
+/// How long a listing waits for a server that delivers nothing while
+/// letters are left, before it gives up (a short listing is never given),
+/// and the pauses between its tries.
+const LIST_STALL: Duration = Duration::from_secs(30);
+const STALL_PAUSE_MIN: Duration = Duration::from_millis(100);
+const STALL_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// What became of one dead letter in a replay.
 #[derive(Debug, Serialize)]

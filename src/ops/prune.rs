@@ -180,14 +180,29 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
     // By a json key's time, partitions are not bounded by it: rows only.
     if let (true, Some(occurred)) = (partitioned, keys.occurred_column()) {
         for part in old_partitions(pool, cfg, occurred, &cutoff).await? {
-            match drop_partition(pool, &table, &part, &cfg.slot, cfg.wait).await? {
-                Ok(rows) => {
-                    report.outbox_deleted += rows;
-                    report.partitions_dropped.push(part);
+            // A busy outbox is tried again, each try from the start (the
+            // partition's lock is let go between tries), until --wait.
+            let deadline = Instant::now() + cfg.wait;
+            loop {
+                match drop_partition(pool, &table, &part, &cfg.slot, cfg.wait).await? {
+                    Dropped::Rows(rows) => {
+                        report.outbox_deleted += rows;
+                        report.partitions_dropped.push(part);
+                    }
+                    Dropped::Kept(why) => report
+                        .outbox_kept
+                        .push(format!("partition {part} kept: {why}")),
+                    Dropped::Busy if Instant::now() < deadline => {
+                        tokio::time::sleep(DETACH_PAUSE).await;
+                        continue;
+                    }
+                    Dropped::Busy => report.outbox_kept.push(format!(
+                        "partition {part} kept: the outbox stayed busy for {} (a transaction held it; each try waited {} ms, so producers never waited longer)",
+                        humantime::format_duration(cfg.wait),
+                        DETACH_WAIT.as_millis()
+                    )),
                 }
-                Err(why) => report
-                    .outbox_kept
-                    .push(format!("partition {part} kept: {why}")),
+                break;
             }
         }
     }
@@ -299,15 +314,22 @@ async fn old_partitions(
 const DETACH_WAIT: Duration = Duration::from_millis(50);
 const DETACH_PAUSE: Duration = Duration::from_millis(200);
 
-/// Drop one old partition once every row in it is provably published;
-/// `Ok(Err(why))` when it is kept.
+/// What one try at a partition came to.
+enum Dropped {
+    Rows(u64),
+    Kept(String),
+    /// The outbox was busy for the DETACH: try again.
+    Busy,
+}
+
+/// Drop one old partition once every row in it is provably published.
 async fn drop_partition(
     pool: &PgPool,
     parent: &str,
     part: &str,
     slot: &str,
     wait: Duration,
-) -> Result<std::result::Result<u64, String>> {
+) -> Result<Dropped> {
     let mut tx = pool
         .begin()
         .await
@@ -320,7 +342,7 @@ async fn drop_partition(
     match locked {
         Ok(_) => {}
         Err(e) if matches!(db_code(&e).as_deref(), Some("55P03" | "40P01")) => {
-            return Ok(Err("busy (lock not granted within 2 s)".into()))
+            return Ok(Dropped::Kept("busy (lock not granted within 2 s)".into()))
         }
         Err(e) => return Err(Error::pg(format!("locking partition {part}"))(e)),
     }
@@ -332,52 +354,42 @@ async fn drop_partition(
     .map_err(Error::pg(format!("reading partition {part}")))?;
     let w = parse_lsn(&w)?;
     if let Confirmed::Behind(c) = wait_confirmed(pool, slot, w, wait).await? {
-        return Ok(Err(format!(
+        return Ok(Dropped::Kept(format!(
             "the relay has not confirmed {w} (slot {slot} at {})",
             c.map_or_else(|| "nothing".into(), |l| l.to_string())
         )));
     }
     // DETACH takes ACCESS EXCLUSIVE on the parent, and every producer's
-    // INSERT queues behind it while it waits (review P1: 2 s a run). So it
-    // waits at most DETACH_WAIT a try, and tries again until `wait` is up:
-    // a producer waits that long at most, however long the outbox is busy.
-    let deadline = Instant::now() + wait;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "SET LOCAL lock_timeout = '{}ms'",
+    // INSERT queues behind it while it waits (review P1: 2 s a run): so
+    // it waits DETACH_WAIT at most, and a busy outbox is tried again by
+    // the caller, this transaction (and its lock on the partition) gone.
+    let detached = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '{}ms'; ALTER TABLE {parent} DETACH PARTITION {part}",
         DETACH_WAIT.as_millis()
     )))
     .execute(&mut *tx)
-    .await
-    .map_err(Error::pg("setting the detach's lock wait"))?;
-    loop {
-        let detached = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "SAVEPOINT detach; ALTER TABLE {parent} DETACH PARTITION {part}"
-        )))
-        .execute(&mut *tx)
-        .await;
-        match detached {
-            Ok(_) => break,
-            Err(e) if matches!(db_code(&e).as_deref(), Some("55P03" | "40P01")) => {
-                sqlx::raw_sql("ROLLBACK TO SAVEPOINT detach")
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(Error::pg(format!("detaching partition {part}")))?;
-                if Instant::now() >= deadline {
-                    return Ok(Err(format!(
-                        "the outbox stayed busy for {} (a transaction holds it: each try waited {} ms, so producers never waited longer)",
-                        humantime::format_duration(wait),
-                        DETACH_WAIT.as_millis()
-                    )));
-                }
-                tokio::time::sleep(DETACH_PAUSE).await;
-            }
-            Err(e) => return Err(Error::pg(format!("detaching partition {part}"))(e)),
+    .await;
+    match detached {
+        Ok(_) => {}
+        Err(e) if matches!(db_code(&e).as_deref(), Some("55P03" | "40P01")) => {
+            return Ok(Dropped::Busy)
         }
+        Err(e) => return Err(Error::pg(format!("detaching partition {part}"))(e)),
     }
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {part}")))
-        .execute(&mut *tx)
-        .await
-        .map_err(Error::pg(format!("dropping partition {part}")))?;
+    let dropped = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '2s'; DROP TABLE {part}"
+    )))
+    .execute(&mut *tx)
+    .await;
+    match dropped {
+        Ok(_) => {}
+        Err(e) if matches!(db_code(&e).as_deref(), Some("55P03" | "40P01")) => {
+            return Ok(Dropped::Kept(
+                "its drop was not granted a lock within 2 s".into(),
+            ))
+        }
+        Err(e) => return Err(Error::pg(format!("dropping partition {part}"))(e)),
+    }
     tx.commit()
         .await
         .map_err(Error::pg(format!("dropping partition {part}")))?;
@@ -386,7 +398,7 @@ async fn drop_partition(
         rows,
         "dropped an old, published outbox partition"
     );
-    Ok(Ok(rows as u64))
+    Ok(Dropped::Rows(rows as u64))
 }
 
 /// Where prune and the audit read a row's id and time (SPEC §13): a column,

@@ -33,12 +33,23 @@ pub enum StartAt {
     Time(time::OffsetDateTime),
 }
 
+/// How a reset is asked for: a dry run, and whether it may pass over
+/// unacked messages.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Asked {
+    pub dry_run: bool,
+    pub skip_unacked: bool,
+}
+
 #[derive(Debug)]
 pub struct Done {
     pub from_seq: u64,
     /// Messages the durable will deliver again, from there to the stream's
     /// end (of those its filter takes).
     pub messages: u64,
+    /// Messages after the ack floor, before the start, that it passes
+    /// over (`--skip-unacked`).
+    pub skipped: u64,
     /// How the server is told: in place (2.14+), or the durable made again.
     pub how: How,
     /// False for a dry run: nothing was changed.
@@ -78,8 +89,12 @@ pub async fn run(
     durable: &str,
     from: &StartAt,
     who: &str,
-    dry_run: bool,
+    asked: Asked,
 ) -> Result<Done> {
+    let Asked {
+        dry_run,
+        skip_unacked,
+    } = asked;
     let mut stream = js
         .get_stream(stream_name)
         .await
@@ -118,13 +133,40 @@ pub async fn run(
             ))
         })?,
     };
-    let config = target
+    let info = target
         .info()
         .await
         .map_err(Error::nats("reading the durable"))?
-        .config
         .clone();
+    let config = info.config.clone();
     let messages = to_deliver(&stream, &config, seq).await?;
+    // A start past the ack floor passes over what the durable has not had
+    // acked (delivered and failing, or never delivered): its handler
+    // would never see those. Said, and refused unless meant.
+    // A durable made to start at a sequence (an earlier reset on a server
+    // before ADR-60) was never meant what lies before it; some servers
+    // say an ack floor of 0 until it acks one.
+    let start = match config.deliver_policy {
+        consumer::DeliverPolicy::ByStartSequence { start_sequence } => start_sequence,
+        _ => 0,
+    };
+    let floor = info
+        .ack_floor
+        .stream_sequence
+        .max(start.saturating_sub(1));
+    let skipped = if seq > floor + 1 {
+        to_deliver(&stream, &config, floor + 1)
+            .await?
+            .saturating_sub(messages)
+    } else {
+        0
+    };
+    if skipped > 0 && !skip_unacked {
+        return Err(Error::Config(format!(
+            "starting {durable} over at sequence {seq} passes over {skipped} messages after its ack floor ({floor}) that it has not had acked: its handler would never see them. Start at sequence {} or before, or say --skip-unacked",
+            floor + 1
+        )));
+    }
     let how = if crate::nats::resets_consumers(&js.client()) {
         How::InPlace
     } else {
@@ -134,6 +176,7 @@ pub async fn run(
         return Ok(Done {
             from_seq: seq,
             messages,
+            skipped,
             how,
             applied: false,
         });
@@ -172,7 +215,16 @@ pub async fn run(
             .await
             .map(|_| ())
             .map_err(|e| e.to_string()),
-        How::MadeAgain => make_again(&stream, durable, config, seq).await,
+        How::MadeAgain => match make_again(&stream, durable, config, seq).await {
+            Ok(()) => Ok(()),
+            Err(Undone::Deleting(e)) => Err(e),
+            // Half done: the record stays (a reset was asked, and the
+            // durable is gone), and the error says how to finish it.
+            Err(Undone::Making(e)) => {
+                drop(lease);
+                return Err(Error::setup(e));
+            }
+        },
     };
     if let Err(e) = told {
         // Nothing was reset: the record must not open any row.
@@ -190,6 +242,7 @@ pub async fn run(
     Ok(Done {
         from_seq: seq,
         messages,
+        skipped,
         how,
         applied: true,
     })
@@ -214,33 +267,47 @@ async fn to_deliver(stream: &stream::Stream, config: &consumer::Config, seq: u64
     Ok(reader.cached_info().num_pending)
 }
 
+/// Why a durable was not made again.
+enum Undone {
+    /// Not deleted: nothing changed.
+    Deleting(String),
+    /// Deleted, and not made again.
+    Making(String),
+}
+
 /// A server before ADR-60: delete the durable and make it again, with its
-/// configuration, delivering from `seq`. Should the second step fail, the
-/// error says so: `outbox-relay consume` makes a missing durable at start
-/// (from the stream's first message; its inbox drops what it took).
+/// configuration, delivering from `seq`; the making is tried a few times.
 async fn make_again(
     stream: &stream::Stream,
     durable: &str,
     mut config: consumer::Config,
     seq: u64,
-) -> std::result::Result<(), String> {
+) -> std::result::Result<(), Undone> {
     config.deliver_policy = consumer::DeliverPolicy::ByStartSequence {
         start_sequence: seq,
     };
     stream
         .delete_consumer(durable)
         .await
-        .map_err(|e| format!("deleting the durable to make it again: {e}"))?;
-    stream
-        .create_consumer(config)
-        .await
-        .map(|_| ())
-        .map_err(|e| {
-            format!(
-                "the durable was deleted and could not be made again ({e}): start its consumers, which make it (from the stream's first message; the inbox drops what it took), or run the reset again"
-            )
-        })
+        .map_err(|e| Undone::Deleting(format!("deleting the durable to make it again: {e}")))?;
+    let mut last = String::new();
+    for attempt in 0..MAKE_TRIES {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        match stream.create_consumer(config.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    let shown = serde_json::to_string(&config).unwrap_or_default();
+    Err(Undone::Making(format!(
+        "durable {durable} was deleted to start over at sequence {seq} and could not be made again ({last}). The reset stays recorded. Make it with this configuration (its deliver policy starts at {seq}) before its consumers start, which would otherwise make it from the stream's first message (the inbox drops what it processed; messages whose inbox rows were pruned would reach the handler again): {shown}"
+    )))
 }
+
+/// Tries at making a deleted durable again.
+const MAKE_TRIES: u32 = 5;
 
 /// The stream sequence of the first message stored at or after `at`.
 async fn first_at_or_after(

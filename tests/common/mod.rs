@@ -432,10 +432,19 @@ impl Service {
 
     /// Peak resident memory of the process (VmHWM), in KiB.
     pub fn peak_rss_kib(&self) -> Option<u64> {
+        self.status_kib("VmHWM:")
+    }
+
+    /// Resident memory now (VmRSS), in KiB.
+    pub fn rss_kib(&self) -> Option<u64> {
+        self.status_kib("VmRSS:")
+    }
+
+    fn status_kib(&self, field: &str) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
         status
             .lines()
-            .find(|l| l.starts_with("VmHWM:"))?
+            .find(|l| l.starts_with(field))?
             .split_whitespace()
             .nth(1)?
             .parse()
