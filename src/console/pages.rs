@@ -215,6 +215,19 @@ impl Pages {
         }
     }
 
+    /// A page's session and its one read of the API: `Err` is the answer
+    /// (sign in, or the API's refusal as a page).
+    async fn read(&self, headers: &HeaderMap, path: &str) -> Result<(Nav, Api), Box<Response>> {
+        let (_, s) = self.session(headers)?;
+        let mut nav = Nav::of(&s);
+        let a = self.call(&s.secret, Method::GET, path, None, None).await;
+        if a.status != StatusCode::OK {
+            return Err(Box::new(self.api_failed(&s, nav, &a)));
+        }
+        nav.request_id = a.request_id.clone();
+        Ok((nav, a))
+    }
+
     /// The request's session, or the answer that sends it to sign in.
     fn session(&self, headers: &HeaderMap) -> Result<(String, Session), Box<Response>> {
         self.sessions
@@ -663,22 +676,16 @@ async fn dead_letters(
     headers: HeaderMap,
     Query(q): Query<LettersQuery>,
 ) -> Response {
-    let (_, s) = match p.session(&headers) {
-        Ok(s) => s,
-        Err(resp) => return *resp,
-    };
-    let mut nav = Nav::of(&s);
     let class = q.class.filter(|c| !c.is_empty()).unwrap_or_default();
     let mut path = "/admin/dead-letters?group_by=class,fingerprint".to_owned();
     if !class.is_empty() {
         path.push_str("&class=");
         path.push_str(&url::form_urlencoded::byte_serialize(class.as_bytes()).collect::<String>());
     }
-    let a = p.call(&s.secret, Method::GET, &path, None, None).await;
-    if a.status != StatusCode::OK {
-        return p.api_failed(&s, nav, &a);
-    }
-    nav.request_id = a.request_id.clone();
+    let (nav, a) = match p.read(&headers, &path).await {
+        Ok(r) => r,
+        Err(resp) => return *resp,
+    };
     page(&DeadLettersPage {
         nav,
         class,
@@ -716,20 +723,14 @@ async fn dead_letter(
     headers: HeaderMap,
     Path((stream, seq)): Path<(String, String)>,
 ) -> Response {
-    let (_, s) = match p.session(&headers) {
-        Ok(s) => s,
-        Err(resp) => return *resp,
-    };
-    let mut nav = Nav::of(&s);
     let enc = |v: &str| {
         percent_encoding::utf8_percent_encode(v, percent_encoding::NON_ALPHANUMERIC).to_string()
     };
     let path = format!("/admin/dead-letters/{}/{}", enc(&stream), enc(&seq));
-    let a = p.call(&s.secret, Method::GET, &path, None, None).await;
-    if a.status != StatusCode::OK {
-        return p.api_failed(&s, nav, &a);
-    }
-    nav.request_id = a.request_id.clone();
+    let (nav, a) = match p.read(&headers, &path).await {
+        Ok(r) => r,
+        Err(resp) => return *resp,
+    };
     let b = &a.body;
     let text = |k: &str| b[k].as_str().unwrap_or_default().to_owned();
     let mut shown = Vec::new();
@@ -942,18 +943,10 @@ struct JobsPage {
 }
 
 async fn jobs(State(p): State<Pages>, headers: HeaderMap) -> Response {
-    let (_, s) = match p.session(&headers) {
-        Ok(s) => s,
+    let (nav, a) = match p.read(&headers, "/admin/jobs").await {
+        Ok(r) => r,
         Err(resp) => return *resp,
     };
-    let mut nav = Nav::of(&s);
-    let a = p
-        .call(&s.secret, Method::GET, "/admin/jobs", None, None)
-        .await;
-    if a.status != StatusCode::OK {
-        return p.api_failed(&s, nav, &a);
-    }
-    nav.request_id = a.request_id.clone();
     page(&JobsPage {
         nav,
         jobs: a.field("jobs"),
@@ -1040,18 +1033,10 @@ struct ApprovalsPage {
 }
 
 async fn approvals(State(p): State<Pages>, headers: HeaderMap) -> Response {
-    let (_, s) = match p.session(&headers) {
-        Ok(s) => s,
+    let (nav, a) = match p.read(&headers, "/admin/approvals").await {
+        Ok(r) => r,
         Err(resp) => return *resp,
     };
-    let mut nav = Nav::of(&s);
-    let a = p
-        .call(&s.secret, Method::GET, "/admin/approvals", None, None)
-        .await;
-    if a.status != StatusCode::OK {
-        return p.api_failed(&s, nav, &a);
-    }
-    nav.request_id = a.request_id.clone();
     page(&ApprovalsPage {
         nav,
         requests: a.field("requests"),
@@ -1123,18 +1108,10 @@ struct ConsumersPage {
 }
 
 async fn consumers(State(p): State<Pages>, headers: HeaderMap) -> Response {
-    let (_, s) = match p.session(&headers) {
-        Ok(s) => s,
+    let (nav, a) = match p.read(&headers, "/admin/consumers").await {
+        Ok(r) => r,
         Err(resp) => return *resp,
     };
-    let mut nav = Nav::of(&s);
-    let a = p
-        .call(&s.secret, Method::GET, "/admin/consumers", None, None)
-        .await;
-    if a.status != StatusCode::OK {
-        return p.api_failed(&s, nav, &a);
-    }
-    nav.request_id = a.request_id.clone();
     page(&ConsumersPage {
         nav,
         consumers: a.field("consumers"),
@@ -1284,18 +1261,10 @@ struct TokensPage {
 }
 
 async fn tokens(State(p): State<Pages>, headers: HeaderMap) -> Response {
-    let (_, s) = match p.session(&headers) {
-        Ok(s) => s,
+    let (nav, a) = match p.read(&headers, "/admin/tokens").await {
+        Ok(r) => r,
         Err(resp) => return *resp,
     };
-    let mut nav = Nav::of(&s);
-    let a = p
-        .call(&s.secret, Method::GET, "/admin/tokens", None, None)
-        .await;
-    if a.status != StatusCode::OK {
-        return p.api_failed(&s, nav, &a);
-    }
-    nav.request_id = a.request_id.clone();
     page(&TokensPage {
         nav,
         tokens: a.field("tokens"),

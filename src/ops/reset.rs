@@ -150,10 +150,7 @@ pub async fn run(
         consumer::DeliverPolicy::ByStartSequence { start_sequence } => start_sequence,
         _ => 0,
     };
-    let floor = info
-        .ack_floor
-        .stream_sequence
-        .max(start.saturating_sub(1));
+    let floor = info.ack_floor.stream_sequence.max(start.saturating_sub(1));
     let skipped = if seq > floor + 1 {
         to_deliver(&stream, &config, floor + 1)
             .await?
