@@ -408,23 +408,32 @@ async fn streams(c: &Console, only: Option<&str>) -> Result<Vec<String>, Respons
     if !c.0.settings.streams.is_empty() {
         return Ok(c.0.settings.streams.clone());
     }
+    account_streams(c)
+        .await
+        .map_err(|why| problem(StatusCode::SERVICE_UNAVAILABLE, &why).into_response())
+}
+
+/// Every stream of the account but key-value and object stores, sorted.
+async fn account_streams(c: &Console) -> Result<Vec<String>, String> {
     let mut names = Vec::new();
     let mut listing = c.0.js.stream_names();
     while let Some(name) = listing.next().await {
         match name {
             Ok(n) if !n.starts_with("KV_") && !n.starts_with("OBJ_") => names.push(n),
             Ok(_) => {}
-            Err(e) => {
-                return Err(problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    &format!("listing the streams: {e}"),
-                )
-                .into_response())
-            }
+            Err(e) => return Err(format!("listing the streams: {e}")),
         }
     }
     names.sort();
     Ok(names)
+}
+
+/// Whether a stream or durable name may be put in a shell command shown.
+fn shell_safe(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))
 }
 
 /// Dead letters grouped: `?group_by=class,fingerprint` (any of class,
@@ -712,11 +721,7 @@ fn commands(stream: &str, id: &str, since: &str) -> Value {
     let Ok(id) = uuid::Uuid::parse_str(id) else {
         return Value::Null;
     };
-    let stream_ok = !stream.is_empty()
-        && stream
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'));
-    if !stream_ok {
+    if !shell_safe(stream) {
         return Value::Null;
     }
     json!({
@@ -833,22 +838,10 @@ async fn consumers(
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
-    let mut names = Vec::new();
-    let mut listing = c.0.js.stream_names();
-    while let Some(name) = listing.next().await {
-        match name {
-            Ok(n) if !n.starts_with("KV_") && !n.starts_with("OBJ_") => names.push(n),
-            Ok(_) => {}
-            Err(e) => {
-                return answer(
-                    &caller,
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    &format!("listing the streams: {e}"),
-                )
-            }
-        }
-    }
-    names.sort();
+    let names = match account_streams(&c).await {
+        Ok(n) => n,
+        Err(why) => return answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &why),
+    };
     let mut out = Vec::new();
     let mut unreadable = Vec::new();
     for name in names {
@@ -864,12 +857,7 @@ async fn consumers(
             match info {
                 Ok(i) => {
                     let durable = i.config.durable_name.clone().unwrap_or(i.name.clone());
-                    let safe = |s: &str| {
-                        !s.is_empty()
-                            && s.chars()
-                                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))
-                    };
-                    let reset = (safe(&name) && safe(&durable)).then(|| {
+                    let reset = (shell_safe(&name) && shell_safe(&durable)).then(|| {
                         format!(
                             "outbox-relay consumer reset --stream {name} --durable {durable} --time <RFC 3339> --reason '<why>'"
                         )
