@@ -135,6 +135,8 @@ async fn main() {
             max_parked_keys: 100_000,
             dlq_prefix: "dlq.ctp".into(),
             dlq_replicas: 1,
+            nats_monitor_url: Vec::new(),
+            require_durable: false,
             shutdown_timeout: Duration::from_secs(5),
             schemas: None,
         };

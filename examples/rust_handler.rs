@@ -59,6 +59,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_parked_keys: 100_000,
         dlq_prefix: "dlq.outbox".into(),
         dlq_replicas: 1,
+        nats_monitor_url: Vec::new(),
+        require_durable: false,
         shutdown_timeout: Duration::from_secs(30),
         // Or `Some(Arc::new(Registry::load(dir, Missing::Allow)?))`: payloads
         // that fail their JSON Schema are dead-lettered before `handle`.

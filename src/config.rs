@@ -692,10 +692,11 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_STREAM_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
     pub stream_replicas: u8,
 
-    /// The NATS server's monitoring URL (http://host:8222): the relay reads
-    /// its sync_interval to say whether an acked event survives an OS crash.
-    #[arg(long, env = "NATS_MONITOR_URL")]
-    pub nats_monitor_url: Option<String>,
+    /// The NATS servers' monitoring URLs (http://host:8222), comma-separated:
+    /// the relay reads the sync_interval of the server holding a one-replica
+    /// stream to say whether an acked event survives an OS crash.
+    #[arg(long, env = "NATS_MONITOR_URL", value_delimiter = ',')]
+    pub nats_monitor_url: Vec<String>,
 
     /// Refuse to start unless an acked event survives one server's OS crash
     /// (3+ replicas, or one on a server with sync_interval: always).
@@ -879,6 +880,18 @@ pub struct ConsumeArgs {
     #[arg(long, env = "OUTBOX_DLQ_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
     pub dlq_replicas: u8,
 
+    /// The NATS servers' monitoring URLs (http://host:8222), comma-separated:
+    /// the consumer reads the sync_interval of the server holding a
+    /// one-replica dead-letter stream to say whether a dead letter survives
+    /// an OS crash.
+    #[arg(long, env = "NATS_MONITOR_URL", value_delimiter = ',')]
+    pub nats_monitor_url: Vec<String>,
+
+    /// Refuse to start unless an acked dead letter survives one server's OS
+    /// crash (3+ replicas, or one on a server with sync_interval: always).
+    #[arg(long, env = "OUTBOX_REQUIRE_DURABLE")]
+    pub require_durable: bool,
+
     /// On SIGTERM, how long running handler calls may take to finish.
     #[arg(long, env = "OUTBOX_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
@@ -963,6 +976,8 @@ impl ConsumeArgs {
             max_parked_keys: self.max_parked_keys as usize,
             dlq_prefix,
             dlq_replicas: self.dlq_replicas,
+            nats_monitor_url: self.nats_monitor_url.clone(),
+            require_durable: self.require_durable,
             shutdown_timeout: self.shutdown_timeout,
             schemas: self.schemas.load()?,
         })

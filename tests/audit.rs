@@ -502,6 +502,105 @@ async fn the_relay_says_whether_an_acked_event_is_durable() {
             && errors[0].contains("in memory"),
         "{err}"
     );
+
+    // Review U2: `sync_always` is the setting of the server holding the
+    // stream's one replica, not of whichever server the monitoring URL
+    // names. The stack's server (default sync_interval) holds the
+    // stream; the URL names the sync-always server: not durable, and the
+    // reason names both (before: gauge 1, `--require-durable` started).
+    let (url4, _pool4) = fresh_db(&stack, "a_durable4").await;
+    let mut relay = Service::relay(
+        &url4,
+        &stack.nats_url,
+        "durable4",
+        &["--nats-monitor-url", &monitor_url],
+    );
+    relay.wait_ready();
+    assert_eq!(
+        relay.scrape().await.value("outbox_relay_stream_durable"),
+        Some(0.0)
+    );
+    let (_, body) = relay.http_get("/readyz").await;
+    assert!(
+        body.contains("not durable") && body.contains("not among"),
+        "{body}"
+    );
+    drop(relay);
+    let (code, err) = run_relay_bounded(
+        &url4,
+        &stack.nats_url,
+        "durable4",
+        &["--nats-monitor-url", &monitor_url, "--require-durable"],
+    );
+    assert!(
+        code == Some(1) && err.contains("--require-durable") && err.contains("not among"),
+        "{err}"
+    );
+
+    // Review U1: a dead letter replaces its event (the original is acked
+    // once it is stored), so the consumer judges its dead-letter stream
+    // too. One replica, default sync_interval: gauge 0, said on /readyz,
+    // `--require-durable` refuses; on the sync-always server, read from
+    // its monitoring port: 1 (before: never judged, no gauge).
+    let (url5, _pool5) = fresh_db(&stack, "a_durable5").await;
+    for nats_url in [&stack.nats_url, &nats.url] {
+        jetstream::new(async_nats::connect(nats_url).await.unwrap())
+            .get_or_create_stream(jetstream::stream::Config {
+                name: "DURABLE5_EVENTS".into(),
+                subjects: vec!["durable5.>".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let consume = |nats_url: &str, extra: &[&str]| {
+        consume_args(
+            &url5,
+            nats_url,
+            "DURABLE5_EVENTS",
+            "durable5",
+            "http://127.0.0.1:9/",
+            extra,
+        )
+    };
+    let consumer = Service::consumer(
+        &url5,
+        &stack.nats_url,
+        "DURABLE5_EVENTS",
+        "durable5",
+        "http://127.0.0.1:9/",
+        &[],
+    );
+    assert_eq!(
+        consumer.scrape().await.value("outbox_consumer_dlq_durable"),
+        Some(0.0)
+    );
+    let (_, body) = consumer.http_get("/readyz").await;
+    assert!(body.contains("dead letters are not durable"), "{body}");
+    drop(consumer);
+    let port = free_port().to_string();
+    let mut args = consume(&stack.nats_url, &["--require-durable", "--metrics-addr"]);
+    args.push(format!("127.0.0.1:{port}"));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, err) = run_bounded(&args, Duration::from_secs(30));
+    assert!(
+        code == Some(1) && err.contains("--require-durable") && err.contains("dead letters"),
+        "{err}"
+    );
+    let consumer = Service::consumer(
+        &url5,
+        &nats.url,
+        "DURABLE5_EVENTS",
+        "durable5",
+        "http://127.0.0.1:9/",
+        &["--nats-monitor-url", &monitor_url, "--require-durable"],
+    );
+    assert_eq!(
+        consumer.scrape().await.value("outbox_consumer_dlq_durable"),
+        Some(1.0)
+    );
+    let (status, body) = consumer.http_get("/readyz").await;
+    assert!(status == 200 && !body.contains("not durable"), "{body}");
 }
 
 /// Issue 62 item 1: a row the relay dead-lettered is in the stream, but

@@ -2848,6 +2848,8 @@ fn rust_cfg(stream: &str, durable: &str, ctx: &str) -> outbox_relay::consumer::C
         max_parked_keys: 100_000,
         dlq_prefix: wire::consumer_dlq_prefix(ctx),
         dlq_replicas: 1,
+        nats_monitor_url: Vec::new(),
+        require_durable: false,
         shutdown_timeout: Duration::from_secs(5),
         schemas: None,
     }

@@ -24,6 +24,9 @@ pub struct ConsumeConfig {
     pub max_parked_keys: usize,
     pub dlq_prefix: String,
     pub dlq_replicas: u8,
+    /// Monitoring URLs of the NATS servers (`--nats-monitor-url`).
+    pub nats_monitor_url: Vec<String>,
+    pub require_durable: bool,
     pub shutdown_timeout: Duration,
     /// `--schemas`: payloads are checked before the handler is called; one
     /// that fails is dead-lettered without a call. SIGHUP reloads them.

@@ -88,6 +88,21 @@ impl DeadLetters {
         })
     }
 
+    /// Where the dead-letter stream lives, as it is now (for the
+    /// durability judgement).
+    pub async fn placement(&self) -> Result<crate::ops::durability::Placement> {
+        let mut stream = self
+            .js
+            .get_stream(&self.stream)
+            .await
+            .map_err(Error::nats("reading the dead-letter stream"))?;
+        let info = stream
+            .info()
+            .await
+            .map_err(Error::nats("reading the dead-letter stream"))?;
+        Ok(crate::ops::durability::Placement::of(info))
+    }
+
     /// The dead-letter stream, and the filter its dead letters are on.
     pub fn stream(&self) -> (&str, String) {
         (&self.stream, format!("{}.>", self.prefix))

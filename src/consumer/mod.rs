@@ -140,6 +140,35 @@ pub async fn run<H: Handler>(
     let watchers = CancellationToken::new();
     let _watchers = watchers.clone().drop_guard();
     let (dlq_stream, dlq_subjects) = dlq.stream();
+    // A dead letter replaces the event it was (the original is acked once
+    // it is stored): a dead-letter stream that loses what it acked loses
+    // events (review U1), so it is judged like the relay's streams.
+    let servers = crate::ops::durability::read_servers(&cfg.nats_monitor_url).await;
+    for failed in &servers.failed {
+        tracing::warn!(error = %failed, "cannot read a server's sync_interval");
+    }
+    let durability = crate::ops::durability::judge(&dlq.placement().await?, &servers);
+    metrics::gauge!(crate::ops::metrics::CONSUMER_DLQ_DURABLE).set(if durability.durable {
+        1.0
+    } else {
+        0.0
+    });
+    if !durability.durable {
+        if cfg.require_durable {
+            return Err(Error::Config(format!(
+                "--require-durable: dead letters: {}",
+                durability.why
+            )));
+        }
+        tracing::warn!(
+            "acked dead letters are not durable: {}; --dlq-replicas 3 creates it with three",
+            durability.why
+        );
+        readiness.caution(Some(format!(
+            "acked dead letters are not durable: {}",
+            durability.why
+        )));
+    }
     tokio::spawn(crate::ops::dlq::watch_depth(
         js.clone(),
         dlq_stream.to_owned(),

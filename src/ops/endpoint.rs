@@ -75,6 +75,9 @@ struct ReadyInner {
     phase: Mutex<Option<String>>,
     /// Said beside "ready": what this process does now.
     note: Mutex<Option<String>>,
+    /// Said beside "ready" for the process's life: a standing risk found
+    /// at start (the note changes with what the process does).
+    caution: Mutex<Option<String>>,
     nats: OnceLock<async_nats::Client>,
     postgres: OnceLock<PgPool>,
     pg_check: Shared,
@@ -100,8 +103,21 @@ impl Readiness {
         }
     }
 
+    /// A standing risk `/readyz` says beside "ready" (still 200), or
+    /// none any more.
+    pub fn caution(&self, text: Option<String>) {
+        if let Ok(mut c) = self.0.caution.lock() {
+            *c = text;
+        }
+    }
+
     fn noted(&self) -> Option<String> {
-        self.0.note.lock().ok().and_then(|n| n.clone())
+        let note = self.0.note.lock().ok().and_then(|n| n.clone());
+        let caution = self.0.caution.lock().ok().and_then(|c| c.clone());
+        match (note, caution) {
+            (Some(n), Some(c)) => Some(format!("{n}; {c}")),
+            (n, c) => n.or(c),
+        }
     }
 
     pub fn not_ready(&self, why: impl Into<String>) {

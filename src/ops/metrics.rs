@@ -120,6 +120,9 @@ pub const CONSUMER_ACK_PENDING: &str = "outbox_consumer_ack_pending_messages";
 /// Now − the stream time of the oldest message the durable has not acked;
 /// 0 when it has acked everything.
 pub const CONSUMER_LAG_SECONDS: &str = "outbox_consumer_lag_seconds";
+/// 1 when a dead letter the dead-letter stream acked survives one server's
+/// OS crash, else 0 (its original is acked once it is stored).
+pub const CONSUMER_DLQ_DURABLE: &str = "outbox_consumer_dlq_durable";
 /// Dead letters held in a dead-letter stream and not yet replayed, by
 /// `stream` and `subject` (the filter they are counted on).
 pub const DLQ_MESSAGES: &str = "outbox_dlq_messages";
@@ -187,6 +190,7 @@ pub const ALL: &[&str] = &[
     CONSUMER_DLQ_FAILING,
     CONSUMER_ACK_PENDING,
     CONSUMER_LAG_SECONDS,
+    CONSUMER_DLQ_DURABLE,
     DLQ_MESSAGES,
 ];
 
@@ -306,6 +310,10 @@ pub fn register_relay() {
     describe_gauge!(
         PUBLICATION_KEPT,
         "1 while --publication does not publish the outbox and the slot streams it through the publication the relay keeps ({slot}_keep)"
+    );
+    describe_gauge!(
+        CONSUMER_DLQ_DURABLE,
+        "1 when a dead letter the dead-letter stream acked survives one server's OS crash (replicas, or sync_interval: always)"
     );
     describe_gauge!(
         STREAM_DURABLE,

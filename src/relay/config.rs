@@ -32,7 +32,7 @@ pub struct RelayConfig {
     pub envelope: bool,
     pub stream_replicas: u8,
     /// `--nats-monitor-url`.
-    pub nats_monitor_url: Option<String>,
+    pub nats_monitor_url: Vec<String>,
     /// `--require-durable`.
     pub require_durable: bool,
     pub stream_max_age: Duration,

@@ -39,6 +39,7 @@ use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::backoff::Backoff;
 use crate::error::{Error, PublishFailure, Result};
+use crate::ops::durability::Placement;
 use crate::ops::metrics as m;
 use crate::wire::{self, DlqReason, Position};
 
@@ -110,9 +111,8 @@ pub struct StreamShape {
     pub max_msg_size: Option<usize>,
     /// The stream takes atomic batches: publish in them.
     pub batches: bool,
-    pub replicas: usize,
-    /// File storage (else memory).
-    pub file: bool,
+    /// Replicas, storage and server: for the durability judgement.
+    pub placement: Placement,
 }
 
 /// Create the stream when missing; an existing stream is used as it is, but
@@ -126,13 +126,14 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
             "--publish-mode batch needs nats-server 2.12.1 or later (atomic batch publish); upgrade the server, or use --publish-mode auto or event",
         ));
     }
-    let mut config = match js.get_stream(s.name).await {
-        Ok(mut stream) => stream
-            .info()
-            .await
-            .map_err(Error::nats(format!("reading stream {}", s.name)))?
-            .config
-            .clone(),
+    let (mut config, mut placement) = match js.get_stream(s.name).await {
+        Ok(mut stream) => {
+            let info = stream
+                .info()
+                .await
+                .map_err(Error::nats(format!("reading stream {}", s.name)))?;
+            (info.config.clone(), Placement::of(info))
+        }
         Err(e) if stream_not_found(&e) => {
             let config = stream::Config {
                 name: s.name.to_owned(),
@@ -157,14 +158,15 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
             tracing::info!(stream = s.name, subjects = %s.subjects, "created stream");
             // What the server made of it: one that does not know the
             // setting leaves it out.
-            js.get_stream(s.name)
+            let mut stream = js
+                .get_stream(s.name)
                 .await
-                .map_err(Error::nats(format!("reading stream {}", s.name)))?
+                .map_err(Error::nats(format!("reading stream {}", s.name)))?;
+            let info = stream
                 .info()
                 .await
-                .map_err(Error::nats(format!("reading stream {}", s.name)))?
-                .config
-                .clone()
+                .map_err(Error::nats(format!("reading stream {}", s.name)))?;
+            (info.config.clone(), Placement::of(info))
         }
         Err(e) => return Err(Error::nats(format!("looking up stream {}", s.name))(e)),
     };
@@ -195,6 +197,7 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
             source: Some(Box::new(e)),
         })?;
         config = info.config;
+        placement.replicas = config.num_replicas;
         tracing::info!(
             stream = s.name,
             "allowed atomic batch publish on the stream"
@@ -225,8 +228,7 @@ pub async fn ensure_stream(js: &Context, s: &StreamSettings<'_>) -> Result<Strea
     }
     Ok(StreamShape {
         batches,
-        replicas: config.num_replicas,
-        file: config.storage == stream::StorageType::File,
+        placement,
         subjects: config.subjects,
         max_msg_size: usize::try_from(config.max_message_size)
             .ok()
@@ -260,11 +262,7 @@ pub async fn routed_streams(js: &Context, names: &[String], own: &str) -> Result
                 streams
                     .found
                     .push((Arc::from(name.as_str()), info.config.subjects.clone()));
-                shapes.push((
-                    name.clone(),
-                    info.config.num_replicas,
-                    info.config.storage == async_nats::jetstream::stream::StorageType::File,
-                ));
+                shapes.push(Placement::of(info));
             }
             Err(e) if stream_not_found(&e) => {
                 tracing::warn!(
@@ -280,13 +278,9 @@ pub async fn routed_streams(js: &Context, names: &[String], own: &str) -> Result
 }
 
 /// The streams `--streams` names as found: their routing, the smallest
-/// message size of theirs, and each one's replicas and whether it is on
-/// file (for the durability judgement, SPEC §14).
-pub type Routed = (
-    super::route::Streams,
-    Option<usize>,
-    Vec<(String, usize, bool)>,
-);
+/// message size of theirs, and where each one lives (for the durability
+/// judgement, SPEC §14).
+pub type Routed = (super::route::Streams, Option<usize>, Vec<Placement>);
 
 /// How often streams `--streams` names that were missing are looked up
 /// again: rows naming one are dead-lettered until then, after it exists.

@@ -441,25 +441,6 @@ impl<'a> Session<'a> {
         )
         .await?;
 
-        // Is an acked event durable? (SPEC §14.) Said once per session.
-        let sync_always = match &cfg.nats_monitor_url {
-            Some(url) => match crate::ops::durability::sync_always(url).await {
-                Ok(always) => Some(always),
-                // Unknown is not "not durable": a monitoring port down for
-                // a moment must not stop a relay for good.
-                Err(e) if cfg.require_durable && shape.replicas < 3 => {
-                    return Err(Error::Nats {
-                        context: "--require-durable needs the server's sync_interval".into(),
-                        source: Box::new(e),
-                    })
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the server's sync_interval");
-                    None
-                }
-            },
-            None => None,
-        };
         // Multi-stream routing (SPEC §13): the streams rows may name. Each
         // keeps its own order chain; an atomic batch lands in one stream,
         // so these rows go event by event.
@@ -468,18 +449,26 @@ impl<'a> Session<'a> {
         } else {
             Some(publish::routed_streams(js, &cfg.streams, &cfg.stream).await?)
         };
-        // Every stream an event may be acked by is judged (review U1): a
-        // routed stream of one replica in memory loses what it acked as
-        // surely as the relay's own.
-        let mut durability =
-            crate::ops::durability::judge(&cfg.stream, shape.replicas, shape.file, sync_always);
-        if let Some((_, _, shapes)) = &routed {
-            for (name, replicas, file) in shapes.iter().filter(|(n, _, _)| *n != cfg.stream) {
-                let d = crate::ops::durability::judge(name, *replicas, *file, sync_always);
-                if durability.durable && !d.durable {
-                    durability = d;
-                }
-            }
+        // Is an acked event durable? (SPEC §14.) Said once per session, for
+        // every stream an event may be acked by (review U1), each judged by
+        // the server holding it (review U2).
+        let servers = crate::ops::durability::read_servers(&cfg.nats_monitor_url).await;
+        for failed in &servers.failed {
+            tracing::warn!(error = %failed, "cannot read a server's sync_interval");
+        }
+        let routed_placements = routed
+            .iter()
+            .flat_map(|(_, _, shapes)| shapes.iter())
+            .filter(|p| p.stream != cfg.stream);
+        let durability =
+            crate::ops::durability::judge_all(&shape.placement, routed_placements, &servers);
+        if !durability.durable && cfg.require_durable && !servers.failed.is_empty() {
+            // Unknown is not "not durable": a monitoring port down for a
+            // moment must not stop a relay for good.
+            return Err(Error::Nats {
+                context: "--require-durable needs the server's sync_interval".into(),
+                source: Box::new(Error::setup(durability.why)),
+            });
         }
         metrics::gauge!(m::STREAM_DURABLE).set(if durability.durable { 1.0 } else { 0.0 });
         if !durability.durable {
@@ -490,8 +479,12 @@ impl<'a> Session<'a> {
                 )));
             }
             tracing::warn!("acked events are not durable: {}", durability.why);
-            ready.note(format!("acked events are not durable: {}", durability.why));
         }
+        // Judged again each session: a stream fixed since is said no more.
+        ready.caution(
+            (!durability.durable)
+                .then(|| format!("acked events are not durable: {}", durability.why)),
+        );
 
         let batches = shape.batches && routed.is_none();
 
