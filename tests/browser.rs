@@ -213,7 +213,7 @@ async fn the_pages_take_an_operator_and_two_admins_through_the_playbook() {
     use crate::consumer::{assert_all_acked, fixture, publish, DUP};
     use uuid::Uuid;
     let stack = stack();
-    let f = fixture(
+    let mut f = fixture(
         "c_console_browser",
         "cbrw",
         "cbrw",
@@ -445,6 +445,31 @@ async fn the_pages_take_an_operator_and_two_admins_through_the_playbook() {
     visit(&c, &base, "/console/consumers", "Consumers").await;
     assert!(text(&c, "#consumers").await.contains("cbrw"));
     shot(&c, "consumers").await;
+
+    // A reset with a plan: from the consumers page, the plan's page, then
+    // (the durable's consumer stopped) the reset itself.
+    let form = wait_for(&c, "form.reset").await;
+    form.find(Locator::Css("input[name=seq]"))
+        .await
+        .unwrap()
+        .send_keys("1")
+        .await
+        .unwrap();
+    send_form(&c, "form.reset", "INC-31: handler fixed, run it all again").await;
+    assert_eq!(text(&c, "#from-seq").await, "1", "{}", body(&c).await);
+    // Three events, and the two replays of the transient class.
+    assert_eq!(text(&c, "#messages").await, "5", "{}", body(&c).await);
+    assert!(text(&c, "#cli").await.contains("consumer reset"));
+    shot(&c, "consumer-reset-plan").await;
+    f.consumer.term(std::time::Duration::from_secs(30));
+    c.find(Locator::Css("#run-reset"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let done = text(&c, "#reset-result").await;
+    assert!(done.contains("starts over from sequence 1"), "{done}");
     visit(&c, &base, "/console/integrity", "Integrity").await;
     visit(&c, &base, "/console/tokens", "Tokens").await;
     assert!(text(&c, "#tokens").await.contains("olga.oncall"));

@@ -1491,3 +1491,189 @@ async fn a_command_run_with_a_token_is_recorded_under_its_name() {
             .unwrap();
     assert_eq!(after, 1, "a refused token does nothing, so records nothing");
 }
+
+/// Issue 61 item 7: a durable reset from the console, with a plan. A
+/// viewer may not plan; an operator plans (while the consumer runs: a
+/// dry run moves nothing) but may not act; acting while the durable is
+/// consumed is refused; an admin acts on the plan once under its key (the
+/// same key again resets nothing); a plan that no longer holds is
+/// refused. The handler then sees each message from the start once more;
+/// the log names each step's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_is_reset_from_a_plan_once() {
+    use std::time::Duration;
+    let stack = stack();
+    let mut f = crate::consumer::fixture(
+        "k_reset",
+        "kreset",
+        "kreset",
+        Duration::from_millis(500),
+        &[],
+    )
+    .await;
+    let url = db_url(&stack.admin_url, "k_reset");
+    let ids: Vec<uuid::Uuid> = (0..6).map(|_| uuid::Uuid::new_v4()).collect();
+    for (i, id) in ids.iter().enumerate() {
+        crate::consumer::publish(&f.js, "kreset.e", Some(*id), &format!("a{i}"), b"{}").await;
+    }
+    crate::consumer::wait_processed(&f.pool, "kreset", 6).await;
+    let viewer = token(&url, "vic.viewer", "viewer");
+    let operator = token(&url, "olga.operator", "operator");
+    let admin = token(&url, "ada.admin", "admin");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _console = Service::console(&url, &stack.nats_url, &addr, "console_reset", &[]);
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::new();
+    let path = "/admin/consumers/reset";
+    let asked = |more: Value| {
+        let mut body = serde_json::json!({
+            "stream": f.stream, "durable": "kreset", "seq": 3, "reason": "inc-21: handler fixed",
+        });
+        for (k, v) in more.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let dry = serde_json::json!({ "dry_run": true });
+
+    let a = post(&http, &base, path, &viewer, None, asked(dry.clone())).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    let a = post(
+        &http,
+        &base,
+        path,
+        &operator,
+        None,
+        asked(serde_json::json!({ "dry_run": true, "durable": "nope" })),
+    )
+    .await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    let a = post(
+        &http,
+        &base,
+        path,
+        &operator,
+        None,
+        asked(serde_json::json!({ "dry_run": true, "seq": 99 })),
+    )
+    .await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    let plan = post(&http, &base, path, &operator, None, asked(dry.clone())).await;
+    assert_eq!(plan.status, 200, "{}", plan.body);
+    assert_eq!(
+        (
+            &plan.body["from_seq"],
+            &plan.body["messages"],
+            &plan.body["skipped"]
+        ),
+        (&Value::from(3), &Value::from(4), &Value::from(0)),
+        "{}",
+        plan.body
+    );
+    assert!(
+        plan.body["cli"]
+            .as_str()
+            .is_some_and(|c| c.contains("consumer reset") && c.contains("--seq 3")),
+        "{}",
+        plan.body
+    );
+    let plan_id = plan.body["plan_id"].as_str().unwrap().to_owned();
+    let act = serde_json::json!({ "plan_id": plan_id });
+
+    // An operator plans, and may not act.
+    let a = post(
+        &http,
+        &base,
+        path,
+        &operator,
+        Some("k-1"),
+        asked(act.clone()),
+    )
+    .await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    // The durable's consumer runs: its lease is held.
+    let a = post(&http, &base, path, &admin, Some("k-1"), asked(act.clone())).await;
+    assert_eq!(a.status, 409, "{}", a.body);
+    assert!(
+        a.body["error"].as_str().unwrap().contains("being consumed"),
+        "{}",
+        a.body
+    );
+    f.consumer.term(Duration::from_secs(30));
+    let a = post(&http, &base, path, &admin, None, asked(act.clone())).await;
+    assert_eq!(a.status, 400, "no key: {}", a.body);
+    let a = post(
+        &http,
+        &base,
+        path,
+        &admin,
+        Some("k-1"),
+        asked(serde_json::json!({ "plan_id": plan_id, "seq": 2 })),
+    )
+    .await;
+    assert_eq!(a.status, 409, "another start than the plan's: {}", a.body);
+
+    let a = post(&http, &base, path, &admin, Some("k-1"), asked(act.clone())).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (&a.body["from_seq"], &a.body["reset_before"]),
+        (&Value::from(3), &Value::Bool(false)),
+        "{}",
+        a.body
+    );
+    let a = post(&http, &base, path, &admin, Some("k-1"), asked(act.clone())).await;
+    assert_eq!(
+        (a.status, &a.body["reset_before"]),
+        (200, &Value::Bool(true)),
+        "{}",
+        a.body
+    );
+    let resets: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM inbox_resets WHERE reset_by = 'token:ada.admin'")
+            .fetch_one(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(resets, 1, "the same key resets once");
+
+    f.consumer.restart();
+    eventually(T, "messages 3..=6 handled once more", || async {
+        ids[2..]
+            .iter()
+            .all(|id| f.handler.calls_for(*id).len() == 2)
+    })
+    .await;
+    for id in &ids[..2] {
+        assert_eq!(f.handler.calls_for(*id).len(), 1, "before the reset point");
+    }
+    let log: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT action, actor, split_part(result, ':', 1) FROM outbox_admin_log \
+         WHERE action LIKE 'consumer.reset%' ORDER BY seq",
+    )
+    .fetch_all(&f.pool)
+    .await
+    .unwrap();
+    let has = |action: &str, actor: &str, result: &str| {
+        log.iter()
+            .any(|(a, b, c)| a == action && b == actor && c.starts_with(result))
+    };
+    assert!(
+        has("consumer.reset", "token:vic.viewer", "denied"),
+        "{log:?}"
+    );
+    assert!(
+        has("consumer.reset.plan", "token:olga.operator", "done"),
+        "{log:?}"
+    );
+    assert!(
+        has("consumer.reset", "token:olga.operator", "denied"),
+        "{log:?}"
+    );
+    assert!(has("consumer.reset", "token:ada.admin", "done"), "{log:?}");
+    assert_eq!(
+        log.iter()
+            .filter(|(a, b, c)| a == "consumer.reset" && b == "token:ada.admin" && c == "done")
+            .count(),
+        1,
+        "{log:?}"
+    );
+}

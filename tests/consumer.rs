@@ -232,7 +232,7 @@ async fn inbox(pool: &sqlx::PgPool, consumer: &str) -> HashMap<Uuid, InboxRow> {
     .collect()
 }
 
-async fn wait_processed(pool: &sqlx::PgPool, consumer: &str, n: usize) {
+pub(crate) async fn wait_processed(pool: &sqlx::PgPool, consumer: &str, n: usize) {
     eventually(T, &format!("{n} inbox rows processed"), || async {
         inbox(pool, consumer)
             .await

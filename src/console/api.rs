@@ -94,6 +94,14 @@ pub(super) const ROUTES: &[(&str, &str, Option<Role>, &str)] = &[
         Some(Role::Viewer),
         "consumers.read",
     ),
+    // A dry run (the plan) is an operator's; acting on it an admin's: the
+    // durable's handler sees every message again from the start given.
+    (
+        "post",
+        "/admin/consumers/reset",
+        Some(Role::Operator),
+        "consumer.reset",
+    ),
     ("get", "/admin/slots", Some(Role::Viewer), "slots.read"),
 ];
 
@@ -126,6 +134,7 @@ pub(super) fn router() -> Router<Console> {
         .route("/admin/log/verify", get(log_verify))
         .route("/admin/tokens", get(token_list))
         .route("/admin/consumers", get(consumers))
+        .route("/admin/consumers/reset", post(consumer_reset))
         .route("/admin/slots", get(slots))
         .fallback(|| async {
             problem(
@@ -856,7 +865,11 @@ async fn consumers(
         while let Some(info) = infos.next().await {
             match info {
                 Ok(i) => {
-                    let durable = i.config.durable_name.clone().unwrap_or(i.name.clone());
+                    // An ephemeral consumer (a listing's, a tool's) is
+                    // nobody's durable: nothing to reset, no lag to watch.
+                    let Some(durable) = i.config.durable_name.clone() else {
+                        continue;
+                    };
                     let reset = (shell_safe(&name) && shell_safe(&durable)).then(|| {
                         format!(
                             "outbox-relay consumer reset --stream {name} --durable {durable} --time <RFC 3339> --reason '<why>'"
@@ -899,6 +912,307 @@ async fn slots(State(c): State<Console>, Extension(auth): Extension<Authenticate
         Ok(s) => ok(&caller, json!({ "slots": s })),
         Err(e) => answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
     }
+}
+
+/// `POST /admin/consumers/reset`: a durable starts over from a sequence or
+/// a time (`outbox-relay consumer reset`), planned first.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResetRequest {
+    stream: String,
+    durable: String,
+    seq: Option<u64>,
+    /// RFC 3339.
+    time: Option<String>,
+    #[serde(default)]
+    skip_unacked: bool,
+    reason: Option<String>,
+    #[serde(default)]
+    dry_run: bool,
+    plan_id: Option<String>,
+}
+
+/// A reset's plan id: bound to where the durable would start and what it
+/// would pass over, not to the count after it (a live stream grows).
+fn reset_plan_id(req: &ResetRequest, done: &crate::ops::reset::Done) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for f in [
+        req.stream.as_str(),
+        req.durable.as_str(),
+        &done.from_seq.to_string(),
+        &done.skipped.to_string(),
+        if req.skip_unacked { "skip" } else { "" },
+    ] {
+        h.update((f.len() as u64).to_be_bytes());
+        h.update(f.as_bytes());
+    }
+    let hex: String = h.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("reset-{hex}")
+}
+
+/// The status of a reset's error: bad input (a stream, durable or start
+/// that is not there, unacked messages passed over) is 400; a durable in
+/// use 409; the rest 503.
+fn reset_status(e: &crate::error::Error) -> StatusCode {
+    match e {
+        crate::error::Error::Config(_) => StatusCode::BAD_REQUEST,
+        crate::error::Error::Setup { message, .. } if message.contains("being consumed") => {
+            StatusCode::CONFLICT
+        }
+        crate::error::Error::Setup { message, .. }
+            if message.contains("is --stream right") || message.contains("is --durable right") =>
+        {
+            StatusCode::NOT_FOUND
+        }
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+async fn consumer_reset(
+    State(c): State<Console>,
+    Extension(auth): Extension<Authenticated>,
+    headers: HeaderMap,
+    body: Result<Json<ResetRequest>, JsonRejection>,
+) -> Response {
+    let caller = match guard(&c, &auth, "consumer.reset", "").await {
+        Ok(caller) => caller,
+        Err(resp) => return resp,
+    };
+    let req = match body {
+        Ok(Json(req)) => req,
+        Err(e) => {
+            let status = match e.status() {
+                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                _ => StatusCode::BAD_REQUEST,
+            };
+            return answer(&caller, status, &format!("the body: {}", e.body_text()));
+        }
+    };
+    let reason = req
+        .reason
+        .as_deref()
+        .map(str::trim)
+        .unwrap_or_default()
+        .to_owned();
+    if reason.is_empty() {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "a reset needs a reason (a ticket, an incident: the sign-off's why)",
+        );
+    }
+    let from = match (req.seq, req.time.as_deref()) {
+        (Some(n), None) => crate::ops::reset::StartAt::Seq(n),
+        (None, Some(t)) => match crate::ops::reset::parse_time(t) {
+            Ok(at) => crate::ops::reset::StartAt::Time(at),
+            Err(e) => return answer(&caller, StatusCode::BAD_REQUEST, &e.to_string()),
+        },
+        _ => {
+            return answer(
+                &caller,
+                StatusCode::BAD_REQUEST,
+                "give seq (a stream sequence) or time (RFC 3339), one of them",
+            )
+        }
+    };
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && k.len() <= 200)
+        .map(str::to_owned);
+    let target = format!("{}/{}", req.stream, req.durable);
+    let who = format!("token:{}", caller.token.name);
+    let plan = |dry: bool| {
+        crate::ops::reset::run(
+            &c.0.pool,
+            &c.0.js,
+            &req.stream,
+            &req.durable,
+            &from,
+            &who,
+            crate::ops::reset::Asked {
+                dry_run: dry,
+                skip_unacked: req.skip_unacked,
+            },
+        )
+    };
+    let mut selection = json!({
+        "seq": req.seq, "time": req.time, "skip_unacked": req.skip_unacked,
+    });
+    if req.dry_run {
+        let entry = Entry {
+            action: "consumer.reset.plan",
+            target: target.clone(),
+            selection: selection.clone(),
+            reason: Some(reason.clone()),
+        };
+        let done = match plan(true).await {
+            Ok(d) => d,
+            Err(e) => {
+                record(&c, &caller, entry, &format!("failed: {e}")).await;
+                return answer(&caller, reset_status(&e), &e.to_string());
+            }
+        };
+        let plan_id = reset_plan_id(&req, &done);
+        record(
+            &c,
+            &caller,
+            entry,
+            &format!(
+                "done: plan {plan_id}, from sequence {}, {} messages",
+                done.from_seq, done.messages
+            ),
+        )
+        .await;
+        let cli = (shell_safe(&req.stream) && shell_safe(&req.durable)).then(|| {
+            format!(
+                "outbox-relay consumer reset --stream {} --durable {} --seq {}{} --reason '{}'",
+                req.stream,
+                req.durable,
+                done.from_seq,
+                if req.skip_unacked {
+                    " --skip-unacked"
+                } else {
+                    ""
+                },
+                reason.replace('\'', "")
+            )
+        });
+        return ok(
+            &caller,
+            json!({
+                "plan_id": plan_id,
+                "stream": req.stream,
+                "durable": req.durable,
+                "from_seq": done.from_seq,
+                "messages": done.messages,
+                "skipped": done.skipped,
+                "how": done.how.to_string(),
+                "cli": cli,
+                "run": "POST the same request with this plan_id, dry_run false and an Idempotency-Key header, the durable's consumers stopped",
+            }),
+        );
+    }
+    let Some(key) = key else {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "acting on a reset's plan needs an Idempotency-Key header (at most 200 characters): the same key never resets twice",
+        );
+    };
+    if caller.token.role < Role::Admin {
+        let why = format!(
+            "token {} is {}; resetting a durable needs admin (an operator may plan one)",
+            caller.token.name, caller.token.role
+        );
+        record_denial(
+            &c,
+            "consumer.reset",
+            &target,
+            &caller_actor(&caller),
+            StatusCode::FORBIDDEN,
+            &why,
+            true,
+        )
+        .await;
+        return answer(&caller, StatusCode::FORBIDDEN, &why);
+    }
+    let Some(given) = req.plan_id.clone() else {
+        return answer(
+            &caller,
+            StatusCode::BAD_REQUEST,
+            "acting needs the plan_id of a dry run of the same reset",
+        );
+    };
+    // One reset at a time through this console: the key's earlier reset
+    // is looked for and this one recorded under the same hold.
+    let _one = c.0.resets.lock().await;
+    match reset_by_key(&c, &key).await {
+        Ok(Some((t, p))) if t == target && p == given => {
+            return ok(
+                &caller,
+                json!({ "plan_id": given, "stream": req.stream, "durable": req.durable, "reset_before": true }),
+            );
+        }
+        Ok(Some((t, p))) => {
+            return answer(
+                &caller,
+                StatusCode::CONFLICT,
+                &format!("Idempotency-Key {key:?} reset {t} by plan {p}: another reset needs another key"),
+            );
+        }
+        Ok(None) => {}
+        Err(e) => return answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e),
+    }
+    let now = match plan(true).await {
+        Ok(d) => reset_plan_id(&req, &d),
+        Err(e) => return answer(&caller, reset_status(&e), &e.to_string()),
+    };
+    if now != given {
+        return answer(
+            &caller,
+            StatusCode::CONFLICT,
+            &format!("the reset would start elsewhere or pass over other messages now than plan {given} said (now {now}): dry-run it again and check the plan"),
+        );
+    }
+    selection["plan_id"] = Value::String(given.clone());
+    selection["idempotency_key"] = Value::String(key.clone());
+    let entry = Entry {
+        action: "consumer.reset",
+        target: target.clone(),
+        selection,
+        reason: Some(reason),
+    };
+    match plan(false).await {
+        Ok(done) => {
+            record(
+                &c,
+                &caller,
+                entry,
+                &format!(
+                    "done: from sequence {}, {} messages again ({})",
+                    done.from_seq, done.messages, done.how
+                ),
+            )
+            .await;
+            ok(
+                &caller,
+                json!({
+                    "plan_id": given,
+                    "stream": req.stream,
+                    "durable": req.durable,
+                    "from_seq": done.from_seq,
+                    "messages": done.messages,
+                    "skipped": done.skipped,
+                    "how": done.how.to_string(),
+                    "reset_before": false,
+                }),
+            )
+        }
+        Err(e) => {
+            record(&c, &caller, entry, &format!("failed: {e}")).await;
+            answer(&caller, reset_status(&e), &e.to_string())
+        }
+    }
+}
+
+/// The durable and plan an `Idempotency-Key` reset before, from the log.
+async fn reset_by_key(c: &Console, key: &str) -> Result<Option<(String, String)>, String> {
+    sqlx::query_as(
+        "SELECT target, selection->>'plan_id' FROM outbox_admin_log \
+         WHERE action = 'consumer.reset' AND selection->>'idempotency_key' = $1 \
+           AND result LIKE 'done%' ORDER BY seq LIMIT 1",
+    )
+    .bind(key)
+    .fetch_optional(&c.0.pool)
+    .await
+    .map_err(|e| format!("reading outbox_admin_log: {e}"))
 }
 
 /// A replay or deletion request (SPEC §16): a selection, a reason, and a

@@ -56,6 +56,7 @@ pub(super) fn router(console: Console, api: Router) -> Router {
         .route("/console/approvals", get(approvals))
         .route("/console/approvals/{id}/{decision}", post(decide))
         .route("/console/consumers", get(consumers))
+        .route("/console/consumers/reset", post(consumer_reset))
         .route("/console/integrity", get(integrity))
         .route("/console/log", get(log))
         .route("/console/tokens", get(tokens))
@@ -1115,6 +1116,134 @@ async fn consumers(State(p): State<Pages>, headers: HeaderMap) -> Response {
     page(&ConsumersPage {
         nav,
         consumers: a.field("consumers"),
+    })
+}
+
+/// A reset's form: the consumers page's (a start, a reason: a dry run),
+/// or the plan page's (its plan id and the key it made: acting on it).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ResetForm {
+    csrf: String,
+    stream: String,
+    durable: String,
+    seq: String,
+    time: String,
+    /// A checkbox: present ("on") when ticked.
+    skip_unacked: String,
+    reason: String,
+    plan_id: String,
+    idempotency_key: String,
+}
+
+#[derive(Template)]
+#[template(path = "reset.html")]
+struct ResetPage {
+    nav: Nav,
+    stream: String,
+    durable: String,
+    plan_id: String,
+    from_seq: u64,
+    messages: u64,
+    skipped: u64,
+    skip_unacked: bool,
+    how: String,
+    reason: String,
+    key: String,
+    cli: String,
+    /// Acted on (the page after the reset), or a plan.
+    applied: bool,
+    before: bool,
+}
+
+/// Without a plan id, a dry run shown as the reset's plan; with one, the
+/// plan acted on under the key its page made (a form sent twice resets
+/// once).
+async fn consumer_reset(
+    State(p): State<Pages>,
+    headers: HeaderMap,
+    Form(f): Form<ResetForm>,
+) -> Response {
+    let s = match p
+        .acting(&headers, &f.csrf, "POST /console/consumers/reset")
+        .await
+    {
+        Ok(s) => s,
+        Err(resp) => return resp,
+    };
+    let mut nav = Nav::of(&s);
+    let dry_run = f.plan_id.trim().is_empty();
+    let mut body = json!({
+        "stream": f.stream.trim(),
+        "durable": f.durable.trim(),
+        "reason": f.reason,
+        "skip_unacked": !f.skip_unacked.is_empty(),
+        "dry_run": dry_run,
+    });
+    match (f.seq.trim(), f.time.trim()) {
+        ("", "") => {
+            return failed(
+                nav,
+                StatusCode::BAD_REQUEST,
+                "give a sequence or a time to start over from",
+                "",
+            )
+        }
+        (seq, "") => match seq.parse::<u64>() {
+            Ok(n) => body["seq"] = json!(n),
+            Err(_) => {
+                return failed(
+                    nav,
+                    StatusCode::BAD_REQUEST,
+                    &format!("sequence {seq:?} is not a number"),
+                    "",
+                )
+            }
+        },
+        ("", time) => body["time"] = json!(time),
+        _ => {
+            return failed(
+                nav,
+                StatusCode::BAD_REQUEST,
+                "give a sequence or a time, not both",
+                "",
+            )
+        }
+    }
+    if !dry_run {
+        body["plan_id"] = Value::String(f.plan_id.trim().to_owned());
+    }
+    let key = (!dry_run).then_some(f.idempotency_key.trim());
+    let a = p
+        .call(
+            &s.secret,
+            Method::POST,
+            "/admin/consumers/reset",
+            Some(body),
+            key,
+        )
+        .await;
+    if !a.status.is_success() {
+        return p.api_failed(&s, nav, &a);
+    }
+    nav.request_id = a.request_id.clone();
+    let before = a.body["reset_before"].as_bool().unwrap_or(false);
+    page(&ResetPage {
+        nav,
+        stream: f.stream.trim().to_owned(),
+        durable: f.durable.trim().to_owned(),
+        plan_id: a.body["plan_id"].as_str().unwrap_or_default().to_owned(),
+        from_seq: a.body["from_seq"].as_u64().unwrap_or(0),
+        messages: a.body["messages"].as_u64().unwrap_or(0),
+        skipped: a.body["skipped"].as_u64().unwrap_or(0),
+        skip_unacked: !f.skip_unacked.is_empty(),
+        how: a.body["how"].as_str().unwrap_or_default().to_owned(),
+        reason: f.reason.clone(),
+        // Made once, with the plan: sending the form again is the same act.
+        key: uuid::Uuid::new_v4().to_string(),
+        cli: a.body["cli"].as_str().unwrap_or_default().to_owned(),
+        applied: !dry_run,
+        before,
     })
 }
 

@@ -34,6 +34,9 @@ pub(crate) struct Inner {
     pub settings: Settings,
     /// The replay jobs this console runs, to cancel.
     pub jobs: Mutex<HashMap<uuid::Uuid, CancellationToken>>,
+    /// Held while a durable is reset (its key looked up, the reset done
+    /// and recorded): the same key twice at once resets once.
+    pub resets: tokio::sync::Mutex<()>,
     /// This second's refusals recorded, and those not since the last one.
     denials: Mutex<Denials>,
 }
@@ -75,6 +78,7 @@ impl Console {
             listings: Semaphore::new(2),
             settings,
             jobs: Mutex::new(HashMap::new()),
+            resets: tokio::sync::Mutex::new(()),
             denials: Mutex::new(Denials::default()),
         }))
     }
