@@ -520,6 +520,24 @@ async fn run(command: Command) -> Result<(), Error> {
                 operator_classes,
                 replay_rate: args.replay_rate,
                 delete_approvals: args.delete_approvals,
+                oidc: match &args.oidc_issuer {
+                    Some(issuer) => {
+                        let config = crate::console::oidc::Config {
+                            issuer: issuer.clone(),
+                            audience: args.oidc_audience.clone().unwrap_or_default(),
+                            roles_claim: args.oidc_roles_claim.clone(),
+                            roles: crate::console::oidc::Config::parse_roles(&args.oidc_role)?,
+                        };
+                        config.check()?;
+                        Some(config)
+                    }
+                    None if args.oidc_audience.is_some() || !args.oidc_role.is_empty() => {
+                        return Err(Error::Config(
+                            "--oidc-audience and --oidc-role need --oidc-issuer".into(),
+                        ))
+                    }
+                    None => None,
+                },
             };
             if args.check_config {
                 println!("configuration ok");

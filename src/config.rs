@@ -99,6 +99,25 @@ pub struct ConsoleArgs {
     /// one.
     #[arg(long, env = "OUTBOX_CONSOLE_DELETE_APPROVALS", default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
     pub delete_approvals: u8,
+    /// An OIDC issuer (https://…, exactly as its tokens' iss): a bearer
+    /// JWT it signed is taken beside the console's tokens, its role read
+    /// from --oidc-roles-claim; the log names it oidc:<sub>.
+    #[arg(long, env = "OUTBOX_OIDC_ISSUER")]
+    pub oidc_issuer: Option<String>,
+    /// The audience an OIDC token must be for (its aud): the console's
+    /// client id at the issuer.
+    #[arg(long, env = "OUTBOX_OIDC_AUDIENCE")]
+    pub oidc_audience: Option<String>,
+    /// The claim holding an OIDC token's roles, or a dotted path to it
+    /// (Keycloak: realm_access.roles; others: groups).
+    #[arg(long, env = "OUTBOX_OIDC_ROLES_CLAIM", default_value = "roles")]
+    pub oidc_roles_claim: String,
+    /// Which claim value gives which role, comma-separated
+    /// ROLE=VALUE (admin=platform-admins,viewer=engineering); default: the
+    /// values viewer, operator and admin themselves. The highest role a
+    /// token's values give is its role.
+    #[arg(long, env = "OUTBOX_OIDC_ROLES", value_delimiter = ',')]
+    pub oidc_role: Vec<String>,
     /// Check the flags and exit.
     #[arg(long)]
     pub check_config: bool,

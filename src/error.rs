@@ -88,6 +88,14 @@ pub enum Error {
         source: BoxError,
     },
 
+    /// An HTTP service we read (an OIDC issuer's keys) did not answer.
+    #[error("{context}: {source}")]
+    Http {
+        context: String,
+        #[source]
+        source: BoxError,
+    },
+
     #[error("nats: {context}: {source}")]
     Nats {
         context: String,
@@ -147,6 +155,7 @@ impl Error {
             Error::NatsConnect { .. }
             | Error::SlotBusy { .. }
             | Error::Nats { .. }
+            | Error::Http { .. }
             | Error::Publish { .. }
             | Error::StreamEnded
             | Error::ReplicationSilent(_)

@@ -1677,3 +1677,255 @@ async fn a_durable_is_reset_from_a_plan_once() {
         "{log:?}"
     );
 }
+
+/// An OIDC issuer of the test's own: discovery and a key set on a
+/// loopback port, and the ES256 keys it signs with.
+struct Issuer {
+    url: String,
+    keys: Vec<(String, Vec<u8>)>,
+}
+
+impl Issuer {
+    /// `published` of the `keys` are in its key set.
+    async fn serve(keys: &[&str], published: &[&str]) -> Issuer {
+        use base64::Engine;
+        use ring::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
+        let rng = ring::rand::SystemRandom::new();
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let mut made = Vec::new();
+        let mut jwks = Vec::new();
+        for kid in keys {
+            let pkcs8 =
+                EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
+            let pair =
+                EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &rng)
+                    .unwrap();
+            let point = pair.public_key().as_ref();
+            if published.contains(kid) {
+                jwks.push(serde_json::json!({
+                    "kty": "EC", "crv": "P-256", "use": "sig", "alg": "ES256", "kid": kid,
+                    "x": b64.encode(&point[1..33]), "y": b64.encode(&point[33..65]),
+                }));
+            }
+            made.push((kid.to_string(), pkcs8.as_ref().to_vec()));
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let discovery = serde_json::json!({ "issuer": url, "jwks_uri": format!("{url}/jwks") });
+        let set = serde_json::json!({ "keys": jwks });
+        let app = axum::Router::new()
+            .route(
+                "/.well-known/openid-configuration",
+                axum::routing::get(move || async move { axum::Json(discovery) }),
+            )
+            .route(
+                "/jwks",
+                axum::routing::get(move || async move { axum::Json(set) }),
+            );
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Issuer { url, keys: made }
+    }
+
+    /// A JWT signed with key `kid`: `claims` over a valid base (this
+    /// issuer, the console's audience, an hour to live).
+    fn jwt(&self, kid: &str, claims: Value) -> String {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let mut body = serde_json::json!({
+            "iss": self.url, "aud": "outbox-console", "iat": now, "exp": now + 3600,
+        });
+        for (k, v) in claims.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let der = &self.keys.iter().find(|(k, _)| k == kid).unwrap().1;
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+        header.kid = Some(kid.to_owned());
+        jsonwebtoken::encode(&header, &body, &jsonwebtoken::EncodingKey::from_ec_der(der)).unwrap()
+    }
+}
+
+/// SPEC §16 "optional OIDC": a JWT from the issuer the console is given,
+/// for its audience, is taken with the role its claim maps to, and the log
+/// names its subject; one expired, for another audience or issuer, signed
+/// by a key the issuer does not publish, or symmetric, or giving no role,
+/// is a 401, recorded. A role short of the route is a 403 under the
+/// subject. The pages take a JWT at sign-in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oidc_token_is_taken_with_the_role_its_claim_gives() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "console_oidc").await;
+    let issuer = Issuer::serve(&["k1", "rogue"], &["k1"]).await;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _console = Service::console(
+        &url,
+        &stack.nats_url,
+        &addr,
+        "console_oidc",
+        &[
+            "--oidc-issuer",
+            &issuer.url,
+            "--oidc-audience",
+            "outbox-console",
+            "--oidc-roles-claim",
+            "realm_access.roles",
+            "--oidc-role",
+            "admin=platform-admins,viewer=eng",
+        ],
+    );
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::new();
+    let roles = |r: &[&str]| serde_json::json!({ "realm_access": { "roles": r } });
+    let mut admin_claims = roles(&["eng", "platform-admins"]);
+    admin_claims["sub"] = "alice-7f3".into();
+    let admin = issuer.jwt("k1", admin_claims);
+    let a = get(&http, &base, "/admin/whoami", Some(&admin)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (
+            &a.body["token"]["name"],
+            &a.body["token"]["role"],
+            &a.body["token"]["kind"]
+        ),
+        (
+            &Value::from("alice-7f3"),
+            &Value::from("admin"),
+            &Value::from("oidc")
+        ),
+        "{}",
+        a.body
+    );
+    // An action, under the subject.
+    let a = post(
+        &http,
+        &base,
+        "/admin/consumers/reset",
+        &admin,
+        None,
+        serde_json::json!({ "stream": "NO_SUCH", "durable": "d", "seq": 1, "reason": "SSO check", "dry_run": true }),
+    )
+    .await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    let mut viewer_claims = roles(&["eng"]);
+    viewer_claims["sub"] = "bob-2c1".into();
+    let viewer = issuer.jwt("k1", viewer_claims);
+    let a = get(&http, &base, "/admin/tokens", Some(&viewer)).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let with = |more: Value| {
+        let mut c = roles(&["platform-admins"]);
+        c["sub"] = "mallory".into();
+        for (k, v) in more.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    };
+    let hs256 = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &with(serde_json::json!({ "iss": issuer.url, "aud": "outbox-console", "exp": now + 600 })),
+        &jsonwebtoken::EncodingKey::from_secret(b"guess").unwrap(),
+    )
+    .unwrap();
+    let refused = [
+        (
+            "expired",
+            issuer.jwt("k1", with(serde_json::json!({ "exp": now - 600 }))),
+            "JWT refused",
+        ),
+        (
+            "another audience",
+            issuer.jwt("k1", with(serde_json::json!({ "aud": "grafana" }))),
+            "JWT refused",
+        ),
+        (
+            "another issuer",
+            issuer.jwt(
+                "k1",
+                with(serde_json::json!({ "iss": "http://127.0.0.1:1" })),
+            ),
+            "JWT refused",
+        ),
+        (
+            "an unpublished key",
+            issuer.jwt("rogue", with(serde_json::json!({}))),
+            "does not publish",
+        ),
+        ("symmetric", hs256, "HS256"),
+        (
+            "no role",
+            issuer.jwt("k1", with(roles(&["sales"]))),
+            "no console role",
+        ),
+    ];
+    for (what, jwt, why) in &refused {
+        let a = get(&http, &base, "/admin/whoami", Some(jwt)).await;
+        assert_eq!(a.status, 401, "{what}: {}", a.body);
+        assert!(
+            a.body["error"].as_str().unwrap_or_default().contains(why),
+            "{what}: {}",
+            a.body
+        );
+    }
+
+    // The pages take a JWT at sign-in; the session is the subject's.
+    let no_redirect = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let resp = no_redirect
+        .post(format!("{base}/console/login"))
+        .form(&[("token", admin.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 303, "{:?}", resp.text().await);
+    let cookie = resp
+        .headers()
+        .get("set-cookie")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|c| c.split(';').next())
+        .unwrap()
+        .to_owned();
+    let page = no_redirect
+        .get(format!("{base}/console/"))
+        .header("Cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("alice-7f3 · admin"), "{page}");
+
+    let log: Vec<(String, String, String, String)> =
+        sqlx::query_as("SELECT action, actor, role, result FROM outbox_admin_log ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let has = |action: &str, actor: &str, role: &str, result: &str| {
+        log.iter()
+            .any(|(a, b, c, d)| a == action && b == actor && c == role && d.starts_with(result))
+    };
+    assert!(
+        has("consumer.reset.plan", "oidc:alice-7f3", "admin", "failed"),
+        "{log:?}"
+    );
+    assert!(
+        has("tokens.read", "oidc:bob-2c1", "viewer", "denied: 403"),
+        "{log:?}"
+    );
+    assert!(
+        has("console.sign_in", "oidc:alice-7f3", "admin", "done"),
+        "{log:?}"
+    );
+    let anonymous_401s = log
+        .iter()
+        .filter(|(_, b, _, d)| b == "anonymous" && d.starts_with("denied: 401"))
+        .count();
+    assert_eq!(anonymous_401s, refused.len(), "{log:?}");
+}

@@ -226,6 +226,71 @@ pub(super) async fn authenticate(
                     &request_id,
                 );
             };
+            if super::oidc::looks_like_jwt(&secret) {
+                let Some(oidc) = &c.0.oidc else {
+                    let why =
+                        "a JWT, and this console takes none (it is started without --oidc-issuer)";
+                    record_denial(
+                        &c,
+                        "request",
+                        &target,
+                        &Actor {
+                            name: "anonymous".into(),
+                            role: "anonymous",
+                            request_id: request_id.clone(),
+                        },
+                        StatusCode::UNAUTHORIZED,
+                        why,
+                        false,
+                    )
+                    .await;
+                    return unauthorized(why, &request_id);
+                };
+                let why = match tokio::time::timeout(OIDC_TIME, oidc.check(&secret)).await {
+                    Ok(Ok(super::oidc::Verdict::Valid(token))) => {
+                        req.extensions_mut()
+                            .insert(Authenticated { token, request_id });
+                        return next.run(req).await;
+                    }
+                    Ok(Ok(super::oidc::Verdict::Refused(why))) => why,
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "console: cannot check a JWT");
+                        return with_id(
+                            problem(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "cannot read the OIDC issuer's keys now; retry",
+                            )
+                            .into_response(),
+                            &request_id,
+                        );
+                    }
+                    Err(_) => {
+                        return with_id(
+                            problem(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "checking the JWT took too long; retry",
+                            )
+                            .into_response(),
+                            &request_id,
+                        );
+                    }
+                };
+                record_denial(
+                    &c,
+                    "request",
+                    &target,
+                    &Actor {
+                        name: "anonymous".into(),
+                        role: "anonymous",
+                        request_id: request_id.clone(),
+                    },
+                    StatusCode::UNAUTHORIZED,
+                    &why,
+                    false,
+                )
+                .await;
+                return unauthorized(&why, &request_id);
+            }
             match tokio::time::timeout(CHECK_TIME, tokens::check(&c.0.pool, &secret)).await {
                 Ok(Ok(Checked::Valid(token))) => {
                     req.extensions_mut()
@@ -287,6 +352,8 @@ pub(super) async fn authenticate(
 
 /// How long a token check may take.
 const CHECK_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a JWT's check may take (the issuer's keys fetched: two reads).
+const OIDC_TIME: std::time::Duration = std::time::Duration::from_secs(12);
 
 /// The caller, if its token's role reaches the route's; else the 403 to
 /// answer, recorded (always: a valid token's refusal is never one of a
@@ -310,7 +377,7 @@ async fn guard(
         token.name, token.role
     );
     let actor = Actor {
-        name: format!("token:{}", token.name),
+        name: token.actor(),
         role: token.role.as_str(),
         request_id: auth.request_id.clone(),
     };
@@ -1027,7 +1094,7 @@ async fn consumer_reset(
         .filter(|k| !k.is_empty() && k.len() <= 200)
         .map(str::to_owned);
     let target = format!("{}/{}", req.stream, req.durable);
-    let who = format!("token:{}", caller.token.name);
+    let who = caller.token.actor();
     let plan = |dry: bool| {
         crate::ops::reset::run(
             &c.0.pool,
@@ -1311,7 +1378,7 @@ fn answer(caller: &Caller, status: StatusCode, why: &str) -> Response {
 
 fn caller_actor(caller: &Caller) -> Actor {
     Actor {
-        name: format!("token:{}", caller.token.name),
+        name: caller.token.actor(),
         role: caller.token.role.as_str(),
         request_id: caller.request_id.clone(),
     }
@@ -1843,7 +1910,7 @@ async fn dead_letters_delete(
         return resp;
     }
     let id = uuid::Uuid::new_v4();
-    let by = format!("token:{}", caller.token.name);
+    let by = caller.token.actor();
     match delete::create(&c.0.pool, id, &key, &plan, &req.selection, &reason, &by).await {
         Ok(true) => {}
         Ok(false) => {
@@ -1911,7 +1978,7 @@ async fn approve_and_delete(
     letters: Vec<(String, dlq::DeadLetter)>,
     plan: &str,
 ) -> Response {
-    let by = format!("token:{}", caller.token.name);
+    let by = caller.token.actor();
     match delete::decide(&c.0.pool, id, "deleting", &by, None).await {
         Ok(true) => {}
         Ok(false) => {
@@ -2019,7 +2086,7 @@ async fn approve(
             &format!("the request is {}, not pending", request["state"]),
         );
     }
-    let me = format!("token:{}", caller.token.name);
+    let me = caller.token.actor();
     if request["requested_by"].as_str() == Some(me.as_str()) {
         let why = "a deletion needs a second admin's approval: the one who asked cannot approve it (--delete-approvals 1 for a team of one)";
         record_denial(
@@ -2095,7 +2162,7 @@ async fn reject(
     let Ok(id) = uuid::Uuid::parse_str(&id) else {
         return answer(&caller, StatusCode::BAD_REQUEST, "a request id is a UUID");
     };
-    let me = format!("token:{}", caller.token.name);
+    let me = caller.token.actor();
     match delete::decide(&c.0.pool, id, "rejected", &me, None).await {
         Ok(true) => {
             record(

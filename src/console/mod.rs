@@ -16,6 +16,7 @@
 pub mod tokens;
 
 pub mod delete;
+pub mod oidc;
 pub mod replay;
 
 mod api;
@@ -84,7 +85,7 @@ pub async fn serve(
         Ok(n) => tracing::warn!(requests = n, "deletions a console left half done are marked interrupted: see each request's letters in GET /admin/approvals and dlq list"),
         Err(e) => return Err(Error::pg("reading outbox_admin_deletions (run `outbox-relay migrate`)")(e)),
     }
-    let console = Console::new(pool, js, settings, Arc::new(Semaphore::new(REQUESTS_MAX)));
+    let console = Console::new(pool, js, settings, Arc::new(Semaphore::new(REQUESTS_MAX)))?;
     let api = api::router()
         .layer(axum::middleware::from_fn_with_state(
             console.clone(),
@@ -210,6 +211,7 @@ impl Settings {
             operator_classes: Vec::new(),
             replay_rate: 20.0,
             delete_approvals: 2,
+            oidc: None,
         }
     }
 }

@@ -252,7 +252,7 @@ impl Pages {
             None => "the form's anti-forgery value is not this session's (an old page, or another site's form)".to_owned(),
         };
         let actor = Actor {
-            name: format!("token:{}", s.name),
+            name: s.actor.clone(),
             role: role_str(&s.role),
             request_id: uuid::Uuid::new_v4().to_string(),
         };
@@ -266,7 +266,13 @@ impl Pages {
     }
 
     /// A sign-in or sign-out, in the log as every session's start and end.
-    async fn record_session(&self, action: &'static str, name: &str, role: &str, request_id: &str) {
+    async fn record_session(
+        &self,
+        action: &'static str,
+        actor: &str,
+        role: &str,
+        request_id: &str,
+    ) {
         let entry = Entry {
             action,
             target: "/console/".to_owned(),
@@ -274,7 +280,7 @@ impl Pages {
             reason: None,
         };
         let actor = Actor {
-            name: format!("token:{name}"),
+            name: actor.to_owned(),
             role: role_str(role),
             request_id: request_id.to_owned(),
         };
@@ -436,9 +442,13 @@ async fn login(State(p): State<Pages>, headers: HeaderMap, Form(f): Form<LoginFo
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    p.record_session("console.sign_in", &name, &role, &a.request_id)
+    let actor = format!(
+        "{}:{name}",
+        a.body["token"]["kind"].as_str().unwrap_or("token")
+    );
+    p.record_session("console.sign_in", &actor, &role, &a.request_id)
         .await;
-    let id = p.sessions.open(secret, name, role);
+    let id = p.sessions.open(secret, name, actor, role);
     (
         [(header::SET_COOKIE, session::set_cookie(Some(&id)))],
         Redirect::to("/console/"),
@@ -460,7 +470,7 @@ async fn logout(State(p): State<Pages>, headers: HeaderMap, Form(f): Form<CsrfFo
         p.sessions.close(&id);
         p.record_session(
             "console.sign_out",
-            &s.name,
+            &s.actor,
             &s.role,
             &uuid::Uuid::new_v4().to_string(),
         )

@@ -30,6 +30,8 @@ pub struct Session {
     /// The token it signed in with (never sent back to the browser).
     pub secret: String,
     pub name: String,
+    /// How the log names it (`token:<name>`, `oidc:<sub>`).
+    pub actor: String,
     pub role: String,
     /// The anti-forgery value its forms carry.
     pub csrf: String,
@@ -53,7 +55,7 @@ fn random() -> String {
 
 impl Sessions {
     /// A new session for the token; its id (the cookie's value).
-    pub fn open(&self, secret: String, name: String, role: String) -> String {
+    pub fn open(&self, secret: String, name: String, actor: String, role: String) -> String {
         let id = random();
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let (opened, all) = &mut *guard;
@@ -82,6 +84,7 @@ impl Sessions {
             Session {
                 secret,
                 name,
+                actor,
                 role,
                 csrf: random(),
                 made: now,
@@ -220,7 +223,12 @@ mod tests {
     #[test]
     fn a_session_is_found_by_its_cookie_and_ends_when_closed() {
         let s = Sessions::default();
-        let id = s.open("oxr_x".into(), "ann".into(), "viewer".into());
+        let id = s.open(
+            "oxr_x".into(),
+            "ann".into(),
+            "token:t".into(),
+            "viewer".into(),
+        );
         let mut h = HeaderMap::new();
         h.insert(
             header::COOKIE,
@@ -239,11 +247,11 @@ mod tests {
     #[test]
     fn sessions_are_bounded_in_all_and_by_token() {
         let s = Sessions::default();
-        let admin = s.open("admin".into(), "a".into(), "admin".into());
+        let admin = s.open("admin".into(), "a".into(), "token:t".into(), "admin".into());
         // One token's many sign-ins end its own oldest, not another's.
-        let first = s.open("b".into(), "b".into(), "viewer".into());
+        let first = s.open("b".into(), "b".into(), "token:t".into(), "viewer".into());
         for _ in 0..SESSIONS_MAX {
-            s.open("b".into(), "b".into(), "viewer".into());
+            s.open("b".into(), "b".into(), "token:t".into(), "viewer".into());
         }
         {
             let all = &s.0.lock().unwrap().1;
@@ -251,7 +259,12 @@ mod tests {
             assert!(all.contains_key(&admin) && !all.contains_key(&first));
         }
         for i in 0..SESSIONS_MAX {
-            s.open(format!("t{i}"), "t".into(), "viewer".into());
+            s.open(
+                format!("t{i}"),
+                "t".into(),
+                "token:t".into(),
+                "viewer".into(),
+            );
         }
         {
             let all = &s.0.lock().unwrap().1;

@@ -34,6 +34,8 @@ pub(crate) struct Inner {
     pub settings: Settings,
     /// The replay jobs this console runs, to cancel.
     pub jobs: Mutex<HashMap<uuid::Uuid, CancellationToken>>,
+    /// OIDC, when the console takes JWTs (`--oidc-issuer`).
+    pub oidc: Option<super::oidc::Oidc>,
     /// Held while a durable is reset (its key looked up, the reset done
     /// and recorded): the same key twice at once resets once.
     pub resets: tokio::sync::Mutex<()>,
@@ -54,6 +56,8 @@ pub struct Settings {
     /// Admins who sign a deletion off: 2 (one asks, another approves), or
     /// 1 for a team of one.
     pub delete_approvals: u8,
+    /// OIDC bearer JWTs taken beside the console's tokens.
+    pub oidc: Option<super::oidc::Config>,
 }
 
 #[derive(Default)]
@@ -69,8 +73,13 @@ impl Console {
         js: jetstream::Context,
         settings: Settings,
         busy: Arc<Semaphore>,
-    ) -> Console {
-        Console(Arc::new(Inner {
+    ) -> crate::error::Result<Console> {
+        let oidc = settings
+            .oidc
+            .clone()
+            .map(super::oidc::Oidc::new)
+            .transpose()?;
+        Ok(Console(Arc::new(Inner {
             pool,
             js,
             busy,
@@ -79,8 +88,9 @@ impl Console {
             settings,
             jobs: Mutex::new(HashMap::new()),
             resets: tokio::sync::Mutex::new(()),
+            oidc,
             denials: Mutex::new(Denials::default()),
-        }))
+        })))
     }
 
     /// Whether this refusal is recorded, and how many before it were not.

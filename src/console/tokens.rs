@@ -69,6 +69,15 @@ pub struct Token {
     pub revoked_at: Option<String>,
     /// `active`, `expired` or `revoked`, as of the read.
     pub state: &'static str,
+    /// `token` (one of the table's), or `oidc` (a JWT's subject).
+    pub kind: &'static str,
+}
+
+impl Token {
+    /// How the log names its holder: `token:<name>`, `oidc:<sub>`.
+    pub fn actor(&self) -> String {
+        format!("{}:{}", self.kind, self.name)
+    }
 }
 
 /// What a bearer value turned out to be.
@@ -140,6 +149,7 @@ fn token((name, role, created_at, created_by, expires_at, revoked_at, state): Ro
             "expired" => "expired",
             _ => "active",
         },
+        kind: "token",
     }
 }
 
