@@ -538,6 +538,32 @@ async fn run(command: Command) -> Result<(), Error> {
                     }
                     None => None,
                 },
+                tls: match (&args.admin_tls_cert, &args.admin_tls_key) {
+                    (Some(cert), Some(key)) => {
+                        let config = crate::console::tls::Config {
+                            cert: cert.clone(),
+                            key: key.clone(),
+                            client_ca: args.admin_client_ca.clone(),
+                            roles: crate::console::tokens::parse_role_map(
+                                "--admin-cert-role",
+                                &args.admin_cert_role,
+                            )?,
+                        };
+                        // Files read now: a bad one stops the start in one line.
+                        config.server_config()?;
+                        Some(config)
+                    }
+                    (None, None)
+                        if args.admin_client_ca.is_none() && args.admin_cert_role.is_empty() =>
+                    {
+                        None
+                    }
+                    _ => {
+                        return Err(Error::Config(
+                            "--admin-tls-cert and --admin-tls-key go together, and --admin-client-ca and --admin-cert-role need them".into(),
+                        ))
+                    }
+                },
             };
             if args.check_config {
                 println!("configuration ok");

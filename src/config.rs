@@ -118,6 +118,23 @@ pub struct ConsoleArgs {
     /// token's values give is its role.
     #[arg(long, env = "OUTBOX_OIDC_ROLES", value_delimiter = ',')]
     pub oidc_role: Vec<String>,
+    /// Serve the console over HTTPS with this certificate chain (PEM);
+    /// needs --admin-tls-key. Its session cookie is then Secure.
+    #[arg(long, env = "OUTBOX_ADMIN_TLS_CERT")]
+    pub admin_tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --admin-tls-cert (PEM).
+    #[arg(long, env = "OUTBOX_ADMIN_TLS_KEY")]
+    pub admin_tls_key: Option<std::path::PathBuf>,
+    /// Require a client certificate signed by this CA (PEM) on every
+    /// connection (mTLS). A request without a token is then its
+    /// certificate's: cert:<CN>, with the role its O or OU values give.
+    #[arg(long, env = "OUTBOX_ADMIN_CLIENT_CA")]
+    pub admin_client_ca: Option<std::path::PathBuf>,
+    /// Which client-certificate O or OU value gives which role,
+    /// comma-separated ROLE=VALUE; default: the values viewer, operator
+    /// and admin themselves.
+    #[arg(long, env = "OUTBOX_ADMIN_CERT_ROLES", value_delimiter = ',')]
+    pub admin_cert_role: Vec<String>,
     /// Check the flags and exit.
     #[arg(long)]
     pub check_config: bool,

@@ -1929,3 +1929,200 @@ async fn an_oidc_token_is_taken_with_the_role_its_claim_gives() {
         .count();
     assert_eq!(anonymous_401s, refused.len(), "{log:?}");
 }
+
+/// Certificates for the mTLS test, made with rcgen: a CA, the console's
+/// certificate for 127.0.0.1, and clients (CN, O) it signed; PEM files in
+/// `dir`, and each client's certificate and key as one PEM.
+struct Pki {
+    dir: std::path::PathBuf,
+    ca: String,
+}
+
+impl Pki {
+    fn new(name: &str) -> (Pki, rcgen::Issuer<'static, rcgen::KeyPair>) {
+        let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{name} CA"));
+        let ca = params.self_signed(&key).unwrap().pem();
+        std::fs::write(dir.join("ca.pem"), &ca).unwrap();
+        (Pki { dir, ca }, rcgen::Issuer::new(params, key))
+    }
+
+    /// The console's certificate and key files.
+    fn server(&self, issuer: &rcgen::Issuer<'_, rcgen::KeyPair>) -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.subject_alt_names = vec![rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap())];
+        let cert = params.signed_by(&key, issuer).unwrap();
+        let (c, k) = (self.dir.join("server.pem"), self.dir.join("server.key"));
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        (c.display().to_string(), k.display().to_string())
+    }
+
+    /// A client's certificate and key, one PEM.
+    fn client(issuer: &rcgen::Issuer<'_, rcgen::KeyPair>, cn: &str, o: &str) -> String {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, o);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, issuer).unwrap();
+        format!("{}{}", cert.pem(), key.serialize_pem())
+    }
+
+    /// An HTTPS client trusting the CA, presenting `identity` if given.
+    fn http(&self, identity: Option<&str>) -> reqwest::Client {
+        let mut b = reqwest::Client::builder()
+            .use_rustls_tls()
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(reqwest::Certificate::from_pem(self.ca.as_bytes()).unwrap())
+            .redirect(reqwest::redirect::Policy::none());
+        if let Some(pem) = identity {
+            b = b.identity(reqwest::Identity::from_pem(pem.as_bytes()).unwrap());
+        }
+        b.build().unwrap()
+    }
+}
+
+/// SPEC §16 "mTLS": with `--admin-client-ca`, a connection without a
+/// certificate that CA signed is refused at the handshake; a request
+/// without a token is its certificate's (`cert:<CN>`, the role its O
+/// gives), refused 401 when that gives none, 403 when short, each
+/// recorded; a bearer token, when sent, decides. The pages' cookie is
+/// `Secure` over TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_is_required_and_speaks_for_a_request() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "console_mtls").await;
+    let (pki, issuer) = Pki::new("console-mtls");
+    let (cert, key) = pki.server(&issuer);
+    let ops = Pki::client(&issuer, "ops-bot", "platform");
+    let intern = Pki::client(&issuer, "intern", "eng");
+    let sales = Pki::client(&issuer, "sam", "sales");
+    let (_, other) = Pki::new("console-mtls-other");
+    let stranger = Pki::client(&other, "ops-bot", "platform");
+    let admin_token = token(&url, "ann.admin", "admin");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let ca = pki.dir.join("ca.pem").display().to_string();
+    let _console = Service::console(
+        &url,
+        &stack.nats_url,
+        &addr,
+        "console_mtls",
+        &[
+            "--admin-tls-cert",
+            &cert,
+            "--admin-tls-key",
+            &key,
+            "--admin-client-ca",
+            &ca,
+            "--admin-cert-role",
+            "admin=platform,viewer=eng",
+        ],
+    );
+    let base = format!("https://{addr}");
+
+    // No certificate, another CA's, or plain HTTP: no answer at all.
+    for (what, client) in [
+        ("no certificate", pki.http(None)),
+        ("another CA's", pki.http(Some(&stranger))),
+    ] {
+        let r = client.get(format!("{base}/admin/whoami")).send().await;
+        assert!(r.is_err(), "{what}: {r:?}");
+    }
+    let plain = reqwest::get(format!("http://{addr}/admin/whoami")).await;
+    assert!(
+        plain.as_ref().map_or(true, |r| r.status() != 200),
+        "plain HTTP: {plain:?}"
+    );
+
+    let as_ops = pki.http(Some(&ops));
+    let a = get(&as_ops, &base, "/admin/whoami", None).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        (
+            &a.body["token"]["name"],
+            &a.body["token"]["role"],
+            &a.body["token"]["kind"]
+        ),
+        (
+            &Value::from("ops-bot"),
+            &Value::from("admin"),
+            &Value::from("cert")
+        ),
+        "{}",
+        a.body
+    );
+    let a = send(
+        as_ops
+            .post(format!("{base}/admin/consumers/reset"))
+            .header("Content-Type", "application/json")
+            .body(serde_json::json!({ "stream": "NO_SUCH", "durable": "d", "seq": 1, "reason": "mTLS check", "dry_run": true }).to_string()),
+    )
+    .await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    let as_intern = pki.http(Some(&intern));
+    assert_eq!(
+        get(&as_intern, &base, "/admin/tokens", None).await.status,
+        403
+    );
+    // A token sent decides.
+    assert_eq!(
+        get(&as_intern, &base, "/admin/tokens", Some(&admin_token))
+            .await
+            .status,
+        200
+    );
+    let a = get(&pki.http(Some(&sales)), &base, "/admin/whoami", None).await;
+    assert_eq!(a.status, 401, "{}", a.body);
+    assert!(
+        a.body["error"]
+            .as_str()
+            .unwrap()
+            .contains("gives no console role"),
+        "{}",
+        a.body
+    );
+
+    // The pages over TLS: a Secure cookie.
+    let resp = as_intern
+        .post(format!("{base}/console/login"))
+        .form(&[("token", admin_token.as_str())])
+        .send()
+        .await
+        .unwrap();
+    let cookie = resp
+        .headers()
+        .get("set-cookie")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(cookie.contains("; Secure"), "{cookie}");
+
+    let log: Vec<(String, String, String, String)> =
+        sqlx::query_as("SELECT action, actor, role, result FROM outbox_admin_log ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let has = |action: &str, actor: &str, result: &str| {
+        log.iter()
+            .any(|(a, b, _, d)| a == action && b == actor && d.starts_with(result))
+    };
+    assert!(
+        has("consumer.reset.plan", "cert:ops-bot", "failed"),
+        "{log:?}"
+    );
+    assert!(has("tokens.read", "cert:intern", "denied: 403"), "{log:?}");
+    assert!(has("request", "cert:sam", "denied: 401"), "{log:?}");
+}

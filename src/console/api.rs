@@ -208,11 +208,27 @@ pub(super) async fn authenticate(
                 .then(|| rest.trim().to_owned())
         });
     let anonymous = |why: String| (why, "anonymous".to_owned(), "anonymous");
+    // Without a token, a client certificate the handshake verified
+    // (`--admin-client-ca`) speaks for the request.
+    let subject = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<super::tls::Peer>>()
+        .and_then(|info| info.0.subject.clone());
     let (why, actor, role) = match bearer {
-        None => anonymous(
-            "no token: send `Authorization: Bearer <token>` (`outbox-relay admin token create`)"
-                .into(),
-        ),
+        None => match (subject, c.0.settings.tls.as_ref()) {
+            (Some(subject), Some(tls)) => match subject.token(&tls.roles) {
+                Ok(token) => {
+                    req.extensions_mut()
+                        .insert(Authenticated { token, request_id });
+                    return next.run(req).await;
+                }
+                Err(why) => (why, format!("cert:{}", subject.common_name), "anonymous"),
+            },
+            _ => anonymous(
+                "no token: send `Authorization: Bearer <token>` (`outbox-relay admin token create`)"
+                    .into(),
+            ),
+        },
         Some(secret) => {
             // A flood of made-up tokens waits on these few checks, not on
             // the pool the jobs write through.

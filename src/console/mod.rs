@@ -18,6 +18,7 @@ pub mod tokens;
 pub mod delete;
 pub mod oidc;
 pub mod replay;
+pub mod tls;
 
 mod api;
 mod pages;
@@ -85,6 +86,11 @@ pub async fn serve(
         Ok(n) => tracing::warn!(requests = n, "deletions a console left half done are marked interrupted: see each request's letters in GET /admin/approvals and dlq list"),
         Err(e) => return Err(Error::pg("reading outbox_admin_deletions (run `outbox-relay migrate`)")(e)),
     }
+    let tls = settings
+        .tls
+        .as_ref()
+        .map(tls::Config::server_config)
+        .transpose()?;
     let console = Console::new(pool, js, settings, Arc::new(Semaphore::new(REQUESTS_MAX)))?;
     let api = api::router()
         .layer(axum::middleware::from_fn_with_state(
@@ -101,19 +107,36 @@ pub async fn serve(
         .with_state(console.clone());
     // The pages call the API in-process (each call bounded as a client's
     // is); a page itself is bounded in time and body as well.
-    let pages = pages::router(console.clone(), api.clone())
+    let pages = pages::router(console.clone(), api.clone(), tls.is_some())
         .layer(axum::middleware::from_fn_with_state(console, timed))
         .layer(DefaultBodyLimit::max(BODY_MAX));
     let app = api.merge(pages);
     let listener = crate::ops::listener::Limited::new(listener, CONNECTIONS_MAX, IDLE_READ);
-    let done = tokio::spawn(async move {
-        let serve = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await });
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "the console failed");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let done = match tls {
+        None => tokio::spawn(async move {
+            let serve = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "the console failed");
+            }
+        }),
+        Some(config) => {
+            let listener = tls::TlsListener::new(listener, config)
+                .map_err(|e| Error::Config(format!("console listener: {e}")))?;
+            tokio::spawn(async move {
+                let serve = axum::serve(
+                    listener,
+                    app.into_make_service_with_connect_info::<tls::Peer>(),
+                )
+                .with_graceful_shutdown(async move { stop.cancelled().await });
+                if let Err(e) = serve.await {
+                    tracing::error!(error = %e, "the console failed");
+                }
+            })
         }
-    });
-    tracing::info!(%addr, "serving the operator console: JSON under /admin/, pages under /console/");
+    };
+    tracing::info!(%addr, scheme, "serving the operator console: JSON under /admin/, pages under /console/");
     Ok(Server { addr, done })
 }
 
@@ -212,6 +235,7 @@ impl Settings {
             replay_rate: 20.0,
             delete_approvals: 2,
             oidc: None,
+            tls: None,
         }
     }
 }

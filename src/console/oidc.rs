@@ -47,22 +47,7 @@ impl Config {
     /// `--oidc-role` values (`admin=platform-admins`): the role a claim
     /// value gives.
     pub fn parse_roles(items: &[String]) -> Result<Vec<(String, Role)>> {
-        items
-            .iter()
-            .map(|item| {
-                let (role, value) = item.split_once('=').ok_or_else(|| {
-                    Error::Config(format!(
-                        "--oidc-role {item:?}: give ROLE=VALUE (e.g. admin=platform-admins)"
-                    ))
-                })?;
-                let role = Role::parse(role.trim()).ok_or_else(|| {
-                    Error::Config(format!(
-                        "--oidc-role {item:?}: {role:?} is not a role (viewer, operator, admin)"
-                    ))
-                })?;
-                Ok((value.trim().to_owned(), role))
-            })
-            .collect()
+        super::tokens::parse_role_map("--oidc-role", items)
     }
 
     /// The issuer must be https (a token's keys fetched in the clear could

@@ -30,16 +30,19 @@ pub(super) struct Pages {
     console: Console,
     api: Router,
     sessions: Arc<Sessions>,
+    /// Served over TLS: the cookie is `Secure`.
+    secure: bool,
 }
 
 /// The largest API answer a page reads (a plan of 10,000 letters).
 const ANSWER_MAX: usize = 32 * 1024 * 1024;
 
-pub(super) fn router(console: Console, api: Router) -> Router {
+pub(super) fn router(console: Console, api: Router, secure: bool) -> Router {
     let pages = Pages {
         console,
         api,
         sessions: Arc::new(Sessions::default()),
+        secure,
     };
     Router::new()
         .route("/console", get(|| async { Redirect::to("/console/") }))
@@ -368,7 +371,7 @@ impl Pages {
         if a.status == StatusCode::UNAUTHORIZED {
             self.sessions.close_token(&s.secret);
             return (
-                [(header::SET_COOKIE, session::set_cookie(None))],
+                [(header::SET_COOKIE, session::set_cookie(None, self.secure))],
                 Redirect::to("/console/login"),
             )
                 .into_response();
@@ -450,7 +453,7 @@ async fn login(State(p): State<Pages>, headers: HeaderMap, Form(f): Form<LoginFo
         .await;
     let id = p.sessions.open(secret, name, actor, role);
     (
-        [(header::SET_COOKIE, session::set_cookie(Some(&id)))],
+        [(header::SET_COOKIE, session::set_cookie(Some(&id), p.secure))],
         Redirect::to("/console/"),
     )
         .into_response()
@@ -477,7 +480,7 @@ async fn logout(State(p): State<Pages>, headers: HeaderMap, Form(f): Form<CsrfFo
         .await;
     }
     (
-        [(header::SET_COOKIE, session::set_cookie(None))],
+        [(header::SET_COOKIE, session::set_cookie(None, p.secure))],
         Redirect::to("/console/login"),
     )
         .into_response()

@@ -138,13 +138,15 @@ pub fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
 }
 
 /// The `Set-Cookie` value that opens (`Some(id)`) or ends a session.
-pub fn set_cookie(id: Option<&str>) -> String {
+pub fn set_cookie(id: Option<&str>, secure: bool) -> String {
+    // Over TLS the browser must never send it in the clear.
+    let secure = if secure { "; Secure" } else { "" };
     match id {
         Some(id) => format!(
-            "{COOKIE}={id}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={}",
+            "{COOKIE}={id}; Path=/console; HttpOnly; SameSite=Strict; Max-Age={}{secure}",
             LIFETIME.as_secs()
         ),
-        None => format!("{COOKIE}=; Path=/console; HttpOnly; SameSite=Strict; Max-Age=0"),
+        None => format!("{COOKIE}=; Path=/console; HttpOnly; SameSite=Strict; Max-Age=0{secure}"),
     }
 }
 
@@ -241,7 +243,8 @@ mod tests {
         assert!(!csrf_holds(&session, &"0".repeat(session.csrf.len())));
         s.close(&id);
         assert!(s.of(&h).is_none());
-        assert!(set_cookie(Some(&id)).contains("HttpOnly; SameSite=Strict"));
+        assert!(set_cookie(Some(&id), false).contains("HttpOnly; SameSite=Strict"));
+        assert!(set_cookie(Some(&id), true).ends_with("; Secure"));
     }
 
     #[test]

@@ -58,6 +58,8 @@ pub struct Settings {
     pub delete_approvals: u8,
     /// OIDC bearer JWTs taken beside the console's tokens.
     pub oidc: Option<super::oidc::Config>,
+    /// HTTPS, and client certificates.
+    pub tls: Option<super::tls::Config>,
 }
 
 #[derive(Default)]

@@ -90,6 +90,31 @@ pub enum Checked {
     Revoked(Token),
 }
 
+/// `ROLE=VALUE` items (`--oidc-role`, `--admin-cert-role`): the role a
+/// claim's or a certificate's value gives.
+pub fn parse_role_map(flag: &str, items: &[String]) -> Result<Vec<(String, Role)>> {
+    items
+        .iter()
+        .map(|item| {
+            let (role, value) = item.split_once('=').ok_or_else(|| {
+                Error::Config(format!(
+                    "{flag} {item:?}: give ROLE=VALUE (e.g. admin=platform-admins)"
+                ))
+            })?;
+            let role = Role::parse(role.trim()).ok_or_else(|| {
+                Error::Config(format!(
+                    "{flag} {item:?}: {role:?} is not a role (viewer, operator, admin)"
+                ))
+            })?;
+            let value = value.trim();
+            if value.is_empty() {
+                return Err(Error::Config(format!("{flag} {item:?}: no value")));
+            }
+            Ok((value.to_owned(), role))
+        })
+        .collect()
+}
+
 /// Whether `name` is a token name: lowercase letters, digits, `.`, `_`,
 /// `-`, at most 63, starting with a letter or digit (the table checks too).
 pub fn valid_name(name: &str) -> bool {
