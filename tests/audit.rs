@@ -403,6 +403,137 @@ async fn audit_refuses_what_it_cannot_answer() {
     drop(relay);
 }
 
+/// Review A9: a stream that once held the window's events and holds none
+/// now (purged, expired) cannot say what was lost: exit 2, "reaches
+/// back", and `--repair` publishes nothing (before: 10 missing, exit 1,
+/// and a repair would send handled events again). A stream made again
+/// (deleted, then the relay's next start creates it) holds nothing from
+/// before it was made: rows older than it that it lacks are not judged,
+/// and said so (before: the 10 rows of the old stream were missing, exit
+/// 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emptied_or_made_again_stream_is_not_read_as_holes() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_emptied").await;
+    let ctx = "emptied";
+    let stream = wire::stream_name(ctx);
+    let mut relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    insert_txn(&pool, 1, 0, 10, 0).await;
+    read_stream(&stack.nats_url, &stream, 10, T).await;
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    js.get_stream(&stream).await.unwrap().purge().await.unwrap();
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    assert!(code == Some(2) && out.contains("reaches back"), "{out}");
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+    assert!(code == Some(2) && out.contains("reaches back"), "{out}");
+    let held = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(held, 0, "nothing republished");
+
+    relay.term(Duration::from_secs(30));
+    js.delete_stream(&stream).await.unwrap();
+    relay.restart();
+    relay.wait_ready();
+    insert_txn(&pool, 1, 10, 1, 0).await;
+    read_stream(&stack.nats_url, &stream, 1, T).await;
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    assert!(
+        code == Some(0)
+            && out.contains("10 rows of the window, older than stream")
+            && out.contains("not judged"),
+        "{out}"
+    );
+    assert!(lines(&out, "missing").is_empty(), "{out}");
+    drop(relay);
+}
+
+/// Review A11: flags that are not the relay's (here `--stream` naming a
+/// stream it does not write) made every row of the window "missing", exit
+/// 1, and `--repair` would have published the whole window again into
+/// that stream. Now: exit 2, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_of_a_stream_the_relay_does_not_write_says_so() {
+    let stack = stack();
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream("WRONGSTREAM_OTHER").await;
+    js.create_stream(jetstream::stream::Config {
+        name: "WRONGSTREAM_OTHER".into(),
+        subjects: vec!["wrongstreamother.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (url, pool) = fresh_db(&stack, "a_wrongstream").await;
+    let ctx = "wrongstream";
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    insert_txn(&pool, 1, 0, 5, 0).await;
+    read_stream(&stack.nats_url, &wire::stream_name(ctx), 5, T).await;
+    for extra in [&[][..], &["--repair"]] {
+        let mut args = vec!["--last", "1h", "--stream", "WRONGSTREAM_OTHER"];
+        args.extend_from_slice(extra);
+        let (code, out) = audit(&url, ctx, &args);
+        assert!(code == Some(2) && out.contains("not the relay's"), "{out}");
+    }
+    let held = js
+        .get_stream("WRONGSTREAM_OTHER")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(held, 0, "nothing repaired into it");
+    drop(relay);
+}
+
+/// Review A13: `--since` with nanoseconds. Postgres keeps microseconds
+/// (and rounds a bound it is given); the audit compares message times in
+/// nanoseconds. A row at 10:00:00 with `--since 10:00:00.0000004` was in
+/// the SQL window and not in the messages' (before: missing, exit 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_bound_is_taken_to_the_microsecond() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_micro").await;
+    let ctx = "micro";
+    let stream = wire::stream_name(ctx);
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    let at = (time::OffsetDateTime::now_utc() - time::Duration::minutes(10))
+        .replace_nanosecond(0)
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+         VALUES (gen_random_uuid(), 'order', 'o1', 'placed', '{}', $1::timestamptz)",
+    )
+    .bind(
+        at.format(&time::format_description::well_known::Rfc3339)
+            .unwrap(),
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    read_stream(&stack.nats_url, &stream, 1, T).await;
+    let rfc = |t: time::OffsetDateTime| {
+        t.format(&time::format_description::well_known::Rfc3339)
+            .unwrap()
+    };
+    let since = rfc(at + time::Duration::nanoseconds(400));
+    let until = rfc(at + time::Duration::minutes(1));
+    let (code, out) = audit(&url, ctx, &["--since", &since, "--until", &until]);
+    assert!(
+        code == Some(0) && out.contains(": 1 rows, 1 messages"),
+        "{out}"
+    );
+    drop(relay);
+}
+
 /// A one-replica stream on a server with the default sync_interval: the
 /// gauge says 0, `/readyz` says why (still ready), `--require-durable`
 /// refuses to start. The same stream on a server with `sync_interval:

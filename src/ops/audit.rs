@@ -66,6 +66,11 @@ pub struct Report {
     /// not lost, but no consumer got them.
     pub dead_lettered: i64,
     pub findings: Vec<Finding>,
+    /// What the reader must know of how the window was judged.
+    pub notes: Vec<String>,
+    /// Rows of the window no stream read can speak for (older than a
+    /// stream made after the window's start, that lacks them).
+    pub unjudged: i64,
     /// Ids `--repair` published again.
     pub repaired: Vec<String>,
     pub seconds: f64,
@@ -90,6 +95,9 @@ impl Report {
             .collect();
         for what in &self.repaired {
             out.push(format!("repaired {what}"));
+        }
+        for note in &self.notes {
+            out.push(format!("note {note}"));
         }
         out.push(format!(
             "audit {} .. {}: {} rows, {} messages; {} missing, {} duplicate, {} without a row, {} out of order, {} dead-lettered; {} emitted events not verifiable; {} repaired; {:.1}s",
@@ -124,9 +132,21 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         t.format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default()
     };
+    // Postgres keeps microseconds, and rounds a finer bound it is given;
+    // the messages' times would be compared in nanoseconds (review A13):
+    // both sides take the bounds to the microsecond.
+    let micro = |t: OffsetDateTime| {
+        t.replace_nanosecond(t.nanosecond() / 1_000 * 1_000)
+            .unwrap_or(t)
+    };
+    let (since, until) = (micro(cfg.since), micro(cfg.until));
+    // The newest stream made after the window's start (deleted and made
+    // again, or new): it holds nothing published before then, so a row
+    // older than that which it lacks may have been in the one it replaced.
+    let mut made_after: Option<(String, OffsetDateTime)> = None;
     let mut report = Report {
-        since: rfc(cfg.since),
-        until: rfc(cfg.until),
+        since: rfc(since),
+        until: rfc(until),
         ..Report::default()
     };
     let keys = crate::ops::prune::Keys::of(pool, &rc.schema, &rc.table, &rc.columns).await?;
@@ -168,13 +188,20 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                 )))
             }
         };
-        let state = state_of(&mut stream, name).await?;
-        if state.messages > 0 && state.first_sequence > 1 && state.first_timestamp > cfg.since {
-            return Err(Error::Config(format!(
-                "stream {name} reaches back to {} only (its older messages expired or were purged), after --since {}: audit a window it holds",
-                rfc(state.first_timestamp),
-                report.since
-            )));
+        let (state, created) = state_of(&mut stream, name).await?;
+        match reach(&state, created, since) {
+            Reach::Holds => {}
+            Reach::Short(from) => {
+                return Err(Error::Config(format!(
+                    "stream {name} reaches back to {} only (messages of the window expired, were purged or deleted), after --since {}: audit a window it holds",
+                    from.map_or_else(|| "nothing (it is empty)".to_owned(), rfc),
+                    report.since
+                )))
+            }
+            Reach::From(made) if made > made_after.as_ref().map_or(since, |(_, t)| *t) => {
+                made_after = Some((name.to_string(), made));
+            }
+            Reach::From(_) => {}
         }
         streams.push((name.to_string(), stream));
     }
@@ -228,11 +255,15 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         let (sys, _, db) = (parts.next(), parts.next(), parts.next());
         db == Some(database.as_str()) && system_id.as_deref().is_none_or(|s| sys == Some(s))
     };
-    let start = cfg.since - SKEW;
+    let start = since - SKEW;
+    // This database's messages read at all, in the window or not: none
+    // while the window has rows says the streams read are not the
+    // relay's (review A11).
+    let mut ours_read: u64 = 0;
     for (name, stream) in &mut streams {
         // Read now: the relay has confirmed the snapshot, so the stream
         // holds everything up to it.
-        let state = state_of(stream, name).await?;
+        let (state, _) = state_of(stream, name).await?;
         let last = &state.last_sequence;
         if *last == 0 || state.last_timestamp < start {
             continue;
@@ -284,15 +315,15 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                         OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
                             .ok()
                     })
-                    .is_some_and(|t| t >= cfg.since && t < cfg.until);
+                    .is_some_and(|t| t >= since && t < until);
                 // A row the relay could not read is dead-lettered without
                 // its time: counted whatever the window, or it would show
                 // as missing for ever.
                 let timeless_letter =
                     get(wire::OCCURRED_AT).is_none() && get(wire::DLQ_REASON).is_some();
-                let ours = (in_window || timeless_letter)
-                    && mine(source)
-                    && get(wire::DLQ_CONSUMER).is_none();
+                let of_this_database = mine(source) && get(wire::DLQ_CONSUMER).is_none();
+                ours_read += u64::from(of_this_database);
+                let ours = (in_window || timeless_letter) && of_this_database;
                 if let (true, Some(id)) = (ours, get(wire::MSG_ID)) {
                     let emitted = get(wire::EMITTED).is_some();
                     // Accounted for (not missing), but as a dead letter:
@@ -394,16 +425,59 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     let sent_id = sent_id_sql(&keys, &r_id);
     // The window's rows in a subquery of their own, so that the relay's
     // predicate may name the table as it does there.
-    let holes = format!(
-        "FROM (SELECT *, ({unpublished}) AS outbox_audit_unpublished FROM {table} WHERE {window}) r \
-         WHERE NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = {sent_id})"
+    let lacking = |rows: &str| {
+        format!(
+            "FROM (SELECT *, ({unpublished}) AS outbox_audit_unpublished FROM {table} WHERE {window} AND {rows}) r \
+             WHERE NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = {sent_id})"
+        )
+    };
+    let holes = lacking(&format!("{at} >= $3::timestamptz"));
+    let made = made_after.as_ref().map_or_else(
+        || since.clone(),
+        |(_, t)| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default()
+        },
     );
     report.missing = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) {holes}")))
         .bind(&since)
         .bind(&until)
+        .bind(&made)
         .fetch_one(&mut *tx)
         .await
         .map_err(Error::pg("counting rows missing from the stream"))?;
+    if let Some((name, at_made)) = &made_after {
+        let older: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) {}",
+            lacking(&format!("{at} < $3::timestamptz"))
+        )))
+        .bind(&since)
+        .bind(&until)
+        .bind(&made)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(Error::pg("counting rows older than the stream"))?;
+        if older > 0 {
+            report.unjudged += older;
+            report.notes.push(format!(
+                "{older} rows of the window, older than stream {name} (made at {}), are not in it: a stream made after --since holds nothing published before it was made (they may have been in the one it replaced); not judged",
+                rfc(*at_made)
+            ));
+        }
+    }
+    // Every row missing, and not one message of this database in the
+    // streams read from the window's start on, while the slot confirmed
+    // the window: the relay wrote them, elsewhere. The flags are not the
+    // relay's (another --stream, --streams left out, another table or
+    // column map): nothing can be said, and a repair would publish the
+    // whole window again.
+    if report.missing > 0 && report.missing + report.unjudged == report.rows && ours_read == 0 {
+        return Err(Error::Config(format!(
+            "none of the window's {} rows is in the streams read ({}), nor any message of this database from the window's start on, though the relay confirmed the window: it writes elsewhere, or these flags are not the relay's (--stream, --streams, --table, --columns, the context); audit with the relay's own settings (its environment)",
+            report.rows,
+            streams.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+        )));
+    }
     let missing: Vec<(String, String, Option<bool>)> =
         sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT {sent_id}, {r_at}::text, r.outbox_audit_unpublished {holes} \
@@ -411,6 +485,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         )))
         .bind(&since)
         .bind(&until)
+        .bind(&made)
         .fetch_all(&mut *tx)
         .await
         .map_err(Error::pg("finding rows missing from the stream"))?;
@@ -563,16 +638,46 @@ pub fn write_metrics(path: &std::path::Path, report: &Report) -> Result<()> {
         .map_err(|e| Error::Config(format!("writing {}: {e}", path.display())))
 }
 
+/// A stream's state, and when it was made.
 async fn state_of(
     stream: &mut jetstream::stream::Stream,
     name: &str,
-) -> Result<jetstream::stream::State> {
-    Ok(stream
+) -> Result<(jetstream::stream::State, OffsetDateTime)> {
+    let info = stream
         .info()
         .await
-        .map_err(Error::nats(format!("reading stream {name}")))?
-        .state
-        .clone())
+        .map_err(Error::nats(format!("reading stream {name}")))?;
+    Ok((info.state.clone(), info.created))
+}
+
+/// How far back a stream holds what it was sent (review A9).
+#[derive(Debug, PartialEq, Eq)]
+enum Reach {
+    /// Everything from the window's start on.
+    Holds,
+    /// Nothing was ever removed from its head, but it was made at this
+    /// time (new, or deleted and made again): it holds nothing from
+    /// before.
+    From(OffsetDateTime),
+    /// Messages of the window were removed from its head (expired,
+    /// purged, deleted): it holds from this time, or nothing at all.
+    Short(Option<OffsetDateTime>),
+}
+
+fn reach(
+    state: &jetstream::stream::State,
+    created: OffsetDateTime,
+    since: OffsetDateTime,
+) -> Reach {
+    let removed = state.first_sequence > 1 || (state.messages == 0 && state.last_sequence > 0);
+    match (removed, state.messages) {
+        (false, _) => Reach::From(created),
+        // Emptied: all right only if all it ever held predates the window.
+        (true, 0) if state.last_timestamp < since => Reach::Holds,
+        (true, 0) => Reach::Short(None),
+        (true, _) if state.first_timestamp <= since => Reach::Holds,
+        (true, _) => Reach::Short(Some(state.first_timestamp)),
+    }
 }
 
 async fn continue_flush(
@@ -717,6 +822,53 @@ async fn repair(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_reaches_back_only_as_far_as_nothing_was_removed() {
+        let t = |s: i64| OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(s);
+        let state = |first: u64, last: u64, messages: u64, first_ts: i64, last_ts: i64| {
+            let mut st: jetstream::stream::State = serde_json::from_value(serde_json::json!({
+                "messages": messages, "bytes": 0, "first_seq": first,
+                "first_ts": "1970-01-01T00:00:00Z", "last_seq": last,
+                "last_ts": "1970-01-01T00:00:00Z", "consumer_count": 0,
+            }))
+            .unwrap();
+            st.first_timestamp = t(first_ts);
+            st.last_timestamp = t(last_ts);
+            st
+        };
+        let since = t(1000);
+        // Whole since it was made: judged from then.
+        assert_eq!(
+            reach(&state(1, 10, 10, 900, 1100), t(800), since),
+            Reach::From(t(800))
+        );
+        assert_eq!(
+            reach(&state(1, 10, 10, 1200, 1300), t(1150), since),
+            Reach::From(t(1150))
+        );
+        // Head removed, still reaching back.
+        assert_eq!(
+            reach(&state(5, 10, 6, 990, 1100), t(0), since),
+            Reach::Holds
+        );
+        assert_eq!(
+            reach(&state(5, 10, 6, 1010, 1100), t(0), since),
+            Reach::Short(Some(t(1010)))
+        );
+        // Purged after holding the window: nothing to say.
+        assert_eq!(
+            reach(&state(11, 10, 0, 0, 1100), t(0), since),
+            Reach::Short(None)
+        );
+        // Emptied of what predates the window only.
+        assert_eq!(reach(&state(11, 10, 0, 0, 900), t(0), since), Reach::Holds);
+        // Never held anything.
+        assert_eq!(
+            reach(&state(0, 0, 0, 0, 0), t(1200), since),
+            Reach::From(t(1200))
+        );
+    }
 
     #[test]
     fn copy_text_escapes_what_copy_reads_specially() {
