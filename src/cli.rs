@@ -539,6 +539,15 @@ async fn run(command: Command) -> Result<(), Error> {
                     None => None,
                 },
                 tls: match (&args.admin_tls_cert, &args.admin_tls_key) {
+                    (Some(_), Some(_))
+                        if args.admin_client_ca.is_some() && args.admin_cert_role.is_empty() =>
+                    {
+                        // Many CAs let a requester choose an OU: a bare
+                        // "admin" would be anyone's to ask for.
+                        return Err(Error::Config(
+                            "--admin-client-ca needs --admin-cert-role (e.g. admin=platform-team): which of your CA's O or OU values gives which role".into(),
+                        ));
+                    }
                     (Some(cert), Some(key)) => {
                         let config = crate::console::tls::Config {
                             cert: cert.clone(),

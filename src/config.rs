@@ -131,8 +131,8 @@ pub struct ConsoleArgs {
     #[arg(long, env = "OUTBOX_ADMIN_CLIENT_CA")]
     pub admin_client_ca: Option<std::path::PathBuf>,
     /// Which client-certificate O or OU value gives which role,
-    /// comma-separated ROLE=VALUE; default: the values viewer, operator
-    /// and admin themselves.
+    /// comma-separated ROLE=VALUE (admin=platform-team); required with
+    /// --admin-client-ca.
     #[arg(long, env = "OUTBOX_ADMIN_CERT_ROLES", value_delimiter = ',')]
     pub admin_cert_role: Vec<String>,
     /// Check the flags and exit.

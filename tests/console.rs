@@ -1634,6 +1634,25 @@ async fn a_durable_is_reset_from_a_plan_once() {
             .await
             .unwrap();
     assert_eq!(resets, 1, "the same key resets once");
+    // A reset whose start is recorded and its end not (a console cut off
+    // mid-way): its key does not reset again.
+    sqlx::query(
+        "INSERT INTO outbox_admin_log (seq, at, db_role, actor, role, action, target, selection, \
+           reason, result, request_id, prev_hash, hash) \
+         VALUES (0, now(), '', 'token:ada.admin', 'admin', 'consumer.reset.start', $1, \
+           '{\"idempotency_key\": \"k-2\"}', 'cut off', 'done: started', 'r-cut', '', '')",
+    )
+    .bind(format!("{}/kreset", f.stream))
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let a = post(&http, &base, path, &admin, Some("k-2"), asked(act.clone())).await;
+    assert_eq!(a.status, 409, "{}", a.body);
+    assert!(
+        a.body["error"].as_str().unwrap().contains("not recorded"),
+        "{}",
+        a.body
+    );
 
     f.consumer.restart();
     eventually(T, "messages 3..=6 handled once more", || async {
@@ -2010,11 +2029,28 @@ async fn a_client_certificate_is_required_and_speaks_for_a_request() {
     let ops = Pki::client(&issuer, "ops-bot", "platform");
     let intern = Pki::client(&issuer, "intern", "eng");
     let sales = Pki::client(&issuer, "sam", "sales");
+    let ann_cert = Pki::client(&issuer, "ann.admin", "platform");
     let (_, other) = Pki::new("console-mtls-other");
     let stranger = Pki::client(&other, "ops-bot", "platform");
     let admin_token = token(&url, "ann.admin", "admin");
     let addr = format!("127.0.0.1:{}", free_port());
     let ca = pki.dir.join("ca.pem").display().to_string();
+    // Without a map, no O or OU value gives a role: refused at start.
+    let (ok, _, err) = cli(&[
+        "console",
+        "--database-url",
+        &url,
+        "--nats-url",
+        &stack.nats_url,
+        "--admin-tls-cert",
+        &cert,
+        "--admin-tls-key",
+        &key,
+        "--admin-client-ca",
+        &ca,
+        "--check-config",
+    ]);
+    assert!(!ok && err.contains("--admin-cert-role"), "{err}");
     let _console = Service::console(
         &url,
         &stack.nats_url,
@@ -2095,6 +2131,62 @@ async fn a_client_certificate_is_required_and_speaks_for_a_request() {
         a.body
     );
 
+    // Another site's form, sent with the browser's certificate: not the
+    // certificate's (before: approved as cert:ops-bot).
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream("DLQ_CONSOLE_MTLS").await;
+    js.create_stream(jetstream::stream::Config {
+        name: "DLQ_CONSOLE_MTLS".into(),
+        subjects: vec!["dlq.consolemtls.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    letter(
+        &js,
+        "dlq.consolemtls",
+        "orders.placed",
+        "0b5d6c1e-0000-4000-8000-0000000000c1",
+        "handler answered 422: unknown sku",
+        Some("handler_rejected"),
+    )
+    .await;
+    let sel = serde_json::json!({ "stream": "DLQ_CONSOLE_MTLS", "class": "handler_rejected" });
+    let plan = post(
+        &as_ops,
+        &base,
+        "/admin/dead-letters/delete",
+        &admin_token,
+        None,
+        serde_json::json!({ "selection": sel, "reason": "INC-40: poison", "dry_run": true }),
+    )
+    .await;
+    assert_eq!(plan.status, 200, "{}", plan.body);
+    let asked = post(&as_ops, &base, "/admin/dead-letters/delete", &admin_token, Some("inc-40"),
+        serde_json::json!({ "selection": sel, "reason": "INC-40: poison", "plan_id": plan.body["plan_id"] })).await;
+    assert_eq!(asked.status, 202, "{}", asked.body);
+    let id = asked.body["request"]["id"].as_str().unwrap().to_owned();
+    let approve = format!("{base}/admin/approvals/{id}/approve");
+    let forged = send(
+        as_ops
+            .post(&approve)
+            .header("Origin", "https://evil.example"),
+    )
+    .await;
+    assert_eq!(forged.status, 403, "{}", forged.body);
+    let forged = send(as_ops.post(&approve).header("Sec-Fetch-Site", "cross-site")).await;
+    assert_eq!(forged.status, 403, "{}", forged.body);
+    // The admin who asked, by token, is the same person by certificate.
+    let own = send(pki.http(Some(&ann_cert)).post(&approve)).await;
+    assert_eq!(own.status, 403, "{}", own.body);
+    assert!(
+        own.body["error"].as_str().unwrap().contains("second admin"),
+        "{}",
+        own.body
+    );
+    let approved = send(as_ops.post(&approve)).await;
+    assert_eq!(approved.status, 200, "{}", approved.body);
+
     // The pages over TLS: a Secure cookie.
     let resp = as_intern
         .post(format!("{base}/console/login"))
@@ -2125,4 +2217,6 @@ async fn a_client_certificate_is_required_and_speaks_for_a_request() {
     );
     assert!(has("tokens.read", "cert:intern", "denied: 403"), "{log:?}");
     assert!(has("request", "cert:sam", "denied: 401"), "{log:?}");
+    assert!(has("request", "cert:ops-bot", "denied: 403"), "{log:?}");
+    assert!(has("delete.approve", "cert:ops-bot", "done"), "{log:?}");
 }

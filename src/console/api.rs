@@ -216,6 +216,27 @@ pub(super) async fn authenticate(
         .and_then(|info| info.0.subject.clone());
     let (why, actor, role) = match bearer {
         None => match (subject, c.0.settings.tls.as_ref()) {
+            // A browser sends its certificate with any request to the
+            // console, another site's form too (SameSite does not cover
+            // it): a request the browser says came from elsewhere is not
+            // the certificate's.
+            (Some(subject), Some(_)) if super::session::cross_site(req.headers()).is_some() => {
+                let why = format!(
+                    "refused: {}; a client certificate speaks only for requests from the console itself",
+                    super::session::cross_site(req.headers()).unwrap_or_default()
+                );
+                let actor = Actor {
+                    name: format!("cert:{}", subject.common_name),
+                    role: "anonymous",
+                    request_id: request_id.clone(),
+                };
+                record_denial(&c, "request", &target, &actor, StatusCode::FORBIDDEN, &why, true)
+                    .await;
+                return with_id(
+                    problem(StatusCode::FORBIDDEN, &why).into_response(),
+                    &request_id,
+                );
+            }
             (Some(subject), Some(tls)) => match subject.token(&tls.roles) {
                 Ok(token) => {
                     req.extensions_mut()
@@ -1246,43 +1267,118 @@ async fn consumer_reset(
     }
     selection["plan_id"] = Value::String(given.clone());
     selection["idempotency_key"] = Value::String(key.clone());
+    // The key is claimed in the log before anything is done (a reset that
+    // cannot be recorded does not happen): a request cut short, or a
+    // second console given the same key at the same moment, finds the
+    // claim and does not reset again.
+    match started_by_key(&c, &key).await {
+        Ok(None) => {}
+        Ok(Some((at, rid))) => {
+            return answer(
+                &caller,
+                StatusCode::CONFLICT,
+                &format!("a reset under Idempotency-Key {key:?} started at {at} (request {rid}) and its end is not recorded: it may be running, or may have been done; dry-run the durable to see where it stands, and ask again under a new key"),
+            )
+        }
+        Err(e) => return answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e),
+    }
+    let actor = caller_actor(&caller);
+    let claim = Entry {
+        action: "consumer.reset.start",
+        target: target.clone(),
+        selection: selection.clone(),
+        reason: Some(reason.clone()),
+    };
+    if let Err(e) = admin_log::record_as(&c.0.pool, &claim, Some(&actor), "done: started").await {
+        return answer(
+            &caller,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("the reset is not started: it cannot be recorded ({e})"),
+        );
+    }
+    match started_by_key(&c, &key).await {
+        Ok(Some((_, rid))) if rid == actor.request_id => {}
+        Ok(_) => {
+            return answer(
+                &caller,
+                StatusCode::CONFLICT,
+                &format!("another request started a reset under Idempotency-Key {key:?} a moment before this one: nothing is done here"),
+            )
+        }
+        Err(e) => return answer(&caller, StatusCode::SERVICE_UNAVAILABLE, &e),
+    }
     let entry = Entry {
         action: "consumer.reset",
         target: target.clone(),
         selection,
         reason: Some(reason),
     };
-    match plan(false).await {
-        Ok(done) => {
-            record(
-                &c,
-                &caller,
-                entry,
-                &format!(
+    // Done and recorded by a task of its own: a request cut short (its
+    // client gone, its time up) must not stop a reset half way.
+    let (told, outcome) = tokio::sync::oneshot::channel();
+    let job = {
+        let c = c.clone();
+        let (stream, durable) = (req.stream.clone(), req.durable.clone());
+        let asked = crate::ops::reset::Asked {
+            dry_run: false,
+            skip_unacked: req.skip_unacked,
+        };
+        async move {
+            let out =
+                crate::ops::reset::run(&c.0.pool, &c.0.js, &stream, &durable, &from, &who, asked)
+                    .await;
+            let result = match &out {
+                Ok(done) => format!(
                     "done: from sequence {}, {} messages again ({})",
                     done.from_seq, done.messages, done.how
                 ),
-            )
-            .await;
-            ok(
-                &caller,
-                json!({
-                    "plan_id": given,
-                    "stream": req.stream,
-                    "durable": req.durable,
-                    "from_seq": done.from_seq,
-                    "messages": done.messages,
-                    "skipped": done.skipped,
-                    "how": done.how.to_string(),
-                    "reset_before": false,
-                }),
-            )
+                Err(e) => format!("failed: {e}"),
+            };
+            if let Err(e) = admin_log::record_as(&c.0.pool, &entry, Some(&actor), &result).await {
+                tracing::warn!(error = %e, "console: a reset's end is not recorded");
+            }
+            let _ = told.send(out);
         }
-        Err(e) => {
-            record(&c, &caller, entry, &format!("failed: {e}")).await;
-            answer(&caller, reset_status(&e), &e.to_string())
-        }
+    };
+    tokio::spawn(job);
+    match outcome.await {
+        Ok(Ok(done)) => ok(
+            &caller,
+            json!({
+                "plan_id": given,
+                "stream": req.stream,
+                "durable": req.durable,
+                "from_seq": done.from_seq,
+                "messages": done.messages,
+                "skipped": done.skipped,
+                "how": done.how.to_string(),
+                "reset_before": false,
+            }),
+        ),
+        Ok(Err(e)) => answer(&caller, reset_status(&e), &e.to_string()),
+        Err(_) => answer(
+            &caller,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the reset's task ended: see the admin log",
+        ),
     }
+}
+
+/// When a reset under `key` was started, and by which request, if one
+/// was whose end is not recorded.
+async fn started_by_key(c: &Console, key: &str) -> Result<Option<(String, String)>, String> {
+    sqlx::query_as(
+        "SELECT to_char(s.at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), s.request_id \
+           FROM outbox_admin_log s \
+          WHERE s.action = 'consumer.reset.start' AND s.selection->>'idempotency_key' = $1 \
+            AND NOT EXISTS (SELECT 1 FROM outbox_admin_log e \
+                             WHERE e.action = 'consumer.reset' AND e.request_id = s.request_id) \
+          ORDER BY s.seq LIMIT 1",
+    )
+    .bind(key)
+    .fetch_optional(&c.0.pool)
+    .await
+    .map_err(|e| format!("reading outbox_admin_log: {e}"))
 }
 
 /// The durable and plan an `Idempotency-Key` reset before, from the log.
@@ -2102,8 +2198,12 @@ async fn approve(
             &format!("the request is {}, not pending", request["state"]),
         );
     }
+    // One person may hold a token, an OIDC subject and a certificate of
+    // one name: the same name under another kind is not a second admin.
+    let asker = request["requested_by"].as_str().unwrap_or_default();
+    let asker_name = asker.split_once(':').map_or(asker, |(_, n)| n);
     let me = caller.token.actor();
-    if request["requested_by"].as_str() == Some(me.as_str()) {
+    if asker_name == caller.token.name {
         let why = "a deletion needs a second admin's approval: the one who asked cannot approve it (--delete-approvals 1 for a team of one)";
         record_denial(
             &c,

@@ -94,13 +94,20 @@ pub enum Verdict {
 struct Keys {
     set: Option<JwkSet>,
     fetched: Option<Instant>,
+    /// The last fetch tried, whatever came of it: an issuer that is down
+    /// is asked again at most once a [`REFETCH_MIN`], however many
+    /// tokens (made-up ones too) arrive meanwhile.
+    tried: Option<Instant>,
 }
 
 /// The console's OIDC checker.
 pub struct Oidc {
     config: Config,
     http: reqwest::Client,
-    keys: Mutex<Keys>,
+    keys: std::sync::Mutex<Keys>,
+    /// Held while the keys are fetched: one fetch at a time, and a check
+    /// that has keys to use never waits for it.
+    fetching: Mutex<()>,
 }
 
 impl Oidc {
@@ -114,7 +121,8 @@ impl Oidc {
         Ok(Oidc {
             config,
             http,
-            keys: Mutex::new(Keys::default()),
+            keys: std::sync::Mutex::new(Keys::default()),
+            fetching: Mutex::new(()),
         })
     }
 
@@ -209,35 +217,73 @@ impl Oidc {
     }
 
     /// The key `kid` names (or, without one, the only key for `alg`),
-    /// fetching the issuer's keys when they are missing, old, or lack it.
+    /// fetching the issuer's keys when none are held, they are old, or
+    /// they lack it: at most once a [`REFETCH_MIN`], one fetch at a time,
+    /// old keys serving meanwhile. `Err` only while no key was ever read.
     async fn key(&self, kid: Option<&str>, alg: Algorithm) -> Result<Option<DecodingKey>> {
-        let mut keys = self.keys.lock().await;
-        let stale = keys.fetched.is_none_or(|at| at.elapsed() > KEYS_MAX_AGE);
-        if stale {
-            match self.fetch().await {
-                Ok(set) => {
-                    keys.set = Some(set);
-                    keys.fetched = Some(Instant::now());
+        let (found, stale, may_fetch, held) = self.look(kid, alg);
+        if found.is_some() && !stale {
+            return Ok(found);
+        }
+        if may_fetch {
+            if let Ok(_one) = self.fetching.try_lock() {
+                // Another fetch may have ended while this one waited.
+                let (found, stale, may_fetch, held) = self.look(kid, alg);
+                if (found.is_some() && !stale) || !may_fetch {
+                    return self.held(found, held);
                 }
-                // Old keys serve while the issuer is down for a moment.
-                Err(e) if keys.set.is_some() => {
-                    tracing::warn!(error = %e, "console: cannot fetch the OIDC issuer's keys again; using those fetched before");
+                self.keys_mut().tried = Some(Instant::now());
+                match self.fetch().await {
+                    Ok(set) => {
+                        let mut keys = self.keys_mut();
+                        keys.set = Some(set);
+                        keys.fetched = Some(Instant::now());
+                        return Ok(find(keys.set.as_ref(), kid, alg));
+                    }
+                    Err(e) if held => {
+                        tracing::warn!(error = %e, "console: cannot fetch the OIDC issuer's keys again; using those fetched before");
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e) => return Err(e),
+                return Ok(found);
+            }
+            if !held {
+                // The first fetch is under way: its keys, once it ends.
+                let _wait = self.fetching.lock().await;
+                let (found, _, _, held) = self.look(kid, alg);
+                return self.held(found, held);
             }
         }
-        if let Some(k) = find(keys.set.as_ref(), kid, alg) {
-            return Ok(Some(k));
+        self.held(found, held)
+    }
+
+    /// The key found, if any keys are held at all.
+    fn held(&self, found: Option<DecodingKey>, held: bool) -> Result<Option<DecodingKey>> {
+        if held {
+            Ok(found)
+        } else {
+            Err(Error::Http {
+                context: "OIDC".into(),
+                source: "the issuer's keys could not be read (asked again at most every 30 s)"
+                    .into(),
+            })
         }
-        // A key not among them: the issuer may have rotated.
-        let recent = keys.fetched.is_some_and(|at| at.elapsed() < REFETCH_MIN);
-        if stale || recent {
-            return Ok(None);
-        }
-        let set = self.fetch().await?;
-        keys.set = Some(set);
-        keys.fetched = Some(Instant::now());
-        Ok(find(keys.set.as_ref(), kid, alg))
+    }
+
+    /// The key, whether the keys are old, whether a fetch may be tried,
+    /// and whether any keys are held.
+    fn look(&self, kid: Option<&str>, alg: Algorithm) -> (Option<DecodingKey>, bool, bool, bool) {
+        let keys = self.keys_mut();
+        (
+            find(keys.set.as_ref(), kid, alg),
+            keys.fetched.is_none_or(|at| at.elapsed() > KEYS_MAX_AGE),
+            keys.tried.is_none_or(|at| at.elapsed() >= REFETCH_MIN),
+            keys.set.is_some(),
+        )
+    }
+
+    fn keys_mut(&self) -> std::sync::MutexGuard<'_, Keys> {
+        self.keys.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Discovery, then the key set it names.
@@ -396,6 +442,46 @@ mod tests {
         assert!(looks_like_jwt("eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln"));
         assert!(!looks_like_jwt(&format!("oxr_{}", "0".repeat(64))));
         assert!(!looks_like_jwt("eyJ.only-two"));
+    }
+
+    /// Review: an issuer that is down was asked again for every token (a
+    /// flood of made-up ones held every token check behind its fetches).
+    #[tokio::test]
+    async fn an_issuer_that_is_down_is_asked_at_most_once_a_while() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counted = hits.clone();
+        let app = axum::Router::new().fallback(move || {
+            let counted = counted.clone();
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let issuer = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let o = Oidc::new(Config {
+            issuer,
+            audience: "a".into(),
+            roles_claim: "roles".into(),
+            roles: Vec::new(),
+        })
+        .unwrap();
+        // ES256, kid "k".
+        let jwt = "eyJhbGciOiJFUzI1NiIsImtpZCI6ImsifQ.eyJzdWIiOiJ4In0.c2ln";
+        for _ in 0..20 {
+            assert!(
+                o.check(jwt).await.is_err(),
+                "no keys: the caller is told to retry"
+            );
+        }
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            1,
+            "one discovery read, not one per token"
+        );
     }
 
     #[tokio::test]

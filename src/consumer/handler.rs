@@ -192,7 +192,10 @@ impl HttpHandler {
         }
         // A redirect is an answer like any other non-2xx (a retry, with its
         // code): following one would turn the POST into a GET without body.
+        // Plain HTTP only: no root store to load (the system's holds some
+        // hundred certificates, a megabyte and more of memory).
         let client = reqwest::Client::builder()
+            .tls_built_in_root_certs(false)
             .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
             .build()

@@ -154,6 +154,14 @@ pub async fn run<H: Handler>(
         0.0
     });
     if !durability.durable {
+        if cfg.require_durable && !servers.failed.is_empty() {
+            // Unknown is not "not durable": a monitoring port down for a
+            // moment is retried, not a configuration to fix.
+            return Err(Error::Nats {
+                context: "--require-durable needs the server's sync_interval".into(),
+                source: Box::new(Error::setup(format!("dead letters: {}", durability.why))),
+            });
+        }
         if cfg.require_durable {
             return Err(Error::Config(format!(
                 "--require-durable: dead letters: {}",

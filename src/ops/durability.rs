@@ -55,11 +55,13 @@ impl Servers {
     /// the one of the server holding the stream's one replica.
     fn sync_always(&self, server: Option<&str>) -> Option<bool> {
         match server {
-            Some(name) => self
-                .read
-                .iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, always)| *always),
+            // Two servers read under one name (two clusters, a URL given
+            // twice) that disagree: which holds the stream is unknown.
+            Some(name) => {
+                let mut said = self.read.iter().filter(|(n, _)| n == name).map(|(_, a)| *a);
+                let first = said.next()?;
+                said.all(|a| a == first).then_some(first)
+            }
             // No placement known (a server that does not say): one server
             // read is the old single-server reading.
             None if self.read.len() == 1 && self.failed.is_empty() => Some(self.read[0].1),
@@ -177,12 +179,15 @@ async fn read_varz(monitor_url: &str) -> Result<(String, bool)> {
         .or_else(|| varz["server_id"].as_str())
         .unwrap_or_default()
         .to_owned();
-    Ok((
-        name,
-        varz["jetstream"]["config"]["sync_always"]
-            .as_bool()
-            .unwrap_or(false),
-    ))
+    // A server still starting says no JetStream section yet: unknown, not
+    // "fsyncs every interval" (the setting is left out when false).
+    let config = &varz["jetstream"]["config"];
+    if !config.is_object() {
+        return Err(failed(
+            "no JetStream configuration in /varz (is JetStream on, the server started?)".into(),
+        ));
+    }
+    Ok((name, config["sync_always"].as_bool().unwrap_or(false)))
 }
 
 #[cfg(test)]
@@ -263,6 +268,10 @@ mod tests {
         assert!(judge(&placed(1, true, Some("A")), &both).durable);
         // Two servers read and no placement: which one is unknown.
         assert!(!judge(&placed(1, true, None), &both).durable);
+        // One name, two answers: unknown, whatever the order.
+        for read in [[("A", true), ("A", false)], [("A", false), ("A", true)]] {
+            assert!(!judge(&placed(1, true, Some("A")), &servers(&read)).durable);
+        }
         let unread = Servers {
             read: Vec::new(),
             failed: vec!["--nats-monitor-url: reading http://b/varz: refused".into()],

@@ -463,6 +463,7 @@ impl<'a> Session<'a> {
         let durability =
             crate::ops::durability::judge_all(&shape.placement, routed_placements, &servers);
         if !durability.durable && cfg.require_durable && !servers.failed.is_empty() {
+            metrics::gauge!(m::STREAM_DURABLE).set(0.0);
             // Unknown is not "not durable": a monitoring port down for a
             // moment must not stop a relay for good.
             return Err(Error::Nats {
