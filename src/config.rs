@@ -415,6 +415,10 @@ pub struct AuditArgs {
     /// Publish the rows missing from the stream again (never deletes).
     #[arg(long)]
     pub repair: bool,
+    /// --repair publishes rows marked published too (before the relay's
+    /// first start, the worker it replaced sent those).
+    #[arg(long, requires = "repair")]
+    pub include_marked: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
@@ -474,6 +478,7 @@ impl AuditArgs {
             since,
             until,
             repair: self.repair,
+            include_marked: self.include_marked,
             wait: self.wait,
         })
     }
@@ -1299,6 +1304,7 @@ mod tests {
             "--yes",
             "--all",
             "--repair",
+            "--include-marked",
             "--check-config",
             "--skip-unacked",
         ];

@@ -494,6 +494,63 @@ async fn an_audit_of_a_stream_the_relay_does_not_write_says_so() {
     drop(relay);
 }
 
+/// Review A5 (1): rows marked published before the relay's first start
+/// were sent by the worker it replaced (to the old broker, or to this
+/// stream in its own way). The audit reports them missing, said to be
+/// marked; `--repair` does not publish them unless told to with
+/// `--include-marked` (before: republished at once, events consumers may
+/// have had from the worker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repair_leaves_rows_the_replaced_worker_sent_unless_told() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_marked").await;
+    let ctx = "marked";
+    let stream = wire::stream_name(ctx);
+    // The stream was there before (the worker wrote to it): a stream made
+    // at the relay's first start would leave older rows unjudged anyway.
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream(&stream).await;
+    js.create_stream(jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![format!("{ctx}.>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, published_at) \
+         SELECT gen_random_uuid(), 'order', 'w' || g, 'placed', '{}', now() FROM generate_series(1, 4) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    insert_txn(&pool, 1, 0, 3, 0).await;
+    read_stream(&stack.nats_url, &stream, 3, T).await;
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(lines(&out, "missing").len(), 4, "{out}");
+    assert!(lines(&out, "repaired").is_empty(), "{out}");
+    assert!(out.contains("--include-marked"), "{out}");
+    let held = || async {
+        jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap())
+            .get_stream(&stream)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .state
+            .messages
+    };
+    assert_eq!(held().await, 3, "nothing republished");
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair", "--include-marked"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert_eq!(lines(&out, "repaired").len(), 4, "{out}");
+    assert_eq!(held().await, 7);
+    drop(relay);
+}
+
 /// Review A13: `--since` with nanoseconds. Postgres keeps microseconds
 /// (and rounds a bound it is given); the audit compares message times in
 /// nanoseconds. A row at 10:00:00 with `--since 10:00:00.0000004` was in
