@@ -102,26 +102,26 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
         println!("configuration ok");
         return Ok(ExitCode::SUCCESS);
     }
-    let pool = dsn.pool(2).await?;
-    let nats = crate::nats::connect(&cfg.relay.nats, "outbox-audit".into()).await?;
-    let js = async_nats::jetstream::new(nats.clone());
-    let report = if cfg.repair {
-        let entry = admin_log::Entry {
-            action: "audit.repair",
-            target: format!("{}.{}", cfg.relay.schema, cfg.relay.table),
-            selection: serde_json::json!({"since": args.since, "last": args.last.map(|d| humantime::format_duration(d).to_string()), "until": args.until}),
-            reason: args.reason.clone(),
-        };
-        let by = command_actor(&pool, &args.actor).await?;
-        admin_log::recorded_as(
-            &pool,
-            entry,
-            by.as_ref(),
-            crate::ops::audit::run(&pool, &js, &cfg),
-        )
-        .await?
-    } else {
-        crate::ops::audit::run(&pool, &js, &cfg).await?
+    // Whatever stops the run (Postgres or NATS unreachable too) is a run
+    // that could not say, in the metrics file.
+    let report = async {
+        let pool = dsn.pool(2).await?;
+        let nats = crate::nats::connect(&cfg.relay.nats, "outbox-audit".into()).await?;
+        let js = async_nats::jetstream::new(nats.clone());
+        let report = audit_report(&args, &cfg, &pool, &js).await?;
+        Ok::<_, Error>((report, nats))
+    }
+    .await;
+    let (report, nats) = match report {
+        Ok(r) => r,
+        Err(e) => {
+            if let Some(path) = &args.metrics_file {
+                if let Err(w) = crate::ops::audit::write_metrics(path, None) {
+                    eprintln!("warning: {w}");
+                }
+            }
+            return Err(e);
+        }
     };
     if args.json {
         println!("{}", to_json(&report)?);
@@ -132,7 +132,7 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
     }
     // After the report: a file it cannot write must not hide what it found.
     if let Some(path) = &args.metrics_file {
-        if let Err(e) = crate::ops::audit::write_metrics(path, &report) {
+        if let Err(e) = crate::ops::audit::write_metrics(path, Some(&report)) {
             eprintln!("warning: {e}");
         }
     }
@@ -141,6 +141,33 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
+    })
+}
+
+/// The audit's report, its repair recorded in the admin log.
+async fn audit_report(
+    args: &crate::config::AuditArgs,
+    cfg: &crate::ops::audit::AuditConfig,
+    pool: &sqlx::PgPool,
+    js: &async_nats::jetstream::Context,
+) -> Result<crate::ops::audit::Report, Error> {
+    Ok(if cfg.repair {
+        let entry = admin_log::Entry {
+            action: "audit.repair",
+            target: format!("{}.{}", cfg.relay.schema, cfg.relay.table),
+            selection: serde_json::json!({"since": args.since, "last": args.last.map(|d| humantime::format_duration(d).to_string()), "until": args.until}),
+            reason: args.reason.clone(),
+        };
+        let by = command_actor(pool, &args.actor).await?;
+        admin_log::recorded_as(
+            pool,
+            entry,
+            by.as_ref(),
+            crate::ops::audit::run(pool, js, cfg),
+        )
+        .await?
+    } else {
+        crate::ops::audit::run(pool, js, cfg).await?
     })
 }
 

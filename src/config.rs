@@ -419,6 +419,10 @@ pub struct AuditArgs {
     /// first start, the worker it replaced sent those).
     #[arg(long, requires = "repair")]
     pub include_marked: bool,
+    /// --repair sends a missing row even when the stream holds later
+    /// events of its aggregate (consumers then see them out of order).
+    #[arg(long, requires = "repair")]
+    pub repair_out_of_order: bool,
     /// Why (recorded in outbox_admin_log with the database role).
     #[arg(long, env = "OUTBOX_REASON")]
     pub reason: Option<String>,
@@ -479,6 +483,7 @@ impl AuditArgs {
             until,
             repair: self.repair,
             include_marked: self.include_marked,
+            repair_out_of_order: self.repair_out_of_order,
             wait: self.wait,
         })
     }
@@ -1305,6 +1310,7 @@ mod tests {
             "--all",
             "--repair",
             "--include-marked",
+            "--repair-out-of-order",
             "--check-config",
             "--skip-unacked",
         ];

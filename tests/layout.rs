@@ -690,3 +690,54 @@ fn longest_file_prefix(files: &BTreeMap<ModPath, PathBuf>, path: &ModPath) -> Op
         .map(|n| path[..n].to_vec())
         .find(|p| files.contains_key(p))
 }
+
+/// Tests run at once on one Postgres and one NATS: two tests of one
+/// database name drop each other's database, and two of one context
+/// share a slot name (cluster-wide) and a stream. Each literal name is
+/// one test's (found the hard way: an audit test took `a_marked` and
+/// `marked` from another, and each failed when the other ran beside it).
+#[test]
+fn no_two_tests_share_a_database_or_a_context() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let file = path.file_name().unwrap().to_string_lossy().into_owned();
+        let mut test = String::new();
+        for line in text.lines() {
+            if let Some(rest) = line.trim_start().strip_prefix("async fn ") {
+                test = rest.split('(').next().unwrap_or_default().to_owned();
+            }
+            for pat in ["fresh_db(&stack, \"", "empty_db(&stack, \"", "let ctx = \""] {
+                if let Some(rest) = line.split(pat).nth(1) {
+                    let name = rest.split('"').next().unwrap_or_default();
+                    let kind = if pat.starts_with("let") {
+                        "context"
+                    } else {
+                        "database"
+                    };
+                    let owners = seen.entry(format!("{kind} {name}")).or_default();
+                    let owner = format!("{file}::{test}");
+                    if !owners.contains(&owner) {
+                        owners.push(owner);
+                    }
+                }
+            }
+        }
+    }
+    let shared: Vec<String> = seen
+        .iter()
+        .filter(|(_, owners)| owners.len() > 1)
+        .map(|(name, owners)| format!("{name}: {}", owners.join(", ")))
+        .collect();
+    assert!(seen.len() > 50, "{seen:?}");
+    assert!(
+        shared.is_empty(),
+        "shared by tests that run at once:\n{}",
+        shared.join("\n")
+    );
+}

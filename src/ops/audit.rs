@@ -38,6 +38,9 @@ pub struct AuditConfig {
     pub repair: bool,
     /// `--repair` publishes rows marked published too (review A5).
     pub include_marked: bool,
+    /// `--repair` sends a hole behind later events of its aggregate too
+    /// (review A3).
+    pub repair_out_of_order: bool,
     /// How long to wait for the slot to confirm the audit's snapshot.
     pub wait: Duration,
 }
@@ -247,7 +250,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     let started = Instant::now();
     sqlx::raw_sql(
         "CREATE TEMP TABLE outbox_audit (stream text, seq int8, id text, source text, \
-         emitted bool, lsn int8) ON COMMIT DROP",
+         emitted bool, lsn int8, counted bool, aggregate text, at timestamptz) ON COMMIT DROP",
     )
     .execute(&mut *tx)
     .await
@@ -312,12 +315,20 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
             if let Some(h) = msg.headers.as_ref() {
                 let get = |k: &str| h.get(k).map(|v| v.as_str());
                 let source = get(wire::SOURCE).unwrap_or("");
-                let in_window = get(wire::OCCURRED_AT)
-                    .and_then(|t| {
-                        OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
-                            .ok()
-                    })
-                    .is_some_and(|t| t >= since && t < until);
+                let occurred = get(wire::OCCURRED_AT).and_then(|t| {
+                    OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+                });
+                let in_window = occurred.is_some_and(|t| t >= since && t < until);
+                // For a repair, an aggregate's events after the window too:
+                // a hole is not sent behind a later event of its aggregate.
+                let aggregate = get(wire::AGGREGATE_ID).map(copy_text);
+                let at = get(wire::OCCURRED_AT)
+                    .filter(|_| occurred.is_some())
+                    .map(copy_text);
+                let (aggregate, at) = (
+                    aggregate.as_deref().unwrap_or("\\N"),
+                    at.as_deref().unwrap_or("\\N"),
+                );
                 // A row the relay could not read is dead-lettered without
                 // its time: counted whatever the window, or it would show
                 // as missing for ever.
@@ -372,11 +383,21 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                     let lsn = Position::from_headers(get).map_or(0, |p| p.commit_lsn.0);
                     let _ = writeln!(
                         buf,
-                        "{}\t{seq}\t{}\t{}\t{emitted}\t{}",
+                        "{}\t{seq}\t{}\t{}\t{emitted}\t{}\ttrue\t{aggregate}\t{at}",
                         copy_text(name),
                         copy_text(id),
                         copy_text(source),
                         lsn as i64
+                    );
+                } else if let (true, true, Some(id)) =
+                    (cfg.repair, of_this_database, get(wire::MSG_ID))
+                {
+                    let _ = writeln!(
+                        buf,
+                        "{}\t{seq}\t{}\t{}\tfalse\t0\tfalse\t{aggregate}\t{at}",
+                        copy_text(name),
+                        copy_text(id),
+                        copy_text(source),
                     );
                 }
             }
@@ -418,10 +439,11 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     .fetch_one(&mut *tx)
     .await
     .map_err(Error::pg("counting the window's rows"))?;
-    report.messages = sqlx::query_scalar("SELECT count(*) FROM outbox_audit WHERE NOT emitted")
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(Error::pg("counting the window's messages"))?;
+    report.messages =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_audit WHERE counted AND NOT emitted")
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(Error::pg("counting the window's messages"))?;
     // A row's id as the relay sends it: a text id holding a UUID goes as
     // that UUID's canonical text.
     let sent_id = sent_id_sql(&keys, &r_id);
@@ -430,7 +452,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     let lacking = |rows: &str| {
         format!(
             "FROM (SELECT *, ({unpublished}) AS outbox_audit_unpublished FROM {table} WHERE {window} AND {rows}) r \
-             WHERE NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = {sent_id})"
+             WHERE NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.counted AND a.id = {sent_id})"
         )
     };
     let holes = lacking(&format!("{at} >= $3::timestamptz"));
@@ -511,12 +533,40 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
             "{marked} missing rows are marked published (sent by the worker the relay replaced, if older than its first start): not repaired; --include-marked repairs them too"
         ));
     }
-    let missing: Vec<(String, String)> = missing
+    let mut missing: Vec<(String, String)> = missing
         .into_iter()
         .filter(|(_, _, u)| cfg.include_marked || *u != Some(false))
         .map(|(id, at, _)| (id, at))
         .collect();
-    let twice = "FROM outbox_audit GROUP BY id HAVING count(*) > 1";
+    // A hole sent now lands after every event the stream holds: behind a
+    // later event of its aggregate, consumers would see that aggregate's
+    // events out of order (review A3). Such a hole is left, and said,
+    // unless --repair-out-of-order.
+    if let (true, false, Some(r_agg)) = (cfg.repair, missing.is_empty(), keys.aggregate(Some("r")))
+    {
+        let ids: Vec<String> = missing.iter().map(|(id, _)| id.clone()).collect();
+        let behind: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {sent_id}, count(*) FROM {table} r \
+               JOIN outbox_audit a ON a.aggregate = {r_agg} AND a.at >= {r_at} AND a.id <> {sent_id} \
+              WHERE {r_at} >= $1::timestamptz AND {r_at} < $2::timestamptz AND {sent_id} = ANY($3) \
+              GROUP BY 1"
+        )))
+        .bind(&since)
+        .bind(&until)
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(Error::pg("finding later events of the holes' aggregates"))?;
+        if !behind.is_empty() && !cfg.repair_out_of_order {
+            for (id, later) in behind.iter().take(MAX_LISTED as usize) {
+                report.notes.push(format!(
+                    "not repaired: {id}: the stream holds {later} events of its aggregate from its time on, and a repair would put it after them (--repair-out-of-order sends it anyway)"
+                ));
+            }
+            missing.retain(|(id, _)| !behind.iter().any(|(b, _)| b == id));
+        }
+    }
+    let twice = "FROM outbox_audit WHERE counted GROUP BY id HAVING count(*) > 1";
     report.duplicate = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM (SELECT id {twice}) d"
     )))
@@ -540,7 +590,7 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     // Messages committed after the snapshot (its WAL position `w`) have
     // rows the snapshot cannot see: not judged.
     let orphans = format!(
-        "FROM outbox_audit a WHERE a.lsn < {} \
+        "FROM outbox_audit a WHERE a.counted AND a.lsn < {} \
          AND NOT EXISTS (SELECT 1 FROM {table} r WHERE {sent_id} = a.id)",
         w.0 as i64
     );
@@ -620,29 +670,33 @@ async fn unpublished_rows(pool: &PgPool, rc: &RelayConfig) -> Result<String> {
 /// Add this run's holes to `outbox_audit_holes_total` in a Prometheus text
 /// file, so the counter grows across runs (a cron job's process is gone
 /// before any scrape); the findings of the last run beside it.
-pub fn write_metrics(path: &std::path::Path, report: &Report) -> Result<()> {
-    let before: u64 = std::fs::read_to_string(path)
-        .ok()
-        .and_then(|text| {
-            text.lines().find_map(|l| {
-                l.strip_prefix(&format!("{} ", m::AUDIT_HOLES))
-                    .map(str::to_owned)
-            })
-        })
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    let holes = report
-        .findings
-        .iter()
-        .filter(|f| f.kind == "missing")
-        .count() as u64;
+/// `report` is `None` for a run that could not say (exit 2): the file
+/// says so (`outbox_audit_last_run_ok 0`) and keeps the last good run's
+/// figures, so an alert on audits that stopped succeeding fires.
+pub fn write_metrics(path: &std::path::Path, report: Option<&Report>) -> Result<()> {
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let kept = |name: &str| -> Option<i64> {
+        old.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let before = kept(m::AUDIT_HOLES).unwrap_or(0);
     let now = OffsetDateTime::now_utc().unix_timestamp();
+    let (holes, findings, ok, succeeded) = match report {
+        Some(r) => (before + r.missing, r.findings_count(), 1, now),
+        None => (
+            before,
+            kept("outbox_audit_findings").unwrap_or(0),
+            0,
+            kept("outbox_audit_last_success_timestamp_seconds").unwrap_or(0),
+        ),
+    };
     let text = format!(
-        "# HELP {h} Outbox rows outbox-relay audit found missing from the stream.\n# TYPE {h} counter\n{h} {}\n\
-         # HELP outbox_audit_findings Findings of the last audit run.\n# TYPE outbox_audit_findings gauge\noutbox_audit_findings {}\n\
-         # HELP outbox_audit_last_run_timestamp_seconds When the last audit run ended.\n# TYPE outbox_audit_last_run_timestamp_seconds gauge\noutbox_audit_last_run_timestamp_seconds {now}\n",
-        before + holes,
-        report.findings_count(),
+        "# HELP {h} Outbox rows outbox-relay audit found missing from the stream.\n# TYPE {h} counter\n{h} {holes}\n\
+         # HELP outbox_audit_findings Findings of the last audit run that could say.\n# TYPE outbox_audit_findings gauge\noutbox_audit_findings {findings}\n\
+         # HELP outbox_audit_last_run_timestamp_seconds When the last audit run ended.\n# TYPE outbox_audit_last_run_timestamp_seconds gauge\noutbox_audit_last_run_timestamp_seconds {now}\n\
+         # HELP outbox_audit_last_run_ok 1 when the last audit run could say (exit 0 or 1), 0 when it could not (exit 2).\n# TYPE outbox_audit_last_run_ok gauge\noutbox_audit_last_run_ok {ok}\n\
+         # HELP outbox_audit_last_success_timestamp_seconds When an audit run last could say (exit 0 or 1).\n# TYPE outbox_audit_last_success_timestamp_seconds gauge\noutbox_audit_last_success_timestamp_seconds {succeeded}\n",
         h = m::AUDIT_HOLES,
     );
     // Written whole, then renamed: a scrape never reads half a file.

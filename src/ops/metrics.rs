@@ -73,6 +73,15 @@ pub const STREAM_DURABLE: &str = "outbox_relay_stream_durable";
 /// Rows `outbox-relay audit` found missing from the stream (SPEC §14),
 /// summed over runs in its `--metrics-file`.
 pub const AUDIT_HOLES: &str = "outbox_audit_holes_total";
+/// What `outbox-relay audit --metrics-file` writes (a textfile for
+/// node_exporter, not a scrape of a process).
+pub const AUDIT_FILE: &[&str] = &[
+    AUDIT_HOLES,
+    "outbox_audit_findings",
+    "outbox_audit_last_run_timestamp_seconds",
+    "outbox_audit_last_run_ok",
+    "outbox_audit_last_success_timestamp_seconds",
+];
 
 // Schemas (SPEC §10).
 /// Payloads that failed their schema (or had none, with
@@ -503,7 +512,10 @@ mod tests {
             let names = names_in(expr);
             assert!(!names.is_empty(), "{expr} names none of our metrics");
             for n in names {
-                assert!(ALL.contains(&n.as_str()), "{expr}: {n} is not exported");
+                assert!(
+                    ALL.contains(&n.as_str()) || AUDIT_FILE.contains(&n.as_str()),
+                    "{expr}: {n} is not exported"
+                );
             }
         }
     }
@@ -528,6 +540,8 @@ mod tests {
             "max by (stream, subject) (outbox_dlq_messages) > 0",
             "outbox_schema_validation_failures_total",
             "outbox_schema_reloads_total{result=\"failed\"}",
+            "increase(outbox_audit_holes_total[3h]) > 0",
+            "time() - outbox_audit_last_success_timestamp_seconds",
         ] {
             assert!(covered(needle), "no alert on {needle}");
         }

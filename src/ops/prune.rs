@@ -409,6 +409,9 @@ pub(crate) struct Keys {
     /// The id's type, to read a text bound back into it.
     pub id_type: &'static str,
     occurred: crate::relay::columns::Source,
+    /// The aggregate id, when the table has one (the audit's repair keeps
+    /// an aggregate's order with it).
+    aggregate: Option<crate::relay::columns::Source>,
 }
 
 impl Keys {
@@ -450,6 +453,7 @@ impl Keys {
             id,
             id_type,
             occurred,
+            aggregate: resolved.source(Role::AggregateId).cloned(),
         })
     }
 
@@ -461,6 +465,13 @@ impl Keys {
     /// The time in SQL (a timestamptz), qualified by `alias` when given.
     pub fn occurred_at(&self, alias: Option<&str>) -> String {
         source_sql(&self.occurred, alias, Some("timestamptz"))
+    }
+
+    /// The aggregate id as text, qualified by `alias` when given.
+    pub fn aggregate(&self, alias: Option<&str>) -> Option<String> {
+        self.aggregate
+            .as_ref()
+            .map(|a| format!("({})::text", source_sql(a, alias, None)))
     }
 
     /// The time's column, when it is one: partitions are bounded by it.

@@ -93,34 +93,11 @@ pub async fn empty_db(stack: &Stack, name: &str) -> (String, PgPool) {
         .await
         .unwrap();
     // A slot left by an earlier run pins the database; drop those first.
-    // Its walsender may outlive a relay killed a moment ago (a test run
-    // just before this one): ended, and waited for, until none is left.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        sqlx::query(
-            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
-             WHERE database = $1 AND active",
-        )
+    sqlx::query("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active")
         .bind(name)
         .execute(&admin)
         .await
         .unwrap();
-        sqlx::query("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active")
-            .bind(name)
-            .execute(&admin)
-            .await
-            .unwrap();
-        let left: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM pg_replication_slots WHERE database = $1")
-                .bind(name)
-                .fetch_one(&admin)
-                .await
-                .unwrap();
-        if left == 0 || Instant::now() > deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
     )))
