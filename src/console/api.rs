@@ -254,117 +254,54 @@ pub(super) async fn authenticate(
             // A flood of made-up tokens waits on these few checks, not on
             // the pool the jobs write through.
             let Ok(_check) = c.0.checks.try_acquire() else {
-                return with_id(
-                    problem(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "busy: too many token checks at once; retry",
-                    )
-                    .into_response(),
-                    &request_id,
-                );
+                return unavailable("busy: too many token checks at once; retry", &request_id);
             };
             if super::oidc::looks_like_jwt(&secret) {
-                let Some(oidc) = &c.0.oidc else {
-                    let why =
-                        "a JWT, and this console takes none (it is started without --oidc-issuer)";
-                    record_denial(
-                        &c,
-                        "request",
-                        &target,
-                        &Actor {
-                            name: "anonymous".into(),
-                            role: "anonymous",
-                            request_id: request_id.clone(),
-                        },
-                        StatusCode::UNAUTHORIZED,
-                        why,
-                        false,
-                    )
-                    .await;
-                    return unauthorized(why, &request_id);
-                };
-                let why = match tokio::time::timeout(OIDC_TIME, oidc.check(&secret)).await {
-                    Ok(Ok(super::oidc::Verdict::Valid(token))) => {
+                match &c.0.oidc {
+                    None => anonymous(
+                        "a JWT, and this console takes none (it is started without --oidc-issuer)"
+                            .into(),
+                    ),
+                    Some(oidc) => match tokio::time::timeout(OIDC_TIME, oidc.check(&secret)).await {
+                        Ok(Ok(super::oidc::Verdict::Valid(token))) => {
+                            req.extensions_mut()
+                                .insert(Authenticated { token, request_id });
+                            return next.run(req).await;
+                        }
+                        Ok(Ok(super::oidc::Verdict::Refused(why))) => anonymous(why),
+                        Ok(Err(e)) => {
+                            tracing::warn!(error = %e, "console: cannot check a JWT");
+                            return unavailable("cannot read the OIDC issuer's keys now; retry", &request_id);
+                        }
+                        Err(_) => return unavailable("checking the JWT took too long; retry", &request_id),
+                    },
+                }
+            } else {
+                match tokio::time::timeout(CHECK_TIME, tokens::check(&c.0.pool, &secret)).await {
+                    Ok(Ok(Checked::Valid(token))) => {
                         req.extensions_mut()
                             .insert(Authenticated { token, request_id });
                         return next.run(req).await;
                     }
-                    Ok(Ok(super::oidc::Verdict::Refused(why))) => why,
+                    Ok(Ok(Checked::Unknown)) => anonymous("unknown token".into()),
+                    Ok(Ok(Checked::Expired(t))) => (
+                        format!("token {} has expired: make a new one", t.name),
+                        format!("token:{}", t.name),
+                        t.role.as_str(),
+                    ),
+                    Ok(Ok(Checked::Revoked(t))) => (
+                        format!("token {} is revoked", t.name),
+                        format!("token:{}", t.name),
+                        t.role.as_str(),
+                    ),
                     Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "console: cannot check a JWT");
-                        return with_id(
-                            problem(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                "cannot read the OIDC issuer's keys now; retry",
-                            )
-                            .into_response(),
-                            &request_id,
-                        );
-                    }
-                    Err(_) => {
-                        return with_id(
-                            problem(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                "checking the JWT took too long; retry",
-                            )
-                            .into_response(),
-                            &request_id,
-                        );
-                    }
-                };
-                record_denial(
-                    &c,
-                    "request",
-                    &target,
-                    &Actor {
-                        name: "anonymous".into(),
-                        role: "anonymous",
-                        request_id: request_id.clone(),
-                    },
-                    StatusCode::UNAUTHORIZED,
-                    &why,
-                    false,
-                )
-                .await;
-                return unauthorized(&why, &request_id);
-            }
-            match tokio::time::timeout(CHECK_TIME, tokens::check(&c.0.pool, &secret)).await {
-                Ok(Ok(Checked::Valid(token))) => {
-                    req.extensions_mut()
-                        .insert(Authenticated { token, request_id });
-                    return next.run(req).await;
-                }
-                Ok(Ok(Checked::Unknown)) => anonymous("unknown token".into()),
-                Ok(Ok(Checked::Expired(t))) => (
-                    format!("token {} has expired: make a new one", t.name),
-                    format!("token:{}", t.name),
-                    t.role.as_str(),
-                ),
-                Ok(Ok(Checked::Revoked(t))) => (
-                    format!("token {} is revoked", t.name),
-                    format!("token:{}", t.name),
-                    t.role.as_str(),
-                ),
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "console: cannot check a token");
-                    return with_id(
-                        problem(
-                            StatusCode::SERVICE_UNAVAILABLE,
+                        tracing::warn!(error = %e, "console: cannot check a token");
+                        return unavailable(
                             "cannot check the token now (Postgres unreachable?); retry",
-                        )
-                        .into_response(),
-                        &request_id,
-                    );
-                }
-                Err(_) => {
-                    return with_id(
-                        problem(
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "checking the token took too long; retry",
-                        )
-                        .into_response(),
-                        &request_id,
-                    );
+                            &request_id,
+                        );
+                    }
+                    Err(_) => return unavailable("checking the token took too long; retry", &request_id),
                 }
             }
         }
@@ -385,6 +322,15 @@ pub(super) async fn authenticate(
     )
     .await;
     unauthorized(&why, &request_id)
+}
+
+/// A check that could not be made now: 503, not a refusal (nothing is
+/// recorded of a caller not judged).
+fn unavailable(why: &str, request_id: &str) -> Response {
+    with_id(
+        problem(StatusCode::SERVICE_UNAVAILABLE, why).into_response(),
+        request_id,
+    )
 }
 
 /// How long a token check may take.

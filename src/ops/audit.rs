@@ -128,6 +128,8 @@ impl Report {
 const SKEW: Duration = Duration::from_secs(300);
 /// COPY chunk size.
 const CHUNK: usize = 1 << 20;
+/// The slot part of the `Outbox-Source` of a repaired copy.
+const REPAIR_SLOT: &str = "audit-repair";
 /// At most this many findings of one kind are listed (all are counted).
 const MAX_LISTED: i64 = 1000;
 
@@ -255,10 +257,15 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     .execute(&mut *tx)
     .await
     .map_err(Error::pg("creating the audit's temporary table"))?;
+    // This relay's messages: this cluster's database, and this slot (or
+    // the audit's own repairs). Another relay of the same database writing
+    // into the same stream is not this one (review A10).
     let mine = |source: &str| {
         let mut parts = source.splitn(4, '/');
-        let (sys, _, db) = (parts.next(), parts.next(), parts.next());
-        db == Some(database.as_str()) && system_id.as_deref().is_none_or(|s| sys == Some(s))
+        let (sys, _, db, slot) = (parts.next(), parts.next(), parts.next(), parts.next());
+        db == Some(database.as_str())
+            && system_id.as_deref().is_none_or(|s| sys == Some(s))
+            && slot.is_none_or(|s| s == rc.slot || s == REPAIR_SLOT)
     };
     let start = since - SKEW;
     // This database's messages read at all, in the window or not: none
@@ -322,9 +329,9 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
                 // For a repair, an aggregate's events after the window too:
                 // a hole is not sent behind a later event of its aggregate.
                 let aggregate = get(wire::AGGREGATE_ID).map(copy_text);
-                let at = get(wire::OCCURRED_AT)
-                    .filter(|_| occurred.is_some())
-                    .map(copy_text);
+                // When the stream stored it: after its commit, so after the
+                // time of every row committed before it.
+                let at = Some(rfc(info.published));
                 let (aggregate, at) = (
                     aggregate.as_deref().unwrap_or("\\N"),
                     at.as_deref().unwrap_or("\\N"),
@@ -471,8 +478,14 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .await
         .map_err(Error::pg("counting rows missing from the stream"))?;
     if let Some((name, at_made)) = &made_after {
-        let older: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) {}",
+        // Rows older than a stream made after --since that it lacks: they
+        // may have been lost with the stream it replaced, or never been
+        // this relay's (marked published: the worker it replaced sent
+        // them). The first cannot be judged: the audit says so (exit 2)
+        // rather than call the window clean (review A9).
+        let (older, marked): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FILTER (WHERE r.outbox_audit_unpublished IS DISTINCT FROM false), \
+                    count(*) FILTER (WHERE r.outbox_audit_unpublished = false) {}",
             lacking(&format!("{at} < $3::timestamptz"))
         )))
         .bind(&since)
@@ -482,9 +495,16 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .await
         .map_err(Error::pg("counting rows older than the stream"))?;
         if older > 0 {
-            report.unjudged += older;
+            return Err(Error::Config(format!(
+                "stream {name} was made at {}, after --since {since}, and does not hold {older} rows of the window older than it: whether they were lost with the stream it replaced cannot be said; audit from its making on (--since {})",
+                rfc(*at_made),
+                rfc(*at_made)
+            )));
+        }
+        if marked > 0 {
+            report.unjudged += marked;
             report.notes.push(format!(
-                "{older} rows of the window, older than stream {name} (made at {}), are not in it: a stream made after --since holds nothing published before it was made (they may have been in the one it replaced); not judged",
+                "{marked} rows of the window marked published, older than stream {name} (made at {}), are not in it: the worker the relay replaced sent them; not judged",
                 rfc(*at_made)
             ));
         }
@@ -495,7 +515,11 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     // relay's (another --stream, --streams left out, another table or
     // column map): nothing can be said, and a repair would publish the
     // whole window again.
-    if report.missing > 0 && report.missing + report.unjudged == report.rows && ours_read == 0 {
+    if report.missing > 0
+        && report.missing + report.unjudged == report.rows
+        && ours_read == 0
+        && !holds_any(&mut streams, &mine).await
+    {
         return Err(Error::Config(format!(
             "none of the window's {} rows is in the streams read ({}), nor any message of this database from the window's start on, though the relay confirmed the window: it writes elsewhere, or these flags are not the relay's (--stream, --streams, --table, --columns, the context); audit with the relay's own settings (its environment)",
             report.rows,
@@ -545,11 +569,17 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     if let (true, false, Some(r_agg)) = (cfg.repair, missing.is_empty(), keys.aggregate(Some("r")))
     {
         let ids: Vec<String> = missing.iter().map(|(id, _)| id.clone()).collect();
-        let behind: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT {sent_id}, count(*) FROM {table} r \
-               JOIN outbox_audit a ON a.aggregate = {r_agg} AND a.at >= {r_at} AND a.id <> {sent_id} \
+        // A message stored at or after the hole's time was committed
+        // after it began: possibly after it, so the hole would follow it.
+        sqlx::raw_sql("CREATE INDEX ON outbox_audit (aggregate, at)")
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::pg("indexing the audit's aggregates"))?;
+        let behind: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT {sent_id} FROM {table} r \
               WHERE {r_at} >= $1::timestamptz AND {r_at} < $2::timestamptz AND {sent_id} = ANY($3) \
-              GROUP BY 1"
+                AND EXISTS (SELECT 1 FROM outbox_audit a \
+                             WHERE a.aggregate = {r_agg} AND a.at >= {r_at} AND a.id <> {sent_id})"
         )))
         .bind(&since)
         .bind(&until)
@@ -558,12 +588,12 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
         .await
         .map_err(Error::pg("finding later events of the holes' aggregates"))?;
         if !behind.is_empty() && !cfg.repair_out_of_order {
-            for (id, later) in behind.iter().take(MAX_LISTED as usize) {
+            for (id,) in behind.iter().take(MAX_LISTED as usize) {
                 report.notes.push(format!(
-                    "not repaired: {id}: the stream holds {later} events of its aggregate from its time on, and a repair would put it after them (--repair-out-of-order sends it anyway)"
+                    "not repaired: {id}: the stream holds an event of its aggregate stored since its time, and a repair would put it after that (--repair-out-of-order sends it anyway)"
                 ));
             }
-            missing.retain(|(id, _)| !behind.iter().any(|(b, _)| b == id));
+            missing.retain(|(id, _)| !behind.iter().any(|(b,)| b == id));
         }
     }
     let twice = "FROM outbox_audit WHERE counted GROUP BY id HAVING count(*) > 1";
@@ -622,7 +652,9 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
     metrics::counter!(m::AUDIT_HOLES).increment(report.missing as u64);
 
     if cfg.repair && !missing.is_empty() {
-        report.repaired = repair(
+        // A repair that stops is said beside what the audit found (exit 1
+        // with its findings), not in place of it.
+        match repair(
             pool,
             &mut tx,
             js,
@@ -632,7 +664,11 @@ pub async fn run(pool: &PgPool, js: &Context, cfg: &AuditConfig) -> Result<Repor
             system_id.as_deref(),
             &database,
         )
-        .await?;
+        .await
+        {
+            Ok(done) => report.repaired = done,
+            Err(e) => report.notes.push(format!("the repair stopped: {e}")),
+        }
     }
     tx.rollback().await.map_err(Error::pg("ending the audit"))?;
     report.seconds = started.elapsed().as_secs_f64();
@@ -704,6 +740,34 @@ pub fn write_metrics(path: &std::path::Path, report: Option<&Report>) -> Result<
     std::fs::write(&tmp, text)
         .and_then(|()| std::fs::rename(&tmp, path))
         .map_err(|e| Error::Config(format!("writing {}: {e}", path.display())))
+}
+
+/// Whether a stream read holds a message `mine` takes at its head or its
+/// tail: a window lost whole (a crash of the server holding it, with no
+/// traffic since) is a loss to report, not flags to refuse.
+async fn holds_any(
+    streams: &mut [(String, jetstream::stream::Stream)],
+    mine: &impl Fn(&str) -> bool,
+) -> bool {
+    for (name, stream) in streams.iter_mut() {
+        let Ok((state, _)) = state_of(stream, name).await else {
+            continue;
+        };
+        for seq in [state.first_sequence, state.last_sequence] {
+            if seq == 0 {
+                continue;
+            }
+            if let Ok(m) = stream.get_raw_message(seq).await {
+                if m.headers
+                    .get(wire::SOURCE)
+                    .is_some_and(|s| mine(s.as_str()))
+                {
+                    return true;
+                }
+            }
+        }
+    }
+    false
 }
 
 /// A stream's state, and when it was made.
@@ -809,7 +873,7 @@ async fn repair(
         .config
         .subjects
         .clone();
-    let source = wire::source_id(system_id.unwrap_or("unknown"), 0, database, "audit-repair");
+    let source = wire::source_id(system_id.unwrap_or("unknown"), 0, database, REPAIR_SLOT);
     let mut router = Router::new(
         &rc.context,
         rc.template.clone(),
