@@ -1921,14 +1921,9 @@ async fn an_oidc_token_is_taken_with_the_role_its_claim_gives() {
         .unwrap();
     assert!(page.contains("alice-7f3 · admin"), "{page}");
 
-    let log: Vec<(String, String, String, String)> =
-        sqlx::query_as("SELECT action, actor, role, result FROM outbox_admin_log ORDER BY seq")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    let log = Log::read(&pool).await;
     let has = |action: &str, actor: &str, role: &str, result: &str| {
-        log.iter()
-            .any(|(a, b, c, d)| a == action && b == actor && c == role && d.starts_with(result))
+        log.has(action, actor, Some(role), result)
     };
     assert!(
         has("consumer.reset.plan", "oidc:alice-7f3", "admin", "failed"),
@@ -1943,6 +1938,7 @@ async fn an_oidc_token_is_taken_with_the_role_its_claim_gives() {
         "{log:?}"
     );
     let anonymous_401s = log
+        .0
         .iter()
         .filter(|(_, b, _, d)| b == "anonymous" && d.starts_with("denied: 401"))
         .count();
@@ -2202,15 +2198,8 @@ async fn a_client_certificate_is_required_and_speaks_for_a_request() {
         .to_owned();
     assert!(cookie.contains("; Secure"), "{cookie}");
 
-    let log: Vec<(String, String, String, String)> =
-        sqlx::query_as("SELECT action, actor, role, result FROM outbox_admin_log ORDER BY seq")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
-    let has = |action: &str, actor: &str, result: &str| {
-        log.iter()
-            .any(|(a, b, _, d)| a == action && b == actor && d.starts_with(result))
-    };
+    let log = Log::read(&pool).await;
+    let has = |action: &str, actor: &str, result: &str| log.has(action, actor, None, result);
     assert!(
         has("consumer.reset.plan", "cert:ops-bot", "failed"),
         "{log:?}"
@@ -2219,4 +2208,27 @@ async fn a_client_certificate_is_required_and_speaks_for_a_request() {
     assert!(has("request", "cert:sam", "denied: 401"), "{log:?}");
     assert!(has("request", "cert:ops-bot", "denied: 403"), "{log:?}");
     assert!(has("delete.approve", "cert:ops-bot", "done"), "{log:?}");
+}
+
+/// `outbox_admin_log` as a test reads it: (action, actor, role, result).
+#[derive(Debug)]
+struct Log(Vec<(String, String, String, String)>);
+
+impl Log {
+    async fn read(pool: &sqlx::PgPool) -> Log {
+        Log(
+            sqlx::query_as("SELECT action, actor, role, result FROM outbox_admin_log ORDER BY seq")
+                .fetch_all(pool)
+                .await
+                .unwrap(),
+        )
+    }
+
+    /// A row of `action` by `actor` (of `role`, when given) whose result
+    /// starts so.
+    fn has(&self, action: &str, actor: &str, role: Option<&str>, result: &str) -> bool {
+        self.0.iter().any(|(a, b, c, d)| {
+            a == action && b == actor && role.is_none_or(|r| r == c) && d.starts_with(result)
+        })
+    }
 }

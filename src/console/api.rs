@@ -1032,30 +1032,14 @@ async fn consumer_reset(
         Ok(caller) => caller,
         Err(resp) => return resp,
     };
-    let req = match body {
-        Ok(Json(req)) => req,
-        Err(e) => {
-            let status = match e.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
-                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                _ => StatusCode::BAD_REQUEST,
-            };
-            return answer(&caller, status, &format!("the body: {}", e.body_text()));
-        }
+    let req = match read_body(&caller, body) {
+        Ok(req) => req,
+        Err(resp) => return *resp,
     };
-    let reason = req
-        .reason
-        .as_deref()
-        .map(str::trim)
-        .unwrap_or_default()
-        .to_owned();
-    if reason.is_empty() {
-        return answer(
-            &caller,
-            StatusCode::BAD_REQUEST,
-            "a reset needs a reason (a ticket, an incident: the sign-off's why)",
-        );
-    }
+    let reason = match reason_of(&caller, req.reason.as_deref(), "a reset") {
+        Ok(r) => r,
+        Err(resp) => return *resp,
+    };
     let from = match (req.seq, req.time.as_deref()) {
         (Some(n), None) => crate::ops::reset::StartAt::Seq(n),
         (None, Some(t)) => match crate::ops::reset::parse_time(t) {
@@ -1070,12 +1054,7 @@ async fn consumer_reset(
             )
         }
     };
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|k| !k.is_empty() && k.len() <= 200)
-        .map(str::to_owned);
+    let key = idempotency_key(&headers);
     let target = format!("{}/{}", req.stream, req.durable);
     let who = caller.token.actor();
     let plan = |dry: bool| {
@@ -1368,40 +1347,9 @@ fn asked(
     body: Result<Json<PlanRequest>, JsonRejection>,
     what: &str,
 ) -> Result<Asked, Box<Response>> {
-    let req = match body {
-        Ok(Json(req)) => req,
-        Err(e) => {
-            let status = match e.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
-                StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                _ => StatusCode::BAD_REQUEST,
-            };
-            return Err(Box::new(answer(
-                caller,
-                status,
-                &format!("the body: {}", e.body_text()),
-            )));
-        }
-    };
-    let reason = req
-        .reason
-        .as_deref()
-        .map(str::trim)
-        .unwrap_or_default()
-        .to_owned();
-    if reason.is_empty() {
-        return Err(Box::new(answer(
-            caller,
-            StatusCode::BAD_REQUEST,
-            &format!("{what} needs a reason (a ticket, an incident: the sign-off's why)"),
-        )));
-    }
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|k| !k.is_empty() && k.len() <= 200)
-        .map(str::to_owned);
+    let req = read_body(caller, body)?;
+    let reason = reason_of(caller, req.reason.as_deref(), what)?;
+    let key = idempotency_key(headers);
     if !req.dry_run && key.is_none() {
         return Err(Box::new(answer(
             caller,
@@ -1410,6 +1358,46 @@ fn asked(
         )));
     }
     Ok(Asked { req, reason, key })
+}
+
+/// A JSON body, or the answer to one that is not (400; 413 past the
+/// limit, 415 not JSON).
+fn read_body<T>(caller: &Caller, body: Result<Json<T>, JsonRejection>) -> Result<T, Box<Response>> {
+    body.map(|Json(req)| req).map_err(|e| {
+        let status = match e.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        Box::new(answer(
+            caller,
+            status,
+            &format!("the body: {}", e.body_text()),
+        ))
+    })
+}
+
+/// The request's reason, required for `what` (`a replay`, `a reset`).
+fn reason_of(caller: &Caller, given: Option<&str>, what: &str) -> Result<String, Box<Response>> {
+    let reason = given.map(str::trim).unwrap_or_default().to_owned();
+    if reason.is_empty() {
+        return Err(Box::new(answer(
+            caller,
+            StatusCode::BAD_REQUEST,
+            &format!("{what} needs a reason (a ticket, an incident: the sign-off's why)"),
+        )));
+    }
+    Ok(reason)
+}
+
+/// The `Idempotency-Key` header, if one of at most 200 characters.
+fn idempotency_key(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty() && k.len() <= 200)
+        .map(str::to_owned)
 }
 
 /// The plan acted on is the one the selection takes now: else the 400
