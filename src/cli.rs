@@ -104,11 +104,21 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
     }
     // Whatever stops the run (Postgres or NATS unreachable too) is a run
     // that could not say, in the metrics file.
+    let slot_dsn = match &args.slot_database_url {
+        Some(url) => Some(postgres::Dsn::parse(url)?),
+        None => None,
+    };
     let report = async {
-        let pool = dsn.pool(2).await?;
+        // Its own comparisons on one session, the slot's position and the
+        // admin log on another.
+        let pool = dsn.pool_untimed(3).await?;
+        let slot_pool = match &slot_dsn {
+            Some(d) => d.pool(1).await?,
+            None => pool.clone(),
+        };
         let nats = crate::nats::connect(&cfg.relay.nats, "outbox-audit".into()).await?;
         let js = async_nats::jetstream::new(nats.clone());
-        let report = audit_report(&args, &cfg, &pool, &js).await?;
+        let report = audit_report(&args, &cfg, &pool, &slot_pool, &js).await?;
         Ok::<_, Error>((report, nats))
     }
     .await;
@@ -149,6 +159,7 @@ async fn audit_report(
     args: &crate::config::AuditArgs,
     cfg: &crate::ops::audit::AuditConfig,
     pool: &sqlx::PgPool,
+    slot_pool: &sqlx::PgPool,
     js: &async_nats::jetstream::Context,
 ) -> Result<crate::ops::audit::Report, Error> {
     Ok(if cfg.repair {
@@ -163,11 +174,11 @@ async fn audit_report(
             pool,
             entry,
             by.as_ref(),
-            crate::ops::audit::run(pool, js, cfg),
+            crate::ops::audit::run(pool, slot_pool, js, cfg),
         )
         .await?
     } else {
-        crate::ops::audit::run(pool, js, cfg).await?
+        crate::ops::audit::run(pool, slot_pool, js, cfg).await?
     })
 }
 
@@ -290,10 +301,18 @@ async fn run(command: Command) -> Result<(), Error> {
                 println!("configuration ok");
                 return Ok(());
             }
+            let slot_dsn = match &args.slot_database_url {
+                Some(url) => Some(postgres::Dsn::parse(url)?),
+                None => None,
+            };
             // The snapshot's anchor, a batch or partition lock, and the slot poll.
             let pool = dsn.pool(4).await?;
+            let slot_pool = match &slot_dsn {
+                Some(d) => d.pool(1).await?,
+                None => pool.clone(),
+            };
             let mut report = if args.dry_run {
-                crate::ops::prune::run(&pool, &cfg).await?
+                crate::ops::prune::run(&pool, &slot_pool, &cfg).await?
             } else {
                 let entry = admin_log::Entry {
                     action: "prune",
@@ -309,7 +328,7 @@ async fn run(command: Command) -> Result<(), Error> {
                     &pool,
                     entry,
                     by.as_ref(),
-                    crate::ops::prune::run(&pool, &cfg),
+                    crate::ops::prune::run(&pool, &slot_pool, &cfg),
                 )
                 .await?
             };

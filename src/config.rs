@@ -432,6 +432,21 @@ pub struct AuditArgs {
     /// How long to wait for the relay to confirm the audit's snapshot.
     #[arg(long, env = "OUTBOX_AUDIT_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub wait: Duration,
+    /// How far apart a row's occurred_at and its message's store time may
+    /// be (clocks, transactions left open): the stream is read this much
+    /// beyond the window on each side, and further only for rows not found.
+    #[arg(long, env = "OUTBOX_AUDIT_CLOCK_SLACK", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub clock_slack: Duration,
+    /// A message whose row is gone (deleted once published, or never kept:
+    /// insert and delete in one transaction) is a finding, `no_row`;
+    /// without it such messages are counted apart.
+    #[arg(long, env = "OUTBOX_AUDIT_STRICT")]
+    pub strict: bool,
+    /// Where the relay's slot is, when not in --database-url's server: the
+    /// relay streams from a standby, and the audit, which needs temporary
+    /// tables, runs against the primary.
+    #[arg(long, env = "OUTBOX_AUDIT_SLOT_DATABASE_URL")]
+    pub slot_database_url: Option<String>,
     /// Add the holes found to the counter outbox_audit_holes_total in this
     /// Prometheus text file (node_exporter's textfile collector).
     #[arg(long, env = "OUTBOX_AUDIT_METRICS_FILE")]
@@ -485,6 +500,8 @@ impl AuditArgs {
             include_marked: self.include_marked,
             repair_out_of_order: self.repair_out_of_order,
             wait: self.wait,
+            slack: self.clock_slack,
+            strict: self.strict,
         })
     }
 }
@@ -531,6 +548,10 @@ pub struct PruneArgs {
     /// before keeping every outbox row.
     #[arg(long, env = "OUTBOX_PRUNE_WAIT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub wait: Duration,
+    /// Where the relay's slot is, when not in --database-url's server (the
+    /// relay streams from a standby; prune deletes on the primary).
+    #[arg(long, env = "OUTBOX_PRUNE_SLOT_DATABASE_URL")]
+    pub slot_database_url: Option<String>,
     /// The events stream the inbox's messages come from: with
     /// --inbox-older-than, prune reads its max age and warns when inbox rows
     /// would go while the stream can still redeliver their messages.

@@ -263,6 +263,81 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
     })
     .await;
 
+    // Issue 62 item 5 (review A2): the audit cannot make its temporary
+    // tables on the standby, and says where to run it (before: exit 2 on
+    // "cannot execute CREATE TABLE in a read-only transaction"); against
+    // the primary, with the standby named for the slot, it judges the
+    // stream (before: the slot was not found).
+    let audit = |db: &str, extra: &[&str]| {
+        let mut args = vec!["audit", "--database-url", db, "--context", ctx];
+        args.extend([
+            "--nats-url",
+            &stack.nats_url,
+            "--last",
+            "1h",
+            "--wait",
+            "60s",
+        ]);
+        args.extend(extra);
+        run_output_bounded(&args, Duration::from_secs(120))
+    };
+    let (code, out) = audit(&pair.standby_url, &[]);
+    assert!(
+        code == Some(2) && out.contains("standby") && out.contains("--slot-database-url"),
+        "{out}"
+    );
+    let (code, out) = audit(&pair.primary_url, &[]);
+    assert!(
+        code == Some(2) && out.contains("does not exist in this database"),
+        "{out}"
+    );
+    // The slot confirms the primary's WAL position once the standby has
+    // replayed past it: a busy primary, as in production.
+    let busy = {
+        let primary = primary.clone();
+        tokio::spawn(async move {
+            loop {
+                let _ = sqlx::query("SELECT pg_log_standby_snapshot()")
+                    .execute(&primary)
+                    .await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    // (Blocking one of the test's two workers; the other keeps it busy.)
+    let (code, out) = audit(
+        &pair.primary_url,
+        &["--slot-database-url", &pair.standby_url],
+    );
+    assert!(
+        code == Some(0) && out.contains(&format!(": {} rows, {} messages", sent.len(), sent.len())),
+        "{out}"
+    );
+    // Prune, likewise: refused on the standby; against the primary it
+    // needs the standby for the slot (before: "kept: … does not exist in
+    // this database", exit 0, every night).
+    let prune = |db: &str, extra: &[&str]| {
+        let mut args = vec!["prune", "--database-url", db, "--context", ctx];
+        args.extend(["--older-than", "1h", "--dry-run", "--wait", "60s"]);
+        args.extend(extra);
+        run_output_bounded(&args, Duration::from_secs(120))
+    };
+    let (code, out) = prune(&pair.standby_url, &[]);
+    assert!(code == Some(1) && out.contains("standby"), "{out}");
+    let (code, out) = prune(&pair.primary_url, &[]);
+    assert!(
+        code == Some(1)
+            && out.contains("does not exist in this database")
+            && out.contains("--slot-database-url"),
+        "{out}"
+    );
+    let (code, out) = prune(
+        &pair.primary_url,
+        &["--slot-database-url", &pair.standby_url],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    busy.abort();
+
     // The primary crashes, the standby is promoted: same URL, same slot.
     pair.failover();
     let promoted = pool_of(&pair.standby_url).await;

@@ -73,12 +73,14 @@ pub struct Report {
     pub confirmed_lsn: Option<String>,
 }
 
-pub async fn run(pool: &PgPool, cfg: &PruneConfig) -> Result<Report> {
+/// `slot_pool` reaches the relay's slot: the same database, or the
+/// standby the relay streams from.
+pub async fn run(pool: &PgPool, slot_pool: &PgPool, cfg: &PruneConfig) -> Result<Report> {
     let mut report = Report {
         dry_run: cfg.dry_run,
         ..Report::default()
     };
-    outbox(pool, cfg, &mut report).await?;
+    outbox(pool, slot_pool, cfg, &mut report).await?;
     if let Some(age) = cfg.inbox_older_than {
         report.inbox_deleted = inbox(pool, age, cfg.batch, cfg.dry_run).await?;
         report.notes.push(format!(
@@ -94,9 +96,41 @@ fn interval(d: Duration) -> String {
     format!("{} milliseconds", d.as_millis())
 }
 
-async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result<()> {
+async fn outbox(
+    pool: &PgPool,
+    slot_pool: &PgPool,
+    cfg: &PruneConfig,
+    report: &mut Report,
+) -> Result<()> {
     let table = format!("\"{}\".\"{}\"", cfg.schema, cfg.table);
     let keys = Keys::of(pool, &cfg.schema, &cfg.table, &cfg.columns).await?;
+    // Nothing is proven without the relay's slot, and a slot of another
+    // database proves nothing here: said, and a failure, not a quiet
+    // "kept" every night (review A2: with the relay on a standby the slot
+    // is there, and a CronJob against the primary never alerted).
+    let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
+        .fetch_one(pool)
+        .await
+        .map_err(Error::pg("asking whether the database is a standby"))?;
+    if standby {
+        return Err(Error::Config(
+            "this database is a standby, which cannot delete: run prune against the primary, with --slot-database-url naming this standby (where the relay's slot is)".into(),
+        ));
+    }
+    let slot_here: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots \
+          WHERE slot_name = $1 AND database = current_database())",
+    )
+    .bind(&cfg.slot)
+    .fetch_one(slot_pool)
+    .await
+    .map_err(Error::pg("reading the relay's slot"))?;
+    if !slot_here {
+        return Err(Error::Config(format!(
+            "slot {} does not exist in this database (a slot of another database proves nothing here), and prune deletes only rows the relay's slot has confirmed: give the relay's --context or --slot, or, when the relay streams from a standby, --slot-database-url naming it; nothing pruned",
+            cfg.slot
+        )));
+    }
     // The anchor: snapshot S, then W.
     let mut anchor = pool
         .begin()
@@ -155,7 +189,7 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
             .push("no outbox row is older than the cutoff".into());
     }
 
-    match wait_confirmed(pool, &cfg.slot, w, cfg.wait).await? {
+    match wait_confirmed(slot_pool, &cfg.slot, w, cfg.wait).await? {
         Confirmed::Reached(lsn) => report.confirmed_lsn = Some(lsn.to_string()),
         Confirmed::Behind(lsn) => {
             report.confirmed_lsn = lsn.map(|l| l.to_string());
@@ -184,7 +218,7 @@ async fn outbox(pool: &PgPool, cfg: &PruneConfig, report: &mut Report) -> Result
             // partition's lock is let go between tries), until --wait.
             let deadline = Instant::now() + cfg.wait;
             loop {
-                match drop_partition(pool, &table, &part, &cfg.slot, cfg.wait).await? {
+                match drop_partition(pool, slot_pool, &table, &part, &cfg.slot, cfg.wait).await? {
                     Dropped::Rows(rows) => {
                         report.outbox_deleted += rows;
                         report.partitions_dropped.push(part);
@@ -325,6 +359,7 @@ enum Dropped {
 /// Drop one old partition once every row in it is provably published.
 async fn drop_partition(
     pool: &PgPool,
+    slot_pool: &PgPool,
     parent: &str,
     part: &str,
     slot: &str,
@@ -353,7 +388,7 @@ async fn drop_partition(
     .await
     .map_err(Error::pg(format!("reading partition {part}")))?;
     let w = parse_lsn(&w)?;
-    if let Confirmed::Behind(c) = wait_confirmed(pool, slot, w, wait).await? {
+    if let Confirmed::Behind(c) = wait_confirmed(slot_pool, slot, w, wait).await? {
         return Ok(Dropped::Kept(format!(
             "the relay has not confirmed {w} (slot {slot} at {})",
             c.map_or_else(|| "nothing".into(), |l| l.to_string())
@@ -475,7 +510,7 @@ impl Keys {
     }
 
     /// The time's column, when it is one: partitions are bounded by it.
-    fn occurred_column(&self) -> Option<&str> {
+    pub(crate) fn occurred_column(&self) -> Option<&str> {
         match &self.occurred {
             crate::relay::columns::Source::Column(c) => Some(c),
             crate::relay::columns::Source::Key { .. } => None,

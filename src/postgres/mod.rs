@@ -208,6 +208,27 @@ impl Dsn {
             .map_err(Error::pg(format!("connecting to {self:?}")))
     }
 
+    /// A pool for an operations command whose statements may run for
+    /// minutes (the audit's copy of a stream): a role's or database's
+    /// `statement_timeout` (managed Postgres sets one) would cancel them.
+    pub async fn pool_untimed(&self, max_connections: u32) -> Result<PgPool> {
+        let opts = self
+            .options
+            .clone()
+            .application_name("outbox-relay")
+            .options([
+                ("statement_timeout", "0"),
+                ("idle_in_transaction_session_timeout", "0"),
+                ("lock_timeout", "0"),
+            ]);
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(opts)
+            .await
+            .map_err(Error::pg(format!("connecting to {self:?}")))
+    }
+
     /// A pool that connects on first use and reconnects after failures, for
     /// background work that must outlive an unreachable server.
     pub fn lazy_pool(&self, max_connections: u32, acquire_timeout: Duration) -> Result<PgPool> {
