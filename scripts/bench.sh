@@ -6,6 +6,10 @@
 #   scripts/bench.sh consumer [--messages N] [--concurrency N] [--aggregates N] [--out DIR]
 #   scripts/bench.sh prune [--rows N] [--rate EV_PER_S] [--seconds N]
 #   scripts/bench.sh audit [--rows N]   rows/s and peak RSS of `outbox-relay audit`
+#   scripts/bench.sh audit-window [--old-rows N] [--window-rows N]
+#     an outbox and a stream of N old rows/messages, then a window of M new
+#     ones: what `outbox-relay audit` of that window costs (wall time, peak
+#     RSS, the time it holds its snapshot) beside the whole
 #   scripts/bench.sh catchup [--events N]
 #     a backlog of N rows written while the relay is stopped, decoded by
 #     pg_recvlogical (pgoutput, to /dev/null) before and after the relay
@@ -28,7 +32,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 MODE=relay
-case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit|catchup) MODE="$1"; shift ;; esac
+case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit|audit-window|catchup) MODE="$1"; shift ;; esac
 BENCH=relay_e2e
 [ "$MODE" = consumer ] && BENCH=consumer_throughput
 [ "$MODE" = prune ] && BENCH=prune_load
@@ -132,6 +136,46 @@ if [ "$MODE" = audit ]; then
   # The audit waits (--wait) for the relay to confirm what it reads.
   /usr/bin/time -v "$BIN" audit --context bench --last 1h --wait 10m >"$STACK_DIR/audit.out" 2>"$STACK_DIR/audit.err" || true
   tail -1 "$STACK_DIR/audit.out"
+  grep -E "Maximum resident|Elapsed" "$STACK_DIR/audit.err"
+  exit
+fi
+if [ "$MODE" = audit-window ]; then
+  OLD=10000000 WINDOW=100000
+  while [ $# -gt 0 ]; do case "$1" in
+    --old-rows) OLD="$2"; shift 2 ;;
+    --window-rows) WINDOW="$2"; shift 2 ;;
+    *) echo "unknown audit-window flag $1" >&2; exit 2 ;;
+  esac; done
+  sql() { psql -X -q -t -A -v ON_ERROR_STOP=1 "$DATABASE_URL" -c "$1"; }
+  load() { # rows, occurred_at expression
+    sql "DO \$\$ BEGIN FOR b IN 0..$(( ($1 + 999) / 1000 - 1 )) LOOP
+      INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, occurred_at)
+      SELECT gen_random_uuid(), 'order', 'a' || (g % 997), 'placed', jsonb_build_object('n', g, 'pad', repeat('x', 100)), $2
+      FROM generate_series(1, 1000) g; COMMIT; END LOOP; END \$\$" >/dev/null
+  }
+  caught_up() { # the relay confirmed everything written so far
+    local end deadline=$(( $(date +%s) + 3600 ))
+    end="$(sql "SELECT pg_current_wal_lsn()")"
+    until [ "$(sql "SELECT confirmed_flush_lsn >= '$end' FROM pg_replication_slots WHERE slot_name = 'outbox_relay_bench'")" = t ]; do
+      kill -0 "$RELAY_PID" 2>/dev/null || { echo "bench: the relay exited" >&2; exit 1; }
+      [ "$(date +%s)" -lt "$deadline" ] || { echo "bench: the relay did not catch up within an hour" >&2; exit 1; }
+      sleep 1
+    done
+  }
+  # Twenty days of history: rows dated then, their messages in the stream.
+  # Stored now, not then: the window starts after they and the audit's
+  # clock slack (5 minutes) have passed, as twenty-day-old messages would.
+  load "$OLD" "now() - interval '20 days'"
+  caught_up
+  sleep 305
+  SINCE="$(date -u +%Y-%m-%dT%H:%M:%S.%6NZ)"
+  load "$WINDOW" "now()"
+  caught_up
+  echo "outbox: $(sql "SELECT count(*) FROM outbox_events") rows; the relay published $(curl -s "http://$RELAY_METRICS/metrics" | awk '/^outbox_relay_events_published_total/ {s += $2} END {printf "%d", s}') events"
+  /usr/bin/time -v "$BIN" audit --context bench --since "$SINCE" --wait 10m >"$STACK_DIR/audit.out" 2>"$STACK_DIR/audit.err" || true
+  echo "audit of the window (--since $SINCE, $WINDOW rows):"
+  tail -1 "$STACK_DIR/audit.out"
+  grep -E "^note" "$STACK_DIR/audit.out" || true
   grep -E "Maximum resident|Elapsed" "$STACK_DIR/audit.err"
   exit
 fi

@@ -85,6 +85,9 @@ pub struct Report {
     pub unjudged: i64,
     /// Ids `--repair` published again.
     pub repaired: Vec<String>,
+    /// How long the audit held its snapshot (vacuum waits on it): the wait
+    /// for the slot and the copy of the window's rows.
+    pub snapshot_seconds: f64,
     pub seconds: f64,
 }
 
@@ -112,7 +115,7 @@ impl Report {
             out.push(format!("note {note}"));
         }
         out.push(format!(
-            "audit {} .. {}: {} rows, {} messages; {} missing, {} duplicate, {} without a row, {} out of order, {} dead-lettered; {} emitted events and {} messages whose row was deleted not verifiable; {} repaired; {:.1}s",
+            "audit {} .. {}: {} rows, {} messages; {} missing, {} duplicate, {} without a row, {} out of order, {} dead-lettered; {} emitted events and {} messages whose row was deleted not verifiable; {} repaired; snapshot held {:.2}s; {:.1}s",
             self.since,
             self.until,
             self.rows,
@@ -125,6 +128,7 @@ impl Report {
             self.unverifiable,
             self.deleted,
             self.repaired.len(),
+            self.snapshot_seconds,
             self.seconds,
         ));
         out
@@ -287,6 +291,7 @@ pub async fn run(
     // confirmed that, every row the snapshot holds was published. The
     // snapshot is held only to copy the window's rows, not while the
     // streams are read (it would hold back vacuum meanwhile).
+    let held = Instant::now();
     let mut tx = sqlx::Connection::begin(&mut conn)
         .await
         .map_err(Error::pg("starting the audit"))?;
@@ -345,6 +350,7 @@ pub async fn run(
     tx.commit()
         .await
         .map_err(Error::pg("copying the window's rows"))?;
+    report.snapshot_seconds = held.elapsed().as_secs_f64();
     sqlx::raw_sql("CREATE INDEX ON outbox_audit_rows (id); ANALYZE outbox_audit_rows")
         .execute(&mut conn)
         .await
