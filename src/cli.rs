@@ -113,12 +113,12 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
         // admin log on another.
         let pool = dsn.pool_untimed(3).await?;
         let slot_pool = match &slot_dsn {
-            Some(d) => d.pool(1).await?,
-            None => pool.clone(),
+            Some(d) => Some(d.pool(1).await?),
+            None => None,
         };
         let nats = crate::nats::connect(&cfg.relay.nats, "outbox-audit".into()).await?;
         let js = async_nats::jetstream::new(nats.clone());
-        let report = audit_report(&args, &cfg, &pool, &slot_pool, &js).await?;
+        let report = audit_report(&args, &cfg, &pool, slot_pool.as_ref(), &js).await?;
         Ok::<_, Error>((report, nats))
     }
     .await;
@@ -159,7 +159,7 @@ async fn audit_report(
     args: &crate::config::AuditArgs,
     cfg: &crate::ops::audit::AuditConfig,
     pool: &sqlx::PgPool,
-    slot_pool: &sqlx::PgPool,
+    slot_pool: Option<&sqlx::PgPool>,
     js: &async_nats::jetstream::Context,
 ) -> Result<crate::ops::audit::Report, Error> {
     Ok(if cfg.repair {
@@ -308,11 +308,11 @@ async fn run(command: Command) -> Result<(), Error> {
             // The snapshot's anchor, a batch or partition lock, and the slot poll.
             let pool = dsn.pool(4).await?;
             let slot_pool = match &slot_dsn {
-                Some(d) => d.pool(1).await?,
-                None => pool.clone(),
+                Some(d) => Some(d.pool(1).await?),
+                None => None,
             };
             let mut report = if args.dry_run {
-                crate::ops::prune::run(&pool, &slot_pool, &cfg).await?
+                crate::ops::prune::run(&pool, slot_pool.as_ref(), &cfg).await?
             } else {
                 let entry = admin_log::Entry {
                     action: "prune",
@@ -328,7 +328,7 @@ async fn run(command: Command) -> Result<(), Error> {
                     &pool,
                     entry,
                     by.as_ref(),
-                    crate::ops::prune::run(&pool, &slot_pool, &cfg),
+                    crate::ops::prune::run(&pool, slot_pool.as_ref(), &cfg),
                 )
                 .await?
             };
@@ -359,7 +359,10 @@ async fn run(command: Command) -> Result<(), Error> {
                     println!("{line}");
                 }
             }
-            Ok(())
+            match report.refused {
+                Some(why) => Err(Error::Config(why)),
+                None => Ok(()),
+            }
         }
         Command::Dlq {
             command: DlqCommand::List(args),

@@ -209,10 +209,10 @@ async fn audit_finds_each_fault_exactly_and_repair_fills_the_holes() {
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("250 rows, 250 messages; 0 missing"), "{out}");
 
-    // A transaction open across the audit's snapshot and committed after
-    // it: its row is in the window but not in the snapshot, its message in
-    // the stream the audit reads. Not the audit's to judge, so not a
-    // "message without a row".
+    // A transaction open when the audit starts and committed while it
+    // waits for the relay: its row and its message are judged as any
+    // other's (before, the snapshot was taken first and held through the
+    // wait: the row was not in it, and not the audit's to judge).
     relay.kill9();
     let mut open = pool.begin().await.unwrap();
     sqlx::query(
@@ -226,21 +226,24 @@ async fn audit_finds_each_fault_exactly_and_repair_fills_the_holes() {
         let url = url.clone();
         std::thread::spawn(move || audit(&url, "auditx", &["--last", "1h"]))
     };
-    eventually(T, "the audit holds its snapshot", || async {
-        let idle: i64 = sqlx::query_scalar(
+    eventually(T, "the audit waits for the slot", || async {
+        let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND state = 'idle in transaction'",
+             AND query LIKE '%confirmed_flush_lsn%' AND pid <> pg_backend_pid()",
         )
         .fetch_one(&pool)
         .await
         .unwrap();
-        idle >= 2
+        waiting >= 1
     })
     .await;
     open.commit().await.unwrap();
     relay.restart();
     let (code, out) = running.join().unwrap();
-    assert_eq!(code, Some(0), "the late row is not judged: {out}");
+    assert!(
+        code == Some(0) && out.contains("251 rows, 251 messages; 0 missing"),
+        "{out}"
+    );
 
     // One stored twice (past the duplicate window), one stored again under
     // another id: both after newer events, so out of order too. A message
@@ -1124,10 +1127,13 @@ async fn a_row_dated_after_its_message_is_found() {
 }
 
 /// The stream is read from the window's start to its end only (plus the
-/// clock slack): a row published later than that (the relay was behind,
-/// here frozen) is read on, not called missing.
+/// clock slack): rows published later than that (the relay was behind,
+/// here frozen, and nothing else was stored meanwhile) are read on past
+/// the end, not called missing; and a real hole among them, which makes
+/// the audit read the stream's head too, is one hole, with no message
+/// read twice (no false duplicate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_published_late_is_read_past_the_window() {
+async fn rows_published_late_are_read_past_the_window() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "a_late").await;
     let ctx = "auditlate";
@@ -1136,36 +1142,64 @@ async fn a_row_published_late_is_read_past_the_window() {
     let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
     insert_txn(&pool, 1, 0, 3, 0).await;
     read_stream(&stack.nats_url, &stream, 3, T).await;
+    let third = stored_at(&js, &stream, 3).await;
     signal(relay.pid(), "STOP");
-    insert_txn(&pool, 1, 3, 1, 0).await;
+    // Nothing stored within the slack (1 s) before the window.
+    while time::OffsetDateTime::now_utc() < third + time::Duration::milliseconds(1500) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let late = insert_txn(&pool, 1, 3, 2, 0).await;
     let occurred = newest_occurred(&pool).await;
     while time::OffsetDateTime::now_utc() < occurred + time::Duration::seconds(3) {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     signal(relay.pid(), "CONT");
-    read_stream(&stack.nats_url, &stream, 4, T).await;
-    insert_txn(&pool, 1, 4, 2, 0).await;
+    read_stream(&stack.nats_url, &stream, 5, T).await;
+    insert_txn(&pool, 1, 5, 1, 0).await;
     read_stream(&stack.nats_url, &stream, 6, T).await;
     let stored = stored_at(&js, &stream, 4).await;
     assert!(
-        stored > occurred + time::Duration::seconds(2),
-        "{stored} {occurred}"
+        stored > occurred + time::Duration::seconds(2)
+            && occurred > third + time::Duration::seconds(1),
+        "{third} {occurred} {stored}"
     );
-    let until = occurred + time::Duration::microseconds(1);
-    let (code, out) = audit(
-        &url,
-        ctx,
-        &[
-            "--since",
-            &rfc(occurred - time::Duration::minutes(10)),
-            "--until",
-            &rfc(until),
-            "--clock-slack",
-            "1s",
-        ],
+    let (since, until) = (
+        rfc(occurred - time::Duration::milliseconds(1)),
+        rfc(occurred + time::Duration::microseconds(1)),
     );
+    let window = ["--since", &since, "--until", &until, "--clock-slack", "1s"];
+    let (code, out) = audit(&url, ctx, &window);
     assert!(
-        code == Some(0) && out.contains(": 4 rows, 4 messages"),
+        code == Some(0) && out.contains(": 2 rows, 2 messages"),
+        "{out}"
+    );
+    // One of them lost.
+    let lost = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .get_raw_message(5)
+        .await
+        .unwrap()
+        .headers
+        .get(wire::MSG_ID)
+        .unwrap()
+        .to_string();
+    assert!(
+        late.iter().any(|u| u.to_string() == lost),
+        "{lost} {late:?}"
+    );
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_message(5)
+        .await
+        .unwrap();
+    let (code, out) = audit(&url, ctx, &window);
+    assert!(
+        code == Some(1)
+            && out.contains(": 2 rows, 1 messages; 1 missing, 0 duplicate")
+            && lines(&out, "missing")[0].contains(&lost),
         "{out}"
     );
     drop(relay);

@@ -31,9 +31,25 @@ async fn prune_never_trusts_a_slot_of_another_database() {
     .execute(&pool_b)
     .await
     .unwrap();
+    // An inbox row done with long ago: the inbox needs no slot, and is
+    // pruned all the same.
+    sqlx::query(
+        "INSERT INTO inbox_messages (consumer, message_id, subject, received_at, processed_at) \
+         VALUES ('c', gen_random_uuid(), 's', now() - interval '40 days', now() - interval '40 days')",
+    )
+    .execute(&pool_b)
+    .await
+    .unwrap();
     let out = Command::new(BIN)
         .args(["prune", "--database-url", &url_b, "--context", "hprunea"])
-        .args(["--older-than", "7d", "--wait", "3s"])
+        .args([
+            "--older-than",
+            "7d",
+            "--inbox-older-than",
+            "30d",
+            "--wait",
+            "3s",
+        ])
         .output()
         .unwrap();
     let text = format!(
@@ -48,6 +64,11 @@ async fn prune_never_trusts_a_slot_of_another_database() {
     assert_eq!(left, 20, "B's unpublished rows must stay: {text}");
     // A failure, not a quiet "kept" a nightly job never alerts on.
     assert_eq!(out.status.code(), Some(1), "{text}");
+    let inbox: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages")
+        .fetch_one(&pool_b)
+        .await
+        .unwrap();
+    assert_eq!(inbox, 0, "{text}");
     assert!(text.contains("another database"), "says why: {text}");
 }
 

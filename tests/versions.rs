@@ -291,6 +291,12 @@ async fn a_relay_on_a_standby_streams_as_on_the_primary_across_kill_9_idleness_a
         code == Some(2) && out.contains("does not exist in this database"),
         "{out}"
     );
+    // A slot of another cluster would confirm positions of another WAL.
+    let (code, out) = audit(
+        &pair.primary_url,
+        &["--slot-database-url", &stack.admin_url],
+    );
+    assert!(code == Some(2) && out.contains("another cluster"), "{out}");
     // The slot confirms the primary's WAL position once the standby has
     // replayed past it: a busy primary, as in production.
     let busy = {

@@ -142,9 +142,11 @@ const REPAIR_SLOT: &str = "audit-repair";
 /// At most this many findings of one kind are listed (all are counted).
 const MAX_LISTED: i64 = 1000;
 
+/// `slot_pool` reaches the relay's slot when it is not in `pool`'s server
+/// (the relay streams from a standby).
 pub async fn run(
     pool: &PgPool,
-    slot_pool: &PgPool,
+    slot_pool: Option<&PgPool>,
     js: &Context,
     cfg: &AuditConfig,
 ) -> Result<Report> {
@@ -186,15 +188,14 @@ pub async fn run(
             "database {database} is on a standby, where the audit cannot make the temporary tables it compares in: run it against the primary, with --slot-database-url naming this standby (where the relay's slot is)"
         )));
     }
-    let slot_here: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots \
-          WHERE slot_name = $1 AND database = current_database())",
+    // The temporary tables live on one session across transactions.
+    crate::postgres::pooler::check_session_pinned_for(
+        pool,
+        "The audit keeps its temporary tables on one session across transactions, which such a proxy hands to other clients; connect it to Postgres directly, or through a pool in session mode",
     )
-    .bind(&rc.slot)
-    .fetch_one(slot_pool)
-    .await
-    .map_err(Error::pg("reading the relay's slot"))?;
-    if !slot_here {
+    .await?;
+    let slot_pool = crate::ops::prune::slot_pool_of(pool, slot_pool).await?;
+    if !crate::ops::prune::slot_exists(slot_pool, &rc.slot).await? {
         return Err(Error::Config(format!(
             "slot {} does not exist in this database: give the relay's --context or --slot, or, when the relay streams from a standby, --slot-database-url naming it",
             rc.slot
@@ -290,7 +291,30 @@ pub async fn run(
     // The audit's snapshot, and the WAL position behind it: once the slot
     // confirmed that, every row the snapshot holds was published. The
     // snapshot is held only to copy the window's rows, not while the
-    // streams are read (it would hold back vacuum meanwhile).
+    // streams are read (it would hold back vacuum meanwhile), nor while
+    // the relay catches up: the slot first confirms where the WAL is now,
+    // then the snapshot is taken, and the rest to confirm is a moment's.
+    let deadline = Instant::now() + cfg.wait;
+    let confirm = |w: Lsn| async move {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match crate::ops::prune::wait_confirmed(slot_pool, &rc.slot, w, left).await? {
+            crate::ops::prune::Confirmed::Reached(_) => Ok(()),
+            crate::ops::prune::Confirmed::Behind(at) => Err(Error::setup(format!(
+                "slot {} has not confirmed {w} within {:?} (it is at {}): the relay is down or behind, and rows it has not published yet would show as missing; run the audit again once it has caught up",
+                rc.slot,
+                cfg.wait,
+                at.map_or_else(|| "nothing".to_owned(), |l| l.to_string())
+            ))),
+        }
+    };
+    let wal_now = "SELECT pg_current_wal_insert_lsn()::text";
+    let parse =
+        |w: String| Lsn::parse(&w).map_err(|e| Error::setup(format!("WAL position {w:?}: {e}")));
+    let w: String = sqlx::query_scalar(wal_now)
+        .fetch_one(&mut conn)
+        .await
+        .map_err(Error::pg("reading the WAL position"))?;
+    confirm(parse(w)?).await?;
     let held = Instant::now();
     let mut tx = sqlx::Connection::begin(&mut conn)
         .await
@@ -299,22 +323,12 @@ pub async fn run(
         .execute(&mut *tx)
         .await
         .map_err(Error::pg("starting the audit"))?;
-    let w: String = sqlx::query_scalar("SELECT pg_current_wal_insert_lsn()::text")
+    let w: String = sqlx::query_scalar(wal_now)
         .fetch_one(&mut *tx)
         .await
         .map_err(Error::pg("taking the audit's snapshot"))?;
-    let w = Lsn::parse(&w).map_err(|e| Error::setup(format!("WAL position {w:?}: {e}")))?;
-    match crate::ops::prune::wait_confirmed(slot_pool, &rc.slot, w, cfg.wait).await? {
-        crate::ops::prune::Confirmed::Reached(_) => {}
-        crate::ops::prune::Confirmed::Behind(at) => {
-            return Err(Error::setup(format!(
-                "slot {} has not confirmed {w} within {:?} (it is at {}): the relay is down or behind, and rows it has not published yet would show as missing; run the audit again once it has caught up",
-                rc.slot,
-                cfg.wait,
-                at.map_or_else(|| "nothing".to_owned(), |l| l.to_string())
-            )))
-        }
-    }
+    let w = parse(w)?;
+    confirm(w).await?;
 
     // What the audit itself costs, without the wait for the relay.
     let started = Instant::now();
@@ -388,10 +402,15 @@ pub async fn run(
     // the end (the relay was behind), then from the stream's start (an
     // occurred_at ahead of its message's store time, review A8).
     let (start, stop) = (since - cfg.slack, until + cfg.slack);
+    // Rows marked published older than a stream made after --since are
+    // not looked for: it cannot hold them (judged below).
+    let made = made_after
+        .as_ref()
+        .map_or_else(|| report.since.clone(), |(_, t)| rfc(*t));
     let mut spans = Vec::new();
     for (name, stream) in &mut streams {
         let (state, _) = state_of(stream, name).await?;
-        let span = if state.last_sequence == 0 || state.last_timestamp < start {
+        let span = if state.messages == 0 || state.last_timestamp < start {
             Span::default()
         } else {
             reader
@@ -409,7 +428,7 @@ pub async fn run(
         };
         spans.push((span, state.first_sequence, state.last_sequence));
     }
-    let mut lacking = rows_lacking(&mut conn).await?;
+    let mut lacking = rows_lacking(&mut conn, &made).await?;
     if lacking > 0 {
         for ((name, stream), (span, _, _)) in streams.iter_mut().zip(&spans) {
             let Some(next) = span.next else { continue };
@@ -430,12 +449,17 @@ pub async fn run(
                 )
                 .await?;
         }
-        lacking = rows_lacking(&mut conn).await?;
+        lacking = rows_lacking(&mut conn, &made).await?;
     }
     if lacking > 0 {
         let before = lacking;
         for ((name, stream), (span, first, last)) in streams.iter_mut().zip(&spans) {
-            let end = span.first.map_or(*last, |f| f.saturating_sub(1));
+            // Up to what phase 1 read or stopped at: phase 2 read on from
+            // there.
+            let end = span
+                .first
+                .or(span.next)
+                .map_or(*last, |f| f.saturating_sub(1));
             if *first == 0 || end < *first {
                 continue;
             }
@@ -455,7 +479,7 @@ pub async fn run(
                 )
                 .await?;
         }
-        lacking = rows_lacking(&mut conn).await?;
+        lacking = rows_lacking(&mut conn, &made).await?;
         if lacking < before {
             report.notes.push(format!(
                 "{} rows of the window are in messages stored more than the clock slack ({}) before the window's start: their occurred_at is ahead of the store time (a business time, a producer's fast clock, a timestamp column in a zone east of UTC), and the streams were read from their start to find them",
@@ -482,9 +506,6 @@ pub async fn run(
         )
     };
     let holes = lacking("r.at >= $1::timestamptz");
-    let made = made_after
-        .as_ref()
-        .map_or_else(|| report.since.clone(), |(_, t)| rfc(*t));
     report.missing = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) {holes}")))
         .bind(&made)
         .fetch_one(&mut conn)
@@ -628,11 +649,12 @@ pub async fn run(
     // clean).
     let letters = "FROM outbox_audit a WHERE a.dlq_reason IS NOT NULL \
                    AND (a.counted OR EXISTS (SELECT 1 FROM outbox_audit_rows r WHERE r.id = a.id))";
-    report.dead_lettered =
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) {letters}")))
-            .fetch_one(&mut conn)
-            .await
-            .map_err(Error::pg("counting dead letters"))?;
+    report.dead_lettered = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(DISTINCT a.id) {letters}"
+    )))
+    .fetch_one(&mut conn)
+    .await
+    .map_err(Error::pg("counting dead letters"))?;
     let listed: Vec<(String, String, i64, String, Option<String>)> =
         sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT a.id, a.stream, a.seq, a.dlq_reason, a.dlq_detail {letters} \
@@ -726,12 +748,16 @@ pub async fn run(
     Ok(report)
 }
 
-/// Rows of the window no message read so far holds.
-async fn rows_lacking(conn: &mut sqlx::PgConnection) -> Result<i64> {
+/// Rows of the window that no message read so far holds, less those
+/// marked published that are older than a stream made after --since (the
+/// worker the relay replaced sent them; not judged, and not looked for).
+async fn rows_lacking(conn: &mut sqlx::PgConnection, made: &str) -> Result<i64> {
     sqlx::query_scalar(
         "SELECT count(*) FROM outbox_audit_rows r \
-         WHERE NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)",
+          WHERE (r.at >= $1::timestamptz OR r.unpublished IS DISTINCT FROM false) \
+            AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)",
     )
+    .bind(made)
     .fetch_one(conn)
     .await
     .map_err(Error::pg("counting rows not found yet"))

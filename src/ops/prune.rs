@@ -71,16 +71,41 @@ pub struct Report {
     /// The position the slot had to confirm, and what it had confirmed.
     pub needed_lsn: Option<String>,
     pub confirmed_lsn: Option<String>,
+    /// Why the outbox was not pruned at all (the relay's slot is not
+    /// there): the run fails once the inbox is done.
+    pub refused: Option<String>,
 }
 
 /// `slot_pool` reaches the relay's slot: the same database, or the
 /// standby the relay streams from.
-pub async fn run(pool: &PgPool, slot_pool: &PgPool, cfg: &PruneConfig) -> Result<Report> {
+pub async fn run(pool: &PgPool, slot_pool: Option<&PgPool>, cfg: &PruneConfig) -> Result<Report> {
     let mut report = Report {
         dry_run: cfg.dry_run,
         ..Report::default()
     };
-    outbox(pool, slot_pool, cfg, &mut report).await?;
+    let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
+        .fetch_one(pool)
+        .await
+        .map_err(Error::pg("asking whether the database is a standby"))?;
+    if standby {
+        return Err(Error::Config(
+            "this database is a standby, which cannot delete: run prune against the primary, with --slot-database-url naming this standby (where the relay's slot is)".into(),
+        ));
+    }
+    let slot_pool = slot_pool_of(pool, slot_pool).await?;
+    // Nothing is proven without the relay's slot, and a slot of another
+    // database proves nothing here: said, and a failure, not a quiet
+    // "kept" every night (review A2: with the relay on a standby the slot
+    // is there, and a CronJob against the primary never alerted). The
+    // inbox, which needs no slot, is pruned all the same.
+    if slot_exists(slot_pool, &cfg.slot).await? {
+        outbox(pool, slot_pool, cfg, &mut report).await?;
+    } else {
+        report.refused = Some(format!(
+            "slot {} does not exist in this database (a slot of another database proves nothing here), and prune deletes only outbox rows the relay's slot has confirmed: give the relay's --context or --slot, or, when the relay streams from a standby, --slot-database-url naming it; no outbox row pruned",
+            cfg.slot
+        ));
+    }
     if let Some(age) = cfg.inbox_older_than {
         report.inbox_deleted = inbox(pool, age, cfg.batch, cfg.dry_run).await?;
         report.notes.push(format!(
@@ -104,33 +129,6 @@ async fn outbox(
 ) -> Result<()> {
     let table = format!("\"{}\".\"{}\"", cfg.schema, cfg.table);
     let keys = Keys::of(pool, &cfg.schema, &cfg.table, &cfg.columns).await?;
-    // Nothing is proven without the relay's slot, and a slot of another
-    // database proves nothing here: said, and a failure, not a quiet
-    // "kept" every night (review A2: with the relay on a standby the slot
-    // is there, and a CronJob against the primary never alerted).
-    let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
-        .fetch_one(pool)
-        .await
-        .map_err(Error::pg("asking whether the database is a standby"))?;
-    if standby {
-        return Err(Error::Config(
-            "this database is a standby, which cannot delete: run prune against the primary, with --slot-database-url naming this standby (where the relay's slot is)".into(),
-        ));
-    }
-    let slot_here: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots \
-          WHERE slot_name = $1 AND database = current_database())",
-    )
-    .bind(&cfg.slot)
-    .fetch_one(slot_pool)
-    .await
-    .map_err(Error::pg("reading the relay's slot"))?;
-    if !slot_here {
-        return Err(Error::Config(format!(
-            "slot {} does not exist in this database (a slot of another database proves nothing here), and prune deletes only rows the relay's slot has confirmed: give the relay's --context or --slot, or, when the relay streams from a standby, --slot-database-url naming it; nothing pruned",
-            cfg.slot
-        )));
-    }
     // The anchor: snapshot S, then W.
     let mut anchor = pool
         .begin()
@@ -277,6 +275,47 @@ pub(crate) enum Confirmed {
 /// The slot's confirmed position, if the slot decodes *this* database. LSNs
 /// are cluster-wide, so a slot of another database (the same name reached
 /// with another database's `--context`) confirms nothing about our rows.
+/// Whether the slot is in this database (of the server `pool` reaches).
+pub(crate) async fn slot_exists(pool: &PgPool, slot: &str) -> Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_replication_slots \
+          WHERE slot_name = $1 AND database = current_database())",
+    )
+    .bind(slot)
+    .fetch_one(pool)
+    .await
+    .map_err(Error::pg("reading the relay's slot"))
+}
+
+/// The pool that reaches the relay's slot: `other` (`--slot-database-url`)
+/// when given, once it is known to be of this cluster (a standby: the same
+/// system identifier, so its WAL positions are this server's), else `pool`.
+/// A slot of another cluster would "confirm" positions of another WAL.
+pub(crate) async fn slot_pool_of<'a>(
+    pool: &'a PgPool,
+    other: Option<&'a PgPool>,
+) -> Result<&'a PgPool> {
+    let Some(other) = other else {
+        return Ok(pool);
+    };
+    let id = |p: &'a PgPool| async move {
+        sqlx::query_scalar::<_, String>("SELECT system_identifier::text FROM pg_control_system()")
+            .fetch_one(p)
+            .await
+    };
+    let why = "reading the system identifiers (pg_control_system(), for a superuser or a member of pg_monitor) to check that --slot-database-url names a standby of this database";
+    let (here, there) = (
+        id(pool).await.map_err(Error::pg(why))?,
+        id(other).await.map_err(Error::pg(why))?,
+    );
+    if here != there {
+        return Err(Error::Config(format!(
+            "--slot-database-url reaches another cluster (system identifier {there}, this database's {here}): it must name a standby of this primary, whose WAL positions are this one's"
+        )));
+    }
+    Ok(other)
+}
+
 async fn slot_confirmed(pool: &PgPool, slot: &str) -> Result<Option<Lsn>> {
     let text: Option<Option<String>> = sqlx::query_scalar(
         "SELECT confirmed_flush_lsn::text FROM pg_replication_slots \

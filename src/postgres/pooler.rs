@@ -29,15 +29,24 @@ const WITHIN: Duration = Duration::from_secs(10);
 
 /// Refuse a connection that does not keep its backend (see the module doc).
 pub async fn check_session_pinned(pool: &PgPool) -> Result<()> {
-    match tokio::time::timeout(WITHIN, check(pool)).await {
+    check_session_pinned_for(pool, CONSUMER).await
+}
+
+/// What the consumer needs of a session.
+const CONSUMER: &str = "The consumer's lease and member locks are session advisory locks, which such a proxy leaves to other clients; connect the consumer to Postgres directly, or through a pool in session mode";
+
+/// Refuse a connection that does not keep its backend, saying what of the
+/// session `needs` (a sentence, and what to do).
+pub async fn check_session_pinned_for(pool: &PgPool, needs: &str) -> Result<()> {
+    match tokio::time::timeout(WITHIN, check(pool, needs)).await {
         Ok(verdict) => verdict,
         Err(_) => Err(Error::setup(format!(
-            "Postgres did not answer the consumer's start-up check within {WITHIN:?}"
+            "Postgres did not answer the start-up check of its sessions within {WITHIN:?}"
         ))),
     }
 }
 
-async fn check(pool: &PgPool) -> Result<()> {
+async fn check(pool: &PgPool, needs: &str) -> Result<()> {
     // Connections of its own: the pool may be smaller than two.
     let options = pool.connect_options();
     let mut a = PgConnection::connect_with(&options)
@@ -52,7 +61,7 @@ async fn check(pool: &PgPool) -> Result<()> {
     let (seen_a, seen_b) = seen?;
     match verdict(&seen_a, &seen_b) {
         None => Ok(()),
-        Some(why) => Err(refusal(&why)),
+        Some(why) => Err(refusal(&why, needs)),
     }
 }
 
@@ -84,9 +93,9 @@ fn verdict(a: &[i32], b: &[i32]) -> Option<String> {
         })
 }
 
-fn refusal(why: &str) -> Error {
+fn refusal(why: &str, needs: &str) -> Error {
     Error::setup(format!(
-        "DATABASE_URL reaches Postgres through a transaction-pooling proxy (PgBouncer with pool_mode = transaction or statement?): {why}. The consumer's lease and member locks are session advisory locks, which such a proxy leaves to other clients; connect the consumer to Postgres directly, or through a pool in session mode"
+        "DATABASE_URL reaches Postgres through a transaction-pooling proxy (PgBouncer with pool_mode = transaction or statement?): {why}. {needs}"
     ))
 }
 

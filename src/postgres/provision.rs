@@ -15,7 +15,54 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     MIGRATOR.run(pool).await.map_err(|e| Error::Setup {
         message: format!("migrations failed: {e}"),
         source: Some(Box::new(e)),
-    })
+    })?;
+    outbox_time_index(pool).await
+}
+
+/// The index the audit and prune find a window of the outbox by. Built
+/// CONCURRENTLY, so producers keep writing while it builds on a large
+/// table, and outside sqlx's migrations: Postgres cannot build one so on a
+/// partitioned table, and a build that failed leaves an invalid index that
+/// `IF NOT EXISTS` would keep for good.
+async fn outbox_time_index(pool: &PgPool) -> Result<()> {
+    let kind: Option<String> = sqlx::query_scalar(
+        "SELECT relkind::text FROM pg_class WHERE oid = to_regclass('outbox_events')",
+    )
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("reading the outbox table"))?;
+    match kind.as_deref() {
+        Some("r") => {
+            let invalid: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_index \
+                  WHERE indexrelid = to_regclass('outbox_events_occurred_at') AND NOT indisvalid)",
+            )
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("reading the outbox's indexes"))?;
+            if invalid {
+                sqlx::raw_sql("DROP INDEX CONCURRENTLY outbox_events_occurred_at")
+                    .execute(pool)
+                    .await
+                    .map_err(Error::pg("dropping an index a failed build left"))?;
+            }
+            sqlx::raw_sql(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_events_occurred_at \
+                 ON outbox_events (occurred_at)",
+            )
+            .execute(pool)
+            .await
+            .map_err(Error::pg("building outbox_events_occurred_at"))?;
+        }
+        // A partitioned outbox (by occurred_at, so prune can drop whole
+        // partitions) is read only in the window's partitions; the index,
+        // if wanted, is built per partition and attached.
+        Some("p") => tracing::info!(
+            "outbox_events is partitioned: no index outbox_events_occurred_at made (build one CONCURRENTLY on each partition, then attach them to an index made ON ONLY the parent)"
+        ),
+        _ => {}
+    }
+    Ok(())
 }
 
 /// What the relay streams from, once [`prepare`]d.
