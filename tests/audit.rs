@@ -642,9 +642,14 @@ async fn a_repair_does_not_put_an_event_behind_a_later_one_of_its_aggregate() {
     let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
     assert_eq!(code, Some(1), "{out}");
     assert_eq!(lines(&out, "missing").len(), 2, "{out}");
-    let repaired = lines(&out, "repaired");
+    // Sent: stored, or dropped by the duplicate window (2 min) that still
+    // holds the id deleted a moment ago.
+    let sent = |out: &str, id: &str| {
+        out.contains(&format!("repaired {id} published again"))
+            || out.contains(&format!("note not repaired: {id}: not stored"))
+    };
     assert!(
-        repaired.len() == 1 && repaired[0].contains(&y1),
+        sent(&out, &y1) && !sent(&out, &x1),
         "y's hole, alone of its aggregate, is repaired: {out}"
     );
     assert!(
@@ -657,9 +662,7 @@ async fn a_repair_does_not_put_an_event_behind_a_later_one_of_its_aggregate() {
         &["--last", "1h", "--repair", "--repair-out-of-order"],
     );
     assert_eq!(code, Some(1), "{out}");
-    // (y's copy may wait out the duplicate window: tried again here.)
-    let repaired = lines(&out, "repaired");
-    assert!(repaired.iter().any(|l| l.contains(&x1)), "{out}");
+    assert!(sent(&out, &x1), "{out}");
     drop(relay);
 }
 
@@ -1202,5 +1205,79 @@ async fn rows_published_late_are_read_past_the_window() {
             && lines(&out, "missing")[0].contains(&lost),
         "{out}"
     );
+    drop(relay);
+}
+
+/// Issue 62 item 3 (review A4): a repair routes as the running relay
+/// does, or not at all. The relay runs with its own subject template; an
+/// on-call `audit --repair` without it would have sent the hole on the
+/// default subject, where no consumer filtered on the relay's looks (and
+/// the next audit called it clean). Now the repair first renders rows the
+/// stream holds and compares: a difference stops it, saying which, and
+/// nothing is sent. With the relay's template it repairs, saying subject
+/// and stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repair_routes_as_the_relay_does_or_not_at_all() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_route").await;
+    let ctx = "auditroute";
+    let stream = wire::stream_name(ctx);
+    let template = "{context}.{aggregate_type}.{event_type}";
+    let relay = Service::relay(
+        &url,
+        &stack.nats_url,
+        ctx,
+        &["--subject-template", template, "--duplicate-window", "1s"],
+    );
+    // Each row its own aggregate: the hole has no later event of its own.
+    for n in 0..6 {
+        sqlx::query(
+            "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+             VALUES (gen_random_uuid(), 'order', $1, 'placed', '{}')",
+        )
+        .bind(format!("r{n}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    read_stream(&stack.nats_url, &stream, 6, T).await;
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let mut s = js.get_stream(&stream).await.unwrap();
+    let gone = s.get_raw_message(3).await.unwrap();
+    assert_eq!(gone.subject.as_str(), "auditroute.order.placed");
+    s.delete_message(3).await.unwrap();
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+    assert!(
+        code == Some(1)
+            && lines(&out, "repaired").is_empty()
+            && out.contains("the repair stopped: ")
+            && out.contains("do not route as the relay did")
+            && out.contains("auditroute.order.placed"),
+        "{out}"
+    );
+    let held = s.info().await.unwrap().state.messages;
+    assert_eq!(held, 5, "nothing sent");
+    // Once the duplicate window (1 s) no longer holds the id.
+    let deadline = std::time::Instant::now() + T;
+    let (code, out) = loop {
+        let (code, out) = audit(
+            &url,
+            ctx,
+            &["--last", "1h", "--repair", "--subject-template", template],
+        );
+        if !out.contains("duplicate window still holds") || std::time::Instant::now() > deadline {
+            break (code, out);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let repaired = lines(&out, "repaired");
+    assert!(
+        code == Some(1)
+            && repaired.len() == 1
+            && repaired[0].contains("as auditroute.order.placed (stream AUDITROUTE_EVENTS"),
+        "{out}"
+    );
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    assert_eq!(code, Some(0), "{out}");
     drop(relay);
 }

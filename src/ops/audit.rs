@@ -738,7 +738,17 @@ pub async fn run(
         )
         .await
         {
-            Ok(done) => report.repaired = done,
+            // A copy JetStream dropped (its duplicate window still holds
+            // the id) is not a repair: said in a note, not counted.
+            Ok(done) => {
+                for (stored, what) in done {
+                    if stored {
+                        report.repaired.push(what);
+                    } else {
+                        report.notes.push(format!("not repaired: {what}"));
+                    }
+                }
+            }
             Err(e) => report.notes.push(format!("the repair stopped: {e}")),
         }
     }
@@ -1164,7 +1174,7 @@ async fn repair(
     missing: &[(String, String)],
     system_id: Option<&str>,
     database: &str,
-) -> Result<Vec<String>> {
+) -> Result<Vec<(bool, String)>> {
     let rc = &cfg.relay;
     let columns = crate::postgres::provision::table_columns(pool, &rc.schema, &rc.table).await?;
     let relation = crate::relay::backfill::text_relation(&rc.schema, &rc.table, &columns);
@@ -1235,17 +1245,77 @@ async fn repair(
         .server_info()
         .max_payload
         .saturating_sub(crate::relay::publish::HEADER_RESERVE);
-    let mut sent = Vec::new();
-    for (index, row) in rows.iter().enumerate() {
-        let values = crate::relay::backfill::text_values(row, columns.len());
+    let render = |values: &[crate::relay::pgoutput::Value], index: usize| {
         let pos = Position {
             commit_lsn: Lsn::ZERO,
             index: index as u32,
         };
-        let msg = match layout.row(&values) {
+        match layout.row(values) {
             Ok(r) => router.route_committed(r, pos, None, max_payload),
-            Err(e) => router.bad_row(layout.id(&values), pos, &e.to_string()),
+            Err(e) => router.bad_row(layout.id(values), pos, &e.to_string()),
+        }
+    };
+
+    // Before anything is sent: do these flags route as the relay did?
+    // Messages of this relay whose rows are still in the table, rendered
+    // again, must come out as they were stored (review A4: a repair run
+    // from a shell without the relay's template, envelope, schemas or
+    // streams sent holes where no consumer looked).
+    let sample: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT a.id, a.stream, a.seq FROM outbox_audit a \
+          WHERE a.dlq_reason IS NULL AND NOT a.emitted AND a.source NOT LIKE '%/' || $1 \
+          ORDER BY a.seq DESC LIMIT 50",
+    )
+    .bind(REPAIR_SLOT)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(Error::pg("choosing messages to check the routing with"))?;
+    let sample_ids: Vec<String> = sample.iter().map(|(id, _, _)| id.clone()).collect();
+    let present = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {select} FROM {}.{} WHERE {by_id} LIMIT 20",
+        quote(&rc.schema),
+        quote(&rc.table),
+    )))
+    .bind(&sample_ids)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(Error::pg("reading rows to check the routing with"))?;
+    if present.is_empty() {
+        return Err(Error::Config(
+            "no message of this relay whose row is still in the table to check the routing with: nothing repaired (audit a window that holds some)".into(),
+        ));
+    }
+    for row in &present {
+        let values = crate::relay::backfill::text_values(row, columns.len());
+        let now = render(&values, 0);
+        let Some((_, stream, seq)) = sample.iter().find(|(id, _, _)| *id == now.msg_id) else {
+            continue;
         };
+        let stored = js
+            .get_stream(stream)
+            .await
+            .map_err(Error::nats(format!("reading stream {stream}")))?
+            .get_raw_message(*seq as u64)
+            .await
+            .map_err(|e| Error::setup(format!("reading stream {stream} seq {seq}: {e}")))?;
+        let headers: Vec<(String, String)> = stored
+            .headers
+            .iter()
+            .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
+            .collect();
+        let own = now.stream.as_deref().unwrap_or(&rc.stream);
+        if let Some(why) = routing_differs(&stored.subject, &headers, stream, &now, own) {
+            return Err(Error::Config(format!(
+                "these flags do not route as the relay did: {} ({why}); run the audit with the relay's own settings (its environment: template, envelope, schemas, header columns, streams); nothing repaired",
+                now.msg_id
+            )));
+        }
+    }
+
+    let mut sent = Vec::new();
+    for (index, row) in rows.iter().enumerate() {
+        let values = crate::relay::backfill::text_values(row, columns.len());
+        let msg = render(&values, index);
         let mut headers = async_nats::HeaderMap::new();
         for (k, v) in &msg.headers {
             headers.append(k.as_ref(), v.as_str());
@@ -1259,15 +1329,96 @@ async fn repair(
             .map_err(Error::nats("publishing a repaired row"))?;
         sent.push(if ack.duplicate {
             // Deleted inside the duplicate window: JetStream dropped the copy.
-            format!(
-                "{} not stored: the stream's duplicate window still holds its id; repair again once it passed",
-                msg.msg_id
+            (
+                false,
+                format!(
+                    "{}: not stored, the stream's duplicate window still holds its id; repair again once it passed",
+                    msg.msg_id
+                ),
             )
         } else {
-            format!("{} published again", msg.msg_id)
+            (
+                true,
+                format!(
+                    "{} published again as {} (stream {}, seq {})",
+                    msg.msg_id, msg.subject, ack.stream, ack.sequence
+                ),
+            )
         });
     }
     Ok(sent)
+}
+
+/// Headers that differ between two publishes of one row by the same
+/// settings: where and when it was read, and the publish's own.
+fn volatile(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    n.starts_with(wire::NATS_HEADER_PREFIX)
+        || n.starts_with("outbox-backfill")
+        || n.starts_with("outbox-txn-")
+        || [
+            wire::TRACEPARENT,
+            wire::COMMIT_LSN,
+            wire::SOURCE,
+            wire::XID_HORIZON,
+            wire::REPAIR,
+            wire::EMITTED,
+        ]
+        .iter()
+        .any(|v| v.eq_ignore_ascii_case(&n))
+}
+
+/// Why a row's message as stored (`subject`, `headers`, in `stream`) is
+/// not what routing it again gives (`now`, to `now_stream`); `None` when
+/// it is, but for the headers of the publish itself.
+fn routing_differs(
+    subject: &str,
+    headers: &[(String, String)],
+    stream: &str,
+    now: &crate::relay::route::OutMessage,
+    now_stream: &str,
+) -> Option<String> {
+    if subject != now.subject {
+        return Some(format!("stored as {subject}, now {}", now.subject));
+    }
+    if stream != now_stream {
+        return Some(format!("stored in stream {stream}, now {now_stream}"));
+    }
+    let kept = |h: &mut Vec<(String, String)>| {
+        h.retain(|(k, _)| !volatile(k));
+        for (k, _) in h.iter_mut() {
+            k.make_ascii_lowercase();
+        }
+        h.sort();
+        h.clone()
+    };
+    let was = kept(&mut headers.to_vec());
+    let is = kept(
+        &mut now
+            .headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect(),
+    );
+    if was == is {
+        return None;
+    }
+    let first = was
+        .iter()
+        .find(|h| !is.contains(h))
+        .or_else(|| is.iter().find(|h| !was.contains(h)))
+        .map(|(k, _)| k.clone())
+        .unwrap_or_default();
+    let value = |hs: &[(String, String)]| {
+        hs.iter()
+            .find(|(k, _)| *k == first)
+            .map_or_else(|| "none".to_owned(), |(_, v)| v.clone())
+    };
+    Some(format!(
+        "header {first}: stored {}, now {}",
+        value(&was),
+        value(&is)
+    ))
 }
 
 #[cfg(test)]
@@ -1318,6 +1469,55 @@ mod tests {
         assert_eq!(
             reach(&state(0, 0, 0, 0, 0), t(1200), since),
             Reach::From(t(1200))
+        );
+    }
+
+    #[test]
+    fn routing_differs_on_subject_stream_or_a_lasting_header_only() {
+        let now = crate::relay::route::OutMessage {
+            subject: "shop.order.placed".into(),
+            msg_id: "a".into(),
+            headers: vec![
+                (wire::MSG_ID.into(), "a".into()),
+                (wire::EVENT_TYPE.into(), "placed".into()),
+                (wire::COMMIT_LSN.into(), "0/0".into()),
+            ],
+            body: Default::default(),
+            dlq_reason: None,
+            stream: None,
+        };
+        let h = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // The publish's own headers (position, source, expectations) and
+        // the names' case differ; the routing does not.
+        let stored = h(&[
+            ("Nats-Msg-Id", "a"),
+            ("outbox-event-type", "placed"),
+            (wire::COMMIT_LSN, "0/16B3748"),
+            (wire::SOURCE, "1/0/db/slot"),
+            (wire::EXPECTED_LAST_MSG_ID, "z"),
+        ]);
+        assert_eq!(
+            routing_differs("shop.order.placed", &stored, "S", &now, "S"),
+            None
+        );
+        assert!(
+            routing_differs("shop.event.placed.v1", &stored, "S", &now, "S")
+                .is_some_and(|w| w.contains("shop.event.placed.v1"))
+        );
+        assert!(
+            routing_differs("shop.order.placed", &stored, "T", &now, "S")
+                .is_some_and(|w| w.contains("stream T"))
+        );
+        let mut enveloped = stored.clone();
+        enveloped.push((wire::ENVELOPE.into(), "cloudevents".into()));
+        assert_eq!(
+            routing_differs("shop.order.placed", &enveloped, "S", &now, "S").as_deref(),
+            Some("header outbox-envelope: stored cloudevents, now none")
         );
     }
 
