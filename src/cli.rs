@@ -433,7 +433,7 @@ async fn run(command: Command) -> Result<(), Error> {
                 &pool,
                 entry,
                 by.as_ref(),
-                crate::ops::dlq::delete(&js, &args.select.stream, letters),
+                crate::ops::dlq::delete(&js, &pool, &args.select.stream, letters),
             )
             .await?;
             if args.json {

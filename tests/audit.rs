@@ -1281,3 +1281,71 @@ async fn a_repair_routes_as_the_relay_does_or_not_at_all() {
     assert_eq!(code, Some(0), "{out}");
     drop(relay);
 }
+
+/// Review A5 (3): the documented procedure for a relay dead letter — fix
+/// the row, insert it again as a new row, `dlq delete` the letter. The
+/// next audit called the deleted one "missing" (exit 1 every hour), and
+/// `--repair` published it beside its fixed copy: the business event
+/// twice, under two ids. A deletion is recorded (`outbox_deleted_letters`):
+/// the row is dealt with, said in a note, never repaired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_an_operator_deleted_is_not_a_hole() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_dealt").await;
+    let ctx = "auditdealt";
+    let stream = wire::stream_name(ctx);
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    insert_txn(&pool, 1, 0, 3, 0).await;
+    let bad: String = sqlx::query_scalar(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, subject) \
+         VALUES (gen_random_uuid(), 'order', 'o1', 'placed', '{}', 'not a subject') RETURNING id::text",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    // The fixed copy, a new row.
+    insert_txn(&pool, 1, 3, 1, 0).await;
+    read_stream(&stack.nats_url, &stream, 5, T).await;
+    let (code, out) = run_output_bounded(
+        &[
+            "dlq",
+            "delete",
+            "--database-url",
+            &url,
+            "--nats-url",
+            &stack.nats_url,
+            "--stream",
+            &stream,
+            "--id",
+            &bad,
+            "--reason",
+            "fixed copy inserted",
+        ],
+        T,
+    );
+    assert!(
+        code == Some(0) && out.contains(&format!("{bad}  deleted")),
+        "{out}"
+    );
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+    assert!(
+        code == Some(0)
+            && lines(&out, "missing").is_empty()
+            && lines(&out, "repaired").is_empty()
+            && out.contains(
+                "1 rows of the window are not in the streams because an operator deleted"
+            ),
+        "{out}"
+    );
+    let held = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap())
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(held, 4, "nothing republished");
+    drop(relay);
+}

@@ -1855,7 +1855,7 @@ async fn delete_letters(c: &Console, letters: Vec<(String, dlq::DeadLetter)>) ->
     let mut failed = 0;
     for (stream, d) in letters {
         let (seq, id) = (d.seq, d.id.clone());
-        match dlq::delete(&c.0.js, &stream, vec![d]).await {
+        match dlq::delete(&c.0.js, &c.0.pool, &stream, vec![d]).await {
             Ok(done) => out.extend(done.into_iter().map(
                 |d| json!({ "stream": stream, "seq": d.seq, "id": d.id, "result": d.result }),
             )),

@@ -272,6 +272,11 @@ pub async fn run(
         _ => "text",
     };
 
+    let deleted_letters: bool =
+        sqlx::query_scalar("SELECT to_regclass('outbox_deleted_letters') IS NOT NULL")
+            .fetch_one(pool)
+            .await
+            .map_err(Error::pg("looking for outbox_deleted_letters"))?;
     // One session holds the audit's temporary tables; it is closed at the
     // end, never handed back to the pool with them.
     let mut conn = pool
@@ -333,7 +338,7 @@ pub async fn run(
     // What the audit itself costs, without the wait for the relay.
     let started = Instant::now();
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TEMP TABLE outbox_audit_rows (id text, at timestamptz, aggregate text, unpublished bool); \
+        "CREATE TEMP TABLE outbox_audit_rows (id text, at timestamptz, aggregate text, unpublished bool, dismissed bool); \
          CREATE TEMP TABLE outbox_audit (stream text, seq int8, id text, key {key_type}, source text, \
            emitted bool, lsn int8, counted bool, aggregate text, at timestamptz, \
            dlq_reason text, dlq_detail text); \
@@ -345,19 +350,36 @@ pub async fn run(
     let aggregate = keys
         .aggregate(Some("r"))
         .unwrap_or_else(|| "NULL::text".into());
+    // A row whose relay dead letter an operator deleted from a stream read
+    // here (`dlq delete`: the documented procedure inserts a fixed copy as
+    // a new row) was dealt with: not a hole, and never repaired (review
+    // A5).
+    let dismissed = if deleted_letters {
+        format!(
+            "EXISTS (SELECT 1 FROM outbox_deleted_letters d WHERE d.id = {sent_id} AND d.stream = ANY($3))"
+        )
+    } else {
+        "false".to_owned()
+    };
     // The window's rows in a subquery of their own, so that the relay's
     // predicate may name the table as it does there.
-    report.rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+    let stream_names: Vec<String> = streams.iter().map(|(n, _)| n.clone()).collect();
+    let insert = format!(
         "INSERT INTO outbox_audit_rows \
-         SELECT {sent_id}, {r_at}, {aggregate}, r.outbox_audit_unpublished \
+         SELECT {sent_id}, {r_at}, {aggregate}, r.outbox_audit_unpublished, {dismissed} \
          FROM (SELECT *, ({unpublished}) AS outbox_audit_unpublished FROM {table} WHERE {window}) r"
-    )))
-    .bind(&report.since)
-    .bind(&report.until)
-    .execute(&mut *tx)
-    .await
-    .map_err(Error::pg("copying the window's rows"))?
-    .rows_affected() as i64;
+    );
+    let mut insert = sqlx::query(sqlx::AssertSqlSafe(insert))
+        .bind(&report.since)
+        .bind(&report.until);
+    if deleted_letters {
+        insert = insert.bind(&stream_names);
+    }
+    report.rows = insert
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::pg("copying the window's rows"))?
+        .rows_affected() as i64;
     if let Some(note) = index_note(&mut tx, rc, &keys).await? {
         report.notes.push(note);
     }
@@ -501,10 +523,23 @@ pub async fn run(
             .map_err(Error::pg("counting the window's messages"))?;
     let lacking = |rows: &str| {
         format!(
-            "FROM outbox_audit_rows r WHERE {rows} \
+            "FROM outbox_audit_rows r WHERE {rows} AND NOT r.dismissed \
              AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)"
         )
     };
+    let dismissed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_audit_rows r WHERE r.dismissed \
+          AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .map_err(Error::pg("counting rows whose dead letter was deleted"))?;
+    if dismissed > 0 {
+        report.unjudged += dismissed;
+        report.notes.push(format!(
+            "{dismissed} rows of the window are not in the streams because an operator deleted their relay dead letter (outbox_deleted_letters): dealt with, not judged, never repaired"
+        ));
+    }
     let holes = lacking("r.at >= $1::timestamptz");
     report.missing = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) {holes}")))
         .bind(&made)
@@ -765,6 +800,7 @@ async fn rows_lacking(conn: &mut sqlx::PgConnection, made: &str) -> Result<i64> 
     sqlx::query_scalar(
         "SELECT count(*) FROM outbox_audit_rows r \
           WHERE (r.at >= $1::timestamptz OR r.unpublished IS DISTINCT FROM false) \
+            AND NOT r.dismissed \
             AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)",
     )
     .bind(made)

@@ -710,9 +710,12 @@ pub struct Deleted {
     pub result: &'static str,
 }
 
-/// Remove `letters` from `dlq_stream`, by sequence.
+/// Remove `letters` from `dlq_stream`, by sequence, each recorded in
+/// `outbox_deleted_letters` (the audit does not take a deleted relay dead
+/// letter's row for a hole).
 pub async fn delete(
     js: &jetstream::Context,
+    pool: &sqlx::PgPool,
     dlq_stream: &str,
     letters: Vec<DeadLetter>,
 ) -> Result<Vec<Deleted>> {
@@ -733,6 +736,20 @@ pub async fn delete(
             }
         };
         tracing::info!(dlq = dlq_stream, seq = d.seq, id = %d.id, result, "deleted a dead letter");
+        // Gone now whatever this says: a record that fails is logged, and
+        // the audit then reports the row as missing, as before.
+        if let Err(e) = sqlx::query(
+            "INSERT INTO outbox_deleted_letters (stream, seq, id) VALUES ($1, $2, $3) \
+             ON CONFLICT (stream, seq) DO NOTHING",
+        )
+        .bind(dlq_stream)
+        .bind(d.seq as i64)
+        .bind(&d.id)
+        .execute(pool)
+        .await
+        {
+            tracing::warn!(dlq = dlq_stream, seq = d.seq, id = %d.id, error = %e, "a deleted dead letter is not recorded in outbox_deleted_letters (run `outbox-relay migrate`)");
+        }
         out.push(Deleted {
             seq: d.seq,
             id: d.id,
