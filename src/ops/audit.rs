@@ -1109,8 +1109,10 @@ pub fn write_metrics(path: &std::path::Path, report: Option<&Report>) -> Result<
          # HELP outbox_audit_last_success_timestamp_seconds When an audit run last could say (exit 0 or 1).\n# TYPE outbox_audit_last_success_timestamp_seconds gauge\noutbox_audit_last_success_timestamp_seconds {succeeded}\n",
         h = m::AUDIT_HOLES,
     );
-    // Written whole, then renamed: a scrape never reads half a file.
-    let tmp = path.with_extension("tmp");
+    // Written whole, then renamed: a scrape never reads half a file, and
+    // two runs at once (an overlapping cron) never write one temporary
+    // file together.
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     std::fs::write(&tmp, text)
         .and_then(|()| std::fs::rename(&tmp, path))
         .map_err(|e| Error::Config(format!("writing {}: {e}", path.display())))
@@ -1352,6 +1354,19 @@ async fn repair(
     for (index, row) in rows.iter().enumerate() {
         let values = crate::relay::backfill::text_values(row, columns.len());
         let msg = render(&values, index);
+        // A row whose id cannot be a message id is dead-lettered under a
+        // position of its own: never its id, so the hole would stay and
+        // each run add one more dead letter (review A13).
+        if !ids.contains(&msg.msg_id) {
+            sent.push((
+                false,
+                format!(
+                    "a row of the window ({}): its id cannot be a message id, and the relay dead-letters it",
+                    msg.msg_id
+                ),
+            ));
+            continue;
+        }
         let mut headers = async_nats::HeaderMap::new();
         for (k, v) in &msg.headers {
             headers.append(k.as_ref(), v.as_str());
