@@ -311,8 +311,30 @@ async fn run(command: Command) -> Result<(), Error> {
                 Some(d) => Some(d.pool(1).await?),
                 None => None,
             };
+            let print = |report: &crate::ops::prune::Report| -> Result<(), Error> {
+                if args.json {
+                    println!("{}", to_json(report)?);
+                } else {
+                    for line in report.lines() {
+                        println!("{line}");
+                    }
+                }
+                Ok(())
+            };
+            // Without the relay's slot the outbox is not pruned: the run
+            // says what it did (the inbox), then fails, recorded so.
+            let pruned = async {
+                let report = crate::ops::prune::run(&pool, slot_pool.as_ref(), &cfg).await?;
+                match &report.refused {
+                    Some(why) => {
+                        print(&report)?;
+                        Err(Error::Config(why.clone()))
+                    }
+                    None => Ok(report),
+                }
+            };
             let mut report = if args.dry_run {
-                crate::ops::prune::run(&pool, slot_pool.as_ref(), &cfg).await?
+                pruned.await?
             } else {
                 let entry = admin_log::Entry {
                     action: "prune",
@@ -324,13 +346,7 @@ async fn run(command: Command) -> Result<(), Error> {
                     reason: args.reason.clone(),
                 };
                 let by = command_actor(&pool, &args.actor).await?;
-                admin_log::recorded_as(
-                    &pool,
-                    entry,
-                    by.as_ref(),
-                    crate::ops::prune::run(&pool, slot_pool.as_ref(), &cfg),
-                )
-                .await?
+                admin_log::recorded_as(&pool, entry, by.as_ref(), pruned).await?
             };
             if let (Some(inbox_age), Some(stream)) = (cfg.inbox_older_than, &args.events_stream) {
                 let nats = crate::nats::connect(&args.nats, "outbox-prune".into()).await?;
@@ -348,21 +364,7 @@ async fn run(command: Command) -> Result<(), Error> {
                     report.notes.push(w);
                 }
             }
-            if args.json {
-                let json = serde_json::to_string_pretty(&report).map_err(|e| Error::Setup {
-                    message: format!("encoding JSON: {e}"),
-                    source: Some(Box::new(e)),
-                })?;
-                println!("{json}");
-            } else {
-                for line in report.lines() {
-                    println!("{line}");
-                }
-            }
-            match report.refused {
-                Some(why) => Err(Error::Config(why)),
-                None => Ok(()),
-            }
+            print(&report)
         }
         Command::Dlq {
             command: DlqCommand::List(args),

@@ -474,15 +474,7 @@ async fn an_emptied_or_made_again_stream_is_not_read_as_holes() {
     assert!(code == Some(2) && out.contains("reaches back"), "{out}");
     let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
     assert!(code == Some(2) && out.contains("reaches back"), "{out}");
-    let held = js
-        .get_stream(&stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages;
+    let held = messages_in(&js, &stream).await;
     assert_eq!(held, 0, "nothing republished");
 
     relay.term(Duration::from_secs(30));
@@ -528,15 +520,7 @@ async fn an_audit_of_a_stream_the_relay_does_not_write_says_so() {
         let (code, out) = audit(&url, ctx, &args);
         assert!(code == Some(2) && out.contains("not the relay's"), "{out}");
     }
-    let held = js
-        .get_stream("WRONGSTREAM_OTHER")
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages;
+    let held = messages_in(&js, "WRONGSTREAM_OTHER").await;
     assert_eq!(held, 0, "nothing repaired into it");
     drop(relay);
 }
@@ -946,6 +930,18 @@ async fn a_dead_lettered_row_is_a_finding() {
     drop(relay);
 }
 
+/// How many messages `stream` holds.
+async fn messages_in(js: &jetstream::Context, stream: &str) -> u64 {
+    js.get_stream(stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages
+}
+
 /// The stored time of a stream's message `seq`.
 async fn stored_at(js: &jetstream::Context, stream: &str, seq: u64) -> time::OffsetDateTime {
     js.get_stream(stream)
@@ -1286,66 +1282,97 @@ async fn a_repair_routes_as_the_relay_does_or_not_at_all() {
 /// the row, insert it again as a new row, `dlq delete` the letter. The
 /// next audit called the deleted one "missing" (exit 1 every hour), and
 /// `--repair` published it beside its fixed copy: the business event
-/// twice, under two ids. A deletion is recorded (`outbox_deleted_letters`):
-/// the row is dealt with, said in a note, never repaired.
+/// twice, under two ids. A deletion is recorded (`outbox_deleted_letters`)
+/// in the database of the outbox the letter came from: the row is dealt
+/// with, said in a note, never repaired. Deleted through another
+/// database's URL (the consumer's), it is said, and the row stays a hole.
+/// A role that may not read the record (the relay's, granted SELECT on
+/// the outbox alone) is told to be granted it (before: exit 2,
+/// "permission denied").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_an_operator_deleted_is_not_a_hole() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "a_dealt").await;
+    let (other_url, _other) = fresh_db(&stack, "a_dealt_other").await;
     let ctx = "auditdealt";
     let stream = wire::stream_name(ctx);
     let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
     insert_txn(&pool, 1, 0, 3, 0).await;
-    let bad: String = sqlx::query_scalar(
+    let bad: Vec<String> = sqlx::query_scalar(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, subject) \
-         VALUES (gen_random_uuid(), 'order', 'o1', 'placed', '{}', 'not a subject') RETURNING id::text",
+         SELECT gen_random_uuid(), 'order', 'o' || g, 'placed', '{}', 'not a subject' \
+         FROM generate_series(1, 2) g RETURNING id::text",
     )
-    .fetch_one(&pool)
+    .fetch_all(&pool)
     .await
     .unwrap();
-    // The fixed copy, a new row.
-    insert_txn(&pool, 1, 3, 1, 0).await;
-    read_stream(&stack.nats_url, &stream, 5, T).await;
-    let (code, out) = run_output_bounded(
-        &[
-            "dlq",
-            "delete",
-            "--database-url",
-            &url,
-            "--nats-url",
-            &stack.nats_url,
-            "--stream",
-            &stream,
-            "--id",
-            &bad,
-            "--reason",
-            "fixed copy inserted",
-        ],
-        T,
-    );
-    assert!(
-        code == Some(0) && out.contains(&format!("{bad}  deleted")),
-        "{out}"
-    );
-    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+    // The fixed copies, new rows.
+    insert_txn(&pool, 1, 3, 2, 0).await;
+    read_stream(&stack.nats_url, &stream, 7, T).await;
+    let delete = |db: &str, id: &str| {
+        run_output_bounded(
+            &[
+                "dlq",
+                "delete",
+                "--database-url",
+                db,
+                "--nats-url",
+                &stack.nats_url,
+                "--stream",
+                &stream,
+                "--id",
+                id,
+                "--reason",
+                "fixed copy inserted",
+            ],
+            T,
+        )
+    };
+    let (code, out) = delete(&other_url, &bad[0]);
     assert!(
         code == Some(0)
-            && lines(&out, "missing").is_empty()
-            && lines(&out, "repaired").is_empty()
+            && out.contains(&format!("{}  deleted", bad[0]))
+            && out.contains("not recorded there"),
+        "{out}"
+    );
+    let (code, out) = delete(&url, &bad[1]);
+    assert!(
+        code == Some(0) && out.contains(&format!("{}  deleted", bad[1])),
+        "{out}"
+    );
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    let missing = lines(&out, "missing");
+    assert!(
+        code == Some(1)
+            && missing.len() == 1
+            && missing[0].contains(&bad[0])
             && out.contains(
                 "1 rows of the window are not in the streams because an operator deleted"
             ),
         "{out}"
     );
-    let held = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap())
-        .get_stream(&stream)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages;
-    assert_eq!(held, 4, "nothing republished");
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+    assert!(
+        code == Some(1) && !lines(&out, "repaired").iter().any(|l| l.contains(&bad[1])),
+        "{out}"
+    );
+    // The relay's own role: SELECT on the outbox alone.
+    sqlx::raw_sql(
+        "DO $$ BEGIN CREATE ROLE auditdealt LOGIN; \
+         EXCEPTION WHEN duplicate_object THEN NULL; END $$; \
+         GRANT SELECT ON outbox_events TO auditdealt",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let as_role = url.replacen("postgres@", "auditdealt@", 1);
+    assert_ne!(as_role, url, "{url}");
+    let (code, out) = audit(&as_role, ctx, &["--last", "1h"]);
+    assert!(
+        code == Some(1)
+            && lines(&out, "missing").iter().any(|l| l.contains(&bad[1]))
+            && out.contains("GRANT SELECT ON outbox_deleted_letters"),
+        "{out}"
+    );
     drop(relay);
 }

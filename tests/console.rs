@@ -1432,6 +1432,12 @@ async fn cross_site_forms_are_refused_and_recorded() {
 async fn a_command_run_with_a_token_is_recorded_under_its_name() {
     let stack = stack();
     let (url, pool) = fresh_db(&stack, "console_cli_actor").await;
+    // Prune runs against the relay's slot (a slot it need not wait for:
+    // it keeps what the slot has not confirmed).
+    sqlx::query("SELECT pg_create_logical_replication_slot('outbox_relay_cliactor', 'pgoutput')")
+        .execute(&pool)
+        .await
+        .unwrap();
     let secret = token(&url, "lee.runbook", "operator");
     let prune = |token: &str| {
         cli(&[
@@ -1490,6 +1496,10 @@ async fn a_command_run_with_a_token_is_recorded_under_its_name() {
             .await
             .unwrap();
     assert_eq!(after, 1, "a refused token does nothing, so records nothing");
+    sqlx::query("SELECT pg_drop_replication_slot('outbox_relay_cliactor')")
+        .execute(&pool)
+        .await
+        .unwrap();
 }
 
 /// Issue 61 item 7: a durable reset from the console, with a plan. A

@@ -736,19 +736,8 @@ pub async fn delete(
             }
         };
         tracing::info!(dlq = dlq_stream, seq = d.seq, id = %d.id, result, "deleted a dead letter");
-        // Gone now whatever this says: a record that fails is logged, and
-        // the audit then reports the row as missing, as before.
-        if let Err(e) = sqlx::query(
-            "INSERT INTO outbox_deleted_letters (stream, seq, id) VALUES ($1, $2, $3) \
-             ON CONFLICT (stream, seq) DO NOTHING",
-        )
-        .bind(dlq_stream)
-        .bind(d.seq as i64)
-        .bind(&d.id)
-        .execute(pool)
-        .await
-        {
-            tracing::warn!(dlq = dlq_stream, seq = d.seq, id = %d.id, error = %e, "a deleted dead letter is not recorded in outbox_deleted_letters (run `outbox-relay migrate`)");
+        if d.consumer.is_none() {
+            record_deleted(pool, dlq_stream, &d).await;
         }
         out.push(Deleted {
             seq: d.seq,
@@ -757,6 +746,48 @@ pub async fn delete(
         });
     }
     Ok(out)
+}
+
+/// Record a deleted relay dead letter where the audit of its outbox reads
+/// it: in the database its `Outbox-Source` names. A consumer's letter is
+/// not recorded: the event it came from is still in the events stream.
+/// The letter is gone whatever this says: a record that cannot be made is
+/// a warning, and the audit then reports the row missing, as before.
+async fn record_deleted(pool: &sqlx::PgPool, stream: &str, d: &DeadLetter) {
+    let source = d
+        .headers
+        .get(wire::SOURCE)
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_default();
+    let database = source.split('/').nth(2).unwrap_or_default().to_owned();
+    let recorded = sqlx::query_scalar::<_, bool>(
+        "WITH here AS (SELECT current_database() = $5 AS same) \
+         INSERT INTO outbox_deleted_letters (stream, seq, id, source) \
+         SELECT $1, $2, $3, $4 FROM here WHERE same \
+         ON CONFLICT DO NOTHING RETURNING true",
+    )
+    .bind(stream)
+    .bind(d.seq as i64)
+    .bind(&d.id)
+    .bind(&source)
+    .bind(&database)
+    .fetch_optional(pool)
+    .await;
+    match recorded {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            let here: Option<String> = sqlx::query_scalar("SELECT current_database()::text")
+                .fetch_one(pool)
+                .await
+                .ok();
+            if here.as_deref() != Some(database.as_str()) {
+                tracing::warn!(dlq = stream, seq = d.seq, id = %d.id, outbox = %database, "this relay dead letter's outbox is in database {database:?}, not this one: its deletion is not recorded there, and an audit of that outbox reports the row missing (delete relay dead letters with the outbox's --database-url)");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(dlq = stream, seq = d.seq, id = %d.id, error = %e, "a deleted relay dead letter is not recorded in outbox_deleted_letters (run `outbox-relay migrate`; the role needs INSERT on it): an audit reports its row missing");
+        }
+    }
 }
 
 /// How many messages `stream` holds on `subjects` (a filter): a dead-letter

@@ -199,32 +199,26 @@ impl Dsn {
     }
 
     pub async fn pool(&self, max_connections: u32) -> Result<PgPool> {
-        let opts = self.options.clone().application_name("outbox-relay");
-        PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect_with(opts)
-            .await
-            .map_err(Error::pg(format!("connecting to {self:?}")))
+        self.pool_of(self.options.clone(), max_connections).await
     }
 
     /// A pool for an operations command whose statements may run for
     /// minutes (the audit's copy of a stream): a role's or database's
     /// `statement_timeout` (managed Postgres sets one) would cancel them.
     pub async fn pool_untimed(&self, max_connections: u32) -> Result<PgPool> {
-        let opts = self
-            .options
-            .clone()
-            .application_name("outbox-relay")
-            .options([
-                ("statement_timeout", "0"),
-                ("idle_in_transaction_session_timeout", "0"),
-                ("lock_timeout", "0"),
-            ]);
+        let opts = self.options.clone().options([
+            ("statement_timeout", "0"),
+            ("idle_in_transaction_session_timeout", "0"),
+            ("lock_timeout", "0"),
+        ]);
+        self.pool_of(opts, max_connections).await
+    }
+
+    async fn pool_of(&self, opts: PgConnectOptions, max_connections: u32) -> Result<PgPool> {
         PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(10))
-            .connect_with(opts)
+            .connect_with(opts.application_name("outbox-relay"))
             .await
             .map_err(Error::pg(format!("connecting to {self:?}")))
     }
