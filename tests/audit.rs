@@ -903,14 +903,7 @@ async fn a_dead_lettered_row_is_a_finding() {
     let stream = wire::stream_name(ctx);
     let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
     let mut sent = insert_txn(&pool, 1, 0, 20, 0).await;
-    let bad: Vec<String> = sqlx::query_scalar(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, subject) \
-         SELECT gen_random_uuid(), 'order', 'o' || g, 'placed', '{}', 'not a subject' \
-         FROM generate_series(1, 3) g RETURNING id::text",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let bad: Vec<String> = dead_lettered_rows(&pool, 3).await;
     sent.extend(insert_txn(&pool, 1, 20, 5, 0).await);
     read_stream(&stack.nats_url, &stream, 28, T).await;
     let (code, out) = audit(&url, ctx, &["--last", "1h"]);
@@ -928,6 +921,20 @@ async fn a_dead_lettered_row_is_a_finding() {
     assert!(lines(&out, "missing").is_empty(), "{out}");
     assert!(out.contains("3 dead-lettered"), "{out}");
     drop(relay);
+}
+
+/// `n` rows the relay dead-letters (a subject override that is not a
+/// subject), their ids.
+async fn dead_lettered_rows(pool: &sqlx::PgPool, n: i32) -> Vec<String> {
+    sqlx::query_scalar(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, subject) \
+         SELECT gen_random_uuid(), 'order', 'o' || g, 'placed', '{}', 'not a subject' \
+         FROM generate_series(1, $1) g RETURNING id::text",
+    )
+    .bind(n)
+    .fetch_all(pool)
+    .await
+    .unwrap()
 }
 
 /// How many messages `stream` holds.
@@ -1298,14 +1305,7 @@ async fn a_dead_letter_an_operator_deleted_is_not_a_hole() {
     let stream = wire::stream_name(ctx);
     let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
     insert_txn(&pool, 1, 0, 3, 0).await;
-    let bad: Vec<String> = sqlx::query_scalar(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, subject) \
-         SELECT gen_random_uuid(), 'order', 'o' || g, 'placed', '{}', 'not a subject' \
-         FROM generate_series(1, 2) g RETURNING id::text",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let bad: Vec<String> = dead_lettered_rows(&pool, 2).await;
     // The fixed copies, new rows.
     insert_txn(&pool, 1, 3, 2, 0).await;
     read_stream(&stack.nats_url, &stream, 7, T).await;
