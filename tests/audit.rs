@@ -563,17 +563,7 @@ async fn a_repair_leaves_rows_the_replaced_worker_sent_unless_told() {
     assert_eq!(lines(&out, "missing").len(), 4, "{out}");
     assert!(lines(&out, "repaired").is_empty(), "{out}");
     assert!(out.contains("--include-marked"), "{out}");
-    let held = || async {
-        jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap())
-            .get_stream(&stream)
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .messages
-    };
+    let held = || messages_in(&js, &stream);
     assert_eq!(held().await, 3, "nothing republished");
     let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair", "--include-marked"]);
     assert_eq!(code, Some(1), "{out}");
