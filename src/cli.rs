@@ -147,10 +147,12 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
         }
     }
     crate::nats::flush_on_exit(&nats).await;
-    Ok(if report.clean() {
-        ExitCode::SUCCESS
-    } else {
+    Ok(if !report.clean() {
         ExitCode::from(1)
+    } else if report.undecided {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
     })
 }
 

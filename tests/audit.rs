@@ -1366,3 +1366,262 @@ async fn a_dead_letter_an_operator_deleted_is_not_a_hole() {
     );
     drop(relay);
 }
+
+/// Review A12: a commit waiting for a synchronous standby is in the WAL
+/// (flushed, so the relay publishes it) but no snapshot sees its row yet.
+/// Its message was `no_row` (exit 1 with `--strict`; "deleted" without).
+/// The audit waits for such commits (`--wait`) and, while one is still
+/// not visible, does not judge messages without a row: exit 2 with
+/// `--strict`, a note without. Once visible, the window is clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_not_visible_yet_is_not_a_message_without_a_row() {
+    let own = OwnStack::up("a-syncrep", false);
+    let (url, nats_url) = (
+        own.get("DATABASE_URL").to_owned(),
+        own.get("NATS_URL").to_owned(),
+    );
+    migrate(&url);
+    let ctx = "auditsyncrep";
+    let stream = wire::stream_name(ctx);
+    let relay = Service::relay(&url, &nats_url, ctx, &[]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap();
+    insert_txn(&pool, 1, 0, 3, 0).await;
+    read_stream(&nats_url, &stream, 3, T).await;
+    let audit = |extra: &[&str]| {
+        let mut args = vec!["audit", "--database-url", &url, "--context", ctx];
+        args.extend(["--nats-url", &nats_url, "--last", "1h"]);
+        args.extend(extra);
+        run_output_bounded(&args, Duration::from_secs(90))
+    };
+    // Review A13: on an idle cluster whose WAL was just switched, the
+    // insert position is past the next segment's page header, which no
+    // walsender confirms before something is written; the audit waited
+    // its --wait and said the relay was behind.
+    sqlx::query("SELECT pg_switch_wal()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (code, out) = audit(&["--wait", "5s"]);
+    assert!(
+        code == Some(0) && out.contains("3 rows, 3 messages"),
+        "{out}"
+    );
+    // Prune likewise.
+    sqlx::query("SELECT pg_switch_wal()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (code, out) = run_output_bounded(
+        &[
+            "prune",
+            "--database-url",
+            &url,
+            "--context",
+            ctx,
+            "--older-than",
+            "1ms",
+            "--yes",
+            "--dry-run",
+            "--wait",
+            "5s",
+        ],
+        Duration::from_secs(90),
+    );
+    assert!(code == Some(0) && !out.contains("down or behind"), "{out}");
+    // A synchronous standby that never answers; only the session that asks
+    // for it waits.
+    for sql in [
+        "ALTER SYSTEM SET synchronous_standby_names = 'ghost'",
+        "ALTER SYSTEM SET synchronous_commit = 'local'",
+        "SELECT pg_reload_conf()",
+    ] {
+        sqlx::query(sql).execute(&pool).await.unwrap();
+    }
+    let id = uuid::Uuid::new_v4();
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel::<i32>();
+    let waiter = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            use sqlx::Connection;
+            let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+            loop {
+                let names: String = sqlx::query_scalar("SHOW synchronous_standby_names")
+                    .fetch_one(&mut c)
+                    .await
+                    .unwrap();
+                if names == "ghost" {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            sqlx::query("SET synchronous_commit = on")
+                .execute(&mut c)
+                .await
+                .unwrap();
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut c)
+                .await
+                .unwrap();
+            pid_tx.send(pid).unwrap();
+            // Returns once its wait is cancelled: committed all along.
+            sqlx::query(
+                "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ($1, 'order', 'sync', 'placed', '{}')",
+            )
+            .bind(id)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        })
+    };
+    let pid = pid_rx.await.unwrap();
+    let got = read_stream(&nats_url, &stream, 4, T).await;
+    assert_eq!(got[3].h(wire::MSG_ID), Some(id.to_string().as_str()));
+    let visible: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM outbox_events WHERE id = $1)")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(!visible, "the commit waits for the standby");
+    let (code, out) = audit(&["--strict", "--wait", "3s"]);
+    assert!(
+        code == Some(2) && lines(&out, "no_row").is_empty() && out.contains("not visible yet"),
+        "{out}"
+    );
+    let (code, out) = audit(&["--wait", "3s"]);
+    assert!(
+        code == Some(0)
+            && out.contains("not visible yet")
+            && out.contains("0 messages whose row was deleted"),
+        "{out}"
+    );
+    sqlx::query("SELECT pg_cancel_backend($1)")
+        .bind(pid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    waiter.await.unwrap();
+    let (code, out) = audit(&["--strict", "--wait", "20s"]);
+    assert!(
+        code == Some(0) && out.contains("4 rows, 4 messages"),
+        "{out}"
+    );
+    drop(relay);
+}
+
+/// Review A5 (2): a publication row filter (two contexts sharing one
+/// table, say) keeps rows from the relay for good. They were "missing",
+/// and `--repair` published them into this context's stream. They are
+/// not the relay's to publish: counted apart, in a note, never repaired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_a_publication_filters_out_are_not_holes() {
+    if pg_major() < 15 {
+        return; // Row filters came with PostgreSQL 15.
+    }
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_rowfilter").await;
+    let ctx = "auditrowfilter";
+    let stream = wire::stream_name(ctx);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE PUBLICATION {} FOR TABLE outbox_events WHERE (aggregate_type <> 'internal') \
+         WITH (publish = 'insert')",
+        wire::publication_name(ctx)
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &["--duplicate-window", "1s"]);
+    sqlx::query(
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) \
+         SELECT gen_random_uuid(), CASE WHEN g % 2 = 0 THEN 'internal' ELSE 'order' END, \
+                'f' || g, 'placed', '{}' FROM generate_series(1, 6) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    read_stream(&stack.nats_url, &stream, 3, T).await;
+    let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+    assert!(
+        code == Some(0)
+            && lines(&out, "missing").is_empty()
+            && lines(&out, "repaired").is_empty()
+            && out.contains("3 rows of the window are outside the row filter"),
+        "{out}"
+    );
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    assert_eq!(messages_in(&js, &stream).await, 3, "nothing published");
+    drop(relay);
+}
+
+/// Review A13: the repair sized a message by the server's limit alone. A
+/// row over the stream's `max_msg_size` (the relay dead-letters it, too
+/// large) was published whole, JetStream refused it, and the repair
+/// stopped there, with what it had already sent left unsaid. It is sent
+/// as the relay sends it, and each row's outcome is said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repair_sizes_a_message_by_the_stream_as_the_relay_does() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_sized").await;
+    let ctx = "auditsized";
+    let stream = wire::stream_name(ctx);
+    let js = jetstream::new(async_nats::connect(&stack.nats_url).await.unwrap());
+    let _ = js.delete_stream(&stream).await;
+    js.create_stream(jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![format!("{ctx}.>")],
+        max_message_size: 4096,
+        duplicate_window: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    // Small rows and, second, one over the stream's limit: each its own
+    // aggregate, so no hole has a later event of its own.
+    let mut ids = Vec::new();
+    for (n, pad) in [(0, 0), (1, 8000), (2, 0), (3, 0)] {
+        ids.push(insert_txn(&pool, 10 + n, 0, 1, pad).await[0].to_string());
+    }
+    let got = read_stream(&stack.nats_url, &stream, 4, T).await;
+    assert_eq!(got[1].h(wire::DLQ_REASON), Some("too_large"));
+    // Not the first: a stream whose head is gone does not reach back.
+    let s = js.get_stream(&stream).await.unwrap();
+    s.delete_message(2).await.unwrap();
+    s.delete_message(3).await.unwrap();
+    // Once the duplicate window no longer holds the ids.
+    let deadline = std::time::Instant::now() + T;
+    let mut repaired = Vec::new();
+    loop {
+        let (code, out) = audit(&url, ctx, &["--last", "1h", "--repair"]);
+        assert!(
+            code == Some(1) && !out.contains("the repair stopped"),
+            "{out}"
+        );
+        repaired.extend(lines(&out, "repaired").iter().map(|l| l.to_string()));
+        if !out.contains("duplicate window still holds") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{out}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for id in &ids[1..3] {
+        let n = repaired.iter().filter(|l| l.contains(id.as_str())).count();
+        assert_eq!(n, 1, "{id}: {repaired:?}");
+    }
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    let letters = lines(&out, "dead_lettered");
+    assert!(
+        code == Some(1)
+            && out.contains("0 missing")
+            && letters.len() == 1
+            && letters[0].contains(&ids[1])
+            && letters[0].contains("too_large"),
+        "{out}"
+    );
+    drop(relay);
+}

@@ -395,6 +395,21 @@ async fn the_daarion_table_routes_each_row_to_its_stream() {
             && out.contains("3 dead-lettered"),
         "{out}"
     );
+    // Review A11 (a): a CronJob without the relay's OUTBOX_STREAMS reads
+    // its own stream alone. The rows routed elsewhere are not holes it can
+    // judge: it says which stream they name and what to pass (before: each
+    // a "missing" row, exit 1, and --repair would have sent them again).
+    let mut unlisted = DAARION_FLAGS.to_vec();
+    let at = unlisted.iter().position(|f| *f == "--streams").unwrap();
+    unlisted.drain(at..at + 2);
+    let (code, out) = audit("daarion", &[&unlisted[..], &["--since", &since]].concat());
+    assert!(
+        code == Some(2)
+            && !out.lines().any(|l| l.starts_with("missing "))
+            && out.contains("DAARION_ORDERS")
+            && out.contains("--streams"),
+        "{out}"
+    );
 }
 
 const DAARION_FLAGS: &[&str] = &[

@@ -83,6 +83,13 @@ pub struct Report {
     /// Rows of the window no stream read can speak for (older than a
     /// stream made after the window's start, that lacks them).
     pub unjudged: i64,
+    /// Messages without a row, not judged: a transaction had committed
+    /// but was not visible yet (review A12). With `--strict`, and no
+    /// finding, the audit could not say (exit 2).
+    pub unsettled: i64,
+    /// No finding, and something the audit was asked to judge it could
+    /// not (exit 2).
+    pub undecided: bool,
     /// Ids `--repair` published again.
     pub repaired: Vec<String>,
     /// How long the audit held its snapshot (vacuum waits on it): the wait
@@ -258,6 +265,21 @@ pub async fn run(
     // marked so later may be one the relay sent and the stream lost. A
     // hole among them is said to be one.
     let unpublished = unpublished_rows(pool, rc).await?;
+    // Rows outside the publication's row filter (two contexts sharing one
+    // table) never reach the relay: not its to publish, nor the repair's
+    // (review A5). The filter names the table's columns as the window's
+    // subquery does.
+    let row_filter: Option<String> = sqlx::query_scalar(
+        "SELECT to_jsonb(t) ->> 'rowfilter' FROM pg_publication_tables t \
+          WHERE t.pubname = $1 AND t.schemaname = $2 AND t.tablename = $3",
+    )
+    .bind(&rc.publication)
+    .bind(&rc.schema)
+    .bind(&rc.table)
+    .fetch_optional(pool)
+    .await
+    .map_err(Error::pg("reading the publication's row filter"))?
+    .flatten();
     let table = format!("{}.{}", quote(&rc.schema), quote(&rc.table));
     let at = keys.occurred_at(None);
     let (r_id, r_at) = (keys.id(Some("r")), keys.occurred_at(Some("r")));
@@ -321,10 +343,10 @@ pub async fn run(
             ))),
         }
     };
-    let wal_now = "SELECT pg_current_wal_insert_lsn()::text";
+    let wal_now = format!("SELECT {}", crate::postgres::WAL_NOW);
     let parse =
         |w: String| Lsn::parse(&w).map_err(|e| Error::setup(format!("WAL position {w:?}: {e}")));
-    let w: String = sqlx::query_scalar(wal_now)
+    let w: String = sqlx::query_scalar(sqlx::AssertSqlSafe(wal_now.as_str()))
         .fetch_one(&mut conn)
         .await
         .map_err(Error::pg("reading the WAL position"))?;
@@ -337,7 +359,7 @@ pub async fn run(
         .execute(&mut *tx)
         .await
         .map_err(Error::pg("starting the audit"))?;
-    let w: String = sqlx::query_scalar(wal_now)
+    let w: String = sqlx::query_scalar(sqlx::AssertSqlSafe(wal_now.as_str()))
         .fetch_one(&mut *tx)
         .await
         .map_err(Error::pg("taking the audit's snapshot"))?;
@@ -347,7 +369,8 @@ pub async fn run(
     // What the audit itself costs, without the wait for the relay.
     let started = Instant::now();
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TEMP TABLE outbox_audit_rows (id text, at timestamptz, aggregate text, unpublished bool, dismissed bool); \
+        "CREATE TEMP TABLE outbox_audit_rows (id text, at timestamptz, aggregate text, stream text, \
+           unpublished bool, dismissed bool, filtered bool); \
          CREATE TEMP TABLE outbox_audit (stream text, seq int8, id text, key {key_type}, source text, \
            emitted bool, lsn int8, counted bool, aggregate text, at timestamptz, \
            dlq_reason text, dlq_detail text); \
@@ -374,10 +397,18 @@ pub async fn run(
     // The window's rows in a subquery of their own, so that the relay's
     // predicate may name the table as it does there.
     let stream_names: Vec<String> = streams.iter().map(|(n, _)| n.clone()).collect();
+    let stream = keys
+        .stream(Some("r"))
+        .unwrap_or_else(|| "NULL::text".into());
+    let filtered = row_filter
+        .as_deref()
+        .map_or_else(|| "false".to_owned(), |f| format!("({f}) IS NOT TRUE"));
     let insert = format!(
         "INSERT INTO outbox_audit_rows \
-         SELECT {sent_id}, {r_at}, {aggregate}, r.outbox_audit_unpublished, {dismissed} \
-         FROM (SELECT *, ({unpublished}) AS outbox_audit_unpublished FROM {table} WHERE {window}) r"
+         SELECT {sent_id}, {r_at}, {aggregate}, {stream}, r.outbox_audit_unpublished, {dismissed}, \
+                r.outbox_audit_filtered \
+         FROM (SELECT *, ({unpublished}) AS outbox_audit_unpublished, \
+                      {filtered} AS outbox_audit_filtered FROM {table} WHERE {window}) r"
     );
     let mut insert = sqlx::query(sqlx::AssertSqlSafe(insert))
         .bind(&report.since)
@@ -533,7 +564,7 @@ pub async fn run(
             .map_err(Error::pg("counting the window's messages"))?;
     let lacking = |rows: &str| {
         format!(
-            "FROM outbox_audit_rows r WHERE {rows} AND NOT r.dismissed \
+            "FROM outbox_audit_rows r WHERE {rows} AND NOT r.dismissed AND NOT r.filtered \
              AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)"
         )
     };
@@ -550,12 +581,65 @@ pub async fn run(
             "{dismissed} rows of the window are not in the streams because an operator deleted their relay dead letter (outbox_deleted_letters): dealt with, not judged, never repaired"
         ));
     }
+    let filtered: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_audit_rows r WHERE r.filtered AND NOT r.dismissed \
+          AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .map_err(Error::pg("counting rows the publication filters out"))?;
+    if filtered > 0 {
+        report.unjudged += filtered;
+        report.notes.push(format!(
+            "{filtered} rows of the window are outside the row filter of publication {} (WHERE {}): the relay never receives them; not judged, never repaired",
+            rc.publication,
+            row_filter.as_deref().unwrap_or("?")
+        ));
+    }
     let holes = lacking("r.at >= $1::timestamptz");
     report.missing = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) {holes}")))
         .bind(&made)
         .fetch_one(&mut conn)
         .await
         .map_err(Error::pg("counting rows missing from the stream"))?;
+    // Rows no stream read holds that name a stream (their `stream` role)
+    // this audit was not given, and that exists: the relay, given it in
+    // --streams, published them there. Not holes this run can judge, and
+    // a repair would send them again (review A11).
+    if report.missing > 0 && keys.stream(None).is_some() {
+        let given: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let elsewhere: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT r.stream, count(*) {} AND r.stream IS NOT NULL AND NOT (r.stream = ANY($1)) \
+             GROUP BY r.stream ORDER BY count(*) DESC, r.stream",
+            lacking("true")
+        )))
+        .bind(&given)
+        .fetch_all(&mut conn)
+        .await
+        .map_err(Error::pg("reading the streams the missing rows name"))?;
+        let mut unread = Vec::new();
+        for (name, n) in elsewhere {
+            match js.get_stream(&name).await {
+                Ok(_) => unread.push(format!("{n} name {name}")),
+                // Not a stream (none of that name, or no valid name): the
+                // relay could not have published them there.
+                Err(e)
+                    if crate::relay::publish::stream_not_found(&e)
+                        || matches!(
+                            e.kind(),
+                            jetstream::context::GetStreamErrorKind::InvalidStreamName
+                                | jetstream::context::GetStreamErrorKind::EmptyName
+                        ) => {}
+                Err(e) => return Err(Error::nats(format!("reading stream {name}"))(e)),
+            }
+        }
+        if !unread.is_empty() {
+            return Err(Error::Config(format!(
+                "rows of the window that no stream read holds name, in their stream column, streams this audit was not given ({}): the relay routes them there with --streams; audit with the relay's own --streams (its environment's OUTBOX_STREAMS)",
+                unread.join(", ")
+            )));
+        }
+    }
     if let Some((name, at_made)) = &made_after {
         // Rows older than a stream made after --since that it lacks: they
         // may have been lost with the stream it replaced, or never been
@@ -734,17 +818,43 @@ pub async fn run(
         "FROM outbox_audit a WHERE a.counted AND a.lsn < {} AND NOT {a_row}",
         w.0 as i64
     );
-    let (no_row, emitted): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT count(DISTINCT a.id) FILTER (WHERE NOT a.emitted), count(DISTINCT a.id) FILTER (WHERE a.emitted) {orphans}"
-    )))
-    .fetch_one(&mut conn)
-    .await
-    .map_err(Error::pg("counting messages without a row"))?;
+    // A commit is in the WAL (the relay may have published it) before it
+    // is visible: with synchronous replication, until a standby answered
+    // (review A12). The sessions waiting so are counted with the same
+    // snapshot (their transactions are in progress to it, and to
+    // pg_xact_status); the audit waits for them (--wait), and judges no
+    // message without a row while one still waits. A role sees other
+    // roles' waits with pg_read_all_stats.
+    let count_orphans = format!(
+        "SELECT count(DISTINCT a.id) FILTER (WHERE NOT a.emitted), \
+                count(DISTINCT a.id) FILTER (WHERE a.emitted), \
+                (SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep') \
+         {orphans}"
+    );
+    let deadline = Instant::now() + cfg.wait;
+    let (no_row, emitted, unseen) = loop {
+        let (no_row, emitted, unseen): (i64, i64, i64) =
+            sqlx::query_as(sqlx::AssertSqlSafe(count_orphans.as_str()))
+                .fetch_one(&mut conn)
+                .await
+                .map_err(Error::pg("counting messages without a row"))?;
+        if no_row == 0 || unseen == 0 || Instant::now() >= deadline {
+            break (no_row, emitted, unseen);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     report.unverifiable = emitted;
-    // A row deleted once published (a table kept empty, a cleanup job,
-    // prune) cannot be told from a message that never had one: counted
-    // apart, a finding with --strict only (review A7).
-    if cfg.strict {
+    if no_row > 0 && unseen > 0 {
+        report.unsettled = no_row;
+        report.undecided = cfg.strict;
+        report.notes.push(format!(
+            "{no_row} messages have no row, while {unseen} transactions had committed but were not visible yet after --wait ({}): they wait for a synchronous standby; a row of one of them would be among these; not judged, audit again once they are",
+            humantime::format_duration(cfg.wait)
+        ));
+    } else if cfg.strict {
+        // A row deleted once published (a table kept empty, a cleanup
+        // job, prune) cannot be told from a message that never had one:
+        // counted apart, a finding with --strict only (review A7).
         report.no_row = no_row;
         let listed: Vec<(String, String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
             "SELECT DISTINCT ON (a.id) a.id, a.stream, a.seq {orphans} AND NOT a.emitted \
@@ -810,7 +920,7 @@ async fn rows_lacking(conn: &mut sqlx::PgConnection, made: &str) -> Result<i64> 
     sqlx::query_scalar(
         "SELECT count(*) FROM outbox_audit_rows r \
           WHERE (r.at >= $1::timestamptz OR r.unpublished IS DISTINCT FROM false) \
-            AND NOT r.dismissed \
+            AND NOT r.dismissed AND NOT r.filtered \
             AND NOT EXISTS (SELECT 1 FROM outbox_audit a WHERE a.id = r.id)",
     )
     .bind(made)
@@ -1244,8 +1354,16 @@ async fn repair(
         .map_err(Error::nats("reading the relay's stream"))?
         .cached_info()
         .config
-        .subjects
         .clone();
+    // A message must fit the server and the stream it goes to, as the
+    // relay sizes it (review A13: a row over the stream's limit was sent
+    // whole, and refused).
+    let mut max_payload = js
+        .client()
+        .server_info()
+        .max_payload
+        .min(usize::try_from(own.max_message_size).unwrap_or(usize::MAX));
+    let own = own.subjects;
     let source = wire::source_id(system_id.unwrap_or("unknown"), 0, database, REPAIR_SLOT);
     let mut router = Router::new(
         &rc.context,
@@ -1258,9 +1376,10 @@ async fn repair(
     .with_schemas(rc.schemas.clone())
     .with_columns(extra.clone(), &rc.header_columns);
     if !rc.streams.is_empty() {
-        let (streams, _, _) =
+        let (streams, largest, _) =
             crate::relay::publish::routed_streams(js, &rc.streams, &rc.stream).await?;
         router = router.with_streams(std::sync::Arc::new(streams));
+        max_payload = max_payload.min(largest.unwrap_or(usize::MAX));
     }
     let layout = OutboxLayout::new(&relation, &rc.columns, router.columns())
         .map_err(|e| Error::setup(e.to_string()))?;
@@ -1287,12 +1406,8 @@ async fn repair(
     .fetch_all(&mut *conn)
     .await
     .map_err(Error::pg("reading the rows to repair"))?;
-    // A row over the server's limit is dead-lettered by routing.
-    let max_payload = js
-        .client()
-        .server_info()
-        .max_payload
-        .saturating_sub(crate::relay::publish::HEADER_RESERVE);
+    // A row over the limit is dead-lettered by routing.
+    let max_payload = max_payload.saturating_sub(crate::relay::publish::HEADER_RESERVE);
     let render = |values: &[crate::relay::pgoutput::Value], index: usize| {
         let pos = Position {
             commit_lsn: Lsn::ZERO,
@@ -1405,12 +1520,29 @@ async fn repair(
             headers.append(k.as_ref(), v.as_str());
         }
         headers.insert(wire::REPAIR, "audit");
-        let ack = js
+        // A publish that fails ends the repair, said with what it sent
+        // before (it returned an error, and those went unsaid).
+        let ack = match js
             .publish_with_headers(msg.subject.clone(), headers, msg.body.clone())
             .await
-            .map_err(Error::nats("publishing a repaired row"))?
-            .await
-            .map_err(Error::nats("publishing a repaired row"))?;
+        {
+            Ok(ack) => ack.await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let ack = match ack {
+            Ok(ack) => ack,
+            Err(e) => {
+                sent.push((
+                    false,
+                    format!(
+                        "{}: publishing it failed ({e}); the repair stopped there, {} rows left",
+                        msg.msg_id,
+                        rows.len() - index - 1
+                    ),
+                ));
+                break;
+            }
+        };
         sent.push(if ack.duplicate {
             // Deleted inside the duplicate window: JetStream dropped the copy.
             (

@@ -141,12 +141,13 @@ async fn outbox(
     .execute(&mut *anchor)
     .await
     .map_err(Error::pg("starting the prune snapshot"))?;
-    let row = sqlx::query(
-        "SELECT pg_export_snapshot() AS snapshot, pg_current_wal_insert_lsn()::text AS w, \
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_export_snapshot() AS snapshot, {} AS w, \
                 (now() - $1::interval)::text AS cutoff, \
                 (SELECT relkind = 'p' FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
                   WHERE n.nspname = $2 AND c.relname = $3) AS partitioned",
-    )
+        crate::postgres::WAL_NOW
+    )))
     .bind(interval(cfg.older_than))
     .bind(&cfg.schema)
     .bind(&cfg.table)
@@ -421,7 +422,8 @@ async fn drop_partition(
         Err(e) => return Err(Error::pg(format!("locking partition {part}"))(e)),
     }
     let (rows, w): (i64, String) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT (SELECT count(*) FROM {part}), pg_current_wal_insert_lsn()::text"
+        "SELECT (SELECT count(*) FROM {part}), {}",
+        crate::postgres::WAL_NOW
     )))
     .fetch_one(&mut *tx)
     .await
@@ -486,6 +488,8 @@ pub(crate) struct Keys {
     /// The aggregate id, when the table has one (the audit's repair keeps
     /// an aggregate's order with it).
     aggregate: Option<crate::relay::columns::Source>,
+    /// The stream a row names (`--streams`), when the table has one.
+    stream: Option<crate::relay::columns::Source>,
 }
 
 impl Keys {
@@ -528,6 +532,7 @@ impl Keys {
             id_type,
             occurred,
             aggregate: resolved.source(Role::AggregateId).cloned(),
+            stream: resolved.source(Role::Stream).cloned(),
         })
     }
 
@@ -544,6 +549,13 @@ impl Keys {
     /// The aggregate id as text, qualified by `alias` when given.
     pub fn aggregate(&self, alias: Option<&str>) -> Option<String> {
         self.aggregate
+            .as_ref()
+            .map(|a| format!("({})::text", source_sql(a, alias, None)))
+    }
+
+    /// The stream a row names as text, qualified by `alias` when given.
+    pub fn stream(&self, alias: Option<&str>) -> Option<String> {
+        self.stream
             .as_ref()
             .map(|a| format!("({})::text", source_sql(a, alias, None)))
     }

@@ -315,6 +315,19 @@ fn ssl_mode_name(mode: sqlx::postgres::PgSslMode) -> &'static str {
     }
 }
 
+/// The WAL position (as text) a slot must confirm to have decoded every
+/// commit visible now: the insert position, or the flush position when
+/// nothing lies between them but a page header. That is an idle cluster
+/// whose last record ended on a page boundary (after a WAL switch, say):
+/// a walsender sends no further than the flush, and nothing more is
+/// written, so the insert position would not be confirmed for as long as
+/// the cluster stays idle (review A13). A header is 24 bytes, 40 on a
+/// segment's first page.
+pub const WAL_NOW: &str = "(CASE WHEN pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0') \
+       % current_setting('wal_block_size')::numeric = 0 \
+     AND pg_wal_lsn_diff(pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()) IN (24, 40) \
+     THEN pg_current_wal_flush_lsn() ELSE pg_current_wal_insert_lsn() END)::text";
+
 pub fn parse_lsn(s: &str) -> Result<Lsn> {
     Lsn::parse(s).map_err(|e| Error::setup(format!("bad LSN from server {s:?}: {e}")))
 }
