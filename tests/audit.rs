@@ -1625,3 +1625,68 @@ async fn a_repair_sizes_a_message_by_the_stream_as_the_relay_does() {
     );
     drop(relay);
 }
+
+/// A deleted relay dead letter is recorded before it is deleted: a
+/// `dlq delete` killed between the two left the letter gone and no record
+/// (the record came second), and the next audit called the row missing —
+/// and `--repair` sent it beside its fixed copy. Held at its record (the
+/// table locked against inserts), then killed, the letter is still in the
+/// stream: a dead letter, not a hole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_is_recorded_before_it_is_deleted() {
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "a_recfirst").await;
+    let ctx = "auditrecfirst";
+    let stream = wire::stream_name(ctx);
+    let relay = Service::relay(&url, &stack.nats_url, ctx, &[]);
+    insert_txn(&pool, 1, 0, 2, 0).await;
+    let bad = dead_lettered_rows(&pool, 1).await;
+    read_stream(&stack.nats_url, &stream, 3, T).await;
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox_deleted_letters IN SHARE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let mut delete = Command::new(BIN)
+        .args([
+            "dlq",
+            "delete",
+            "--database-url",
+            &url,
+            "--nats-url",
+            &stack.nats_url,
+            "--stream",
+            &stream,
+            "--id",
+            &bad[0],
+            "--reason",
+            "fixed copy inserted",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually(T, "dlq delete waits to record the deletion", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks \
+              WHERE relation = 'outbox_deleted_letters'::regclass AND NOT granted)",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    delete.kill().unwrap();
+    delete.wait().unwrap();
+    lock.rollback().await.unwrap();
+    let (code, out) = audit(&url, ctx, &["--last", "1h"]);
+    let letters = lines(&out, "dead_lettered");
+    assert!(
+        code == Some(1)
+            && lines(&out, "missing").is_empty()
+            && letters.len() == 1
+            && letters[0].contains(&bad[0]),
+        "{out}"
+    );
+    drop(relay);
+}

@@ -725,6 +725,13 @@ pub async fn delete(
         .map_err(|e| Error::setup(format!("stream {dlq_stream}: {e}")))?;
     let mut out = Vec::with_capacity(letters.len());
     for d in letters {
+        // Recorded first: a run killed between the two leaves a record of
+        // a letter still in the stream (the audit sees the letter, and a
+        // record alone dismisses nothing), never a letter gone unrecorded
+        // (a hole, and a repair beside its fixed copy).
+        if d.consumer.is_none() {
+            record_deleted(pool, dlq_stream, &d).await;
+        }
         let result = match stream.delete_message(d.seq).await {
             Ok(_) => "deleted",
             Err(e) if e.to_string().contains("no message found") => "gone",
@@ -736,9 +743,6 @@ pub async fn delete(
             }
         };
         tracing::info!(dlq = dlq_stream, seq = d.seq, id = %d.id, result, "deleted a dead letter");
-        if d.consumer.is_none() {
-            record_deleted(pool, dlq_stream, &d).await;
-        }
         out.push(Deleted {
             seq: d.seq,
             id: d.id,
@@ -748,11 +752,12 @@ pub async fn delete(
     Ok(out)
 }
 
-/// Record a deleted relay dead letter where the audit of its outbox reads
-/// it: in the database its `Outbox-Source` names. A consumer's letter is
-/// not recorded: the event it came from is still in the events stream.
-/// The letter is gone whatever this says: a record that cannot be made is
-/// a warning, and the audit then reports the row missing, as before.
+/// Record a relay dead letter about to be deleted where the audit of its
+/// outbox reads it: in the database its `Outbox-Source` names. A
+/// consumer's letter is not recorded: the event it came from is still in
+/// the events stream. A record that cannot be made is a warning, the
+/// letter is deleted all the same, and the audit then reports the row
+/// missing, as before.
 async fn record_deleted(pool: &sqlx::PgPool, stream: &str, d: &DeadLetter) {
     let source = d
         .headers
