@@ -63,6 +63,8 @@ if [ "$MATRIX_ONLY" = 0 ]; then
 SERIAL=(3_node_cluster five_megabyte)
 skips=()
 for t in "${SERIAL[@]}"; do skips+=(--skip "$t"); done
+# Built first, so the time limit below is the tests' own.
+timeout --signal=TERM 1500 cargo test --locked --no-run
 timeout --signal=TERM 1500 cargo test --locked -- "${skips[@]}"
 timeout --signal=TERM 900 cargo test --locked --test integration -- --test-threads=1 "${SERIAL[@]}"
 fi

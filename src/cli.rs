@@ -142,7 +142,9 @@ async fn audit(args: crate::config::AuditArgs) -> Result<ExitCode, Error> {
     }
     // After the report: a file it cannot write must not hide what it found.
     if let Some(path) = &args.metrics_file {
-        if let Err(e) = crate::ops::audit::write_metrics(path, Some(&report)) {
+        // A run that could not say (exit 2) is written as one.
+        let said = Some(&report).filter(|r| !r.clean() || !r.undecided);
+        if let Err(e) = crate::ops::audit::write_metrics(path, said) {
             eprintln!("warning: {e}");
         }
     }

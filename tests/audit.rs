@@ -1405,7 +1405,8 @@ async fn a_commit_not_visible_yet_is_not_a_message_without_a_row() {
         .execute(&pool)
         .await
         .unwrap();
-    let (code, out) = audit(&["--wait", "5s"]);
+    // (Under the 15 s after which the background writer logs a record.)
+    let (code, out) = audit(&["--wait", "10s"]);
     assert!(
         code == Some(0) && out.contains("3 rows, 3 messages"),
         "{out}"
@@ -1427,7 +1428,7 @@ async fn a_commit_not_visible_yet_is_not_a_message_without_a_row() {
             "--yes",
             "--dry-run",
             "--wait",
-            "5s",
+            "10s",
         ],
         Duration::from_secs(90),
     );
@@ -1488,12 +1489,12 @@ async fn a_commit_not_visible_yet_is_not_a_message_without_a_row() {
             .await
             .unwrap();
     assert!(!visible, "the commit waits for the standby");
-    let (code, out) = audit(&["--strict", "--wait", "3s"]);
+    let (code, out) = audit(&["--strict", "--wait", "10s"]);
     assert!(
         code == Some(2) && lines(&out, "no_row").is_empty() && out.contains("not visible yet"),
         "{out}"
     );
-    let (code, out) = audit(&["--wait", "3s"]);
+    let (code, out) = audit(&["--wait", "10s"]);
     assert!(
         code == Some(0)
             && out.contains("not visible yet")

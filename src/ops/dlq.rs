@@ -736,10 +736,22 @@ pub async fn delete(
             Ok(_) => "deleted",
             Err(e) if e.to_string().contains("no message found") => "gone",
             Err(e) => {
+                // Still in the stream: its record would dismiss its row
+                // once it is gone another way (an age limit, a purge).
+                if d.consumer.is_none() {
+                    let _ = sqlx::query(
+                        "DELETE FROM outbox_deleted_letters WHERE stream = $1 AND seq = $2 AND id = $3",
+                    )
+                    .bind(dlq_stream)
+                    .bind(d.seq as i64)
+                    .bind(&d.id)
+                    .execute(pool)
+                    .await;
+                }
                 return Err(Error::setup(format!(
                     "deleting dead letter {} (seq {}) from {dlq_stream}: {e}",
                     d.id, d.seq
-                )))
+                )));
             }
         };
         tracing::info!(dlq = dlq_stream, seq = d.seq, id = %d.id, result, "deleted a dead letter");

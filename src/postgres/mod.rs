@@ -321,11 +321,15 @@ fn ssl_mode_name(mode: sqlx::postgres::PgSslMode) -> &'static str {
 /// whose last record ended on a page boundary (after a WAL switch, say):
 /// a walsender sends no further than the flush, and nothing more is
 /// written, so the insert position would not be confirmed for as long as
-/// the cluster stays idle (review A13). A header is 24 bytes, 40 on a
-/// segment's first page.
-pub const WAL_NOW: &str = "(CASE WHEN pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0') \
-       % current_setting('wal_block_size')::numeric = 0 \
-     AND pg_wal_lsn_diff(pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()) IN (24, 40) \
+/// the cluster stays idle (review A13). A header is 40 bytes on a
+/// segment's first page, 24 on the others; 40 past another page is 16
+/// bytes of a record, and the insert position stands.
+pub const WAL_NOW: &str =
+    "(CASE WHEN pg_wal_lsn_diff(pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()) \
+       = CASE WHEN pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0') \
+                   % pg_size_bytes(current_setting('wal_segment_size')) = 0 THEN 40 \
+              WHEN pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0') \
+                   % current_setting('wal_block_size')::numeric = 0 THEN 24 END \
      THEN pg_current_wal_flush_lsn() ELSE pg_current_wal_insert_lsn() END)::text";
 
 pub fn parse_lsn(s: &str) -> Result<Lsn> {

@@ -459,7 +459,12 @@ impl Service {
     /// GET `path` on the metrics endpoint: (status, body).
     pub async fn http_get(&self, path: &str) -> (u16, String) {
         let url = format!("http://{}{path}", self.metrics_addr());
-        let resp = reqwest::get(&url)
+        // Bounded: a process that stops answering fails the test, with its
+        // log, instead of holding the suite until its time limit.
+        let resp = reqwest::Client::new()
+            .get(&url)
+            .timeout(Duration::from_secs(30))
+            .send()
             .await
             .unwrap_or_else(|e| panic!("GET {url}: {e}"));
         let status = resp.status().as_u16();
