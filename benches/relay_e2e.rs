@@ -91,7 +91,7 @@ struct Flags {
     #[arg(long, default_value = "routed", value_parser = ["routed", "stored"])]
     receive: String,
     /// The phases to run, in order.
-    #[arg(long, value_delimiter = ',', default_value = "raw,cdc,poll", value_parser = ["raw", "cdc", "poll", "raw-emit", "emit", "noisy"])]
+    #[arg(long, value_delimiter = ',', default_value = "raw,cdc,poll", value_parser = ["raw", "cdc", "poll", "raw-emit", "emit", "noisy", "peer", "peer-count"])]
     phases: Vec<String>,
     /// `noisy`: MB/s of unrelated WAL written beside the relay's load (a
     /// noisy neighbour: another table's bulk writes).
@@ -190,9 +190,65 @@ async fn slot_behind(pool: &PgPool, slot: &str, position: &'static str) -> Optio
 }
 
 /// Phases the running relay publishes: rows (`cdc`) or `outbox_emit()`
-/// events (`emit`, SPEC §12).
+/// events (`emit`, SPEC §12); or a peer (`peer`, `peer-count`), measured
+/// as the relay is.
 fn relayed(phase: &str) -> bool {
-    phase == "cdc" || phase == "emit" || phase == "noisy"
+    phase == "cdc" || phase == "emit" || phase == "noisy" || peer(phase)
+}
+
+/// Debezium's embedded Postgres connector (`benches/peers/PeerSink.java`):
+/// publishing to JetStream (`peer`) or counting (`peer-count`).
+fn peer(phase: &str) -> bool {
+    phase == "peer" || phase == "peer-count"
+}
+
+/// The slot a phase's publisher reads.
+fn slot_of<'a>(a: &'a Args, phase: &str) -> &'a str {
+    if peer(phase) {
+        PEER_SLOT
+    } else {
+        &a.slot
+    }
+}
+
+const PEER_SLOT: &str = "peer_bench";
+
+/// The peer's JVM, started for its phase: its pid once its connector
+/// streams (its slot active), its log in `log`.
+fn start_peer(phase: &str, db: &str, nats: &str, log: &std::path::Path) -> std::process::Child {
+    let cp = env("BENCH_PEER_CP");
+    let db = url::Url::parse(db).expect("DATABASE_URL");
+    let nats = url::Url::parse(nats.split(',').next().unwrap_or(nats)).expect("NATS_URL");
+    let out = std::fs::File::create(log).expect("peer log");
+    std::process::Command::new("java")
+        .args(["-cp", &cp, "PeerSink"])
+        .arg(if phase == "peer" {
+            "jetstream"
+        } else {
+            "count"
+        })
+        .arg(db.host_str().unwrap_or("127.0.0.1"))
+        .arg(db.port().unwrap_or(5432).to_string())
+        .arg(db.username())
+        .arg(db.password().unwrap_or(""))
+        .arg(db.path().trim_start_matches('/'))
+        .arg(nats.host_str().unwrap_or("127.0.0.1"))
+        .arg(nats.port().unwrap_or(4222).to_string())
+        .stdout(out.try_clone().expect("peer log"))
+        .stderr(out)
+        .spawn()
+        .expect("java (scripts/bench.sh peers sets BENCH_PEER_CP)")
+}
+
+/// Stop `pid` (SIGTERM) and wait until it is gone.
+async fn stop_pid(pid: &str) {
+    let _ = std::process::Command::new("kill").arg(pid).status();
+    for _ in 0..600 {
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Which table a phase's producers write.
@@ -200,11 +256,30 @@ fn table(phase: &str) -> &'static str {
     match phase {
         "raw" => "bench_raw",
         "poll" => "bench_poll",
+        "peer" | "peer-count" => "bench_peer",
         _ => "outbox_events",
     }
 }
 
-async fn setup(pool: &PgPool, js: &async_nats::jetstream::Context, raw_emit: bool) {
+async fn setup(pool: &PgPool, js: &async_nats::jetstream::Context, raw_emit: bool, peers: bool) {
+    if peers {
+        for sql in [
+            "CREATE TABLE IF NOT EXISTS bench_peer (LIKE outbox_events INCLUDING ALL)",
+            "TRUNCATE bench_peer",
+            "DROP PUBLICATION IF EXISTS peer_bench",
+            "CREATE PUBLICATION peer_bench FOR TABLE bench_peer WITH (publish = 'insert')",
+        ] {
+            sqlx::query(sql).execute(pool).await.expect(sql);
+        }
+        let _ = js.delete_stream("PEERBENCH").await;
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "PEERBENCH".into(),
+            subjects: vec!["peerbench.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("create stream PEERBENCH");
+    }
     for sql in [
         "CREATE TABLE IF NOT EXISTS bench_raw (LIKE outbox_events INCLUDING ALL)",
         "CREATE TABLE IF NOT EXISTS bench_poll (LIKE outbox_events INCLUDING ALL, seq bigserial)",
@@ -426,11 +501,13 @@ async fn run_phase(
     let mut subject = match phase {
         "cdc" | "emit" | "noisy" => Some("bench.>".to_owned()),
         "poll" => Some("benchpoll.>".to_owned()),
+        "peer" => Some("peerbench.>".to_owned()),
+        "peer-count" => Some("peercount.ids".to_owned()),
         _ => None,
     };
     // `--receive stored`: the relay's phases end at a push consumer's
     // delivery instead, which the server makes once the message is stored.
-    let consumer = if a.stored && relayed(phase) {
+    let consumer = if a.stored && relayed(phase) && !peer(phase) {
         let deliver = format!("_BENCH_STORED.{}", uuid::Uuid::new_v4().simple());
         let stream = async_nats::jetstream::new(client.clone())
             .get_stream(wire::stream_name("bench"))
@@ -526,7 +603,7 @@ async fn run_phase(
                 let cpu = relay_pid.map(cpu_seconds);
                 let relay_cpu = match (cpu, last_cpu) { (Some(c), Some(l)) => Some(c - l), _ => None };
                 last_cpu = cpu;
-                let lag = if relayed(phase) { slot_lag(pool, &a.slot).await } else { None };
+                let lag = if relayed(phase) { slot_lag(pool, slot_of(a, phase)).await } else { None };
                 let s = Sample {
                     t: start.elapsed().as_secs_f64(),
                     received_per_s: (count - last_count) as f64,
@@ -850,7 +927,7 @@ fn summary(a: &Args, results: &[PhaseResult]) -> String {
     );
     let _ = writeln!(
         s,
-        "| phase | events/s | vs raw | p50 ms | p99 ms | p99.9 ms | max ms | WAL B/event | extra WAL B/event | relay CPU µs/event | nats-server CPU µs/event | relay peak RSS MiB | events/batch | once |"
+        "| phase | events/s | vs raw | p50 ms | p99 ms | p99.9 ms | max ms | WAL B/event | extra WAL B/event | publisher CPU µs/event | nats-server CPU µs/event | publisher peak RSS MiB | events/batch | once |"
     );
     let _ = writeln!(
         s,
@@ -1066,22 +1143,88 @@ async fn main() {
         &pool,
         &async_nats::jetstream::new(client.clone()),
         a.phases.iter().any(|p| p == "raw-emit"),
+        a.phases.iter().any(|p| peer(p)),
     )
     .await;
 
     let mut results = Vec::new();
+    let mut relay_running = true;
     for phase in a.phases.clone() {
         eprintln!("== phase {phase}");
-        let r = run_phase(
-            &a,
+        if !peer(&phase) {
+            let r = run_phase(
+                &a,
+                &phase,
+                &pool,
+                &client,
+                relay_pid.as_deref(),
+                nats_pid.as_deref(),
+            )
+            .await;
+            results.push(r);
+            continue;
+        }
+        // One slot decodes the WAL, as in the relay's phases: the relay's
+        // walsender would decode the peer's rows too (and drop them).
+        if let (Some(pid), true) = (&relay_pid, relay_running) {
+            stop_pid(pid).await;
+            relay_running = false;
+        }
+        std::fs::create_dir_all(&a.out).expect("create --out");
+        let log = std::path::PathBuf::from(&a.out).join(format!("{phase}.log"));
+        let mut jvm = start_peer(&phase, &db, &nats, &log);
+        let pid = jvm.id().to_string();
+        let started = Instant::now();
+        loop {
+            let active: Option<bool> =
+                sqlx::query_scalar("SELECT active FROM pg_replication_slots WHERE slot_name = $1")
+                    .bind(PEER_SLOT)
+                    .fetch_optional(&pool)
+                    .await
+                    .expect("pg_replication_slots");
+            let ready = std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("ready");
+            if active == Some(true) && ready {
+                break;
+            }
+            if let Ok(Some(st)) = jvm.try_wait() {
+                panic!("the peer exited ({st}): see {}", log.display());
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(180),
+                "the peer did not start: see {}",
+                log.display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        eprintln!(
+            "[{phase}] Debezium streaming after {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        // The JVM compiles its hot paths in the first seconds of load: a
+        // warm-up, not measured, as a service long up would be.
+        let mut warm = a.clone();
+        (warm.events, warm.rate) = (20_000, 0);
+        eprintln!("[{phase}] warm-up: 20000 events flat out, not measured");
+        run_phase(
+            &warm,
             &phase,
             &pool,
             &client,
-            relay_pid.as_deref(),
+            Some(&pid),
             nats_pid.as_deref(),
         )
         .await;
+        let r = run_phase(&a, &phase, &pool, &client, Some(&pid), nats_pid.as_deref()).await;
         results.push(r);
+        stop_pid(&pid).await;
+        let _ = jvm.wait();
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(PEER_SLOT)
+            .execute(&pool)
+            .await
+            .expect("drop the peer's slot");
     }
     let big = match (&relay_pid, a.big_txn) {
         (Some(pid), n) if n > 0 => {

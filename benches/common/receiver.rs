@@ -122,6 +122,15 @@ fn read_loop(
                     }
                     if let Some(id) = msg_id(&buf[body..body + hdr]) {
                         batch.push((id, now));
+                    } else if hdr == 0 {
+                        // A peer's batch of ids (`scripts/bench.sh peers`),
+                        // one a line.
+                        let ids = std::str::from_utf8(&buf[body..body + total]).unwrap_or("");
+                        batch.extend(
+                            ids.lines()
+                                .filter_map(|l| Uuid::parse_str(l.trim()).ok())
+                                .map(|id| (id, now)),
+                        );
                     }
                     at = body + total + 2;
                 }
