@@ -129,21 +129,40 @@ if [ "$MODE" = catchup ]; then
     echo "$t0 $t1" | awk -v n="$EVENTS" '{printf "%.0f", n / ($2 - $1)}'
   }
   RECV_A="$(recv bench_recv_a)"
+  # CPU (user + system clock ticks) of a process, to say where the drain's
+  # time goes: the walsender decoding, the relay, nats-server storing.
+  ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+  HZ="$(getconf CLK_TCK)"
+  NATS_T0="$(ticks "$NATS_PID")"
   t0="$(now)"
   RELAY_PID="$(scripts/stack.sh relay "$STACK_DIR" "$BIN" --context bench --metrics-addr "127.0.0.1:$METRICS_PORT" "${RELAY_ARGS[@]}")"
-  deadline=$(( $(date +%s) + 600 ))
-  until [ "$(sql "SELECT confirmed_flush_lsn >= '$END_LSN' FROM pg_replication_slots WHERE slot_name = 'outbox_relay_bench'")" = t ]; do
+  WALSENDER_PID="$(sql "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'outbox_relay_bench'")"
+  # One session polls the slot: a psql started every 50 ms would cost a
+  # fork, a backend and its authentication each time, a third of a core
+  # taken from the drain it measures.
+  sql "DO \$\$ DECLARE deadline timestamptz := clock_timestamp() + interval '600 s'; BEGIN
+      WHILE NOT coalesce((SELECT confirmed_flush_lsn >= '$END_LSN' FROM pg_replication_slots WHERE slot_name = 'outbox_relay_bench'), false) LOOP
+        IF clock_timestamp() > deadline THEN RAISE EXCEPTION 'the relay did not catch up within 600 s'; END IF;
+        PERFORM pg_sleep(0.01);
+      END LOOP; END \$\$; SELECT extract(epoch FROM clock_timestamp())" >"$STACK_DIR/caught-up" &
+  WAITER=$!
+  while kill -0 "$WAITER" 2>/dev/null; do
     kill -0 "$RELAY_PID" 2>/dev/null || { cat "$STACK_DIR/relay.log" >&2; echo "bench: the relay exited" >&2; exit 1; }
-    [ "$(date +%s)" -lt "$deadline" ] || { echo "bench: the relay did not catch up within 600 s" >&2; exit 1; }
-    sleep 0.05
+    sleep 0.2
   done
-  t1="$(now)"
+  wait "$WAITER" || { echo "bench: the relay did not catch up" >&2; exit 1; }
+  t1="$(cat "$STACK_DIR/caught-up")"
+  RELAY_TICKS="$(ticks "$RELAY_PID")" NATS_TICKS="$(( $(ticks "$NATS_PID") - NATS_T0 ))" WALSENDER_TICKS="$(ticks "$WALSENDER_PID")"
   RELAY_RATE="$(echo "$t0 $t1" | awk -v n="$EVENTS" '{printf "%.0f", n / ($2 - $1)}')"
   RECV_B="$(recv bench_recv_b)"
   echo "catch-up of $EVENTS events ($WAL_BYTES bytes of WAL), 50-row transactions, 256-byte payloads:"
   echo "  pg_recvlogical (pgoutput to /dev/null): $RECV_A events/s before the relay, $RECV_B after"
   echo "  relay (start to slot confirmed at the backlog's end, publish mode ${OUTBOX_PUBLISH_MODE:-auto}): $RELAY_RATE events/s"
   echo "$RELAY_RATE $RECV_A $RECV_B" | awk '{printf "  relay / pg_recvlogical: %.2f (mean of the two decode runs)\n", $1 / (($2 + $3) / 2)}'
+  echo "$t0 $t1 $HZ $EVENTS $RELAY_TICKS $NATS_TICKS $WALSENDER_TICKS" | awk '{
+    wall = $2 - $1; us = 1e6 / $3 / $4
+    printf "  CPU while the relay drains, µs/event: relay %.1f, nats-server %.1f, walsender %.1f\n", $5 * us, $6 * us, $7 * us
+    printf "  walsender busy: %.0f %% of the drain (%.1f of %.1f s)\n", 100 * $7 / $3 / wall, $7 / $3, wall }'
   exit
 fi
 if [ "$MODE" = audit ]; then

@@ -254,7 +254,16 @@ async fn run(command: Command) -> Result<(), Error> {
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
-            let stopped = relay::run(cfg, ready, shutdown).await?;
+            // The relay runs as a task, not inside `block_on`'s own future:
+            // on the current-thread scheduler every wake of that future
+            // costs the thread another turn of its driver (an `epoll_wait`
+            // and the timers) before it is polled, a few times per
+            // transaction at a quiet rate.
+            let stopped = match tokio::spawn(relay::run(cfg, ready, shutdown)).await {
+                Ok(stopped) => stopped?,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => return Err(Error::setup(format!("the relay stopped: {e}"))),
+            };
             endpoint.stop();
             tracing::info!(confirmed_lsn = %stopped.confirmed, "relay stopped");
             Ok(())

@@ -594,10 +594,17 @@ impl<'a> Session<'a> {
         // of what was stored: the resume reads them all, up to the newest.
         let mut tail = None;
         let mut tails = Vec::new();
-        let routed_names = streams
-            .iter()
-            .flat_map(|s| s.found.iter().map(|(n, _)| &**n));
-        for name in std::iter::once(cfg.stream.as_str()).chain(routed_names) {
+        // Owned names: a borrowing iterator held across the awaits below
+        // keeps the relay's future from being spawned (rustc's
+        // higher-ranked `Send` check).
+        let stream_names: Vec<String> = std::iter::once(cfg.stream.clone())
+            .chain(
+                streams
+                    .iter()
+                    .flat_map(|s| s.found.iter().map(|(n, _)| n.to_string())),
+            )
+            .collect();
+        for name in stream_names.iter().map(String::as_str) {
             if tails.iter().any(|(n, _): &(String, _)| n == name) {
                 continue;
             }
@@ -771,6 +778,10 @@ impl<'a> Session<'a> {
                         Step::Confirm(lsn) => self.confirm(client, lsn),
                         Step::Commit(lsn) => {
                             publisher.end_transaction();
+                            // Awake for this transaction anyway: the acks
+                            // of earlier ones are read now, not on a
+                            // wake-up of their own (`link::lowat`).
+                            publisher.kick_acks();
                             if let Some(lsn) = lsn {
                                 self.confirm(client, lsn);
                             }
