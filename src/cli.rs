@@ -301,7 +301,16 @@ async fn run(command: Command) -> Result<(), Error> {
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
-            crate::consumer::run(cfg, pool, js, handler, ready, shutdown).await?;
+            // A task, as the relay (see there): fewer turns of the driver
+            // per wake-up.
+            let consuming = tokio::spawn(crate::consumer::run(
+                cfg, pool, js, handler, ready, shutdown,
+            ));
+            match consuming.await {
+                Ok(ran) => ran?,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => return Err(Error::setup(format!("the consumer stopped: {e}"))),
+            }
             crate::nats::flush_on_exit(&nats).await;
             endpoint.stop();
             Ok(())
