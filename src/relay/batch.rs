@@ -280,13 +280,6 @@ impl Batcher {
         Ok(())
     }
 
-    /// The relay is awake (WAL came): what answers wait are read now.
-    pub fn kick_acks(&mut self) {
-        if let Some(link) = self.per_event.link() {
-            link.read_waiting();
-        }
-    }
-
     /// The transaction being read committed.
     pub fn end_transaction(&mut self) {
         if let Some(run) = self.runs.back_mut() {
@@ -298,9 +291,6 @@ impl Batcher {
     /// dropped unsent (the slot was not confirmed past them, so they are
     /// read again), and what is complete drains.
     pub fn close(&mut self) {
-        if let Some(link) = self.per_event.link() {
-            link.hurry();
-        }
         if let Some(run) = self.runs.back().copied().filter(|r| !r.complete) {
             self.runs.pop_back();
             for _ in 0..run.len {

@@ -27,7 +27,6 @@ use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::{self, stream, Context};
 use async_nats::HeaderMap;
 use futures::stream::StreamExt;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -35,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::acks::{Inbox, Lane, Next};
 use super::config::PublishMode;
 use super::fence::Fence;
-use super::link::{Denied, Dialer, Link, LinkError, LAZY_MAX};
+use super::link::{Denied, Dialer, Link, LinkError};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::backoff::Backoff;
@@ -1123,10 +1122,6 @@ pub struct Publisher {
     /// Nothing is sent once the process was paused long enough to lose
     /// its slot.
     fence: Option<Fence>,
-    /// When acks left unread (`link::lowat`) are read at the latest. One
-    /// timer, moved once per oldest message: a new one per call would
-    /// wake the runtime's driver each time (its deadline is the nearest).
-    lazy_timer: Option<(Instant, Pin<Box<tokio::time::Sleep>>)>,
 }
 
 impl Publisher {
@@ -1159,7 +1154,6 @@ impl Publisher {
             outage: None,
             epoch: Instant::now(),
             fence: None,
-            lazy_timer: None,
         }
     }
 
@@ -1513,34 +1507,9 @@ impl Publisher {
                 continue;
             }
             let stall_at = self.sent.front().map(|s| s.at + self.stall);
-            let room = self.has_room();
             let Some(acks) = self.acks.as_mut() else {
                 continue;
             };
-            // Acks due may wait unread until the relay wakes anyway
-            // (`link::lowat`), but not while it waits on them for room,
-            // and not past `LAZY_MAX`.
-            let mut lazy_at = None;
-            if acks.link().lazy() {
-                if room {
-                    lazy_at = self.sent.front().map(|s| s.at + LAZY_MAX);
-                } else {
-                    acks.link().kick();
-                }
-            }
-            if let Some(at) = lazy_at {
-                match &mut self.lazy_timer {
-                    Some((was, _)) if *was == at => {}
-                    Some((was, timer)) => {
-                        *was = at;
-                        timer.as_mut().reset(at.into());
-                    }
-                    None => {
-                        self.lazy_timer = Some((at, Box::pin(tokio::time::sleep_until(at.into()))))
-                    }
-                }
-            }
-            let lazy_timer = self.lazy_timer.as_mut().map(|(_, t)| t);
             let result = tokio::select! {
                 biased;
                 next = acks.next() => match next? {
@@ -1570,15 +1539,6 @@ impl Publisher {
                         continue;
                     }
                 },
-                _ = async {
-                    match lazy_timer {
-                        Some(timer) => timer.as_mut().await,
-                        None => std::future::pending().await,
-                    }
-                }, if lazy_at.is_some() => {
-                    acks.link().kick();
-                    continue;
-                }
                 _ = tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now).into()),
                     if stall_at.is_some() => {
                     if acks.link().still_sending() {

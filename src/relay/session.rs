@@ -778,10 +778,6 @@ impl<'a> Session<'a> {
                         Step::Confirm(lsn) => self.confirm(client, lsn),
                         Step::Commit(lsn) => {
                             publisher.end_transaction();
-                            // Awake for this transaction anyway: the acks
-                            // of earlier ones are read now, not on a
-                            // wake-up of their own (`link::lowat`).
-                            publisher.kick_acks();
                             if let Some(lsn) = lsn {
                                 self.confirm(client, lsn);
                             }

@@ -171,7 +171,6 @@ impl Dialer {
         // are discarded, never delivered minutes later (after a partition)
         // behind what a newer link sent.
         tcp.set_zero_linger().map_err(io)?;
-        let lowat = super::lowat::Lowat::new(&tcp);
         let mut rbuf = BytesMut::with_capacity(64 * 1024);
         let prefix = format!("_INBOX.{}.", uuid::Uuid::new_v4().simple());
         let (info, max_payload, reader, writer): (_, _, Reader, Writer) = if self.tls_first {
@@ -198,12 +197,16 @@ impl Dialer {
                 (info, max_payload, Box::new(r), Box::new(w))
             }
         };
-        let mut shared = Shared::new(
-            max_payload.unwrap_or(info.max_payload),
-            self.announced.clone(),
+        let link = Link::start(
+            Shared::new(
+                max_payload.unwrap_or(info.max_payload),
+                self.announced.clone(),
+            ),
+            (reader, rbuf),
+            writer,
+            prefix,
+            server,
         );
-        shared.lowat = lowat;
-        let link = Link::start(shared, (reader, rbuf), writer, prefix, server);
         Ok((link, info))
     }
 

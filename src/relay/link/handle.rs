@@ -101,7 +101,7 @@ impl Link {
             return true;
         }
         let prefix = &self.prefix;
-        let pushed = self.shared.push(|s| {
+        self.shared.push(|s| {
             encode_head(
                 &mut s.buf,
                 subject,
@@ -118,37 +118,7 @@ impl Link {
                 s.bodies.push((at, body.clone()));
             }
             s.buf.extend_from_slice(b"\r\n");
-        });
-        if pushed && matches!(reply, Reply::Commit(_)) {
-            // A batch waits on its commit's answer: read the moment it comes.
-            self.shared.commits_due.fetch_add(1, Ordering::Relaxed);
-            self.shared.kick();
-        }
-        pushed
-    }
-
-    /// Read what answers wait now: the relay is awake anyway. With nothing
-    /// waiting the link stays lazy, so the answers still to come wake
-    /// nobody.
-    pub fn read_waiting(&self) {
-        self.shared.kick_if_waiting();
-    }
-
-    /// Every answer from now on is read the moment it comes, until the
-    /// reader has read again (the publisher waits on an ack).
-    pub fn kick(&self) {
-        self.shared.kick();
-    }
-
-    /// Whether answers may wait unread ([`super::LAZY_MAX`] at most).
-    pub fn lazy(&self) -> bool {
-        self.shared.lowat.as_ref().is_some_and(|l| l.is_lazy())
-    }
-
-    /// Stopping: from now on every answer is read the moment it comes.
-    pub fn hurry(&self) {
-        self.shared.hurry.store(true, Ordering::Relaxed);
-        self.shared.kick();
+        })
     }
 
     pub fn broken(&self) -> bool {

@@ -24,21 +24,15 @@
 //! one write. The reader parses answers into a queue the session takes
 //! them from, and answers the server's PINGs, busy or idle.
 //!
-//! While acks are due and nothing else is, the socket's receive low-water
-//! mark is raised so their arrival wakes nobody: they are read on the
-//! relay's next wake-up, or [`LAZY_MAX`] after the oldest went ([`lowat`]).
-//!
 //! One job per file: [`dial`] (servers, TLS, handshake and authentication),
 //! [`writer`] (the `HPUB` encoder and the socket writer, the keepalive),
-//! [`reader`] (the protocol parser and the socket reader), [`lowat`] (the
-//! socket's low-water mark), [`queues`] (what
+//! [`reader`] (the protocol parser and the socket reader), [`queues`] (what
 //! the session and the two tasks share), [`handle`] (the [`Link`] the
 //! publisher holds) and [`error`] ([`LinkError`]).
 
 mod dial;
 mod error;
 mod handle;
-mod lowat;
 mod queues;
 mod reader;
 mod writer;
@@ -46,7 +40,6 @@ mod writer;
 pub use dial::Dialer;
 pub use error::LinkError;
 pub use handle::{Denied, Heard, Link};
-pub use lowat::LAZY_MAX;
 pub use queues::Reply;
 #[cfg(any(test, feature = "testing"))]
 pub use writer::encode_message;

@@ -60,12 +60,6 @@ pub(super) struct Shared {
     pub(super) lame_duck: std::sync::atomic::AtomicBool,
     /// Where cluster servers the server announces later go (the dialer's).
     pub(super) announced: Arc<Mutex<Vec<String>>>,
-    /// The socket's low-water mark (`lowat`): lazy while acks are due.
-    pub(super) lowat: Option<super::lowat::Lowat>,
-    /// Commit answers due: never waited for lazily.
-    pub(super) commits_due: AtomicU64,
-    /// Stopping: every answer is wanted at once.
-    pub(super) hurry: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -88,43 +82,8 @@ impl Shared {
         let queued = self.push(|s| s.buf.extend_from_slice(b"PING\r\n"));
         if queued {
             pings.push_back(barrier);
-            // Its PONG is read the moment it comes.
-            self.kick();
         }
         queued
-    }
-
-    /// After each thing read: lazy unless an answer is awaited that must
-    /// not wait (a commit's, a PONG) or the relay is stopping. Acks wait
-    /// at most `LAZY_MAX` (the publisher's clock, while any is due); what
-    /// the server says unasked (its PING, an INFO) at most the keepalive's
-    /// five seconds, whose PING makes the link eager; a closed connection
-    /// wakes the reader whatever the mark.
-    pub(super) fn settle_lowat(&self) {
-        let Some(lowat) = &self.lowat else {
-            return;
-        };
-        if self.commits_due.load(Ordering::Relaxed) > 0 || self.hurry.load(Ordering::Relaxed) {
-            lowat.kick();
-        } else if !lowat.is_lazy() {
-            if self.pings.lock().is_ok_and(|p| p.is_empty()) {
-                lowat.lazy();
-            } else {
-                lowat.kick();
-            }
-        }
-    }
-
-    pub(super) fn kick_if_waiting(&self) {
-        if let Some(lowat) = &self.lowat {
-            lowat.kick_if_waiting();
-        }
-    }
-
-    pub(super) fn kick(&self) {
-        if let Some(lowat) = &self.lowat {
-            lowat.kick();
-        }
     }
 
     pub(super) fn barrier_pending(&self) -> bool {

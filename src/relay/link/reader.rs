@@ -70,17 +70,11 @@ pub(super) async fn read_in(
                     if let Some(token) = tail.strip_prefix(COMMIT as char) {
                         if let Ok(token) = token.parse() {
                             shared.commit_answer(token, answer::read_commit(status, &payload));
-                            let _ = shared.commits_due.fetch_update(
-                                Ordering::Relaxed,
-                                Ordering::Relaxed,
-                                |n| n.checked_sub(1),
-                            );
                         }
                     } else if let Ok(token) = tail.parse() {
                         shared.answer(token, answer::read(status, &payload));
                     }
                 }
-                shared.settle_lowat();
             }
             Ok(Op::Ping) => {
                 shared.push(|s| s.buf.extend_from_slice(b"PONG\r\n"));
@@ -120,7 +114,6 @@ pub(super) async fn read_in(
                 if let Ok(mut p) = shared.pings.lock() {
                     p.pop_front();
                 }
-                shared.settle_lowat();
             }
             Ok(Op::Ok) => {}
             Err(e) => {
