@@ -79,6 +79,22 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Runs `work` as a task of the runtime, not inside `block_on`'s own
+/// future: on the current-thread scheduler every wake of that future costs
+/// the thread another turn of its driver (an `epoll_wait` and the timers)
+/// before it is polled, a few times per transaction at a quiet rate. A
+/// panic goes on unwinding as it would have.
+async fn as_task<T: Send + 'static>(
+    what: &str,
+    work: impl std::future::Future<Output = Result<T, Error>> + Send + 'static,
+) -> Result<T, Error> {
+    match tokio::spawn(work).await {
+        Ok(done) => done,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(Error::setup(format!("the {what} stopped: {e}"))),
+    }
+}
+
 fn init_logging(format: &str, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
@@ -254,16 +270,7 @@ async fn run(command: Command) -> Result<(), Error> {
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
-            // The relay runs as a task, not inside `block_on`'s own future:
-            // on the current-thread scheduler every wake of that future
-            // costs the thread another turn of its driver (an `epoll_wait`
-            // and the timers) before it is polled, a few times per
-            // transaction at a quiet rate.
-            let stopped = match tokio::spawn(relay::run(cfg, ready, shutdown)).await {
-                Ok(stopped) => stopped?,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(e) => return Err(Error::setup(format!("the relay stopped: {e}"))),
-            };
+            let stopped = as_task("relay", relay::run(cfg, ready, shutdown)).await?;
             endpoint.stop();
             tracing::info!(confirmed_lsn = %stopped.confirmed, "relay stopped");
             Ok(())
@@ -301,16 +308,8 @@ async fn run(command: Command) -> Result<(), Error> {
             let shutdown = CancellationToken::new();
             tokio::spawn(on_signal(shutdown.clone()));
             tokio::spawn(reload_on_sighup(cfg.schemas.clone(), shutdown.clone()));
-            // A task, as the relay (see there): fewer turns of the driver
-            // per wake-up.
-            let consuming = tokio::spawn(crate::consumer::run(
-                cfg, pool, js, handler, ready, shutdown,
-            ));
-            match consuming.await {
-                Ok(ran) => ran?,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(e) => return Err(Error::setup(format!("the consumer stopped: {e}"))),
-            }
+            let consuming = crate::consumer::run(cfg, pool, js, handler, ready, shutdown);
+            as_task("consumer", consuming).await?;
             crate::nats::flush_on_exit(&nats).await;
             endpoint.stop();
             Ok(())
