@@ -149,7 +149,7 @@ async fn main() {
         let handler = Counting(calls.clone());
         let stop = shutdown.clone();
         tokio::spawn(async move {
-            let ready = outbox_relay::ops::endpoint::Readiness::default();
+            let ready = outbox_relay::Readiness::default();
             outbox_relay::consumer::run(cfg, pool, js, handler, ready, stop).await
         });
         Vec::new()

@@ -73,7 +73,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stop.cancel();
     });
     // A Rust service would serve `ready` on its own health endpoint.
-    let ready = outbox_relay::ops::endpoint::Readiness::default();
+    let ready = outbox_relay::Readiness::default();
     consumer::run(cfg, pool, js, Totals, ready, shutdown).await?;
     Ok(())
 }

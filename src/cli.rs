@@ -246,7 +246,7 @@ async fn run(command: Command) -> Result<(), Error> {
                 println!("configuration ok");
                 return Ok(());
             }
-            let handle = crate::ops::metrics::install()?;
+            let handle = crate::metrics::install()?;
             let ready = Readiness::new("not streaming yet: starting");
             // Slot figures come from their own small pool, so they keep
             // reporting while the replication stream is down.
@@ -283,7 +283,7 @@ async fn run(command: Command) -> Result<(), Error> {
                 println!("configuration ok");
                 return Ok(());
             }
-            let handle = crate::ops::metrics::install()?;
+            let handle = crate::metrics::install()?;
             let ready = Readiness::new("not consuming yet: starting");
             let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
             // HTTP calls claim and complete through the inbox writers' own
@@ -650,7 +650,7 @@ async fn run(command: Command) -> Result<(), Error> {
                 println!("configuration ok");
                 return Ok(());
             }
-            let handle = crate::ops::metrics::install()?;
+            let handle = crate::metrics::install()?;
             let ready = Readiness::new("not serving yet: starting");
             let endpoint = Endpoint::start(args.metrics_addr, handle, None, ready.clone()).await?;
             let pool = dsn.pool(8).await?;
@@ -721,7 +721,7 @@ async fn run(command: Command) -> Result<(), Error> {
                     &pool,
                     entry,
                     by.as_ref(),
-                    provision::drop_slot(&pool, &slot),
+                    crate::ops::slot_monitor::drop_slot(&pool, &slot),
                 )
                 .await?
                 {
@@ -927,7 +927,7 @@ async fn reload_on_sighup(
 ) {
     use tokio::signal::unix::{signal, SignalKind};
     if schemas.is_some() {
-        crate::ops::metrics::register_schemas();
+        crate::metrics::register_schemas();
     }
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         tracing::warn!("cannot install a SIGHUP handler; schemas are not reloadable");

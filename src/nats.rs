@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream;
 use clap::Args;
+use futures::StreamExt;
 
 use crate::error::{redact_url, redact_urls, Error, Result};
 
@@ -339,6 +341,68 @@ pub fn resets_consumers(client: &async_nats::Client) -> bool {
     let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
     let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
     (major, minor) >= (2, 14)
+}
+
+/// How many messages `stream` holds on `subjects` (a filter): a dead-letter
+/// stream's depth. A stream made for the filter alone answers from its
+/// state; one that captures more counts the filter's subjects.
+pub async fn depth(js: &jetstream::Context, stream: &str, subjects: &str) -> Result<u64> {
+    let s = js
+        .get_stream(stream)
+        .await
+        .map_err(Error::nats(format!("looking up stream {stream}")))?;
+    let info = s.cached_info();
+    if info.config.subjects.len() == 1 && info.config.subjects[0] == subjects {
+        return Ok(info.state.messages);
+    }
+    let mut counts = s
+        .info_with_subjects(subjects)
+        .await
+        .map_err(Error::nats(format!("counting {subjects} in {stream}")))?;
+    let mut n = 0u64;
+    while let Some(c) = counts.next().await {
+        let (_, count) = c.map_err(Error::nats(format!("counting {subjects} in {stream}")))?;
+        n += count as u64;
+    }
+    Ok(n)
+}
+
+/// How often a dead-letter stream's depth is counted.
+const DEPTH_TICK: Duration = Duration::from_secs(5);
+
+/// Keep `outbox_dlq_messages{stream, subject}` current until `stop`. A
+/// failed count leaves the last figure (the gauge says what was last
+/// known; `up` and the process's own alerts say it is unreachable).
+pub async fn watch_depth(
+    js: jetstream::Context,
+    stream: String,
+    subjects: String,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let gauge = metrics::gauge!(
+        crate::metrics::DLQ_MESSAGES,
+        "stream" => stream.clone(),
+        "subject" => subjects.clone()
+    );
+    let mut tick = tokio::time::interval(DEPTH_TICK);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match tokio::time::timeout(Duration::from_secs(5), depth(&js, &stream, &subjects)).await {
+            Ok(Ok(n)) => {
+                gauge.set(n as f64);
+                failing = false;
+            }
+            Ok(Err(e)) if !failing => {
+                tracing::warn!(%stream, %subjects, error = %e, "cannot count dead letters");
+                failing = true;
+            }
+            _ => {}
+        }
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use std::sync::{Arc, RwLock};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::ops::metrics as m;
+use crate::metrics as m;
 
 /// What a type without a schema gets (`--schema-missing`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2874,7 +2874,7 @@ impl RustConsumer {
             pool.clone(),
             js.clone(),
             handler,
-            outbox_relay::ops::endpoint::Readiness::default(),
+            outbox_relay::Readiness::default(),
             shutdown.clone(),
         ));
         Self { shutdown, task }
@@ -4055,7 +4055,7 @@ async fn crew_rust_child() {
                 .and_then(|ms| ms.parse().ok())
                 .map_or(Duration::from_secs(30), Duration::from_millis),
         },
-        outbox_relay::ops::endpoint::Readiness::default(),
+        outbox_relay::Readiness::default(),
         shutdown,
     )
     .await

@@ -360,7 +360,7 @@ fn the_keda_scaled_object_scales_the_consumer_deployment_on_metrics_it_exports()
     assert!(!names.is_empty(), "{query}");
     for name in names {
         assert!(
-            outbox_relay::ops::metrics::ALL.contains(&name),
+            outbox_relay::metrics::ALL.contains(&name),
             "{name} is not a metric the processes export"
         );
     }

@@ -468,7 +468,7 @@ fn unknown_subcommands(pages: &BTreeMap<String, String>, cli: &Cli) -> Vec<Strin
 }
 
 fn unknown_metrics(pages: &BTreeMap<String, String>) -> Vec<String> {
-    let known: HashSet<&str> = outbox_relay::ops::metrics::ALL.iter().copied().collect();
+    let known: HashSet<&str> = outbox_relay::metrics::ALL.iter().copied().collect();
     let mut problems = Vec::new();
     for (page, text) in pages {
         for m in metrics(text) {

@@ -97,6 +97,79 @@ fn the_checker_finds_a_circle_it_is_shown() {
     assert_eq!(circles[0].len(), 3, "{circles:?}");
 }
 
+/// The layers, bottom to top: what the components share (the contract,
+/// schemas, metric names, readiness, the durability verdict, the Postgres
+/// and NATS connections), the components (relay, consumer), then the
+/// operations commands, the console and the CLI. An arrow runs down only.
+const BELOW_THE_OPERATIONS: [&str; 13] = [
+    "relay",
+    "consumer",
+    "postgres",
+    "nats",
+    "schema",
+    "wire",
+    "metrics",
+    "readiness",
+    "durability",
+    "backoff",
+    "json",
+    "error",
+    "triage",
+];
+const THE_OPERATIONS_AND_ABOVE: [&str; 4] = ["ops", "console", "cli", "config"];
+
+#[test]
+fn no_component_imports_the_operations_layer() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let graph = Graph::of(&src);
+    // The checker must see arrows into `ops` where they are allowed, or a
+    // parser that lost them would pass.
+    assert!(
+        graph.has_edge("cli", "ops::endpoint"),
+        "the checker lost the edge cli -> ops::endpoint; its parser is broken"
+    );
+    let upward = graph.upward(&BELOW_THE_OPERATIONS, &THE_OPERATIONS_AND_ABOVE);
+    assert!(
+        upward.is_empty(),
+        "{} import(s) run up from a component into the operations layer; move \
+         what both need below the components (src/metrics.rs, src/readiness.rs, \
+         src/durability.rs, src/nats.rs):\n{}",
+        upward.len(),
+        upward.join("\n")
+    );
+}
+
+#[test]
+fn the_checker_finds_an_upward_import_it_is_shown() {
+    let dir = std::env::temp_dir().join(format!("layout-up-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("ops")).unwrap();
+    std::fs::create_dir_all(dir.join("relay")).unwrap();
+    let files = [
+        ("lib.rs", "mod ops;\nmod relay;\nmod metrics;\n"),
+        ("metrics.rs", "pub const X: &str = \"x\";\n"),
+        ("ops/mod.rs", "pub mod dlq;\nuse crate::relay;\n"),
+        ("ops/dlq.rs", "pub fn watch() {}\n"),
+        ("relay/mod.rs", "mod publish;\nuse crate::metrics as m;\n"),
+        (
+            "relay/publish.rs",
+            "// crate::ops::dlq in a comment\nfn f() { crate::ops::dlq::watch() }\n\
+             #[cfg(test)]\nmod tests { use crate::ops; }\n",
+        ),
+    ];
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+    let graph = Graph::of(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let upward = graph.upward(&["relay", "metrics"], &["ops"]);
+    assert_eq!(upward.len(), 1, "{upward:?}");
+    assert!(
+        upward[0].starts_with("relay::publish -> ops::dlq"),
+        "{upward:?}"
+    );
+}
+
 struct Graph {
     files: BTreeMap<ModPath, PathBuf>,
     /// from → to → the first line of `from` that names `to`.
@@ -165,6 +238,25 @@ impl Graph {
             }
         }
         Graph { files, edges }
+    }
+
+    /// Every edge from a module under one of `low`'s top-level names to
+    /// one under `high`'s: `from -> to (file:line)`.
+    fn upward(&self, low: &[&str], high: &[&str]) -> Vec<String> {
+        let under =
+            |m: &ModPath, tops: &[&str]| m.first().is_some_and(|t| tops.contains(&t.as_str()));
+        let mut out = Vec::new();
+        for (from, targets) in &self.edges {
+            if !under(from, low) {
+                continue;
+            }
+            for (to, at) in targets {
+                if under(to, high) {
+                    out.push(format!("{} -> {} ({at})", name(from), name(to)));
+                }
+            }
+        }
+        out
     }
 
     fn has_edge(&self, from: &str, to: &str) -> bool {

@@ -400,7 +400,7 @@ async fn record_denial(
             }
         }
         None => {
-            metrics::counter!(crate::ops::metrics::ADMIN_ACTIONS, "action" => action, "result" => "denied")
+            metrics::counter!(crate::metrics::ADMIN_ACTIONS, "action" => action, "result" => "denied")
                 .increment(1);
         }
     }

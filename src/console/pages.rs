@@ -307,7 +307,7 @@ impl Pages {
         if actor.name == "anonymous" {
             match self.console.admit_denial() {
                 None => {
-                    metrics::counter!(crate::ops::metrics::ADMIN_ACTIONS, "action" => "request", "result" => "denied")
+                    metrics::counter!(crate::metrics::ADMIN_ACTIONS, "action" => "request", "result" => "denied")
                         .increment(1);
                     return;
                 }

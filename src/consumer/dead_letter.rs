@@ -90,7 +90,7 @@ impl DeadLetters {
 
     /// Where the dead-letter stream lives, as it is now (for the
     /// durability judgement).
-    pub async fn placement(&self) -> Result<crate::ops::durability::Placement> {
+    pub async fn placement(&self) -> Result<crate::durability::Placement> {
         let mut stream = self
             .js
             .get_stream(&self.stream)
@@ -100,7 +100,7 @@ impl DeadLetters {
             .info()
             .await
             .map_err(Error::nats("reading the dead-letter stream"))?;
-        Ok(crate::ops::durability::Placement::of(info))
+        Ok(crate::durability::Placement::of(info))
     }
 
     /// The dead-letter stream, and the filter its dead letters are on.

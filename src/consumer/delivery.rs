@@ -22,7 +22,7 @@ use super::lease::Proof;
 use super::scheduler::{Finished, Job};
 use super::transaction::{self, Ran, Transactions};
 use crate::backoff::Backoff;
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::schema::{Schemas, Verdict};
 use crate::wire::{self, DlqReason};
 

@@ -30,8 +30,8 @@ use super::scheduler::{Finished, Job, Scheduler};
 use super::watchdog::{Watchdog, ACK_LANDS, QUIET_PULL};
 use crate::backoff::Backoff;
 use crate::error::{Error, Result};
-use crate::ops::endpoint::Readiness;
-use crate::ops::metrics as m;
+use crate::metrics as m;
+use crate::readiness::Readiness;
 use crate::wire;
 
 const PULL_HEARTBEAT: Duration = Duration::from_millis(500);

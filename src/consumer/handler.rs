@@ -154,7 +154,7 @@ struct Timed(std::time::Instant);
 
 impl Drop for Timed {
     fn drop(&mut self) {
-        metrics::histogram!(crate::ops::metrics::CONSUMER_HANDLER_SECONDS)
+        metrics::histogram!(crate::metrics::CONSUMER_HANDLER_SECONDS)
             .record(self.0.elapsed().as_secs_f64());
     }
 }

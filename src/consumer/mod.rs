@@ -42,8 +42,8 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
-use crate::ops::endpoint::Readiness;
-use crate::ops::metrics as m;
+use crate::metrics as m;
+use crate::readiness::Readiness;
 use crate::wire;
 pub use config::ConsumeConfig;
 use config::{durable_config, JS_REQUEST};
@@ -143,12 +143,12 @@ pub async fn run<H: Handler>(
     // A dead letter replaces the event it was (the original is acked once
     // it is stored): a dead-letter stream that loses what it acked loses
     // events (review U1), so it is judged like the relay's streams.
-    let servers = crate::ops::durability::read_servers(&cfg.nats_monitor_url).await;
+    let servers = crate::durability::read_servers(&cfg.nats_monitor_url).await;
     for failed in &servers.failed {
         tracing::warn!(error = %failed, "cannot read a server's sync_interval");
     }
-    let durability = crate::ops::durability::judge(&dlq.placement().await?, &servers);
-    metrics::gauge!(crate::ops::metrics::CONSUMER_DLQ_DURABLE).set(if durability.durable {
+    let durability = crate::durability::judge(&dlq.placement().await?, &servers);
+    metrics::gauge!(crate::metrics::CONSUMER_DLQ_DURABLE).set(if durability.durable {
         1.0
     } else {
         0.0
@@ -177,7 +177,7 @@ pub async fn run<H: Handler>(
             durability.why
         )));
     }
-    tokio::spawn(crate::ops::dlq::watch_depth(
+    tokio::spawn(crate::nats::watch_depth(
         js.clone(),
         dlq_stream.to_owned(),
         dlq_subjects,

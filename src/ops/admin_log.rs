@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 
 use crate::error::{Error, Result};
-use crate::ops::metrics as m;
+use crate::metrics as m;
 
 /// The migration, for `migrate --admin-log-only` (a team's own database,
 /// which needs no other table of ours).

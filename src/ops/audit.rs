@@ -22,7 +22,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use crate::error::{Error, Result};
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::relay::config::RelayConfig;
 use crate::relay::outbox_row::OutboxLayout;
 use crate::relay::route::Router;

@@ -15,8 +15,8 @@ use serde::Serialize;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
-use super::metrics as m;
 use crate::error::{Error, Result};
+use crate::metrics as m;
 
 /// One logical slot, as `slot status` prints it and `/metrics` exports it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -83,6 +83,25 @@ pub async fn list(pool: &PgPool, slot: Option<&str>) -> Result<Vec<SlotStatus>> 
 
 pub async fn slot_status(pool: &PgPool, slot: &str) -> Result<Option<SlotStatus>> {
     Ok(list(pool, Some(slot)).await?.pop())
+}
+
+/// Drop `slot` for `reset`: refused while a backend streams from it.
+pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
+    match slot_status(pool, slot).await? {
+        None => Ok(false),
+        Some(s) if s.active => Err(Error::setup(format!(
+            "slot {slot} is in use by backend PID {}; stop the relay first",
+            s.active_pid.unwrap_or_default()
+        ))),
+        Some(_) => {
+            sqlx::query("SELECT pg_drop_replication_slot($1)")
+                .bind(slot)
+                .execute(pool)
+                .await
+                .map_err(Error::pg("pg_drop_replication_slot"))?;
+            Ok(true)
+        }
+    }
 }
 
 /// The latest poll, shared between the monitor task and the scrape handler.

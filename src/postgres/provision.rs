@@ -876,24 +876,6 @@ async fn partitions(pool: &PgPool, schema: &str, table: &str) -> Result<Vec<(Str
     .map_err(Error::pg("listing the outbox's partitions"))
 }
 
-pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
-    match crate::ops::slot_monitor::slot_status(pool, slot).await? {
-        None => Ok(false),
-        Some(s) if s.active => Err(Error::setup(format!(
-            "slot {slot} is in use by backend PID {}; stop the relay first",
-            s.active_pid.unwrap_or_default()
-        ))),
-        Some(_) => {
-            sqlx::query("SELECT pg_drop_replication_slot($1)")
-                .bind(slot)
-                .execute(pool)
-                .await
-                .map_err(Error::pg("pg_drop_replication_slot"))?;
-            Ok(true)
-        }
-    }
-}
-
 #[cfg(test)]
 mod version_tests {
     use super::check_server;

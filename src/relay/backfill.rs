@@ -43,7 +43,7 @@ use super::pgoutput::{Column, Relation, Value};
 use super::publish::{self, Publisher, TailEvent};
 use super::route::{OutMessage, Router};
 use crate::error::{Error, Result};
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::postgres::{parse_lsn, provision};
 use crate::wire::{self, Position};
 

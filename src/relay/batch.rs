@@ -52,7 +52,7 @@ use super::route::OutMessage;
 use super::watermark::Ticket;
 use crate::backoff::Backoff;
 use crate::error::{Error, PublishFailure, Result};
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::wire::{self, Lineage, Position};
 
 /// Messages per batch: nats-server's default limit

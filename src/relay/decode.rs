@@ -16,7 +16,7 @@ use super::pgoutput::{self, DecodeError, Insert, Message, Relation};
 use super::route::{OutMessage, Router};
 use super::watermark::{Ticket, Watermark};
 use crate::error::{Error, Result};
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::wire::{self, DlqReason, Position};
 
 /// What the loop must do after one event.

@@ -9,8 +9,8 @@ use pgwire_replication::Lsn;
 
 use super::config::RelayConfig;
 use super::outbox_row;
-use crate::ops::endpoint::Readiness;
 use crate::postgres::Dsn;
+use crate::readiness::Readiness;
 
 /// What every session of one relay shares (the first start's backfill too).
 pub(crate) struct Env<'a> {

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use pgwire_replication::Lsn;
 
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::postgres::provision::{self, StillPublished};
 
 /// How often the check runs.

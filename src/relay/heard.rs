@@ -22,7 +22,7 @@ use sqlx::{ConnectOptions, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 use super::guard::Notice;
-use crate::ops::metrics as m;
+use crate::metrics as m;
 
 /// How often the check runs.
 const EVERY: Duration = Duration::from_secs(2);

@@ -48,9 +48,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::error::{Class, Error, Result};
-use crate::ops::endpoint::Readiness;
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::postgres::Dsn;
+use crate::readiness::Readiness;
 use config::RelayConfig;
 pub use env::Stopped;
 use env::{Env, LagClock};
@@ -122,7 +122,7 @@ pub async fn run(
     // Stops the process-wide watchers (lag, dead-letter depth) on return.
     let lag_stop = CancellationToken::new();
     tokio::spawn(lag_gauge(lag.clone(), lag_stop.clone()));
-    tokio::spawn(crate::ops::dlq::watch_depth(
+    tokio::spawn(crate::nats::watch_depth(
         js.clone(),
         cfg.stream.clone(),
         crate::wire::relay_dlq_subject(&cfg.context),

@@ -38,9 +38,9 @@ use super::link::{Denied, Dialer, Link, LinkError};
 use super::route::{dead_letter, subject_matches, OutMessage};
 use super::watermark::Ticket;
 use crate::backoff::Backoff;
+use crate::durability::Placement;
 use crate::error::{Error, PublishFailure, Result};
-use crate::ops::durability::Placement;
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::wire::{self, DlqReason, Position};
 
 /// How long a scan of the stream's tail may take. Other writers (consumer

@@ -27,7 +27,7 @@ use super::readback::ReadBack;
 use super::route::Router;
 use super::watermark::Watermark;
 use crate::error::{Error, Result};
-use crate::ops::metrics as m;
+use crate::metrics as m;
 use crate::postgres;
 use crate::postgres::kept::Kept;
 use crate::postgres::provision::{self, SlotState, Unreplicated};
@@ -452,7 +452,7 @@ impl<'a> Session<'a> {
         // Is an acked event durable? (SPEC §14.) Said once per session, for
         // every stream an event may be acked by (review U1), each judged by
         // the server holding it (review U2).
-        let servers = crate::ops::durability::read_servers(&cfg.nats_monitor_url).await;
+        let servers = crate::durability::read_servers(&cfg.nats_monitor_url).await;
         for failed in &servers.failed {
             tracing::warn!(error = %failed, "cannot read a server's sync_interval");
         }
@@ -461,7 +461,7 @@ impl<'a> Session<'a> {
             .flat_map(|(_, _, shapes)| shapes.iter())
             .filter(|p| p.stream != cfg.stream);
         let durability =
-            crate::ops::durability::judge_all(&shape.placement, routed_placements, &servers);
+            crate::durability::judge_all(&shape.placement, routed_placements, &servers);
         if !durability.durable && cfg.require_durable && !servers.failed.is_empty() {
             metrics::gauge!(m::STREAM_DURABLE).set(0.0);
             // Unknown is not "not durable": a monitoring port down for a

@@ -85,8 +85,8 @@ use super::delivery::{self, Shared};
 use super::handler::Handler;
 use super::scheduler::{Finished, Job};
 use crate::error::{Error, Result};
-use crate::ops::endpoint::Readiness;
-use crate::ops::metrics as m;
+use crate::metrics as m;
+use crate::readiness::Readiness;
 pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;

@@ -460,9 +460,9 @@ pub fn register_consumer() {
 mod tests {
     use super::*;
 
-    const ALERTS: &str = include_str!("../../deploy/prometheus/alerts.yml");
-    const RULES: &str = include_str!("../../deploy/prometheus/rules.yml");
-    const DASHBOARD: &str = include_str!("../../deploy/grafana/outbox-relay.json");
+    const ALERTS: &str = include_str!("../deploy/prometheus/alerts.yml");
+    const RULES: &str = include_str!("../deploy/prometheus/rules.yml");
+    const DASHBOARD: &str = include_str!("../deploy/grafana/outbox-relay.json");
 
     /// Our metric names in a PromQL expression (histogram series by base name).
     fn names_in(expr: &str) -> Vec<String> {
