@@ -16,9 +16,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::helper::Worker;
 use super::member::{alive, end_transactions, poll_liveness, Fenced};
+use super::messages::{base, roster, Registry, Running, SEND_TIMEOUT};
 use super::messages::{new_job_id, Done, Hello, JobHead, Sync, SyncRefusal, SyncReply};
 use super::rule::{self, Answer, Heard, JobReply, Ledger, Lost, BEAT, FENCE, LIVENESS_WAIT};
-use super::{base, roster, Registry, Running, SEND_TIMEOUT};
 use crate::consumer::delivery::{self, Shared};
 use crate::consumer::handler::Handler;
 use crate::consumer::scheduler::{Finished, Job};
@@ -34,7 +34,7 @@ pub(super) type JobEnded = Option<(Finished<Instant>, bool)>;
 pub(super) type EndRx = oneshot::Receiver<JobEnded>;
 
 /// How a job handed to a helper came back.
-pub(in crate::consumer) enum Sent {
+pub(crate) enum Sent {
     /// Accepted: its end comes through the receiver (`None`: lost).
     Accepted(EndRx),
     /// Refused (no room, no such process): run it here.
@@ -53,7 +53,7 @@ pub(super) fn end_lost(lost: Lost<EndTx>) {
 
 /// The dispatcher's view of the crew, for one period as dispatcher.
 #[derive(Clone)]
-pub(in crate::consumer) struct Crew {
+pub(crate) struct Crew {
     pub(super) inner: Arc<CrewInner>,
 }
 
@@ -553,7 +553,7 @@ impl Crew {
 /// Wait for the end of a job another process runs. Once the lease is
 /// handed over, waiting stops (the next dispatcher adopts the job); a lost
 /// job is what [`lost`] makes of it.
-pub(in crate::consumer) async fn await_end<H: Handler>(
+pub(crate) async fn await_end<H: Handler>(
     crew: &Crew,
     shared: &Shared<H>,
     key: &str,
@@ -576,7 +576,7 @@ pub(in crate::consumer) async fn await_end<H: Handler>(
 /// beats. False when another dispatcher, or a later period of this one, has
 /// synced this process since: `me` no longer holds the lease as it did, and
 /// must not start anything.
-pub(in crate::consumer) fn register(
+pub(crate) fn register(
     registry: &Registry,
     (me, period): (i32, u64),
     id: u64,

@@ -14,9 +14,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::member::{alive, Member};
+use super::messages::{base, roster, Registry, Roster, Running, SEND_TIMEOUT};
 use super::messages::{decode, publish_done, Hello, JobDone, Sync, SyncRefusal};
 use super::rule::{self, JobReply, Refusal, Standing, BEAT, OVERHEARD, PING};
-use super::{base, roster, Registry, Roster, Running, SEND_TIMEOUT};
 use crate::consumer::delivery::{self, Shared};
 use crate::consumer::handler::Handler;
 use crate::consumer::scheduler::{Finished, Job};
@@ -56,7 +56,7 @@ pub(super) async fn record_for(
 }
 
 /// What every process of the crew shares with its dispatcher period.
-pub(in crate::consumer) struct Worker {
+pub(crate) struct Worker {
     pub registry: Registry,
     pub dispatching: AtomicBool,
     pub processes: AtomicUsize,
@@ -290,7 +290,7 @@ impl Subs {
 /// dispatcher's [`GRACE`](rule::GRACE) would not cover them; and a
 /// takeover hears a process by its beats.
 #[allow(clippy::too_many_arguments)]
-pub(in crate::consumer) async fn work<H: Handler>(
+pub(crate) async fn work<H: Handler>(
     shared: Arc<Shared<H>>,
     js: jetstream::Context,
     pool: PgPool,
@@ -825,7 +825,7 @@ pub(super) async fn next(sub: &mut Option<async_nats::Subscriber>) -> Option<asy
 
 /// Run a job here as the dispatcher would, a panic turned into what the
 /// dispatcher does with one.
-pub(in crate::consumer) async fn run_caught<H: Handler>(
+pub(crate) async fn run_caught<H: Handler>(
     shared: &Shared<H>,
     key: &str,
     job: Job<jetstream::Message>,

@@ -36,12 +36,7 @@ pub(super) enum Fenced<'a> {
 /// thawed process finds its connection gone. Needs the right to signal
 /// the processes' backends (the same role, or `pg_signal_backend`); without
 /// it, the wait is Postgres's.
-pub(super) async fn end_transactions(
-    pool: &PgPool,
-    stream: &str,
-    durable: &str,
-    who: Fenced<'_>,
-) {
+pub(super) async fn end_transactions(pool: &PgPool, stream: &str, durable: &str, who: Fenced<'_>) {
     let (ids, all_but): (Vec<i32>, bool) = match who {
         Fenced::Members(m) => (m.iter().copied().collect(), false),
         Fenced::AllBut(m) => (m.iter().copied().collect(), true),
@@ -94,7 +89,7 @@ pub(super) const END_WAIT: Duration = Duration::from_secs(3);
 
 /// This process's place in the crew: a session advisory lock that lives as
 /// long as its connection.
-pub(in crate::consumer) struct Member {
+pub(crate) struct Member {
     pub(super) conn: PgConnection,
     pub id: i32,
 }

@@ -1,15 +1,55 @@
 //! What crew processes say to each other over core NATS: beats (`Hello`),
 //! job requests and their ends, syncs; each in JSON, read back tolerantly
-//! of what earlier versions send.
+//! of what earlier versions send. With them the names every side shares:
+//! the subjects, a running job (`Running`) and the roster of them.
 
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
 
-use super::{base, Running, SEND_TIMEOUT};
+use super::rule;
 use crate::consumer::scheduler::{Finished, Job};
+
+/// How long a helper may take to answer a request or a sync.
+pub(super) const SEND_TIMEOUT: Duration = Duration::from_millis(500);
+
+pub(super) fn base(stream: &str, durable: &str) -> String {
+    format!("{}.{stream}.{durable}", crate::wire::CREW_PREFIX)
+}
+
+/// Where a helper cut off from Postgres asks the crew to record a success
+/// (see [`delivery::Recorder`]); every process listens, and each that finds
+/// the row processed (one of them by its own write) answers.
+pub(crate) fn record_subject(stream: &str, durable: &str) -> String {
+    format!("{}.record", base(stream, durable))
+}
+
+/// A job as a process reports it while it runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Running {
+    pub id: u64,
+    pub key: String,
+    /// The parked message's sequence, for a retry; none for a delivery.
+    #[serde(default)]
+    pub retry: Option<u64>,
+    /// Run by this process as dispatcher (not sent to it).
+    #[serde(default)]
+    pub mine: bool,
+}
+
+/// What a process runs, and the dispatcher it serves (see [`rule::Roster`]).
+pub(crate) type Roster = rule::Roster<Running>;
+
+pub(crate) type Registry = Arc<Mutex<Roster>>;
+
+pub(crate) fn roster(registry: &Registry) -> std::sync::MutexGuard<'_, Roster> {
+    registry
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct Hello {
@@ -132,7 +172,7 @@ pub(super) struct JobHead {
 /// A job id unique across the crew: a random base drawn once per process,
 /// then a counter. Not a random per job: that was a `getrandom` system call
 /// on every delivery (seen in the consumer's profile).
-pub(in crate::consumer) fn new_job_id() -> u64 {
+pub(crate) fn new_job_id() -> u64 {
     use std::sync::atomic::AtomicU64;
     use std::sync::OnceLock;
     static BASE: OnceLock<u64> = OnceLock::new();
@@ -143,7 +183,7 @@ pub(in crate::consumer) fn new_job_id() -> u64 {
 
 /// Tell the dispatcher how a job ended (a process that ran it, or that ran
 /// it as dispatcher and handed the lease on meanwhile).
-pub(in crate::consumer) async fn report(
+pub(crate) async fn report(
     client: &async_nats::Client,
     stream: &str,
     durable: &str,

@@ -73,11 +73,6 @@
 //! run for the dispatcher, the cut at a lapse), and `rule.rs` (who may
 //! start a job and when one is lost, pure).
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
-
-use serde::{Deserialize, Serialize};
-
 pub(super) use rule::BEAT;
 #[cfg(test)]
 pub(super) use rule::GRACE;
@@ -91,42 +86,4 @@ mod rule;
 pub(super) use dispatch::{await_end, register, Crew, Sent};
 pub(super) use helper::{run_caught, work, Worker};
 pub(super) use member::Member;
-pub(super) use messages::{new_job_id, report};
-
-/// How long a helper may take to answer a request or a sync.
-const SEND_TIMEOUT: Duration = Duration::from_millis(500);
-
-fn base(stream: &str, durable: &str) -> String {
-    format!("{}.{stream}.{durable}", crate::wire::CREW_PREFIX)
-}
-
-/// Where a helper cut off from Postgres asks the crew to record a success
-/// (see [`delivery::Recorder`]); every process listens, and each that finds
-/// the row processed (one of them by its own write) answers.
-pub(super) fn record_subject(stream: &str, durable: &str) -> String {
-    format!("{}.record", base(stream, durable))
-}
-
-/// A job as a process reports it while it runs.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct Running {
-    pub id: u64,
-    pub key: String,
-    /// The parked message's sequence, for a retry; none for a delivery.
-    #[serde(default)]
-    pub retry: Option<u64>,
-    /// Run by this process as dispatcher (not sent to it).
-    #[serde(default)]
-    pub mine: bool,
-}
-
-/// What a process runs, and the dispatcher it serves (see [`rule::Roster`]).
-pub(super) type Roster = rule::Roster<Running>;
-
-pub(super) type Registry = Arc<Mutex<Roster>>;
-
-pub(super) fn roster(registry: &Registry) -> std::sync::MutexGuard<'_, Roster> {
-    registry
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+pub(super) use messages::{new_job_id, record_subject, report, roster, Registry, Running};

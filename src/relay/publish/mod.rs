@@ -47,5 +47,5 @@ pub(crate) use streams::stream_not_found;
 pub use streams::{
     ensure_stream, routed_streams, server_batches, watch_missing, StreamSettings, HEADER_RESERVE,
 };
-pub(in crate::relay) use tail::lineage_position;
+pub(crate) use tail::lineage_position;
 pub use tail::{last_event_of_database, stored_tail, Tail, TailEvent};

@@ -182,7 +182,7 @@ impl Publisher {
 
     /// An error if the process was paused past the fence's limit as of
     /// `now`: nothing may be sent.
-    pub(in crate::relay) fn fenced(&self, now: Instant) -> Result<()> {
+    pub(crate) fn fenced(&self, now: Instant) -> Result<()> {
         match &self.fence {
             Some(f) if !f.holds(tokio::time::Instant::from_std(now)) => {
                 Err(Error::Paused { paused: f.paused() })
@@ -195,14 +195,14 @@ impl Publisher {
     /// bytes) and the stall clock.
     /// Messages handed over from now on go alone first: the last message
     /// chained to may no longer be the stream's last (batches went since).
-    pub(in crate::relay) fn unchain(&mut self) {
+    pub(crate) fn unchain(&mut self) {
         if self.sent.is_empty() && self.parked.is_empty() {
             self.chain.clear();
             self.solo = None;
         }
     }
 
-    pub(in crate::relay) fn settings(&self) -> (Context, usize, usize, Duration) {
+    pub(crate) fn settings(&self) -> (Context, usize, usize, Duration) {
         (
             self.js.clone(),
             self.max_inflight,
@@ -323,7 +323,7 @@ impl Publisher {
 
     /// The link, for the batch path's messages, dialed if there is none
     /// or it broke. Batches go only while nothing per-event is in flight.
-    pub(in crate::relay) async fn batch_link(&mut self) -> Result<&mut Link> {
+    pub(crate) async fn batch_link(&mut self) -> Result<&mut Link> {
         let leaving = |a: &Inbox| a.broken() || a.leaving();
         if self.acks.as_ref().is_some_and(leaving) && self.unanswered() == 0 {
             self.move_off();
@@ -337,13 +337,13 @@ impl Publisher {
     }
 
     /// The link as it is, if any (the batch path awaits its commits on it).
-    pub(in crate::relay) fn link(&mut self) -> Option<&mut Link> {
+    pub(crate) fn link(&mut self) -> Option<&mut Link> {
         self.acks.as_mut().map(Inbox::link)
     }
 
     /// The link went silent: the next message goes on a new one. Only
     /// while nothing per-event is in flight on it.
-    pub(in crate::relay) fn drop_link(&mut self) {
+    pub(crate) fn drop_link(&mut self) {
         if self.unanswered() == 0 {
             self.acks = None;
         }

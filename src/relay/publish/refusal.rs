@@ -58,7 +58,7 @@ pub(super) fn stream_full(e: &PublishError) -> bool {
 }
 
 /// Refused for the NATS user's permissions ([`Denied`]).
-pub(in crate::relay) fn denied(e: &PublishError) -> bool {
+pub(crate) fn denied(e: &PublishError) -> bool {
     std::error::Error::source(e).is_some_and(|s| s.downcast_ref::<Denied>().is_some())
 }
 

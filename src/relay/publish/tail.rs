@@ -62,10 +62,7 @@ pub async fn stored_tail(
 
 /// The position of a message this WAL history's relay wrote (not a
 /// consumer's dead letter, not another source's event).
-pub(in crate::relay) fn lineage_position(
-    h: &HeaderMap,
-    lineage: &wire::Lineage,
-) -> Option<Position> {
+pub(crate) fn lineage_position(h: &HeaderMap, lineage: &wire::Lineage) -> Option<Position> {
     let get = |name: &str| h.get(name).map(|v| v.as_str());
     if get(wire::DLQ_CONSUMER).is_some() {
         return None;
