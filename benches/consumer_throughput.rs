@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! scripts/bench.sh consumer --messages 20000
-//! scripts/bench.sh consumer --messages 80000 --concurrency 128 --max-ack-pending 512 --out docs/bench
+//! scripts/bench.sh consumer --messages 80000 --concurrency 128 --max-ack-pending 512
 //! ```
 //! `--concurrency` and `--max-ack-pending` default to the product's (48, 50).
 //! Writes `consumer-c{N}.json` and `.svg` under `--out` (default

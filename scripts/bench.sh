@@ -23,6 +23,9 @@
 #   scripts/bench.sh pipeline [--events N] [--rate EV_PER_S|0] [--producers N] [--concurrency N] [--max-ack-pending N] [--out DIR]
 #   scripts/bench.sh publish-paths [--messages N] [--txns-per-s N] [--out DIR]
 #     (no relay: async-nats against a hand-written HPUB writer, client CPU per message)
+#   scripts/bench.sh plot [DIR]
+#     the benchmarks guide's plots (docs/bench/plot-*.svg), rendered from the
+#     result files it keeps in DIR (default docs/bench); no stack, no run
 # Relay runs publish as OUTBOX_PUBLISH_MODE says (auto, batch or event; default auto).
 # BENCH_NATS_CLUSTER=1: against an R3 stream on a local 3-node NATS cluster.
 # STACK_NATS_SYNC_INTERVAL=always: the one server fsyncs every write (R1 durable).
@@ -35,6 +38,11 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+
+if [ "${1:-}" = plot ]; then
+  shift
+  exec cargo bench --quiet --bench plot -- "$@"
+fi
 
 MODE=relay
 case "${1:-}" in relay|consumer|prune|pipeline|publish-paths|audit|audit-window|catchup|peers) MODE="$1"; shift ;; esac
