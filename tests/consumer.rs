@@ -3344,7 +3344,7 @@ async fn a_handler_error_body_with_a_nul_byte_or_no_end_is_recorded_and_the_mess
     let js = js(&stack.nats_url).await;
     let stream = fresh_stream(&js, "cnul", DUP).await;
     let app = axum::Router::new().route(
-        "/h",
+        "/handle",
         axum::routing::post(|| async {
             let start = futures::stream::once(async {
                 Ok::<_, std::io::Error>(Bytes::from_static(b"bad\0byte first-bytes "))
@@ -3359,9 +3359,7 @@ async fn a_handler_error_body_with_a_nul_byte_or_no_end_is_recorded_and_the_mess
             )
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let handler_url = serve_handler(app).await;
     let _consumer = Service::consumer(
         &url,
         &stack.nats_url,

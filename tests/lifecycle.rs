@@ -841,7 +841,7 @@ async fn a_failover_slot_carries_the_relay_across_a_promotion() {
             let mut tick = tokio::time::interval(Duration::from_millis(10));
             while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
-                if try_insert_txn(&pool, 0, seq, 10).await.is_err() {
+                if try_insert_txn(&pool, 0, seq, 10, 0).await.is_err() {
                     break;
                 }
                 seq += 10;
@@ -876,7 +876,7 @@ async fn a_failover_slot_carries_the_relay_across_a_promotion() {
     // The promoted standby is the primary now: the same relay settings.
     let mut relay = Service::relay(&pair.standby_url, &stack.nats_url, "failover", &[]);
     for seq in (1_000_000..1_000_500).step_by(10) {
-        try_insert_txn(&standby, 0, seq, 10).await.unwrap();
+        try_insert_txn(&standby, 0, seq, 10, 0).await.unwrap();
     }
     let rows: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM outbox_events")
         .fetch_all(&standby)
@@ -901,31 +901,6 @@ async fn a_failover_slot_carries_the_relay_across_a_promotion() {
         "resumed from the old timeline's tail: {log}"
     );
     relay.term(Duration::from_secs(10));
-}
-
-/// Like `insert_txn`, but a failed commit is the caller's to handle.
-async fn try_insert_txn(
-    pool: &sqlx::PgPool,
-    producer: u32,
-    seq: u64,
-    n: u64,
-) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
-    let ids: Vec<uuid::Uuid> = (0..n).map(|_| uuid::Uuid::new_v4()).collect();
-    let mut tx = pool.begin().await?;
-    let mut q = sqlx::QueryBuilder::new(
-        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) ",
-    );
-    q.push_values(ids.iter().enumerate(), |mut b, (i, id)| {
-        let s = seq + i as u64;
-        b.push_bind(*id)
-            .push_bind("order")
-            .push_bind(format!("p{producer}-{}", s % 50))
-            .push_bind("placed")
-            .push_bind(serde_json::json!({"p": producer, "s": s}));
-    });
-    q.build().execute(&mut *tx).await?;
-    tx.commit().await?;
-    Ok(ids)
 }
 
 /// Issue 44, item 4: on the per-event path, an answer 10158 ("duplicate

@@ -350,10 +350,8 @@ async fn every_metric_the_rules_read_is_scraped_from_the_running_processes() {
     .unwrap();
     let schemas = ["--schemas", dir.to_str().unwrap()];
     let relay = Service::relay(&url, &stack.nats_url, "obsrules", &schemas);
-    let app = axum::Router::new().route("/h", axum::routing::post(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let app = axum::Router::new().route("/handle", axum::routing::post(|| async { "ok" }));
+    let handler_url = serve_handler(app).await;
     let stream = wire::stream_name("obsrules");
     let consumer = Service::consumer(
         &url,

@@ -350,7 +350,7 @@ async fn the_envelope_carries_the_seeds_fields_and_the_consumer_checks_its_paylo
     let calls = Arc::new(Mutex::new(Vec::<String>::new()));
     let seen = calls.clone();
     let app = axum::Router::new().route(
-        "/h",
+        "/handle",
         axum::routing::post(move |body: axum::body::Bytes| {
             let seen = seen.clone();
             async move {
@@ -362,9 +362,7 @@ async fn the_envelope_carries_the_seeds_fields_and_the_consumer_checks_its_paylo
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let handler_url = serve_handler(app).await;
     let _consumer = Service::consumer(
         &url,
         &stack.nats_url,
@@ -446,10 +444,8 @@ async fn event_types_without_a_schema_do_not_each_make_a_metric_series() {
     let stream = wire::stream_name("schemaser");
     read_stream(&stack.nats_url, &stream, TYPES as u64 + 1, T).await;
 
-    let app = axum::Router::new().route("/h", axum::routing::post(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let handler_url = format!("http://{}/h", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let app = axum::Router::new().route("/handle", axum::routing::post(|| async { "ok" }));
+    let handler_url = serve_handler(app).await;
     let consumer = Service::consumer(
         &url,
         &stack.nats_url,

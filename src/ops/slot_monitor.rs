@@ -81,13 +81,9 @@ pub async fn list(pool: &PgPool, slot: Option<&str>) -> Result<Vec<SlotStatus>> 
         .collect())
 }
 
-pub async fn slot_status(pool: &PgPool, slot: &str) -> Result<Option<SlotStatus>> {
-    Ok(list(pool, Some(slot)).await?.pop())
-}
-
 /// Drop `slot` for `reset`: refused while a backend streams from it.
 pub async fn drop_slot(pool: &PgPool, slot: &str) -> Result<bool> {
-    match slot_status(pool, slot).await? {
+    match list(pool, Some(slot)).await?.pop() {
         None => Ok(false),
         Some(s) if s.active => Err(Error::setup(format!(
             "slot {slot} is in use by backend PID {}; stop the relay first",

@@ -785,8 +785,19 @@ pub async fn insert_txn(
     n: u64,
     pad: usize,
 ) -> Vec<uuid::Uuid> {
+    try_insert_txn(pool, producer, seq, n, pad).await.unwrap()
+}
+
+/// Like [`insert_txn`], but a failed commit is the caller's to handle.
+pub async fn try_insert_txn(
+    pool: &PgPool,
+    producer: u32,
+    seq: u64,
+    n: u64,
+    pad: usize,
+) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
     let ids: Vec<uuid::Uuid> = (0..n).map(|_| uuid::Uuid::new_v4()).collect();
-    let mut tx = pool.begin().await.unwrap();
+    let mut tx = pool.begin().await?;
     // One multi-row statement: rows keep their order inside the transaction.
     let mut q = sqlx::QueryBuilder::new(
         "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) ",
@@ -800,9 +811,9 @@ pub async fn insert_txn(
             .push_bind("placed")
             .push_bind(serde_json::json!({"p": producer, "s": s, "pad": padding}));
     });
-    q.build().execute(&mut *tx).await.unwrap();
-    tx.commit().await.unwrap();
-    ids
+    q.build().execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(ids)
 }
 
 /// Producer inserting `total` events in transactions of 10 at about `rate`/s until done or stopped.

@@ -487,7 +487,7 @@ mod tests {
     use std::time::Duration;
 
     #[test]
-    pub(super) fn the_stall_follows_the_publish_timeout() {
+    fn the_stall_follows_the_publish_timeout() {
         let s = Duration::from_secs;
         for (timeout, want) in [
             (Duration::from_millis(500), Duration::from_millis(500)),
