@@ -7,7 +7,7 @@
 //!
 //! Slot metrics (`pg_replication_slot_*`) are not recorded here: they are a
 //! snapshot of `pg_replication_slots`, rendered at scrape time by
-//! [`super::slot_monitor`], so a dropped slot disappears at once instead of leaving a
+//! [`crate::ops::slot_monitor`], so a dropped slot disappears at once instead of leaving a
 //! stale series behind.
 
 use std::time::Duration;
@@ -94,7 +94,7 @@ pub const NO_SCHEMA_TYPE: &str = "(no schema)";
 /// SIGHUP reloads of `--schemas`, by `result` (ok, failed: the set in force stays).
 pub const SCHEMA_RELOADS: &str = "outbox_schema_reloads_total";
 
-// Slots (SPEC §7), rendered by `super::slot_monitor`.
+// Slots (SPEC §7), rendered by `crate::ops::slot_monitor`.
 pub const SLOT_LAG_BYTES: &str = "pg_replication_slot_lag_bytes";
 pub const SLOT_RETAINED_WAL_BYTES: &str = "pg_replication_slot_retained_wal_bytes";
 pub const SLOT_ACTIVE: &str = "pg_replication_slot_active";

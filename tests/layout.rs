@@ -101,7 +101,7 @@ fn the_checker_finds_a_circle_it_is_shown() {
 /// schemas, metric names, readiness, the durability verdict, the Postgres
 /// and NATS connections), the components (relay, consumer), then the
 /// operations commands, the console and the CLI. An arrow runs down only.
-const BELOW_THE_OPERATIONS: [&str; 13] = [
+const BELOW_THE_OPERATIONS: [&str; 14] = [
     "relay",
     "consumer",
     "postgres",
@@ -115,6 +115,7 @@ const BELOW_THE_OPERATIONS: [&str; 13] = [
     "json",
     "error",
     "triage",
+    "testing",
 ];
 const THE_OPERATIONS_AND_ABOVE: [&str; 4] = ["ops", "console", "cli", "config"];
 
@@ -128,6 +129,22 @@ fn no_component_imports_the_operations_layer() {
         graph.has_edge("cli", "ops::endpoint"),
         "the checker lost the edge cli -> ops::endpoint; its parser is broken"
     );
+    // Every top-level module sits in one layer: a new one must be placed,
+    // or its imports would go unchecked.
+    let tops: BTreeSet<&str> = graph
+        .files
+        .keys()
+        .filter_map(|m| m.first().map(String::as_str))
+        .collect();
+    for top in tops {
+        let below = BELOW_THE_OPERATIONS.contains(&top);
+        let above = THE_OPERATIONS_AND_ABOVE.contains(&top);
+        assert!(
+            below != above || top == "<bin>",
+            "src/{top} is in {} layer lists; put it in one (tests/layout.rs)",
+            if below { "both" } else { "neither of the" }
+        );
+    }
     let upward = graph.upward(&BELOW_THE_OPERATIONS, &THE_OPERATIONS_AND_ABOVE);
     assert!(
         upward.is_empty(),

@@ -74,7 +74,7 @@ pub(crate) struct Worker {
     /// The processes this one has heard beat, or has asked to run a job,
     /// when last, and whether they dispatched then (whoever dispatches): a
     /// takeover accounts for each it heard lately, its member lock held or
-    /// not. Kept by [`overhear`] and [`Crew::send`].
+    /// not. Kept by [`overhear`] and [`super::Crew::send`].
     pub overheard: Mutex<HashMap<i32, (Instant, bool)>>,
 }
 

@@ -21,7 +21,7 @@ pub(super) fn base(stream: &str, durable: &str) -> String {
 }
 
 /// Where a helper cut off from Postgres asks the crew to record a success
-/// (see [`delivery::Recorder`]); every process listens, and each that finds
+/// (see [`crate::consumer::delivery::Recorder`]); every process listens, and each that finds
 /// the row processed (one of them by its own write) answers.
 pub(crate) fn record_subject(stream: &str, durable: &str) -> String {
     format!("{}.record", base(stream, durable))
