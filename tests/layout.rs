@@ -51,11 +51,9 @@ fn the_import_graph_of_src_has_no_circle() {
 
 #[test]
 fn the_checker_finds_a_circle_it_is_shown() {
-    let dir = std::env::temp_dir().join(format!("layout-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("a")).unwrap();
-    std::fs::create_dir_all(dir.join("c")).unwrap();
-    let files = [
+    let graph = fixture(
+        "circle",
+        &[
         ("lib.rs", "mod a;\nmod b;\nmod c;\n// crate::c is a comment\n"),
         (
             "c.rs",
@@ -71,12 +69,8 @@ fn the_checker_finds_a_circle_it_is_shown() {
             "b.rs",
             "pub struct Y;\nfn f() -> super::a::X { todo!() }\n#[cfg(test)]\nmod tests { use crate::c; }\n",
         ),
-    ];
-    for (name, text) in files {
-        std::fs::write(dir.join(name), text).unwrap();
-    }
-    let graph = Graph::of(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
+        ],
+    );
     assert!(graph.has_edge("a", "a::inner"));
     assert!(graph.has_edge("a::inner", "b"));
     assert!(graph.has_edge("b", "a"));
@@ -158,33 +152,42 @@ fn no_component_imports_the_operations_layer() {
 
 #[test]
 fn the_checker_finds_an_upward_import_it_is_shown() {
-    let dir = std::env::temp_dir().join(format!("layout-up-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("ops")).unwrap();
-    std::fs::create_dir_all(dir.join("relay")).unwrap();
-    let files = [
-        ("lib.rs", "mod ops;\nmod relay;\nmod metrics;\n"),
-        ("metrics.rs", "pub const X: &str = \"x\";\n"),
-        ("ops/mod.rs", "pub mod dlq;\nuse crate::relay;\n"),
-        ("ops/dlq.rs", "pub fn watch() {}\n"),
-        ("relay/mod.rs", "mod publish;\nuse crate::metrics as m;\n"),
-        (
-            "relay/publish.rs",
-            "// crate::ops::dlq in a comment\nfn f() { crate::ops::dlq::watch() }\n\
+    let graph = fixture(
+        "up",
+        &[
+            ("lib.rs", "mod ops;\nmod relay;\nmod metrics;\n"),
+            ("metrics.rs", "pub const X: &str = \"x\";\n"),
+            ("ops/mod.rs", "pub mod dlq;\nuse crate::relay;\n"),
+            ("ops/dlq.rs", "pub fn watch() {}\n"),
+            ("relay/mod.rs", "mod publish;\nuse crate::metrics as m;\n"),
+            (
+                "relay/publish.rs",
+                "// crate::ops::dlq in a comment\nfn f() { crate::ops::dlq::watch() }\n\
              #[cfg(test)]\nmod tests { use crate::ops; }\n",
-        ),
-    ];
-    for (name, text) in files {
-        std::fs::write(dir.join(name), text).unwrap();
-    }
-    let graph = Graph::of(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
+            ),
+        ],
+    );
     let upward = graph.upward(&["relay", "metrics"], &["ops"]);
     assert_eq!(upward.len(), 1, "{upward:?}");
     assert!(
         upward[0].starts_with("relay::publish -> ops::dlq"),
         "{upward:?}"
     );
+}
+
+/// The graph of a crate made of `files` (path under `src/`, text), written
+/// to a temporary directory for the walk and removed after.
+fn fixture(name: &str, files: &[(&str, &str)]) -> Graph {
+    let dir = std::env::temp_dir().join(format!("layout-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (path, text) in files {
+        let path = dir.join(path);
+        std::fs::create_dir_all(path.parent().expect("under the directory")).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+    let graph = Graph::of(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    graph
 }
 
 struct Graph {
