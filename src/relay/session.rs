@@ -4,13 +4,16 @@
 //!
 //! The pump is one `biased` select, in priority order: shutdown, then acks
 //! (draining acks before reading more keeps memory bounded), then new WAL,
-//! read only while the publish window has room. The replication worker keeps
+//! read only while the publish window has room. A turn takes every ack, or
+//! every event, already waiting (up to `TURN`): the select's branches are
+//! set up once per wait, not once per message. The replication worker keeps
 //! answering the server's keepalives while we hold back, so backpressure
 //! never trips `wal_sender_timeout`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use pgwire_replication::{Lsn, ReplicationClient};
 use tokio_util::sync::CancellationToken;
 
@@ -88,6 +91,11 @@ struct Open {
 /// slot republishes beyond `occurred_at` is what ran within this of the
 /// last stored event.
 const HORIZON_EVERY: Duration = Duration::from_secs(1);
+
+/// Events, or acks, the pump takes in one turn of its select when they are
+/// already waiting. Bounded so shutdown, a pause and the guard's notices
+/// are seen between turns.
+const TURN: usize = 64;
 
 /// Sample, every [`HORIZON_EVERY`], the oldest transaction still running
 /// (the statement's snapshot, taken first) and the WAL insert position read
@@ -752,48 +760,95 @@ impl<'a> Session<'a> {
                 },
                 Some(stream) = found.recv() => return Err(Error::StreamFound { stream }),
                 Some(ack) = publisher.next_ack(), if publisher.in_flight() > 0 => {
-                    if let Err(e) = self.on_ack(client, publisher, ack) {
-                        self.publish_failed = true;
-                        return Err(e);
+                    // The acks already read are taken in this turn: a turn
+                    // of the select sets up (and drops) every branch's
+                    // waker and the stall timer, once per wait, not per ack.
+                    let mut next = Some(ack);
+                    let mut taken = 0;
+                    while let Some(ack) = next.take() {
+                        if let Err(e) = self.on_ack(client, publisher, ack) {
+                            self.publish_failed = true;
+                            return Err(e);
+                        }
+                        taken += 1;
+                        if taken < TURN && publisher.in_flight() > 0 {
+                            // Cancel-safe (see `Publisher::next_ack`).
+                            next = publisher.next_ack().now_or_never().flatten();
+                        }
                     }
                 }
                 event = client.recv(), if publisher.has_room() => {
-                    let event = match event {
-                        Ok(Some(ev)) => ev,
-                        Ok(None) => return Err(Error::StreamEnded),
-                        Err(e) => return Err(e.into()),
-                    };
-                    if let Some(want) = stage.resume_wants() {
-                        if let Some(resume) = stage.resume_mut() {
-                            tokio::select! {
-                                _ = shutdown.cancelled() => return Ok(()),
-                                () = readback.advance(resume, want) => {}
-                            }
+                    // Likewise the events the replication worker has queued
+                    // (a transaction arrives in one read), while the window
+                    // has room. A closed channel is met here as in the
+                    // select: the worker's task has ended, and on this
+                    // current-thread runtime its result is stored by then.
+                    let mut next = Some(event);
+                    let mut taken = 0;
+                    while let Some(event) = next.take() {
+                        let event = match event {
+                            Ok(Some(ev)) => ev,
+                            Ok(None) => return Err(Error::StreamEnded),
+                            Err(e) => return Err(e.into()),
+                        };
+                        if self.on_event(stage, publisher, client, readback, shutdown, event).await? {
+                            return Ok(());
                         }
-                    }
-                    let step = stage.on_event(event, &mut self.watermark)?;
-                    self.env.lag.set(self.watermark.oldest_unacked());
-                    match step {
-                        Step::Nothing => {}
-                        Step::Confirm(lsn) => self.confirm(client, lsn),
-                        Step::Commit(lsn) => {
-                            publisher.end_transaction();
-                            if let Some(lsn) = lsn {
-                                self.confirm(client, lsn);
-                            }
-                            self.metrics.in_flight(publisher, true);
-                        }
-                        Step::Publish { ticket, commit_micros, pos, msg } => {
-                            if let Err(e) = publisher.publish(ticket, commit_micros, pos, msg).await {
-                                self.publish_failed = true;
-                                return Err(e);
-                            }
-                            self.metrics.in_flight(publisher, false);
+                        taken += 1;
+                        if taken < TURN && publisher.has_room() {
+                            next = client.recv().now_or_never();
                         }
                     }
                 }
             }
         }
+    }
+
+    /// One replication event through decode, the watermark and the
+    /// publisher. `Ok(true)`: shutdown came while it waited.
+    async fn on_event(
+        &mut self,
+        stage: &mut Stage,
+        publisher: &mut Batcher,
+        client: &ReplicationClient,
+        readback: &mut ReadBack,
+        shutdown: &CancellationToken,
+        event: pgwire_replication::ReplicationEvent,
+    ) -> Result<bool> {
+        if let Some(want) = stage.resume_wants() {
+            if let Some(resume) = stage.resume_mut() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(true),
+                    () = readback.advance(resume, want) => {}
+                }
+            }
+        }
+        let step = stage.on_event(event, &mut self.watermark)?;
+        self.env.lag.set(self.watermark.oldest_unacked());
+        match step {
+            Step::Nothing => {}
+            Step::Confirm(lsn) => self.confirm(client, lsn),
+            Step::Commit(lsn) => {
+                publisher.end_transaction();
+                if let Some(lsn) = lsn {
+                    self.confirm(client, lsn);
+                }
+                self.metrics.in_flight(publisher, true);
+            }
+            Step::Publish {
+                ticket,
+                commit_micros,
+                pos,
+                msg,
+            } => {
+                if let Err(e) = publisher.publish(ticket, commit_micros, pos, msg).await {
+                    self.publish_failed = true;
+                    return Err(e);
+                }
+                self.metrics.in_flight(publisher, false);
+            }
+        }
+        Ok(false)
     }
 
     /// Graceful stop: read nothing more, wait (bounded) for the acks of what
