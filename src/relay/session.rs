@@ -743,6 +743,8 @@ impl<'a> Session<'a> {
             readback,
             ..
         } = open;
+        let one_thread = tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::CurrentThread;
         loop {
             tokio::select! {
                 biased;
@@ -773,16 +775,18 @@ impl<'a> Session<'a> {
                         taken += 1;
                         if taken < TURN && publisher.in_flight() > 0 {
                             // Cancel-safe (see `Publisher::next_ack`).
-                            next = publisher.next_ack().now_or_never().flatten();
+                            next = ready_now(publisher.next_ack()).flatten();
                         }
                     }
                 }
                 event = client.recv(), if publisher.has_room() => {
                     // Likewise the events the replication worker has queued
                     // (a transaction arrives in one read), while the window
-                    // has room. A closed channel is met here as in the
-                    // select: the worker's task has ended, and on this
-                    // current-thread runtime its result is stored by then.
+                    // has room. A closed channel met here means the
+                    // worker's task has ended and, on a current-thread
+                    // runtime (the relay's own, `src/cli.rs`), stored its
+                    // result; on another runtime its end may still be on
+                    // the way, and only the select waits for it.
                     let mut next = Some(event);
                     let mut taken = 0;
                     while let Some(event) = next.take() {
@@ -795,8 +799,8 @@ impl<'a> Session<'a> {
                             return Ok(());
                         }
                         taken += 1;
-                        if taken < TURN && publisher.has_room() {
-                            next = client.recv().now_or_never();
+                        if one_thread && taken < TURN && publisher.has_room() {
+                            next = ready_now(client.recv());
                         }
                     }
                 }
@@ -934,6 +938,16 @@ impl<'a> Session<'a> {
     }
 }
 
+/// The output of `f` if it is ready at once, else `None` (`f` dropped).
+/// Outside the task's coop budget: with the budget spent a ready future
+/// reads as pending, and one that has taken something out of its owner
+/// first (as `ReplicationClient::recv` takes the worker's join handle when
+/// its channel closes) would be dropped holding it. A turn is bounded by
+/// [`TURN`] instead.
+fn ready_now<F: std::future::Future>(f: F) -> Option<F::Output> {
+    tokio::task::unconstrained(f).now_or_never()
+}
+
 fn pg_to_unix_micros(pg: i64) -> i64 {
     pg.saturating_add(super::outbox_row::PG_EPOCH_UNIX_MICROS)
 }
@@ -959,7 +973,7 @@ async fn backend_pid(client: &mut ReplicationClient) -> Result<i32> {
 
 #[cfg(test)]
 mod tests {
-    use super::replication_buffer;
+    use super::{ready_now, replication_buffer};
 
     #[test]
     fn the_wal_buffer_holds_the_byte_bound_in_largest_messages() {
@@ -969,5 +983,30 @@ mod tests {
         assert_eq!(replication_buffer(16 * MIB, 64 * MIB), 4);
         assert_eq!(replication_buffer(1 << 30, 64 << 10), 512);
         assert_eq!(replication_buffer(MIB, 0), 512);
+    }
+
+    /// What `ReplicationClient::recv` does when its channel closes: take
+    /// the worker's join handle, then await it. Polled once with the
+    /// task's coop budget spent, a plain `now_or_never` drops the handle
+    /// (the worker's error with it); `ready_now` must not.
+    #[tokio::test(flavor = "current_thread")]
+    async fn ready_now_keeps_an_ended_workers_result_with_the_budget_spent() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<u32>(1);
+        let worker = tokio::spawn(async move {
+            drop(tx);
+            "the worker's error"
+        });
+        let mut join = Some(worker);
+        tokio::task::yield_now().await;
+        for _ in 0..127 {
+            tokio::task::consume_budget().await;
+        }
+        let recv = async {
+            match rx.recv().await {
+                Some(n) => Ok(n),
+                None => Err(join.take().expect("joined once").await.expect("no panic")),
+            }
+        };
+        assert_eq!(ready_now(recv), Some(Err("the worker's error")));
     }
 }
