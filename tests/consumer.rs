@@ -578,6 +578,53 @@ async fn message_published_twice_outside_the_dedupe_window_reaches_the_handler_o
     );
 }
 
+/// The HTTP path's inbox writers keep a connection each (a pool's pings
+/// cost two round trips per statement). Their backends terminated (an
+/// operator's `pg_terminate_backend`, a failover), each writer must open a
+/// new connection for its next batch, not fail on the dead one forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_writers_reconnect_after_their_backends_are_terminated() {
+    let Fixture {
+        pool,
+        js,
+        stream,
+        handler,
+        consumer: _consumer,
+    } = fixture("c_writers", "cwriters", "writers", DUP, &[]).await;
+    let ids: Vec<Uuid> = (0..40).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in ids[..20].iter().enumerate() {
+        publish(&js, "cwriters.e", Some(*id), &format!("a{i}"), b"{}").await;
+    }
+    wait_processed(&pool, "writers", 20).await;
+    let (claims, completions): (i64, i64) = sqlx::query_as(
+        "WITH gone AS ( \
+           SELECT query, pg_terminate_backend(pid) AS done FROM pg_stat_activity \
+           WHERE datname = current_database() AND pid <> pg_backend_pid() \
+             AND query LIKE '%inbox_messages%') \
+         SELECT count(*) FILTER (WHERE done AND query LIKE '%INSERT INTO inbox_messages%'), \
+                count(*) FILTER (WHERE done AND query LIKE 'UPDATE inbox_messages SET processed_at%') \
+         FROM gone",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        claims >= 1 && completions >= 1,
+        "the writers' backends were found and terminated: {claims} claim, {completions} completion"
+    );
+    for (i, id) in ids[20..].iter().enumerate() {
+        publish(&js, "cwriters.e", Some(*id), &format!("b{i}"), b"{}").await;
+    }
+    wait_processed(&pool, "writers", 40).await;
+    assert_all_acked(&js, &stream, "writers").await;
+    let repeated: Vec<Uuid> = ids
+        .iter()
+        .copied()
+        .filter(|id| handler.calls_for(*id).len() != 1)
+        .collect();
+    assert!(repeated.is_empty(), "called other than once: {repeated:?}");
+}
+
 /// SPEC §13: a table keyed by text or bigint sends that key as
 /// `Nats-Msg-Id`. The handler is given it as it is (body and
 /// `Idempotency-Key`), a repeat outside the duplicate window is still

@@ -13,11 +13,10 @@
 //!   are parked behind it. JetStream has their acks, so a failing aggregate
 //!   holds no ack-pending slot.
 
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{PgConnection, PgExecutor, PgPool};
-use std::sync::Arc;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Connection, PgConnection, PgExecutor, PgPool};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 /// What the claim found.
@@ -179,6 +178,10 @@ pub async fn complete(
     Ok(())
 }
 
+const COMPLETE_MANY: &str =
+    "UPDATE inbox_messages SET processed_at = greatest(now(), received_at), parked_until = NULL \
+     WHERE consumer = $1 AND message_id = ANY($2)";
+
 /// [`complete`] for many ids in one statement. Planned on every call, not
 /// cached: a plan made while the inbox was small (or never analyzed) scans
 /// the whole table, and a cached one would go on doing so once it is large
@@ -190,15 +193,12 @@ pub async fn complete_many<'c>(
     consumer: &str,
     ids: &[Uuid],
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE inbox_messages SET processed_at = greatest(now(), received_at), parked_until = NULL \
-         WHERE consumer = $1 AND message_id = ANY($2)",
-    )
-    .persistent(false)
-    .bind(consumer)
-    .bind(ids)
-    .execute(e)
-    .await?;
+    sqlx::query(COMPLETE_MANY)
+        .persistent(false)
+        .bind(consumer)
+        .bind(ids)
+        .execute(e)
+        .await?;
     Ok(())
 }
 
@@ -515,36 +515,43 @@ impl std::fmt::Display for BatchError {
 /// holds an id and a subject: the queue stays within a few hundred KiB).
 const MAX_BATCH: usize = 512;
 const QUEUE: usize = 1024;
-/// Statements of one kind running at once. One, as in a group commit: the
-/// next batch forms while it runs. Under load that makes batches large and
-/// statements few, which is what Postgres's CPU, shared with everything else
-/// on the box, pays for (consumer bench at concurrency 128: 9,200–9,400
-/// messages/s with one, 8,000–8,200 with two, 5,700–6,100 with four).
-const STATEMENTS_IN_FLIGHT: usize = 1;
+/// How long a writer waits for its connection to open before the batch
+/// fails (and is retried by its callers), as the pools' acquire timeout.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Batcher {
-    /// The two writer tasks end when every handle is dropped. They write
-    /// through connections of their own with sequential scans off: every
-    /// statement finds rows by key, and a plan cached while the inbox looked
-    /// tiny (new, or never analyzed) would otherwise scan the whole table on
-    /// every batch once it is large, until the next ANALYZE.
+    /// The two writer tasks end when every handle is dropped. Each writes
+    /// one statement at a time, as in a group commit: the next batch forms
+    /// while it runs. Under load that makes batches large and statements
+    /// few, which is what Postgres's CPU, shared with everything else on
+    /// the box, pays for (consumer bench at concurrency 128: 9,200–9,400
+    /// messages/s with one in flight, 8,000–8,200 with two, 5,700–6,100
+    /// with four).
+    ///
+    /// Each writer keeps a connection of its own, not a pool's: a pool
+    /// pings a connection when it is taken and again when it is given back
+    /// (sqlx 0.9), two more round trips to Postgres per statement, each
+    /// waking its backend and this process. Its sequential scans are off:
+    /// every statement finds rows by key, and a plan cached while the inbox
+    /// looked tiny (new, or never analyzed) would otherwise scan the whole
+    /// table on every batch once it is large, until the next ANALYZE.
     pub fn start(pool: PgPool, consumer: String, stream: String) -> Self {
         let options = (*pool.connect_options())
             .clone()
             .options([("enable_seqscan", "off")]);
-        let pool = PgPoolOptions::new()
-            .max_connections(2 * STATEMENTS_IN_FLIGHT as u32)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect_lazy_with(options);
         let (claims, claim_rx) = mpsc::channel(QUEUE);
         let (completions, complete_rx) = mpsc::channel(QUEUE);
         tokio::spawn(write_claims(
-            pool.clone(),
+            Writer::new(options.clone()),
             consumer.clone(),
             stream,
             claim_rx,
         ));
-        tokio::spawn(write_completions(pool, consumer, complete_rx));
+        tokio::spawn(write_completions(
+            Writer::new(options),
+            consumer,
+            complete_rx,
+        ));
         Self {
             claims,
             completions,
@@ -596,22 +603,64 @@ type ClaimRequest = (
     oneshot::Sender<Result<Claim, BatchError>>,
 );
 
+/// A batch writer's connection, opened when a batch needs it and dropped
+/// after any failed statement (the next batch opens a fresh one).
+struct Writer {
+    options: PgConnectOptions,
+    conn: Option<PgConnection>,
+}
+
+impl Writer {
+    fn new(options: PgConnectOptions) -> Self {
+        Self {
+            options,
+            conn: None,
+        }
+    }
+
+    async fn conn(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        match &mut self.conn {
+            Some(conn) => Ok(conn),
+            slot @ None => {
+                let conn = tokio::time::timeout(
+                    CONNECT_TIMEOUT,
+                    PgConnection::connect_with(&self.options),
+                )
+                .await
+                .map_err(|_| {
+                    sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "connecting to Postgres for the inbox took over {} s",
+                            CONNECT_TIMEOUT.as_secs()
+                        ),
+                    ))
+                })??;
+                Ok(slot.insert(conn))
+            }
+        }
+    }
+
+    /// The statement's result; a failure drops the connection, whatever
+    /// state it was left in.
+    fn settle<T>(&mut self, result: Result<T, sqlx::Error>) -> Result<T, BatchError> {
+        result.map_err(|e| {
+            self.conn = None;
+            BatchError(e.to_string())
+        })
+    }
+}
+
 async fn write_claims(
-    pool: PgPool,
+    mut writer: Writer,
     consumer: String,
     stream: String,
     mut rx: mpsc::Receiver<ClaimRequest>,
 ) {
-    let inflight = Arc::new(Semaphore::new(STATEMENTS_IN_FLIGHT));
-    let consumer: Arc<str> = consumer.into();
-    let stream: Arc<str> = stream.into();
     // A row may be named once per statement (ON CONFLICT); a second claim
     // of the same id waits for the next one.
     let mut later: Vec<ClaimRequest> = Vec::new();
     loop {
-        let Ok(permit) = inflight.clone().acquire_owned().await else {
-            return;
-        };
         let mut batch: Vec<ClaimRequest> = Vec::new();
         if later.is_empty() {
             if !gather(&mut rx, &mut batch).await {
@@ -625,57 +674,65 @@ async fn write_claims(
             .into_iter()
             .partition(|(id, _, _, _)| seen.insert(*id));
         later = next;
-        let (pool, consumer, stream) = (pool.clone(), consumer.clone(), stream.clone());
-        tokio::spawn(async move {
-            let ids: Vec<Uuid> = now.iter().map(|(id, _, _, _)| *id).collect();
-            let subjects: Vec<&str> = now.iter().map(|(_, s, _, _)| s.as_str()).collect();
-            let seqs: Vec<i64> = now.iter().map(|(_, _, q, _)| seq_param(*q)).collect();
-            let result = claim_many(&pool, &consumer, &ids, &subjects, &seqs, &stream).await;
-            drop(subjects);
-            for (id, _, _, reply) in now {
-                let answer = match &result {
-                    Ok(claims) => claims
-                        .get(&id)
-                        .copied()
-                        .ok_or_else(|| BatchError(format!("no inbox row came back for {id}"))),
-                    Err(e) => Err(BatchError(e.to_string())),
-                };
-                let _ = reply.send(answer);
-            }
-            drop(permit);
-        });
+        let ids: Vec<Uuid> = now.iter().map(|(id, _, _, _)| *id).collect();
+        let subjects: Vec<&str> = now.iter().map(|(_, s, _, _)| s.as_str()).collect();
+        let seqs: Vec<i64> = now.iter().map(|(_, _, q, _)| seq_param(*q)).collect();
+        let result = match writer.conn().await {
+            Ok(conn) => claim_many(conn, &consumer, &ids, &subjects, &seqs, &stream).await,
+            Err(e) => Err(e),
+        };
+        let result = writer.settle(result);
+        drop(subjects);
+        for (id, _, _, reply) in now {
+            let answer = match &result {
+                Ok(claims) => claims
+                    .get(&id)
+                    .copied()
+                    .ok_or_else(|| BatchError(format!("no inbox row came back for {id}"))),
+                Err(e) => Err(e.clone()),
+            };
+            let _ = reply.send(answer);
+        }
     }
 }
 
 type CompleteRequest = (Uuid, oneshot::Sender<Result<(), BatchError>>);
 
 async fn write_completions(
-    pool: PgPool,
+    mut writer: Writer,
     consumer: String,
     mut rx: mpsc::Receiver<CompleteRequest>,
 ) {
-    let inflight = Arc::new(Semaphore::new(STATEMENTS_IN_FLIGHT));
-    let consumer: Arc<str> = consumer.into();
     loop {
-        let Ok(permit) = inflight.clone().acquire_owned().await else {
-            return;
-        };
         let mut batch: Vec<CompleteRequest> = Vec::new();
         if !gather(&mut rx, &mut batch).await {
             return;
         }
-        let (pool, consumer) = (pool.clone(), consumer.clone());
-        tokio::spawn(async move {
-            let ids: Vec<Uuid> = batch.iter().map(|(id, _)| *id).collect();
-            let result = complete_many(&pool, &consumer, &ids)
-                .await
-                .map_err(|e| BatchError(e.to_string()));
-            for (_, reply) in batch {
-                let _ = reply.send(result.clone());
-            }
-            drop(permit);
-        });
+        let ids: Vec<Uuid> = batch.iter().map(|(id, _)| *id).collect();
+        let result = match writer.conn().await {
+            Ok(conn) => complete_batch(conn, &consumer, &ids).await,
+            Err(e) => Err(e),
+        };
+        let result = writer.settle(result);
+        for (_, reply) in batch {
+            let _ = reply.send(result.clone());
+        }
     }
+}
+
+/// [`complete_many`] on a batch writer's connection: prepared once, since
+/// that connection plans with sequential scans off.
+async fn complete_batch(
+    conn: &mut PgConnection,
+    consumer: &str,
+    ids: &[Uuid],
+) -> Result<(), sqlx::Error> {
+    sqlx::query(COMPLETE_MANY)
+        .bind(consumer)
+        .bind(ids)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 /// [`claim`] for many distinct ids in one statement.
