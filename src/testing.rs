@@ -4,6 +4,7 @@
 //! and with the `testing` feature (which the crate's own dev-dependency
 //! turns on); never part of the product.
 
+pub use crate::consumer::inbox::{BatchError, Batcher, Claim};
 pub use crate::nats::NatsArgs;
 pub use crate::relay::columns::ColumnMap;
 pub use crate::relay::link::{encode_message, Dialer, Heard, Link, Reply};

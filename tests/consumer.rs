@@ -625,6 +625,54 @@ async fn the_inbox_writers_reconnect_after_their_backends_are_terminated() {
     assert!(repeated.is_empty(), "called other than once: {repeated:?}");
 }
 
+/// The same writers' Postgres path goes silent (a vanished host, a
+/// middlebox dropping an idle flow: no reset, no answer; new connections
+/// pass). A writer's next statement waited on its dead connection for as
+/// long as TCP keeps retrying (about 15 minutes): no claim and no
+/// completion of that process meanwhile (a helper of a crew keeps its
+/// writers for its whole life), a successful call unrecorded. The writer
+/// must give the connection up, and the retry go through a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_writers_leave_a_postgres_path_gone_silent() {
+    use outbox_relay::testing::{Batcher, Claim};
+    let stack = stack();
+    let (url, pool) = fresh_db(&stack, "c_wsilent").await;
+    let proxy = Proxy::start(&pg_target(&url)).await;
+    let via = sqlx::PgPool::connect(&proxy.pg_url(&url)).await.unwrap();
+    let batcher = Batcher::start(via, "wsilent".into(), "S".into());
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    assert!(matches!(
+        batcher.claim(a, "s.e", 1).await,
+        Ok(Claim::Fresh { attempts: 1 })
+    ));
+    proxy.black_hole();
+    // As the consumer does: a failed write is tried again. Each try may
+    // wait for its statement's limit; none may wait for ever.
+    let settled = tokio::time::timeout(T, async {
+        loop {
+            let claimed = batcher.claim(b, "s.e", 2).await;
+            let completed = batcher.complete(a).await;
+            if let (Ok(_), Ok(())) = (claimed, completed) {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        settled.is_ok(),
+        "a claim and a completion waited on a silent connection for {T:?}"
+    );
+    let rows: HashMap<Uuid, bool> = sqlx::query_as(
+        "SELECT message_id, processed_at IS NOT NULL FROM inbox_messages WHERE consumer = 'wsilent'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect();
+    assert_eq!(rows, HashMap::from([(a, true), (b, false)]));
+}
+
 /// SPEC §13: a table keyed by text or bigint sends that key as
 /// `Nats-Msg-Id`. The handler is given it as it is (body and
 /// `Idempotency-Key`), a repeat outside the duplicate window is still

@@ -15,7 +15,7 @@
 
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
@@ -605,9 +605,36 @@ type ClaimRequest = (
 
 /// A batch writer's connection, opened when a batch needs it and dropped
 /// after any failed statement (the next batch opens a fresh one).
+///
+/// What a pool's pings did is kept where it costs nothing under load: a
+/// connection that sat unused for [`IDLE_CHECK_AFTER`] is pinged first (a
+/// middlebox may have dropped the idle flow without a reset, or Postgres
+/// ended the session), and every statement has a time limit. TCP alone
+/// would leave a statement on a path gone silent waiting about 15 minutes,
+/// a successful call unrecorded all that time.
 struct Writer {
     options: PgConnectOptions,
     conn: Option<PgConnection>,
+    used: Instant,
+}
+
+/// How long a writer's connection may sit unused before it is pinged.
+const IDLE_CHECK_AFTER: Duration = Duration::from_secs(1);
+/// How long a ping may take before its connection is given up, as long as
+/// the pools wait for a connection.
+const PING_LIMIT: Duration = Duration::from_secs(10);
+/// How long a batch statement may wait for Postgres before its connection
+/// is given up and the batch fails (its callers retry it: a claim counted
+/// twice is one more attempt, a completion written twice the same row).
+/// Far past what a statement of a few hundred rows takes, even behind a
+/// checkpoint or another transaction's row lock.
+const STATEMENT_LIMIT: Duration = Duration::from_secs(30);
+
+fn timed_out(what: &str, limit: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("{what} took over {} s", limit.as_secs()),
+    ))
 }
 
 impl Writer {
@@ -615,10 +642,20 @@ impl Writer {
         Self {
             options,
             conn: None,
+            used: Instant::now(),
         }
     }
 
     async fn conn(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
+        if let Some(conn) = &mut self.conn {
+            if self.used.elapsed() > IDLE_CHECK_AFTER {
+                let alive = tokio::time::timeout(PING_LIMIT, conn.ping()).await;
+                if !matches!(alive, Ok(Ok(()))) {
+                    tracing::info!("an idle inbox connection did not answer; opening another");
+                    self.conn = None;
+                }
+            }
+        }
         match &mut self.conn {
             Some(conn) => Ok(conn),
             slot @ None => {
@@ -628,13 +665,7 @@ impl Writer {
                 )
                 .await
                 .map_err(|_| {
-                    sqlx::Error::Io(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!(
-                            "connecting to Postgres for the inbox took over {} s",
-                            CONNECT_TIMEOUT.as_secs()
-                        ),
-                    ))
+                    timed_out("connecting to Postgres for the inbox", CONNECT_TIMEOUT)
                 })??;
                 Ok(slot.insert(conn))
             }
@@ -644,11 +675,26 @@ impl Writer {
     /// The statement's result; a failure drops the connection, whatever
     /// state it was left in.
     fn settle<T>(&mut self, result: Result<T, sqlx::Error>) -> Result<T, BatchError> {
-        result.map_err(|e| {
-            self.conn = None;
-            BatchError(e.to_string())
-        })
+        match result {
+            Ok(v) => {
+                self.used = Instant::now();
+                Ok(v)
+            }
+            Err(e) => {
+                self.conn = None;
+                Err(BatchError(e.to_string()))
+            }
+        }
     }
+}
+
+/// `statement` within [`STATEMENT_LIMIT`].
+async fn limited<T>(
+    statement: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    tokio::time::timeout(STATEMENT_LIMIT, statement)
+        .await
+        .unwrap_or_else(|_| Err(timed_out("an inbox batch statement", STATEMENT_LIMIT)))
 }
 
 async fn write_claims(
@@ -678,7 +724,7 @@ async fn write_claims(
         let subjects: Vec<&str> = now.iter().map(|(_, s, _, _)| s.as_str()).collect();
         let seqs: Vec<i64> = now.iter().map(|(_, _, q, _)| seq_param(*q)).collect();
         let result = match writer.conn().await {
-            Ok(conn) => claim_many(conn, &consumer, &ids, &subjects, &seqs, &stream).await,
+            Ok(conn) => limited(claim_many(conn, &consumer, &ids, &subjects, &seqs, &stream)).await,
             Err(e) => Err(e),
         };
         let result = writer.settle(result);
@@ -710,7 +756,7 @@ async fn write_completions(
         }
         let ids: Vec<Uuid> = batch.iter().map(|(id, _)| *id).collect();
         let result = match writer.conn().await {
-            Ok(conn) => complete_batch(conn, &consumer, &ids).await,
+            Ok(conn) => limited(complete_batch(conn, &consumer, &ids)).await,
             Err(e) => Err(e),
         };
         let result = writer.settle(result);

@@ -26,7 +26,7 @@ mod dead_letter;
 mod delivery;
 mod dispatcher;
 pub mod handler;
-mod inbox;
+pub(crate) mod inbox;
 pub(crate) mod lease;
 mod scheduler;
 mod transaction;
