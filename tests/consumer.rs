@@ -640,27 +640,33 @@ async fn the_inbox_writers_leave_a_postgres_path_gone_silent() {
     let proxy = Proxy::start(&pg_target(&url)).await;
     let via = sqlx::PgPool::connect(&proxy.pg_url(&url)).await.unwrap();
     let batcher = Batcher::start(via, "wsilent".into(), "S".into());
-    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
-    assert!(matches!(
-        batcher.claim(a, "s.e", 1).await,
-        Ok(Claim::Fresh { attempts: 1 })
-    ));
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    for (id, seq) in [(a, 1), (c, 3)] {
+        assert!(matches!(
+            batcher.claim(id, "s.e", seq).await,
+            Ok(Claim::Fresh { attempts: 1 })
+        ));
+    }
+    batcher.complete(a).await.unwrap();
+    // Both writers hold a connection now: that path goes silent.
     proxy.black_hole();
     // As the consumer does: a failed write is tried again. Each try may
-    // wait for its statement's limit; none may wait for ever.
+    // wait for its connection's check or its answer's limit; none may
+    // wait for ever.
     let settled = tokio::time::timeout(T, async {
-        loop {
-            let claimed = batcher.claim(b, "s.e", 2).await;
-            let completed = batcher.complete(a).await;
-            if let (Ok(_), Ok(())) = (claimed, completed) {
-                return;
-            }
+        let (mut claimed, mut completed) = (false, false);
+        while !(claimed && completed) {
+            let (claim, complete) = tokio::join!(
+                async { claimed || batcher.claim(b, "s.e", 2).await.is_ok() },
+                async { completed || batcher.complete(c).await.is_ok() },
+            );
+            (claimed, completed) = (claim, complete);
         }
     })
     .await;
     assert!(
         settled.is_ok(),
-        "a claim and a completion waited on a silent connection for {T:?}"
+        "a claim or a completion waited on a silent connection for {T:?}"
     );
     let rows: HashMap<Uuid, bool> = sqlx::query_as(
         "SELECT message_id, processed_at IS NOT NULL FROM inbox_messages WHERE consumer = 'wsilent'",
@@ -670,7 +676,7 @@ async fn the_inbox_writers_leave_a_postgres_path_gone_silent() {
     .unwrap()
     .into_iter()
     .collect();
-    assert_eq!(rows, HashMap::from([(a, true), (b, false)]));
+    assert_eq!(rows, HashMap::from([(a, true), (b, false), (c, true)]));
 }
 
 /// SPEC §13: a table keyed by text or bigint sends that key as

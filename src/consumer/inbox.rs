@@ -536,9 +536,11 @@ impl Batcher {
     /// looked tiny (new, or never analyzed) would otherwise scan the whole
     /// table on every batch once it is large, until the next ANALYZE.
     pub fn start(pool: PgPool, consumer: String, stream: String) -> Self {
-        let options = (*pool.connect_options())
-            .clone()
-            .options([("enable_seqscan", "off")]);
+        let statement_timeout = format!("{}", STATEMENT_LIMIT.as_millis());
+        let options = (*pool.connect_options()).clone().options([
+            ("enable_seqscan", "off"),
+            ("statement_timeout", statement_timeout.as_str()),
+        ]);
         let (claims, claim_rx) = mpsc::channel(QUEUE);
         let (completions, complete_rx) = mpsc::channel(QUEUE);
         tokio::spawn(write_claims(
@@ -609,9 +611,9 @@ type ClaimRequest = (
 /// What a pool's pings did is kept where it costs nothing under load: a
 /// connection that sat unused for [`IDLE_CHECK_AFTER`] is pinged first (a
 /// middlebox may have dropped the idle flow without a reset, or Postgres
-/// ended the session), and every statement has a time limit. TCP alone
-/// would leave a statement on a path gone silent waiting about 15 minutes,
-/// a successful call unrecorded all that time.
+/// ended the session), and every statement has a time limit, Postgres's
+/// and then ours. TCP alone would leave a statement on a path gone silent
+/// waiting about 15 minutes, a successful call unrecorded all that time.
 struct Writer {
     options: PgConnectOptions,
     conn: Option<PgConnection>,
@@ -623,12 +625,17 @@ const IDLE_CHECK_AFTER: Duration = Duration::from_secs(1);
 /// How long a ping may take before its connection is given up, as long as
 /// the pools wait for a connection.
 const PING_LIMIT: Duration = Duration::from_secs(10);
-/// How long a batch statement may wait for Postgres before its connection
-/// is given up and the batch fails (its callers retry it: a claim counted
-/// twice is one more attempt, a completion written twice the same row).
-/// Far past what a statement of a few hundred rows takes, even behind a
-/// checkpoint or another transaction's row lock.
+/// How long a batch statement may run: Postgres cancels it then (the
+/// writers' `statement_timeout`), a lock wait included, and the batch fails
+/// and is retried by its callers. Far past what a statement of a few
+/// hundred rows takes. Cancelled by Postgres, it leaves nothing behind; a
+/// client that merely gave up would leave the statement to commit later
+/// (one more attempt counted per retry) and its backend open.
 const STATEMENT_LIMIT: Duration = Duration::from_secs(30);
+/// How long the writer waits for a statement's answer before it takes the
+/// path for gone silent and gives the connection up: past
+/// [`STATEMENT_LIMIT`], so a live Postgres answers first.
+const ANSWER_LIMIT: Duration = Duration::from_secs(35);
 
 fn timed_out(what: &str, limit: Duration) -> sqlx::Error {
     sqlx::Error::Io(std::io::Error::new(
@@ -649,10 +656,21 @@ impl Writer {
     async fn conn(&mut self) -> Result<&mut PgConnection, sqlx::Error> {
         if let Some(conn) = &mut self.conn {
             if self.used.elapsed() > IDLE_CHECK_AFTER {
-                let alive = tokio::time::timeout(PING_LIMIT, conn.ping()).await;
-                if !matches!(alive, Ok(Ok(()))) {
-                    tracing::info!("an idle inbox connection did not answer; opening another");
-                    self.conn = None;
+                match tokio::time::timeout(PING_LIMIT, conn.ping()).await {
+                    Ok(Ok(())) => {}
+                    // A session Postgres ended (an `idle_session_timeout`,
+                    // a restart): expected, and the next one simply opens.
+                    Ok(Err(e)) => {
+                        tracing::info!(error = %e, "an idle inbox connection failed its check; opening another");
+                        self.conn = None;
+                    }
+                    Err(_) => {
+                        tracing::warn!(
+                            "an idle inbox connection did not answer its check in {} s; opening another",
+                            PING_LIMIT.as_secs()
+                        );
+                        self.conn = None;
+                    }
                 }
             }
         }
@@ -688,13 +706,18 @@ impl Writer {
     }
 }
 
-/// `statement` within [`STATEMENT_LIMIT`].
+/// `statement`'s answer within [`ANSWER_LIMIT`].
 async fn limited<T>(
     statement: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, sqlx::Error> {
-    tokio::time::timeout(STATEMENT_LIMIT, statement)
+    tokio::time::timeout(ANSWER_LIMIT, statement)
         .await
-        .unwrap_or_else(|_| Err(timed_out("an inbox batch statement", STATEMENT_LIMIT)))
+        .unwrap_or_else(|_| {
+            Err(timed_out(
+                "waiting for Postgres to answer an inbox batch statement",
+                ANSWER_LIMIT,
+            ))
+        })
 }
 
 async fn write_claims(
