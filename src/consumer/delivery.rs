@@ -269,8 +269,12 @@ async fn keep_alive<H, T>(
     msg: &jetstream::Message,
     mut work: std::pin::Pin<&mut impl std::future::Future<Output = T>>,
 ) -> T {
-    let mut tick = tokio::time::interval((shared.cfg.ack_wait / 3).max(Duration::from_millis(100)));
-    tick.tick().await;
+    // Starting a period from now, not with `interval`'s immediate first
+    // tick: that tick is a timer due within the millisecond, earlier than
+    // any the driver sleeps to, so its registration wrote to the runtime's
+    // eventfd on almost every message.
+    let period = (shared.cfg.ack_wait / 3).max(Duration::from_millis(100));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     loop {
         tokio::select! {
             out = work.as_mut() => return out,
