@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream, AckKind};
-use async_nats::HeaderMap;
+use async_nats::{HeaderMap, HeaderName};
 use bytes::Bytes;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -155,11 +155,39 @@ impl Calls {
     }
 }
 
-pub(super) fn header(msg: &jetstream::Message, name: &str) -> Option<String> {
+pub(super) fn header(msg: &jetstream::Message, name: &HeaderName) -> Option<String> {
     msg.headers
         .as_ref()
-        .and_then(|h| h.get(name))
+        .and_then(|h| h.get(name.clone()))
         .map(|v| v.as_str().to_owned())
+}
+
+/// The headers a delivery reads, named once: `HeaderMap::get` given a
+/// `&str` checks the name and copies it into a new one on every call, a
+/// dozen allocations per message. A clone of these copies nothing.
+pub(super) mod names {
+    use crate::wire;
+    use async_nats::HeaderName;
+
+    macro_rules! names {
+        ($($name:ident),* $(,)?) => {
+            $(pub static $name: HeaderName = HeaderName::from_static(wire::$name);)*
+        };
+    }
+
+    names!(
+        AGGREGATE_ID,
+        CAUSATION_ID,
+        CORRELATION_ID,
+        ENVELOPE,
+        EVENT_TYPE,
+        EVENT_VERSION,
+        MSG_ID,
+        OCCURRED_AT,
+        REPLAY_FOR,
+        REPLAY_OF,
+        TRACEPARENT,
+    );
 }
 
 fn count(result: &'static str) {
@@ -182,7 +210,7 @@ pub(super) async fn run_job<H: Handler>(
     fence: &CancellationToken,
 ) -> Option<Finished<Instant>> {
     if let Job::Deliver(msg) | Job::ParkBehind(msg) | Job::Spill(msg) | Job::Check(msg) = &job {
-        if header(msg, wire::REPLAY_FOR).is_some_and(|d| d != shared.cfg.durable) {
+        if header(msg, &names::REPLAY_FOR).is_some_and(|d| d != shared.cfg.durable) {
             // Another durable's replayed dead letter: not ours to handle,
             // nor to park.
             count("skipped");
@@ -418,19 +446,25 @@ impl<'a> Parts<'a> {
     /// The id the handler is given and dead letters carry: the original's
     /// for a replayed dead letter, else `Nats-Msg-Id` (`wire::message_id`).
     fn id_text(&self) -> Option<String> {
-        let key = if self.header(wire::REPLAY_FOR).is_some() {
-            wire::REPLAY_OF
-        } else {
-            wire::MSG_ID
-        };
-        self.header(key)
+        self.header(self.id_key().0)
             .and_then(|raw| wire::message_id(&raw))
             .map(|(_, text)| text)
     }
 
-    fn header(&self, name: &str) -> Option<String> {
+    /// The header that holds the id: a replayed dead letter carries its
+    /// own `Nats-Msg-Id`; the inbox and the handler know it by the
+    /// original's.
+    fn id_key(&self) -> (&'static HeaderName, &'static str) {
+        if self.header(&names::REPLAY_FOR).is_some() {
+            (&names::REPLAY_OF, wire::REPLAY_OF)
+        } else {
+            (&names::MSG_ID, wire::MSG_ID)
+        }
+    }
+
+    fn header(&self, name: &HeaderName) -> Option<String> {
         self.headers
-            .and_then(|h| h.get(name))
+            .and_then(|h| h.get(name.clone()))
             .map(|v| v.as_str().to_owned())
     }
 
@@ -448,15 +482,15 @@ impl<'a> Parts<'a> {
             message_id: id,
             id: self.id_text().unwrap_or_else(|| id.to_string()),
             subject: self.subject.to_owned(),
-            event_type: self.header(wire::EVENT_TYPE),
+            event_type: self.header(&names::EVENT_TYPE),
             event_version: self
-                .header(wire::EVENT_VERSION)
+                .header(&names::EVENT_VERSION)
                 .and_then(|v| v.parse().ok()),
-            occurred_at: self.header(wire::OCCURRED_AT),
-            correlation_id: self.header(wire::CORRELATION_ID),
-            causation_id: self.header(wire::CAUSATION_ID),
+            occurred_at: self.header(&names::OCCURRED_AT),
+            correlation_id: self.header(&names::CORRELATION_ID),
+            causation_id: self.header(&names::CAUSATION_ID),
             traceparent: self
-                .header(wire::TRACEPARENT)
+                .header(&names::TRACEPARENT)
                 .filter(|t| wire::traceparent_valid(t)),
             payload: self.payload.clone(),
             delivered: i64::from(attempts),
@@ -472,14 +506,8 @@ struct Unusable {
 
 /// The id, or why the message cannot be handled at all.
 fn check(parts: &Parts<'_>, schemas: Option<&Schemas>) -> std::result::Result<Uuid, Unusable> {
-    // A replayed dead letter carries its own Nats-Msg-Id; the inbox and the
-    // handler know it by the original's.
-    let key = if parts.header(wire::REPLAY_FOR).is_some() {
-        wire::REPLAY_OF
-    } else {
-        wire::MSG_ID
-    };
-    let id = match parts.header(key) {
+    let (name, key) = parts.id_key();
+    let id = match parts.header(name) {
         None => {
             return Err(Unusable {
                 reason: format!("message has no {key}"),
@@ -504,12 +532,12 @@ fn check(parts: &Parts<'_>, schemas: Option<&Schemas>) -> std::result::Result<Uu
     }
     if let Some(live) = schemas {
         let schemas = live.current();
-        let event_type = parts.header(wire::EVENT_TYPE).unwrap_or_default();
+        let event_type = parts.header(&names::EVENT_TYPE).unwrap_or_default();
         let version = parts
-            .header(wire::EVENT_VERSION)
+            .header(&names::EVENT_VERSION)
             .and_then(|v| v.parse().ok())
             .unwrap_or(1);
-        let verdict = if parts.header(wire::ENVELOPE).is_some() {
+        let verdict = if parts.header(&names::ENVELOPE).is_some() {
             schemas.check_enveloped(&event_type, version, parts.payload)
         } else {
             schemas.check(&event_type, version, parts.payload)
@@ -1213,6 +1241,31 @@ pub(super) fn new_shared<H: Handler>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The names a delivery looks headers up by are the ones async-nats
+    /// makes of what it reads off the wire (`HeaderName::from_str`).
+    #[test]
+    fn header_names_match_the_wire() {
+        use std::str::FromStr;
+        for (name, text) in [
+            (&names::AGGREGATE_ID, wire::AGGREGATE_ID),
+            (&names::CAUSATION_ID, wire::CAUSATION_ID),
+            (&names::CORRELATION_ID, wire::CORRELATION_ID),
+            (&names::ENVELOPE, wire::ENVELOPE),
+            (&names::EVENT_TYPE, wire::EVENT_TYPE),
+            (&names::EVENT_VERSION, wire::EVENT_VERSION),
+            (&names::MSG_ID, wire::MSG_ID),
+            (&names::OCCURRED_AT, wire::OCCURRED_AT),
+            (&names::REPLAY_FOR, wire::REPLAY_FOR),
+            (&names::REPLAY_OF, wire::REPLAY_OF),
+            (&names::TRACEPARENT, wire::TRACEPARENT),
+        ] {
+            assert_eq!(name, &HeaderName::from_str(text).unwrap(), "{text}");
+            let mut map = HeaderMap::new();
+            map.insert(text, "v");
+            assert!(map.get(name.clone()).is_some(), "{text}");
+        }
+    }
 
     const B: [Duration; 3] = [
         Duration::from_secs(1),

@@ -32,7 +32,6 @@ use crate::backoff::Backoff;
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::readiness::Readiness;
-use crate::wire;
 
 const PULL_HEARTBEAT: Duration = Duration::from_millis(500);
 const PULL_EXPIRES: Duration = Duration::from_secs(5);
@@ -1084,7 +1083,7 @@ async fn pull_stream(
 
 fn aggregate_key(msg: &Message) -> String {
     order_key(
-        delivery::header(msg, wire::AGGREGATE_ID).as_deref(),
+        delivery::header(msg, &delivery::names::AGGREGATE_ID).as_deref(),
         msg.subject.as_str(),
     )
 }

@@ -10,7 +10,6 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::json::JsonObject;
-use crate::wire;
 
 /// One message as the handler sees it.
 #[derive(Debug, Clone)]
@@ -168,6 +167,14 @@ fn panicked(panic: &(dyn std::any::Any + Send)) -> Outcome {
     Outcome::Retry(format!("the handler panicked: {what}"))
 }
 
+/// Header names made once: a `&str` is checked and copied into a new name
+/// on every request. HTTP names are case-insensitive and sent in lower
+/// case either way (a test ties these to [`crate::wire`]'s).
+static IDEMPOTENCY_KEY: reqwest::header::HeaderName =
+    reqwest::header::HeaderName::from_static("idempotency-key");
+static TRACEPARENT: reqwest::header::HeaderName =
+    reqwest::header::HeaderName::from_static("traceparent");
+
 /// `POST` the SPEC §6 JSON to a URL and map the status code.
 #[derive(Clone)]
 pub struct HttpHandler {
@@ -246,14 +253,15 @@ impl Handler for HttpHandler {
 impl HttpHandler {
     /// The call itself; needs no connection.
     pub async fn post(&self, d: &Delivery) -> Outcome {
+        use reqwest::header::{HeaderValue, CONTENT_TYPE};
         let mut req = self
             .client
             .post(self.url.clone())
-            .header("content-type", "application/json")
-            .header(wire::IDEMPOTENCY_KEY, d.id.as_str())
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(IDEMPOTENCY_KEY.clone(), d.id.as_str())
             .body(Self::body(d));
         if let Some(tp) = &d.traceparent {
-            req = req.header(wire::TRACEPARENT, tp);
+            req = req.header(TRACEPARENT.clone(), tp);
         }
         match req.send().await {
             Ok(resp) => match resp.status().as_u16() {
@@ -307,6 +315,19 @@ async fn snippet(mut resp: reqwest::Response) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_http_header_names_are_the_wire_names() {
+        use reqwest::header::HeaderName;
+        assert_eq!(
+            super::IDEMPOTENCY_KEY,
+            HeaderName::try_from(crate::wire::IDEMPOTENCY_KEY).unwrap()
+        );
+        assert_eq!(
+            super::TRACEPARENT,
+            HeaderName::try_from(crate::wire::TRACEPARENT).unwrap()
+        );
+    }
+
     use super::*;
 
     #[test]
