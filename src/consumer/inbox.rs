@@ -536,7 +536,7 @@ impl Batcher {
     /// looked tiny (new, or never analyzed) would otherwise scan the whole
     /// table on every batch once it is large, until the next ANALYZE.
     pub fn start(pool: PgPool, consumer: String, stream: String) -> Self {
-        let statement_timeout = format!("{}", STATEMENT_LIMIT.as_millis());
+        let statement_timeout = STATEMENT_LIMIT.as_millis().to_string();
         let options = (*pool.connect_options()).clone().options([
             ("enable_seqscan", "off"),
             ("statement_timeout", statement_timeout.as_str()),
@@ -751,7 +751,6 @@ async fn write_claims(
             Err(e) => Err(e),
         };
         let result = writer.settle(result);
-        drop(subjects);
         for (id, _, _, reply) in now {
             let answer = match &result {
                 Ok(claims) => claims
